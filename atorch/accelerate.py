@@ -1,0 +1,226 @@
+"""``auto_accelerate``: ATorch's entry point. Semi-automatic mode: apply the given strategy."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from atorch import opt_lib  # noqa: F401  (registers the methods)
+from atorch.distributed import DistEnv, init_distributed
+from atorch.errors import StrategyError
+from atorch.log import get_logger, set_verbose
+from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
+from atorch.opt_lib.registry import get_method, is_registered, method_names
+from atorch.strategy import Strategy
+from atorch.units import parse_bytes
+
+logger = get_logger(__name__)
+
+AccelerateResult = namedtuple(
+    "AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
+)
+
+KNOWN_KWARGS = ("verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit")
+
+
+@dataclass(frozen=True)
+class AccelerateArgs:
+    """What the training loop needs to know (``result.args``)."""
+
+    use_optim_backward: bool  # call optim.backward(loss) instead of loss.backward()
+    requires_set_gradient_accumulation_boundary: bool  # call optim.set_gradient_accumulation_boundary
+    device: torch.device
+    data_parallel_size: int
+    data_parallel_rank: int
+    global_batch_size: int | None
+    local_batch_size: int | None
+    model_input_format: str | None
+    memory_limit: int | None
+    time_limit: float | None
+    skipped: dict[str, str] = field(default_factory=dict)  # method -> reason it was not applied
+
+
+def default_strategy(env: DistEnv) -> Strategy:
+    """Used when no load_strategy is given (until automatic search): data parallel over all
+    processes, plus bf16 autocast where the GPU computes bf16 natively."""
+    names: list[Any] = ["parallel_mode"]
+    if env.device.type == "cuda" and torch.cuda.is_bf16_supported():
+        names.append(("amp_native", {"dtype": "bf16"}))
+    return Strategy.load(names)
+
+
+def _setup_problems(setup: UserSetup, excluded: list[str], included: list[str]) -> list[str]:
+    problems = []
+    if not isinstance(setup.model, nn.Module):
+        problems.append(f"model must be a torch.nn.Module, got {type(setup.model).__name__}")
+    if not callable(setup.optim_func):
+        problems.append("optim_func must be an optimizer class or a function (params, **optim_args) -> optimizer")
+    if setup.loss_func is not None and not callable(setup.loss_func):
+        problems.append("loss_func must be callable as loss_func(data, output)")
+    if setup.model_input_format not in MODEL_INPUT_FORMATS:
+        problems.append(
+            f"model_input_format {setup.model_input_format!r} is not one of None, 'unpack_sequence', 'unpack_dict'"
+        )
+    for name, value in (("optim_args", setup.optim_args), ("dataloader_args", setup.dataloader_args),
+                        ("lr_scheduler_args", setup.lr_scheduler_args)):
+        if not isinstance(value, dict):
+            problems.append(f"{name} must be a dict, got {type(value).__name__}")
+    batch = setup.dataloader_args.get("batch_size", 1) if isinstance(setup.dataloader_args, dict) else 1
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        problems.append(f"dataloader_args['batch_size'] must be a positive int (the global batch), got {batch!r}")
+    if setup.dataset is not None and not hasattr(setup.dataset, "__getitem__") and not hasattr(
+        setup.dataset, "__iter__"
+    ):
+        problems.append(f"dataset must be a torch Dataset, got {type(setup.dataset).__name__}")
+    for label, names in (("excluded", excluded), ("included", included)):
+        for name in names:
+            if not is_registered(name):
+                problems.append(f"{label} names unknown method '{name}'; known: {', '.join(method_names())}")
+    return problems
+
+
+def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> tuple[Strategy | None, list[str]]:
+    try:
+        strategy = default_strategy(env) if load_strategy is None else Strategy.load(load_strategy)
+    except StrategyError as exc:
+        return None, exc.problems
+    problems = strategy.problems(env.world_size)
+    problems += [f"'{n}' is in load_strategy and in excluded; remove it from one" for n in excluded if n in strategy]
+    return strategy.adjusted(env.world_size), problems
+
+
+def _data_parallel_size(strategy: Strategy, world_size: int) -> int:
+    mode = strategy.get("parallel_mode")
+    return dict(mode.dims).get("data", 1) if mode is not None else world_size  # type: ignore[attr-defined]
+
+
+def auto_accelerate(
+    model: nn.Module,
+    optim_func: Callable[..., torch.optim.Optimizer] | None = None,
+    dataset: Any = None,
+    loss_func: Callable[..., torch.Tensor] | None = None,
+    prepare_input: Callable[[Any, torch.device], Any] | None = None,
+    model_input_format: str | None = None,
+    optim_args: dict[str, Any] | None = None,
+    optim_param_func: Callable[[nn.Module], Any] | None = None,
+    dataloader_args: dict[str, Any] | None = None,
+    distributed_sampler_cls: type | None = None,
+    excluded: list[str] | None = None,
+    included: list[str] | None = None,
+    load_strategy: Any = None,
+    lr_scheduler_cls: type | None = None,
+    lr_scheduler_args: dict[str, Any] | None = None,
+    finetune_strategy: bool = False,
+    save_strategy_to_file: str | None = None,
+    **kargs: Any,
+) -> tuple[bool, AccelerateResult, Strategy]:
+    """Rewrite model, optimizer and dataloader to train with a strategy on the launched processes.
+
+    Returns ``(status, result, strategy)``; ``result`` is an AccelerateResult namedtuple
+    ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``.
+    Every problem with the arguments or the strategy is raised together, before anything is built.
+    """
+    unknown = sorted(set(kargs) - set(KNOWN_KWARGS))
+    problems = [f"unknown keyword argument(s) {unknown}; accepted: {', '.join(KNOWN_KWARGS)}"] if unknown else []
+    set_verbose(bool(kargs.get("verbose", False)))
+    try:
+        memory_limit = parse_bytes(kargs.get("memory_limit"))
+    except ValueError as exc:
+        problems.append(str(exc))
+        memory_limit = None
+    time_limit = kargs.get("time_limit")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or time_limit <= 0):
+        problems.append(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    if finetune_strategy:
+        problems.append(
+            "finetune_strategy=True needs automatic strategy search, which this version does not have yet; "
+            "pass finetune_strategy=False to apply load_strategy as given"
+        )
+    setup = UserSetup(
+        model=model, optim_func=optim_func if optim_func is not None else torch.optim.AdamW,
+        dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
+        model_input_format=model_input_format, optim_args=dict(optim_args or {}),
+        optim_param_func=optim_param_func, dataloader_args=dict(dataloader_args or {}),
+        distributed_sampler_cls=distributed_sampler_cls, lr_scheduler_cls=lr_scheduler_cls,
+        lr_scheduler_args=dict(lr_scheduler_args or {}),
+        find_unused_parameters=bool(kargs.get("find_unused_parameters", False)),
+    )
+    problems += _setup_problems(setup, list(excluded or []), list(included or []))
+    env = init_distributed()
+    strategy, strategy_problems = _resolve_strategy(load_strategy, env, list(excluded or []))
+    problems += strategy_problems
+    skipped: dict[str, str] = {}
+    if strategy is not None and not problems:
+        dp = _data_parallel_size(strategy, env.world_size)
+        batch = setup.dataloader_args.get("batch_size", 1)
+        if batch % dp:
+            problems.append(
+                f"global batch_size {batch} does not divide over {dp} data-parallel processes; "
+                f"use a multiple of {dp}"
+            )
+        skipped, model_problems = preflight(setup, env, strategy)
+        problems += model_problems
+    if problems:
+        raise StrategyError(problems)
+    assert strategy is not None
+    if load_strategy is None:
+        logger.info("no load_strategy given: using default %s", strategy)
+
+    ctx = build_context(setup, env, strategy, skipped)
+    if save_strategy_to_file and env.is_main:
+        strategy.save(save_strategy_to_file)
+        logger.info("strategy saved to %s", save_strategy_to_file)
+    result = AccelerateResult(
+        model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=loss_func,
+        prepare_input=ctx.prepare_input, lr_scheduler=ctx.lr_scheduler,
+        args=AccelerateArgs(
+            use_optim_backward=ctx.grad_scaler is not None or ctx.engine is not None,
+            requires_set_gradient_accumulation_boundary=ctx.gradient_sync is not None or ctx.engine is not None,
+            device=env.device, data_parallel_size=ctx.dp_size, data_parallel_rank=ctx.dp_rank,
+            global_batch_size=setup.dataloader_args.get("batch_size") if dataset is not None else None,
+            local_batch_size=ctx.local_batch_size() if dataset is not None else None,
+            model_input_format=model_input_format, memory_limit=memory_limit, time_limit=time_limit,
+            skipped=dict(ctx.skipped),
+        ),
+    )
+    logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
+    return True, result, strategy
+
+
+def preflight(setup: UserSetup, env: DistEnv, strategy: Strategy) -> tuple[dict[str, str], list[str]]:
+    """Before anything is built: which methods are skipped here (with why), and every problem of
+    the strategy with this machine and this model (the model is only read)."""
+    probe = ModelContext(setup, env)
+    skipped: dict[str, str] = {}
+    problems: list[str] = []
+    for item in strategy.in_apply_order():
+        method = get_method(item.name)
+        reason = method.applicable(probe)
+        if reason is None:
+            problems += [f"'{item.name}': {p}" for p in method.model_problems(probe, item.config)]
+        elif method.skip_when_inapplicable:
+            skipped[item.name] = reason
+        else:
+            problems.append(f"'{item.name}' cannot run here: {reason}")
+    return skipped, problems
+
+
+def build_context(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: dict[str, str]) -> ModelContext:
+    """Apply a checked strategy to a fresh copy of the user's model; the originals stay as they were."""
+    for name, reason in skipped.items():
+        logger.warning("%s skipped: %s", name, reason)
+    ctx = ModelContext(setup, env).fresh()
+    ctx.strategy = strategy
+    ctx.skipped = dict(skipped)
+    active = [item for item in strategy.in_apply_order() if item.name not in skipped]
+    for item in active:
+        get_method(item.name).apply(ctx, item.config)
+    hooks = [lambda m=get_method(i.name), c=i.config: m.after_build(ctx, c) for i in active]
+    ctx.build_after_methods(hooks)
+    return ctx

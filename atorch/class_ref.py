@@ -1,0 +1,66 @@
+"""Module classes in strategy configs, kept as JSON-safe strings.
+
+A class is stored as its import path ("pkg.module.ClassName"); a bare name ("GPT2Block") is also
+accepted and matches any class of that name. Matching compares names, so nothing is imported or
+unpickled when a strategy is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+from torch import nn
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _to_ref(value: Any) -> Any:
+    if isinstance(value, type):
+        return class_path(value)
+    return value
+
+
+ClassRef = Annotated[str, BeforeValidator(_to_ref)]
+"""A config field that holds a module class: given as a class or a string, stored as a string."""
+
+
+def _to_ref_tuple(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (type, str)):
+        value = (value,)
+    return tuple(_to_ref(v) for v in value)
+
+
+ClassRefs = Annotated[tuple[str, ...] | None, BeforeValidator(_to_ref_tuple)]
+"""Zero or more module classes (a single class or name is accepted too)."""
+
+
+def matches(module: nn.Module, refs: tuple[str, ...]) -> bool:
+    """True if the module's class is named by one of refs (full import path or bare class name)."""
+    cls = type(module)
+    # FSDP2 swaps a module's class for a dynamic subclass; match on the original too.
+    names = set()
+    for klass in cls.__mro__[:2]:
+        names.add(class_path(klass))
+        names.add(klass.__name__)
+    return any(ref in names for ref in refs)
+
+
+def resolve_class(path: str) -> type:
+    """Import the class named by an import path; raises ValueError naming the path on failure."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not an import path; write it as 'package.module.ClassName'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        obj = getattr(obj, attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import class {path!r}: {exc}") from exc
+    if not isinstance(obj, type):
+        raise ValueError(f"{path!r} names {type(obj).__name__}, not a class")
+    return obj

@@ -1,0 +1,71 @@
+"""checkpoint: activation checkpointing of chosen blocks (recompute in backward, save memory)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import model_validator
+
+from atorch.class_ref import ClassRefs, matches
+from atorch.log import get_logger
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.registry import register
+
+logger = get_logger(__name__)
+
+
+class CheckpointConfig(MethodConfig):
+    """wrap_class: module classes (or class names) to checkpoint; None detects the model's
+    transformer blocks. no_reentrant: use torch's non-reentrant checkpoint (recommended).
+    ATorch form: a tuple of classes, e.g. ``("checkpoint", (GPT2Block,))``."""
+
+    wrap_class: ClassRefs = None
+    no_reentrant: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tuple_form(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple, type, str)):
+            return {"wrap_class": value}
+        return value
+
+
+@register
+class ActivationCheckpoint(Method):
+    name = "checkpoint"
+    group = "memory"
+    summary = "Activation checkpointing of repeated blocks: recompute activations in backward."
+    Config = CheckpointConfig
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        return {"no_reentrant": Categorical((True,))}
+
+    def model_problems(self, ctx: Any, config: CheckpointConfig) -> list[str]:  # type: ignore[override]
+        classes = config.wrap_class or block_classes(ctx.model)
+        if not classes:
+            return [
+                "no wrap_class given and no repeated blocks found in the model; "
+                "pass ('checkpoint', {'wrap_class': [YourBlockClass]})"
+            ]
+        if not any(matches(m, classes) for m in ctx.model.modules()):
+            return [f"wrap_class {list(classes)} matches no module of the model; use class objects or names"]
+        return []
+
+    def apply(self, ctx: Any, config: CheckpointConfig) -> None:  # type: ignore[override]
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        classes = config.wrap_class or block_classes(ctx.model)
+        count = sum(1 for m in ctx.model.modules() if matches(m, classes))
+        impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
+        apply_activation_checkpointing(
+            ctx.model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda m: matches(m, classes),
+        )
+        logger.info("checkpoint: %d modules of %s (%s)", count, list(classes), impl.name.lower())

@@ -1,0 +1,100 @@
+"""What every optimization method declares: config, applicability, search dimensions, apply."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from atorch.model_context import ModelContext
+
+
+class MethodConfig(BaseModel):
+    """Base of every method's config: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmptyConfig(MethodConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class Categorical:
+    """A search dimension over a few discrete choices (maps onto Optuna's suggest_categorical)."""
+
+    choices: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """A search dimension over integers in [low, high] (maps onto Optuna's suggest_int)."""
+
+    low: int
+    high: int
+    log: bool = False
+
+
+Dimension = Categorical | IntRange
+
+
+@dataclass(frozen=True)
+class StrategyCheck:
+    """What config validation may look at before anything is built."""
+
+    world_size: int
+    configs: dict[str, MethodConfig]
+
+
+class Method(ABC):
+    """One optimization method. Subclasses are registered once in the registry.
+
+    Contract:
+    - ``Config``: typed config with documented defaults; ``parse_config`` also takes ATorch's shorthands.
+    - ``check(config, check)``: config problems that need the world size or the other methods.
+    - ``adjust(config, world_size)``: the config actually used at this world size.
+    - ``applicable(ctx)``: None if the method can run here, else the reason it cannot.
+    - ``model_problems(ctx, config)``: config problems with the user's model (e.g. no such class).
+    - ``search_space(ctx)``: config fields a planner may vary, with their choices.
+    - ``apply(ctx, config)``: changes ``ctx`` before the optimizer is built (runs in APPLY_ORDER).
+    - ``after_build(ctx, config)``: changes ``ctx`` after the optimizer is built (same order).
+    """
+
+    name: ClassVar[str]
+    group: ClassVar[str]  # "parallel", "precision", "memory" or "module"
+    summary: ClassVar[str]
+    Config: ClassVar[type[MethodConfig]] = EmptyConfig
+    mesh_dims: ClassVar[tuple[str, ...]] = ()  # parallel_mode dimensions this method consumes
+    wraps_data_parallel: ClassVar[bool] = False  # True if it replaces the DDP wrapper
+    # True: where applicable() gives a reason, the method is skipped with a warning (fp8 off CUDA);
+    # False: the reason is an error, because the rest of the strategy relies on the method.
+    skip_when_inapplicable: ClassVar[bool] = False
+
+    def parse_config(self, raw: Any) -> MethodConfig:
+        return self.Config.model_validate({} if raw is None else raw)
+
+    def check(self, config: MethodConfig, check: StrategyCheck) -> list[str]:
+        return []
+
+    def adjust(self, config: MethodConfig, world_size: int) -> MethodConfig:
+        """The config to use at this world size (e.g. parallel_mode fits its data size)."""
+        return config
+
+    def applicable(self, ctx: ModelContext) -> str | None:
+        return None
+
+    def model_problems(self, ctx: ModelContext, config: MethodConfig) -> list[str]:
+        """Problems of this config with the user's model (read only, before any copy is made)."""
+        return []
+
+    def search_space(self, ctx: ModelContext) -> dict[str, Dimension]:
+        return {}
+
+    @abstractmethod
+    def apply(self, ctx: ModelContext, config: MethodConfig) -> None: ...
+
+    def after_build(self, ctx: ModelContext, config: MethodConfig) -> None:
+        return None

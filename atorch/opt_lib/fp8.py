@@ -1,0 +1,117 @@
+"""fp8: Transformer Engine fp8 Linear layers, only where the hardware and package allow it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from atorch.log import get_logger
+from atorch.opt_lib.base import Method, MethodConfig
+from atorch.opt_lib.registry import register
+
+logger = get_logger(__name__)
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have fp8 tensor cores
+FP8_DIM_MULTIPLE = 16  # fp8 GEMMs need both weight dimensions divisible by 16
+
+
+class FP8Config(MethodConfig):
+    """ATorch's fp8 config. include/exclude: substrings of module names to take or leave (None:
+    every eligible nn.Linear); the rest configures Transformer Engine's DelayedScaling recipe."""
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    margin: int = Field(default=0, ge=0)
+    interval: int = Field(default=1, ge=1)
+    fp8_format: Literal["HYBRID", "E4M3"] = "HYBRID"
+    amax_history_len: int = Field(default=1024, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+
+
+def fp8_linear_names(
+    model: nn.Module, include: tuple[str, ...] | None = None, exclude: tuple[str, ...] | None = None
+) -> list[str]:
+    """Names of the nn.Linear modules that fp8 would replace.
+
+    A layer qualifies if its name contains one of ``include`` (when given), none of ``exclude``,
+    and both weight dimensions are multiples of 16.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if include and not any(s in name for s in include):
+            continue
+        if exclude and any(s in name for s in exclude):
+            continue
+        out_features, in_features = module.weight.shape
+        if out_features % FP8_DIM_MULTIPLE or in_features % FP8_DIM_MULTIPLE:
+            continue
+        names.append(name)
+    return names
+
+
+def fp8_unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "fp8 needs a CUDA GPU with compute capability >= 8.9; this process runs on " + device.type
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return f"fp8 needs compute capability >= 8.9, this GPU has {capability[0]}.{capability[1]}"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine is not installed (pip install 'atorch[fp8]')"
+    return None
+
+
+class _FP8Forward:
+    def __init__(self, forward: Any, recipe: Any) -> None:
+        self.forward, self.recipe = forward, recipe
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import transformer_engine.pytorch as te
+
+        with te.fp8_autocast(enabled=True, fp8_recipe=self.recipe):
+            return self.forward(*args, **kwargs)
+
+
+@register
+class FP8(Method):
+    name = "fp8"
+    group = "precision"
+    summary = "fp8 matmuls through Transformer Engine (CUDA sm >= 8.9 only; skipped with a reason elsewhere)."
+    Config = FP8Config
+    skip_when_inapplicable = True
+
+    def applicable(self, ctx: Any) -> str | None:
+        return fp8_unavailable_reason(ctx.env.device)
+
+    def apply(self, ctx: Any, config: FP8Config) -> None:  # type: ignore[override]
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling, Format
+
+        names = fp8_linear_names(ctx.model, config.include, config.exclude)
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = ctx.model.get_submodule(parent_name) if parent_name else ctx.model
+            old: nn.Linear = getattr(parent, child)
+            new = te.Linear(
+                old.in_features, old.out_features, bias=old.bias is not None,
+                params_dtype=old.weight.dtype, device=old.weight.device,
+            )
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                if old.bias is not None:
+                    new.bias.copy_(old.bias)
+            setattr(parent, child, new)
+        options: dict[str, Any] = dict(
+            margin=config.margin, fp8_format=Format[config.fp8_format],
+            amax_history_len=config.amax_history_len, amax_compute_algo=config.amax_compute_algo,
+        )
+        if "interval" in getattr(DelayedScaling, "__dataclass_fields__", {}):  # removed in newer TE
+            options["interval"] = config.interval
+        recipe = DelayedScaling(**options)
+        ctx.model.forward = _FP8Forward(ctx.model.forward, recipe)
+        logger.info("fp8: %d Linear layers use Transformer Engine", len(names))

@@ -1,0 +1,119 @@
+"""amp_native (autocast + loss scaling) and half (whole model in fp16/bf16)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BeforeValidator, model_validator
+
+from atorch.log import get_logger
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.registry import register
+
+logger = get_logger(__name__)
+
+_DTYPE_ALIASES = {
+    torch.float16: "fp16", torch.bfloat16: "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype_name(value: Any) -> Any:
+    try:
+        return _DTYPE_ALIASES.get(value, value)
+    except TypeError:  # unhashable input; let pydantic report it
+        return value
+
+
+HalfDtype = Annotated[Literal["fp16", "bf16"], BeforeValidator(_dtype_name)]
+"""A 16-bit float type, given as "fp16"/"bf16", a torch dtype, or an alias like "bfloat16"."""
+
+
+class AmpConfig(MethodConfig):
+    """dtype: autocast type (fp16 adds a GradScaler). skip_if_nonfinite: skip an optimizer step
+    whose gradients hold inf/nan on any rank (fp16 steps are always skipped by the scaler)."""
+
+    dtype: HalfDtype = "fp16"
+    skip_if_nonfinite: bool = False
+
+
+class _AutocastForward:
+    """A module's forward run under torch.autocast (a class, so it has a readable repr)."""
+
+    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype) -> None:
+        functools.update_wrapper(self, forward)
+        self.forward, self.device_type, self.dtype = forward, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"autocast({self.dtype})"
+
+
+@register
+class AmpNative(Method):
+    name = "amp_native"
+    group = "precision"
+    summary = "Automatic mixed precision: forward under torch.autocast; GradScaler for fp16."
+    Config = AmpConfig
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        return {"dtype": Categorical(("bf16", "fp16"))}
+
+    def applicable(self, ctx: Any) -> str | None:
+        if not torch.amp.is_autocast_available(ctx.env.device.type):
+            return f"torch.autocast is not available on device type {ctx.env.device.type!r}"
+        return None
+
+    def apply(self, ctx: Any, config: AmpConfig) -> None:  # type: ignore[override]
+        dtype = TORCH_DTYPES[config.dtype]
+        ctx.autocast_dtype = dtype
+        ctx.skip_if_nonfinite = config.skip_if_nonfinite
+        ctx.model.forward = _AutocastForward(ctx.model.forward, ctx.env.device.type, dtype)
+        logger.info("amp_native: autocast %s%s", config.dtype, ", loss scaling" if config.dtype == "fp16" else "")
+
+    def after_build(self, ctx: Any, config: AmpConfig) -> None:  # type: ignore[override]
+        if config.dtype != "fp16" or ctx.engine is not None:
+            return
+        device = ctx.env.device.type
+        if ctx.sharded_gradients:
+            # Gradients are shards: the inf/nan check must be agreed across ranks.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            ctx.grad_scaler = ShardedGradScaler(device=device)
+        else:
+            ctx.grad_scaler = torch.amp.GradScaler(device)
+
+
+class HalfConfig(MethodConfig):
+    """dtype: the type the whole model and its floating inputs are cast to. ATorch form: ``"bf16"``."""
+
+    dtype: HalfDtype = "fp16"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_dtype(cls, value: Any) -> Any:
+        return value if isinstance(value, dict) else {"dtype": value}
+
+
+@register
+class Half(Method):
+    name = "half"
+    group = "precision"
+    summary = "Whole model and floating inputs in fp16 or bf16 (no fp32 master weights)."
+    Config = HalfConfig
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        return {"dtype": Categorical(("bf16", "fp16"))}
+
+    def apply(self, ctx: Any, config: HalfConfig) -> None:  # type: ignore[override]
+        dtype = TORCH_DTYPES[config.dtype]
+        ctx.model.to(dtype)
+        ctx.input_dtype = dtype
+        logger.info("half: model and inputs in %s", config.dtype)

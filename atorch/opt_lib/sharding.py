@@ -1,0 +1,196 @@
+"""fsdp and zero2: parameter/gradient/optimizer-state sharding with FSDP2 ``fully_shard``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+
+from atorch.class_ref import ClassRefs, matches
+from atorch.log import get_logger
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.deepspeed_zero import DeepSpeedZero
+from atorch.opt_lib.registry import register
+
+logger = get_logger(__name__)
+
+
+class ShardingConfig(MethodConfig):
+    """Options shared by fsdp and zero2.
+
+    atorch_wrap_cls: module classes (or names) sharded as units; None detects transformer blocks.
+    wrap_min_num_params: also shard every module holding at least this many not-yet-sharded params.
+    ignored_modules: classes, class names or module names kept whole on every rank (their
+      gradients are still averaged across ranks).
+    cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
+    sync_module_states: broadcast rank 0's weights first, so every rank starts identical.
+    """
+
+    atorch_wrap_cls: ClassRefs = None
+    wrap_min_num_params: int | None = Field(default=None, gt=0)
+    ignored_modules: ClassRefs = None
+    cpu_offload: bool = False
+    sync_module_states: bool = True
+
+
+class FSDPConfig(ShardingConfig):
+    """reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until
+    backward. use_orig_params, limit_all_gathers, forward_prefetch: ATorch/FSDP1 options, accepted
+    for compatibility; FSDP2 always keeps original parameters and bounds and prefetches all-gathers."""
+
+    reshard_after_forward: bool = True
+    use_orig_params: bool = True
+    limit_all_gathers: bool = True
+    forward_prefetch: bool = False
+
+
+class Zero2Config(ShardingConfig):
+    """use_ds_zero: use DeepSpeed ZeRO stage 2 instead of FSDP2 (the other keys then do not apply)."""
+
+    use_ds_zero: bool = False
+
+
+def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Modules (children first) that gather at least min_params parameters not yet assigned."""
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        count += sum(visit(child) for child in module.children())
+        if module is not model and count >= min_params:
+            chosen.append(module)
+            return 0
+        return count
+
+    visit(model)
+    return chosen
+
+
+def _ignored_modules(model: nn.Module, refs: tuple[str, ...] | None) -> list[nn.Module]:
+    if not refs:
+        return []
+    return [m for name, m in model.named_modules() if name in refs or matches(m, refs)]
+
+
+def sharding_problems(model: nn.Module, config: ShardingConfig) -> list[str]:
+    problems = []
+    if config.atorch_wrap_cls and not any(matches(m, config.atorch_wrap_cls) for m in model.modules()):
+        problems.append(f"atorch_wrap_cls {list(config.atorch_wrap_cls)} matches no module of the model")
+    if config.ignored_modules and not _ignored_modules(model, config.ignored_modules):
+        problems.append(
+            f"ignored_modules {list(config.ignored_modules)} match no module of the model; "
+            "use classes, class names or module names such as 'lm_head'"
+        )
+    return problems
+
+
+def _average_grads_of(params: set[nn.Parameter], group: Any, size: int, sync: dict[str, bool]) -> None:
+    """FSDP leaves ignored parameters alone; keep them in step across ranks by averaging grads."""
+    def hook(param: torch.Tensor) -> None:
+        if sync["enabled"] and param.grad is not None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(size)
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
+    """Make every rank of the mesh hold the first rank's parameters and buffers."""
+    if mesh.size() == 1:
+        return
+    group, src = mesh.get_group(), int(mesh.mesh.flatten()[0])
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
+def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    model: nn.Module = ctx.model
+    mesh = ctx.dp_mesh()
+    classes = config.atorch_wrap_cls or block_classes(model)
+    targets = [m for m in model.modules() if m is not model and matches(m, classes)] if classes else []
+    if config.wrap_min_num_params:
+        targets += [m for m in _size_based_targets(model, config.wrap_min_num_params) if m not in targets]
+    ignored = {p for m in _ignored_modules(model, config.ignored_modules) for p in m.parameters()}
+    if config.sync_module_states:
+        broadcast_from_first(model, mesh)
+    mp_policy = MixedPrecisionPolicy()
+    if ctx.autocast_dtype is not None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    options = dict(
+        mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        offload_policy=offload, ignored_params=ignored or None,
+    )
+    for module in targets:
+        fully_shard(module, **options)
+    fully_shard(model, **options)
+
+    sync = {"enabled": True}
+    if ignored:
+        _average_grads_of(ignored, mesh.get_group(), mesh.size(), sync)
+
+    def set_sync(enabled: bool) -> None:
+        sync["enabled"] = enabled
+        model.set_requires_gradient_sync(enabled)
+
+    ctx.gradient_sync = set_sync
+    ctx.data_parallel_wrapped = True
+    ctx.sharded_gradients = True
+    logger.info(
+        "%s: FSDP2 over %d processes, %d units + root%s%s", label, mesh.size(), len(targets),
+        f" (blocks: {list(classes)})" if classes else "", ", CPU offload" if config.cpu_offload else "",
+    )
+
+
+@register
+class FSDP(Method):
+    name = "fsdp"
+    group = "parallel"
+    summary = "Fully sharded data parallel (FSDP2 fully_shard): parameters, gradients, optimizer state."
+    Config = FSDPConfig
+    mesh_dims = ("data",)
+    wraps_data_parallel = True
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        return {"reshard_after_forward": Categorical((True, False)), "cpu_offload": Categorical((False, True))}
+
+    def model_problems(self, ctx: Any, config: FSDPConfig) -> list[str]:  # type: ignore[override]
+        return sharding_problems(ctx.model, config)
+
+    def apply(self, ctx: Any, config: FSDPConfig) -> None:  # type: ignore[override]
+        shard_model(ctx, config, reshard_after_forward=config.reshard_after_forward, label="fsdp")
+
+
+@register
+class Zero2(DeepSpeedZero, Method):
+    name = "zero2"
+    group = "parallel"
+    summary = "ZeRO-2: gradients and optimizer state sharded (FSDP2 without resharding after forward)."
+    Config = Zero2Config
+    mesh_dims = ("data",)
+    wraps_data_parallel = True
+    ds_stage = 2
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        return {"use_ds_zero": Categorical((False, True) if self.deepspeed_reason() is None else (False,))}
+
+    def model_problems(self, ctx: Any, config: Zero2Config) -> list[str]:  # type: ignore[override]
+        return [] if config.use_ds_zero else sharding_problems(ctx.model, config)
+
+    def apply(self, ctx: Any, config: Zero2Config) -> None:  # type: ignore[override]
+        if config.use_ds_zero:
+            self.prepare_deepspeed(ctx)
+        else:
+            shard_model(ctx, config, reshard_after_forward=False, label="zero2")
+
+    def after_build(self, ctx: Any, config: Zero2Config) -> None:  # type: ignore[override]
+        if config.use_ds_zero:
+            self.start_deepspeed(ctx)

@@ -1,0 +1,40 @@
+"""One optimizer step on an accelerated result: the loop every demo, benchmark and dry-run uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from atorch.model_context import call_model
+
+
+def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
+    """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
+
+    Gradients are synchronised only on the last micro-batch; each micro-batch loss is divided by
+    the number of micro-batches so the step equals one over their concatenation. Returns the mean
+    loss on this rank (detached).
+    """
+    model, optim, args = result.model, result.optim, result.args
+    count = len(micro_batches)
+    total = torch.zeros((), device=args.device)
+    for index, batch in enumerate(micro_batches):
+        if count > 1 and args.requires_set_gradient_accumulation_boundary:
+            optim.set_gradient_accumulation_boundary(index == count - 1)
+        data = result.prepare_input(batch, args.device)
+        output = call_model(model, data, args.model_input_format)
+        loss = result.loss_func(data, output)
+        if count > 1:
+            loss = loss / count
+        if args.use_optim_backward:
+            optim.backward(loss)
+        else:
+            loss.backward()
+        total += loss.detach().float()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    if result.lr_scheduler is not None:
+        result.lr_scheduler.step()
+    return total

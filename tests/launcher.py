@@ -1,0 +1,43 @@
+"""Run a script under torchrun with N real processes (gloo) and collect what rank 0 reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Launch ``script`` on nproc local processes; raises with the output on failure or time-out."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{script} timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_json(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> dict:
+    """Launch and parse the last stdout line that starts with 'RESULT ' as JSON."""
+    proc = torchrun(script, *args, nproc=nproc, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise AssertionError(f"{script} printed no RESULT line:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])

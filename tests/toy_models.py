@@ -1,0 +1,73 @@
+"""Small models and data shared by the tests (random weights, generated data, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+SEQ_LEN = 32
+VOCAB = 128
+
+
+class MLP(nn.Module):
+    """Repeated blocks in a ModuleList, so block detection, fsdp units and checkpoint find them."""
+
+    def __init__(self, dim: int = 32, depth: int = 3, classes: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def mlp(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def mlp_dataset(samples: int = 64, seed: int = 1) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(samples, 16, generator=g), torch.randint(0, 8, (samples,), generator=g))
+
+
+def mlp_loss(data, output):  # ATorch's loss_func(data, output)
+    return nn.functional.cross_entropy(output.float(), data[1])
+
+
+def mlp_input(data, device):  # model(x): prepare_input keeps (x, y); the test calls model(data[0])
+    return data
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=64, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+class TokenDataset(Dataset):
+    """Random token sequences; each item is {"input_ids", "labels"} for a causal LM."""
+
+    def __init__(self, samples: int = 64, seed: int = 2) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (samples, SEQ_LEN), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+def gpt2_loss(data, output):
+    return output.loss.float()
