@@ -54,7 +54,7 @@ def default_strategy(env: DistEnv) -> Strategy:
     return Strategy.load(names)
 
 
-def _setup_problems(setup: UserSetup, excluded: list[str], included: list[str]) -> list[str]:
+def _setup_problems(setup: UserSetup, excluded: Any, included: Any) -> list[str]:
     problems = []
     if not isinstance(setup.model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(setup.model).__name__}")
@@ -78,6 +78,9 @@ def _setup_problems(setup: UserSetup, excluded: list[str], included: list[str]) 
     ):
         problems.append(f"dataset must be a torch Dataset, got {type(setup.dataset).__name__}")
     for label, names in (("excluded", excluded), ("included", included)):
+        if not isinstance(names, (list, tuple, set)):
+            problems.append(f"{label} must be a list of method names, got {names!r}")
+            continue
         for name in names:
             if not is_registered(name):
                 problems.append(f"{label} names unknown method '{name}'; known: {', '.join(method_names())}")
@@ -97,6 +100,14 @@ def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> 
 def _data_parallel_size(strategy: Strategy, world_size: int) -> int:
     mode = strategy.get("parallel_mode")
     return dict(mode.dims).get("data", 1) if mode is not None else world_size  # type: ignore[attr-defined]
+
+
+def _copy_if_dict(value: Any) -> Any:
+    """A copy of a dict argument (the user's stays as it was); any other value is kept as given so
+    that _setup_problems can name its type instead of dict() failing on it."""
+    if value is None:
+        return {}
+    return dict(value) if isinstance(value, dict) else value
 
 
 def auto_accelerate(
@@ -145,18 +156,22 @@ def auto_accelerate(
     setup = UserSetup(
         model=model, optim_func=optim_func if optim_func is not None else torch.optim.AdamW,
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
-        model_input_format=model_input_format, optim_args=dict(optim_args or {}),
-        optim_param_func=optim_param_func, dataloader_args=dict(dataloader_args or {}),
+        model_input_format=model_input_format, optim_args=_copy_if_dict(optim_args),
+        optim_param_func=optim_param_func, dataloader_args=_copy_if_dict(dataloader_args),
         distributed_sampler_cls=distributed_sampler_cls, lr_scheduler_cls=lr_scheduler_cls,
-        lr_scheduler_args=dict(lr_scheduler_args or {}),
+        lr_scheduler_args=_copy_if_dict(lr_scheduler_args),
         find_unused_parameters=bool(kargs.get("find_unused_parameters", False)),
     )
-    problems += _setup_problems(setup, list(excluded or []), list(included or []))
+    excluded, included = excluded or [], included or []
+    setup_problems = _setup_problems(setup, excluded, included)
+    problems += setup_problems
     env = init_distributed()
-    strategy, strategy_problems = _resolve_strategy(load_strategy, env, list(excluded or []))
+    strategy, strategy_problems = _resolve_strategy(
+        load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
+    )
     problems += strategy_problems
     skipped: dict[str, str] = {}
-    if strategy is not None and not problems:
+    if strategy is not None and not strategy_problems and not setup_problems:
         dp = _data_parallel_size(strategy, env.world_size)
         batch = setup.dataloader_args.get("batch_size", 1)
         if batch % dp:
@@ -167,7 +182,7 @@ def auto_accelerate(
         skipped, model_problems = preflight(setup, env, strategy)
         problems += model_problems
     if problems:
-        raise StrategyError(problems)
+        raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
     if load_strategy is None:
         logger.info("no load_strategy given: using default %s", strategy)

@@ -42,13 +42,13 @@ ClassRefs = Annotated[tuple[str, ...] | None, BeforeValidator(_to_ref_tuple)]
 
 def matches(module: nn.Module, refs: tuple[str, ...]) -> bool:
     """True if the module's class is named by one of refs (full import path or bare class name)."""
+    from torch.distributed.fsdp import FSDPModule
+
     cls = type(module)
-    # FSDP2 swaps a module's class for a dynamic subclass; match on the original too.
-    names = set()
-    for klass in cls.__mro__[:2]:
-        names.add(class_path(klass))
-        names.add(klass.__name__)
-    return any(ref in names for ref in refs)
+    # FSDP2 swaps a sharded module's class for a dynamic subclass; match the user's class instead.
+    if isinstance(module, FSDPModule):
+        cls = cls.__mro__[1]
+    return class_path(cls) in refs or cls.__name__ in refs
 
 
 def resolve_class(path: str) -> type:

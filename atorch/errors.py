@@ -10,10 +10,10 @@ class AtorchError(Exception):
 class StrategyError(AtorchError, ValueError):
     """A strategy that cannot be applied; lists every problem found, not only the first."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], what: str = "invalid strategy"):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid strategy ({len(self.problems)} problem(s)):\n{lines}")
+        super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{lines}")
 
 
 class SetupError(AtorchError, ValueError):

@@ -100,9 +100,10 @@ class ModelContext:
 
     # ----- parallel layout ------------------------------------------------------------------
     def dim_size(self, name: str) -> int:
-        if self.mesh is None or name not in (self.mesh.mesh_dim_names or ()):
-            return self.env.world_size if name == "data" and self.mesh is None else 1
-        return self.mesh[name].size()
+        """Size of a parallel dimension; with no mesh yet, every process is data parallel."""
+        if self.mesh is None:
+            return self.env.world_size if name == "data" else 1
+        return self.mesh[name].size() if name in (self.mesh.mesh_dim_names or ()) else 1
 
     @property
     def dp_size(self) -> int:
@@ -112,7 +113,12 @@ class ModelContext:
     def dp_rank(self) -> int:
         if self.mesh is None:
             return self.env.rank
-        return self.mesh["data"].get_local_rank() if "data" in self.mesh.mesh_dim_names else 0
+        names = self.mesh.mesh_dim_names or ()
+        if "data" not in names:
+            return 0
+        # The mesh coordinate, not get_local_rank(): torch numbers a group's ranks in sorted order,
+        # which would ignore parallel_mode's rank_order when the data is sharded.
+        return self.mesh.get_coordinate()[names.index("data")]
 
     def dp_mesh(self) -> Any:
         """The 1-D data-parallel mesh (created over the whole world if parallel_mode made none)."""

@@ -21,7 +21,6 @@ from atorch.opt_lib.base import MethodConfig, StrategyCheck
 from atorch.opt_lib.compatibility import conflicts_in
 
 FORMAT_VERSION = 1
-_PICKLE_PREFIXES = (b"\x80", b"(dp", b"(lp", b"ccopy_reg", b"}q", b"]q")
 
 
 class StrategyItem(BaseModel):
@@ -159,8 +158,13 @@ def _decode_file(path: Path) -> Any:
     return _decode_bytes(path.read_bytes(), f"strategy file {str(path)!r}")
 
 
+def _looks_pickled(data: bytes) -> bool:
+    # Protocol 2+ pickles start with PROTO (0x80); every pickle ends with the STOP opcode ".".
+    return data.startswith(b"\x80") or (data.rstrip().endswith(b".") and data.lstrip()[:1] not in b'[{"')
+
+
 def _decode_bytes(data: bytes, what: str) -> Any:
-    if data.startswith(_PICKLE_PREFIXES):
+    if _looks_pickled(data):
         raise StrategyError(
             [
                 f"{what} looks pickled; pickled strategies are refused because unpickling can run "

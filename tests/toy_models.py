@@ -19,7 +19,8 @@ class MLP(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
         self.head = nn.Linear(dim, classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        # y (the labels) is accepted so batches can be passed with model_input_format="unpack_sequence"
         x = self.inp(x)
         for block in self.blocks:
             x = x + block(x)
@@ -38,10 +39,6 @@ def mlp_dataset(samples: int = 64, seed: int = 1) -> Dataset:
 
 def mlp_loss(data, output):  # ATorch's loss_func(data, output)
     return nn.functional.cross_entropy(output.float(), data[1])
-
-
-def mlp_input(data, device):  # model(x): prepare_input keeps (x, y); the test calls model(data[0])
-    return data
 
 
 def tiny_gpt2(seed: int = 0) -> nn.Module:

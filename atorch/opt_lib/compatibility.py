@@ -36,21 +36,13 @@ CONFLICTS: tuple[Conflict, ...] = (
         "half", "amp_native", "'half' casts the whole model while 'amp_native' autocasts fp32 weights",
         "keep one of them",
     ),
-    Conflict(
-        "zero1", "amp_native", "DeepSpeed manages precision inside its engine",
-        "set use_ds_zero=False or drop 'amp_native'", when=_ds, condition="use_ds_zero=True",
-    ),
-    Conflict(
-        "zero2", "amp_native", "DeepSpeed manages precision inside its engine",
-        "set use_ds_zero=False or drop 'amp_native'", when=_ds, condition="use_ds_zero=True",
-    ),
-    Conflict(
-        "zero1", "half", "DeepSpeed manages precision inside its engine",
-        "set use_ds_zero=False or drop 'half'", when=_ds, condition="use_ds_zero=True",
-    ),
-    Conflict(
-        "zero2", "half", "DeepSpeed manages precision inside its engine",
-        "set use_ds_zero=False or drop 'half'", when=_ds, condition="use_ds_zero=True",
+    *(
+        Conflict(
+            zero, precision, "DeepSpeed manages precision inside its engine",
+            f"set use_ds_zero=False or drop '{precision}'", when=_ds, condition="use_ds_zero=True",
+        )
+        for zero in ("zero1", "zero2")
+        for precision in ("amp_native", "half")
     ),
 )
 

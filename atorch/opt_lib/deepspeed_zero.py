@@ -41,6 +41,11 @@ class DeepSpeedZero:
             "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": self.ds_stage},
             "steps_per_print": 2**31 - 1,
+            # DeepSpeed clips gradients to norm 1.0 unless told otherwise; the user's optimizer
+            # decides, as it does under every other method.
+            "gradient_clipping": 0.0,
+            # The user's optimizer runs as given (SGD, Adagrad, ...), not only DeepSpeed's tested list.
+            "zero_allow_untested_optimizer": True,
         }
         engine, optimizer, _, _ = deepspeed.initialize(
             model=ctx.model, optimizer=ctx.optimizer, config=config, dist_init_required=False

@@ -1,0 +1,78 @@
+"""``atorch`` command line: list the methods, check a strategy file, show a strategy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from atorch import opt_lib
+from atorch.errors import StrategyError
+from atorch.opt_lib.compatibility import CONFLICTS
+from atorch.strategy import Strategy
+
+
+def _default(field: Any) -> str:
+    return json.dumps(field.default) if not callable(field.default) else "…"
+
+
+def methods_markdown() -> str:
+    """The methods reference in the README: generated from the registry, so it cannot drift."""
+    lines = ["| method | group | what it does | config keys (default) |", "|---|---|---|---|"]
+    for name in opt_lib.method_names():
+        method = opt_lib.get_method(name)
+        keys = ", ".join(f"`{k}`={_default(f)}" for k, f in method.Config.model_fields.items()) or "none"
+        lines.append(f"| `{name}` | {method.group} | {method.summary} | {keys} |")
+    lines += ["", "| cannot combine | with | because | fix |", "|---|---|---|---|"]
+    for rule in CONFLICTS:
+        cond = f" ({rule.condition})" if rule.condition else ""
+        lines.append(f"| `{rule.first}`{cond} | `{rule.second}` | {rule.reason} | {rule.fix} |")
+    return "\n".join(lines)
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(methods_markdown())
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="atorch optimization methods (apply order)")
+    for column in ("method", "group", "config (default)", "what it does"):
+        table.add_column(column)
+    for name in opt_lib.method_names():
+        method = opt_lib.get_method(name)
+        keys = "\n".join(f"{k}={_default(f)}" for k, f in method.Config.model_fields.items())
+        table.add_row(name, method.group, keys, method.summary)
+    Console().print(table)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    try:
+        strategy = Strategy.load(args.strategy, world_size=args.world_size)
+    except StrategyError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"ok: {strategy} runs on {args.world_size} process(es)")
+    print(strategy.adjusted(args.world_size).to_json())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="atorch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    methods = sub.add_parser("methods", help="list the optimization methods with their configs")
+    methods.add_argument("--markdown", action="store_true", help="print the README's reference tables")
+    methods.set_defaults(run=_cmd_methods)
+    check = sub.add_parser("check", help="validate a strategy (JSON text or .json path) for a world size")
+    check.add_argument("strategy")
+    check.add_argument("--world-size", type=int, default=1)
+    check.set_defaults(run=_cmd_check)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine, then lint and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+python -m ruff check .
+python -m pytest -q --durations=15 "$@"

@@ -1,0 +1,86 @@
+"""Size parsing (memory_limit) and detection of a model's repeated blocks."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+from toy_models import mlp, tiny_gpt2
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from atorch.class_ref import class_path, resolve_class
+from atorch.opt_lib.blocks import block_classes
+from atorch.units import parse_bytes
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("6GiB", 6 * 2**30),
+        ("6 gib", 6 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5KiB", 1536),
+        (" 2 TB ", 2 * 10**12),
+        ("100", 100),
+        ("100B", 100),
+        (4096, 4096),
+        (2.0e9, 2 * 10**9),
+        (None, None),
+    ],
+)
+def test_parse_bytes_accepts_sizes(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("6 parsecs", "unknown unit 'parsecs'"),
+        ("GiB", "is not a size"),
+        ("-1GiB", "is not a size"),
+        ("6 GiB extra", "is not a size"),
+        (-1, "must be positive"),
+        (0, "must be positive"),
+        ("0.1B", "must be positive"),
+        (True, "must be a byte count"),
+        ([6], "is not a size"),
+    ],
+)
+def test_parse_bytes_refuses_with_the_reason(value, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_bytes(value)
+    assert "memory_limit" in str(info.value)
+
+
+def test_gpt2_blocks_come_from_no_split_modules():
+    found = block_classes(tiny_gpt2())
+    assert found == ("transformers.models.gpt2.modeling_gpt2.GPT2Block",)
+    assert resolve_class(found[0]) is GPT2Block
+
+
+def test_mlp_blocks_are_the_module_list_class():
+    model = mlp()
+    assert block_classes(model) == (class_path(nn.Sequential),)
+    assert type(model.blocks[0]) is nn.Sequential
+
+
+class TwoStacks(nn.Module):
+    """Two ModuleLists of identical blocks: the one holding more parameters is the block list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+        self.large = nn.ModuleList(nn.Sequential(nn.Linear(32, 32)) for _ in range(2))
+        self.mixed = nn.ModuleList([nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64))])  # not repeated
+        self.acts = nn.ModuleList(nn.ReLU() for _ in range(8))  # no parameters
+
+
+def test_largest_uniform_module_list_wins():
+    assert block_classes(TwoStacks()) == (class_path(nn.Sequential),)
+
+
+def test_no_blocks_found():
+    assert block_classes(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))) == ()
+    assert block_classes(nn.ModuleList([nn.Linear(4, 4)])) == ()  # a single entry is not repeated
+    model = TwoStacks()
+    del model.small, model.large
+    assert block_classes(model) == ()

@@ -1,0 +1,1 @@
+"""Scripts launched under torchrun by the distributed tests (each prints one ``RESULT {json}`` line)."""

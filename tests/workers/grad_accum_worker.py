@@ -1,0 +1,146 @@
+"""Gradient accumulation under DDP, zero1, zero2 and fsdp, on all launched processes.
+
+Usage: ``torchrun --nproc_per_node=2 grad_accum_worker.py``. For each strategy:
+- ``full``: STEPS steps of ``train_step(result, [batch])``;
+- ``accumulated``: the same steps as ``train_step(result, [first half, second half])``;
+- ``probe``: one step by hand, to see whether gradients were reduced after each micro-batch.
+Rank 0 prints ``RESULT {"strategies": {name: {...}}}`` (or ``{"error": ...}`` per strategy).
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import json
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import toy_models
+
+import atorch
+from atorch.model_context import call_model
+from atorch.training import train_step
+
+STEPS = 3
+GLOBAL_BATCH = 8
+STRATEGIES: dict[str, list[Any]] = {
+    "ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"],
+}
+
+
+def build(strategy: list[Any]) -> Any:
+    _, result, _ = atorch.auto_accelerate(
+        toy_models.mlp(), torch.optim.AdamW, toy_models.mlp_dataset(), toy_models.mlp_loss,
+        model_input_format="unpack_sequence", optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+    )
+    return result
+
+
+def halves(batch: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    size = len(batch[0]) // 2
+    return [[t[:size] for t in batch], [t[size:] for t in batch]]
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().reshape(1).clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a DTensor is gathered; collective for DTensors)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([full(p).detach().flatten().float() for p in model.parameters()])
+
+
+def train(strategy: list[Any], split: bool) -> dict[str, Any]:
+    result = build(strategy)
+    batches = iter(result.dataloader)
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        losses.append(mean_over_ranks(train_step(result, halves(batch) if split else [batch])))
+    return {"losses": losses, "weights": flat_params(result.model)}
+
+
+def differs_from_rank0(vector: torch.Tensor) -> float:
+    """Largest |this rank's vector - rank 0's| over all ranks."""
+    theirs = vector.clone()
+    dist.broadcast(theirs, src=0)
+    gap = (vector - theirs).abs().max().reshape(1)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def grad_view(model: torch.nn.Module) -> dict[str, Any]:
+    """What this rank's gradients look like: how many parameters hold one, whether sharded, and
+    (where whole) how far they are from rank 0's."""
+    grads = [p.grad for p in model.parameters()]
+    held = [g for g in grads if g is not None]
+    sharded = any(hasattr(g, "to_local") for g in held)
+    view: dict[str, Any] = {"with_grad": len(held), "params": len(grads), "sharded": sharded}
+    if held and not sharded:
+        view["max_diff_across_ranks"] = differs_from_rank0(torch.cat([g.flatten() for g in held]))
+    return view
+
+
+def probe(strategy: list[Any]) -> dict[str, Any]:
+    """train_step's first step by hand, looking at the gradients after each micro-batch."""
+    result = build(strategy)
+    model, optim = result.model, result.optim
+    assert result.args.requires_set_gradient_accumulation_boundary, "accumulation needs the boundary call"
+    views = []
+    for index, batch in enumerate(halves(next(iter(result.dataloader)))):
+        optim.set_gradient_accumulation_boundary(index == 1)
+        data = result.prepare_input(batch, result.args.device)
+        (result.loss_func(data, call_model(model, data, "unpack_sequence")) / 2).backward()
+        views.append(grad_view(model))
+    grads = torch.cat([full(p.grad).flatten() for p in model.parameters()])
+    return {"after_first": views[0], "after_boundary": views[1], "grads": grads}
+
+
+def run(strategy: list[Any]) -> dict[str, Any]:
+    whole, accumulated, probed = train(strategy, False), train(strategy, True), probe(strategy)
+    return {
+        "full_losses": whole["losses"],
+        "accumulated_losses": accumulated["losses"],
+        "max_weight_diff": (whole["weights"] - accumulated["weights"]).abs().max().item(),
+        "max_weight_change": (whole["weights"] - flat_params(toy_models.mlp())).abs().max().item(),
+        "after_first": probed["after_first"],
+        "after_boundary": probed["after_boundary"],
+        "grads": probed["grads"],
+    }
+
+
+def main() -> None:
+    report: dict[str, Any] = {"strategies": {}}
+    for name, strategy in STRATEGIES.items():
+        try:
+            report["strategies"][name] = run(strategy)
+        except Exception as exc:  # reported per strategy; the others still run
+            report["strategies"][name] = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
+            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        dist.barrier()
+    # The boundary gradient is the same whatever the strategy: compare each with DDP's.
+    base = report["strategies"]["ddp"].get("grads")
+    for entry in report["strategies"].values():
+        grads = entry.pop("grads", None)
+        if base is not None and grads is not None:
+            entry["max_grad_diff_vs_ddp"] = (grads - base).abs().max().item()
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Train every single method and every allowed pair on one model, on all launched processes.
+
+Usage: ``torchrun --nproc_per_node=2 numerics_worker.py {mlp|gpt2}``. Every scenario trains the
+same model from the same weights on the same global batches; rank 0 also trains a plain fp32
+single-process reference (no atorch, whole global batch) and prints one line
+``RESULT {"reference": [...], "scenarios": {name: {"losses": [...], ...} or {"error": ...}}}``.
+Each scenario runs inside try/except so one failure is reported without hiding the others.
+
+The scenario list is derived from the method registry and the compatibility table, so a newly
+registered method is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import copy
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import toy_models
+from torch.utils.data import DataLoader, Subset
+
+import atorch
+from atorch.model_context import call_model
+from atorch.opt_lib import allowed_pairs, method_names
+from atorch.training import train_step
+
+STEPS = 4  # optimizer steps; one more forward-only loss checks the last update
+GLOBAL_BATCH = 8
+OPTIM_ARGS = {"lr": 1e-2}
+
+# Methods whose default config does not suit plain AdamW training: 'half' defaults to fp16, where
+# AdamW's second moment and eps (1e-8) underflow to zero, so the first step already gives NaN.
+CONFIG_FOR: dict[str, Any] = {"half": "bf16"}
+# Configs of a method that are tested as extra singles (name -> strategy).
+EXTRA_SINGLES: dict[str, list[Any]] = {"amp_native[bf16]": [("amp_native", {"dtype": "bf16"})]}
+# The DeepSpeed engines run last, so that nothing they set up in the process touches the others.
+DEEPSPEED_SINGLES: dict[str, list[Any]] = {
+    f"{name}[use_ds_zero]": [(name, {"use_ds_zero": True})] for name in ("zero1", "zero2")
+}
+
+
+def _item(name: str) -> Any:
+    return (name, CONFIG_FOR[name]) if name in CONFIG_FOR else name
+
+
+def scenarios() -> dict[str, list[Any]]:
+    """Scenario name -> load_strategy: every method alone, extra configs, every allowed pair."""
+    names = method_names()
+    found: dict[str, list[Any]] = {name: [_item(name)] for name in names}
+    found.update(EXTRA_SINGLES)
+    for first, second in allowed_pairs(names):
+        found[f"{first}+{second}"] = [_item(first), _item(second)]
+    found.update(DEEPSPEED_SINGLES)
+    return found
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    make: Callable[[], torch.nn.Module]
+    dataset: Callable[[], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    input_format: str
+
+
+MODELS: dict[str, ModelSetup] = {
+    "mlp": ModelSetup(toy_models.mlp, toy_models.mlp_dataset, toy_models.mlp_loss, "unpack_sequence"),
+    "gpt2": ModelSetup(toy_models.tiny_gpt2, toy_models.TokenDataset, toy_models.gpt2_loss, "unpack_dict"),
+}
+
+
+def repeated_batch(dataset: Any) -> Subset:
+    """The first global batch, once per step: the models memorise it, so the loss falls by far
+    more than any tolerance and a strategy that trains wrongly (or not at all) shows."""
+    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
+
+
+def reference_losses(setup: ModelSetup, model: torch.nn.Module, dataset: Any) -> list[float]:
+    """Plain fp32 training in this one process on the whole global batch: what every strategy must match."""
+    model = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), **OPTIM_ARGS)
+    batches = iter(DataLoader(dataset, batch_size=GLOBAL_BATCH))
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        loss = setup.loss(batch, call_model(model, batch, setup.input_format))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        batch = next(batches)
+        losses.append(setup.loss(batch, call_model(model, batch, setup.input_format)).item())
+    return losses
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().reshape(1).cpu()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def run_scenario(setup: ModelSetup, model: torch.nn.Module, dataset: Any, strategy: list[Any]) -> dict[str, Any]:
+    _, result, _ = atorch.auto_accelerate(
+        model, torch.optim.AdamW, dataset, setup.loss, model_input_format=setup.input_format,
+        optim_args=OPTIM_ARGS, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+    )
+    batches = iter(result.dataloader)
+    losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
+    with torch.no_grad():
+        data = result.prepare_input(next(batches), result.args.device)
+        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
+    return {
+        "losses": losses,
+        "skipped": dict(result.args.skipped),
+        "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),
+        "device": result.args.device.type,
+    }
+
+
+def main(model_name: str) -> None:
+    setup = MODELS[model_name]
+    model, dataset = setup.make(), repeated_batch(setup.dataset())
+    report: dict[str, Any] = {"scenarios": {}}
+    for name, strategy in scenarios().items():
+        try:
+            entry = run_scenario(setup, model, dataset, strategy)
+        except Exception as exc:  # reported per scenario; the others still run
+            entry = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
+            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        failed = torch.tensor([1.0 if "error" in entry else 0.0])
+        dist.all_reduce(failed)  # a failure on another rank is a failure of the scenario
+        if failed.item() and "error" not in entry:
+            entry = {"error": "failed on another rank (see its stderr)"}
+        report["scenarios"][name] = entry
+        dist.barrier()
+    if dist.get_rank() == 0:
+        report["reference"] = reference_losses(setup, model, dataset)
+        print("RESULT " + json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
