@@ -23,8 +23,9 @@ def grads_are_finite(optimizer: torch.optim.Optimizer) -> bool:
     if grads:
         bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float().cpu()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        device = grads[0].device if grads and dist.get_backend() == "nccl" else torch.device("cpu")
-        bad = bad.to(device)
+        # NCCL reduces CUDA tensors only (and a rank may hold no gradient shard at all).
+        nccl = dist.get_backend() == "nccl"
+        bad = bad.to(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad.item())
 

@@ -24,18 +24,28 @@ class EmptyConfig(MethodConfig):
 
 @dataclass(frozen=True)
 class Categorical:
-    """A search dimension over a few discrete choices (maps onto Optuna's suggest_categorical)."""
+    """A search dimension over a few discrete choices (Optuna's CategoricalDistribution)."""
 
     choices: tuple[Any, ...]
+
+    def optuna_distribution(self) -> Any:
+        from optuna.distributions import CategoricalDistribution
+
+        return CategoricalDistribution(self.choices)
 
 
 @dataclass(frozen=True)
 class IntRange:
-    """A search dimension over integers in [low, high] (maps onto Optuna's suggest_int)."""
+    """A search dimension over integers in [low, high] (Optuna's IntDistribution)."""
 
     low: int
     high: int
     log: bool = False
+
+    def optuna_distribution(self) -> Any:
+        from optuna.distributions import IntDistribution
+
+        return IntDistribution(self.low, self.high, log=self.log)
 
 
 Dimension = Categorical | IntRange
