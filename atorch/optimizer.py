@@ -51,7 +51,19 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.skip_if_nonfinite = skip_if_nonfinite
         self.gradient_sync = gradient_sync
         self.engine = engine  # a DeepSpeed engine owns backward and step
-        self.skipped_steps = 0
+        self._skipped = 0  # steps skipped by the non-finite check
+        # Steps the loss scaler skipped, summed on the device: reading it each step would stall a GPU.
+        self._scaler_skipped: torch.Tensor | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because gradients held inf/nan (on any rank)."""
+        pending = int(self._scaler_skipped.item()) if self._scaler_skipped is not None else 0
+        return self._skipped + pending
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._scaler_skipped = int(value), None
 
     # The wrapped optimizer's own data, so schedulers change the real learning rate.
     @property
@@ -83,16 +95,23 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.engine.step()
             return None
         if self.grad_scaler is not None:
-            scale_before = self.grad_scaler.get_scale()
             result = self.grad_scaler.step(self.optimizer)
+            self._count_scaler_skip()
             self.grad_scaler.update()
-            if self.grad_scaler.get_scale() < scale_before:  # the scaler found inf/nan and skipped
-                self.skipped_steps += 1
             return result
         if self.skip_if_nonfinite and not grads_are_finite(self.optimizer):
-            self.skipped_steps += 1
+            self._skipped += 1
             return None
         return self.optimizer.step(closure)
+
+    def _count_scaler_skip(self) -> None:
+        # GradScaler keeps this step's inf/nan flags until update(); add them up without a sync.
+        state = self.grad_scaler._per_optimizer_states.get(id(self.optimizer), {})
+        flags = list(state.get("found_inf_per_device", {}).values())
+        if not flags:
+            return
+        skipped = (torch.stack([f.to(flags[0].device) for f in flags]).sum() > 0).to(torch.int64)
+        self._scaler_skipped = skipped if self._scaler_skipped is None else self._scaler_skipped + skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.engine is not None:
