@@ -84,3 +84,18 @@ def test_no_blocks_found():
     model = TwoStacks()
     del model.small, model.large
     assert block_classes(model) == ()
+
+
+def test_size_based_units_skip_containers_and_tied_weights() -> None:
+    from atorch.opt_lib.sharding import _size_based_targets
+
+    model = mlp()
+    units = _size_based_targets(model, 1000)
+    # Children first: each block's Linear (1,056 parameters) is a unit; the rest (input and head
+    # layers, 808 parameters) stays with the root, and the ModuleList cannot be a unit (no forward).
+    assert units == [block[0] for block in model.blocks]
+    gpt2 = tiny_gpt2()
+    names = {name for name, module in gpt2.named_modules() for unit in _size_based_targets(gpt2, 1000)
+             if module is unit}
+    assert names and "transformer.wte" not in names and "lm_head" not in names  # tied: left to the root
+    assert all(name.startswith("transformer.h.") for name in names), sorted(names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -22,8 +23,10 @@ logger = get_logger(__name__)
 class ShardingConfig(MethodConfig):
     """Options shared by fsdp and zero2.
 
-    atorch_wrap_cls: module classes (or names) sharded as units; None detects transformer blocks.
-    wrap_min_num_params: also shard every module holding at least this many not-yet-sharded params.
+    atorch_wrap_cls: module classes (or names) sharded as units; None detects transformer blocks,
+      unless wrap_min_num_params is given.
+    wrap_min_num_params: shard every module holding at least this many not-yet-sharded params
+      (children first); with atorch_wrap_cls, in addition to those classes.
     ignored_modules: classes, class names or module names kept whole on every rank (their
       gradients are still averaged across ranks).
     cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
@@ -57,11 +60,17 @@ class Zero2Config(ShardingConfig):
 def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:
     """Modules (children first) that gather at least min_params parameters not yet assigned."""
     chosen: list[nn.Module] = []
+    # Tied parameters (GPT-2's wte/lm_head) must stay in one unit: leave them to the root.
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied = {pid for pid, n in uses.items() if n > 1}
 
     def visit(module: nn.Module) -> int:
         count = sum(p.numel() for p in module.parameters(recurse=False))
         count += sum(visit(child) for child in module.children())
-        if module is not model and count >= min_params:
+        # Containers without a forward (ModuleList/ModuleDict) cannot be units; their children can.
+        is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        holds_tied = any(id(p) in tied for p in module.parameters())
+        if module is not model and not is_container and not holds_tied and count >= min_params:
             chosen.append(module)
             return 0
         return count
@@ -114,7 +123,8 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
 
     model: nn.Module = ctx.model
     mesh = ctx.dp_mesh()
-    classes = config.atorch_wrap_cls or block_classes(model)
+    # Units: the given classes; else size-based units if asked for; else the detected blocks.
+    classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
     targets = [m for m in model.modules() if m is not model and matches(m, classes)] if classes else []
     if config.wrap_min_num_params:
         targets += [m for m in _size_based_targets(model, config.wrap_min_num_params) if m not in targets]
@@ -124,7 +134,8 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     mp_policy = MixedPrecisionPolicy()
     if ctx.autocast_dtype is not None:
         mp_policy = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    # Pinned memory needs an accelerator; on a CPU-only run the offload only keeps state on the CPU.
+    offload = CPUOffloadPolicy(pin_memory=ctx.env.device.type == "cuda") if config.cpu_offload else OffloadPolicy()
     options = dict(
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload, ignored_params=ignored or None,

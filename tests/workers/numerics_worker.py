@@ -43,7 +43,17 @@ OPTIM_ARGS = {"lr": 1e-2}
 # AdamW's second moment and eps (1e-8) underflow to zero, so the first step already gives NaN.
 CONFIG_FOR: dict[str, Any] = {"half": "bf16"}
 # Configs of a method that are tested as extra singles (name -> strategy).
-EXTRA_SINGLES: dict[str, list[Any]] = {"amp_native[bf16]": [("amp_native", {"dtype": "bf16"})]}
+EXTRA_SINGLES: dict[str, list[Any]] = {
+    "amp_native[bf16]": [("amp_native", {"dtype": "bf16"})],
+    # Sharding options: each must still train exactly like the reference.
+    "fsdp[cpu_offload]": [("fsdp", {"cpu_offload": True})],
+    "fsdp[size_based]": [("fsdp", {"wrap_min_num_params": 1000})],
+    "fsdp[no_reshard]": [("fsdp", {"reshard_after_forward": False})],
+    # One module kept whole per model ("head" in the MLP, the final LayerNorm in GPT-2): its
+    # gradients must still be averaged over ranks, or the ranks drift apart from the reference.
+    "fsdp[ignored_modules]": [("fsdp", {"ignored_modules": ["head", "transformer.ln_f"]})],
+    "zero2[ignored_modules]": [("zero2", {"ignored_modules": ["head", "transformer.ln_f"]})],
+}
 # The DeepSpeed engines run last, so that nothing they set up in the process touches the others.
 DEEPSPEED_SINGLES: dict[str, list[Any]] = {
     f"{name}[use_ds_zero]": [(name, {"use_ds_zero": True})] for name in ("zero1", "zero2")
