@@ -19,12 +19,16 @@ def _default(field: Any) -> str:
 
 def methods_markdown() -> str:
     """The methods reference in the README: generated from the registry, so it cannot drift."""
-    lines = ["| method | group | what it does | config keys (default) |", "|---|---|---|---|"]
+    lines = ["| method | group | what it does |", "|---|---|---|"]
     for name in opt_lib.method_names():
         method = opt_lib.get_method(name)
-        keys = ", ".join(f"`{k}`={_default(f)}" for k, f in method.Config.model_fields.items()) or "none"
-        lines.append(f"| `{name}` | {method.group} | {method.summary} | {keys} |")
-    lines += ["", "| cannot combine | with | because | fix |", "|---|---|---|---|"]
+        lines.append(f"| `{name}` | {method.group} | {method.summary} |")
+    for name in opt_lib.method_names():
+        method = opt_lib.get_method(name)
+        lines += ["", f"**`{name}`** config:", "", "| key | default | meaning |", "|---|---|---|"]
+        for key, field in method.Config.model_fields.items():
+            lines.append(f"| `{key}` | `{_default(field)}` | {field.description or ''} |")
+    lines += ["", "Combinations that are refused:", "", "| method | with | because | fix |", "|---|---|---|---|"]
     for rule in CONFLICTS:
         cond = f" ({rule.condition})" if rule.condition else ""
         lines.append(f"| `{rule.first}`{cond} | `{rule.second}` | {rule.reason} | {rule.fix} |")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
@@ -17,12 +17,15 @@ logger = get_logger(__name__)
 
 
 class CheckpointConfig(MethodConfig):
-    """wrap_class: module classes (or class names) to checkpoint; None detects the model's
-    transformer blocks. no_reentrant: use torch's non-reentrant checkpoint (recommended).
-    ATorch form: a tuple of classes, e.g. ``("checkpoint", (GPT2Block,))``."""
+    """ATorch form: a tuple of classes, e.g. ``("checkpoint", (GPT2Block,))``."""
 
-    wrap_class: ClassRefs = None
-    no_reentrant: bool = True
+    wrap_class: ClassRefs = Field(
+        default=None,
+        description="module classes or class names to checkpoint; null detects the model's repeated blocks",
+    )
+    no_reentrant: bool = Field(
+        default=True, description="torch's non-reentrant checkpoint (supports keyword arguments and nested use)"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -20,16 +20,25 @@ FP8_DIM_MULTIPLE = 16  # fp8 GEMMs need both weight dimensions divisible by 16
 
 
 class FP8Config(MethodConfig):
-    """ATorch's fp8 config. include/exclude: substrings of module names to take or leave (None:
-    every eligible nn.Linear); the rest configures Transformer Engine's DelayedScaling recipe."""
+    """ATorch's fp8 config: which nn.Linear layers, and Transformer Engine's DelayedScaling recipe."""
 
-    include: tuple[str, ...] | None = None
-    exclude: tuple[str, ...] | None = None
-    margin: int = Field(default=0, ge=0)
-    interval: int = Field(default=1, ge=1)
-    fp8_format: Literal["HYBRID", "E4M3"] = "HYBRID"
-    amax_history_len: int = Field(default=1024, ge=1)
-    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    include: tuple[str, ...] | None = Field(
+        default=None, description="only nn.Linear layers whose name contains one of these substrings (null: all)"
+    )
+    exclude: tuple[str, ...] | None = Field(
+        default=None, description="leave out nn.Linear layers whose name contains one of these substrings"
+    )
+    margin: int = Field(default=0, ge=0, description="DelayedScaling margin: scale factor headroom as a power of 2")
+    interval: int = Field(
+        default=1, ge=1, description="steps between scale updates (older Transformer Engine releases only)"
+    )
+    fp8_format: Literal["HYBRID", "E4M3"] = Field(
+        default="HYBRID", description="HYBRID: E4M3 forward, E5M2 backward; E4M3: both"
+    )
+    amax_history_len: int = Field(default=1024, ge=1, description="length of the amax history window")
+    amax_compute_algo: Literal["max", "most_recent"] = Field(
+        default="max", description="how the scale is taken from the amax history"
+    )
 
 
 def fp8_linear_names(

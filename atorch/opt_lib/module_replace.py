@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from atorch.class_ref import class_path, matches
@@ -84,9 +85,12 @@ register_replace_pair(
 
 
 class ModuleReplaceConfig(MethodConfig):
-    """pairs: names of registered pairs to use (None: every pair whose source class is in the model)."""
+    """Which registered replace pairs to apply."""
 
-    pairs: tuple[str, ...] | None = None
+    pairs: tuple[str, ...] | None = Field(
+        default=None,
+        description="names of registered replace pairs to use (null: every pair whose source class is in the model)",
+    )
 
 
 def replace_modules(model: nn.Module, pairs: list[ReplacePair], dtype: torch.dtype | None = None) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from atorch.log import get_logger
 from atorch.opt_lib import registry
@@ -16,15 +16,16 @@ logger = get_logger(__name__)
 
 
 class ParallelModeConfig(MethodConfig):
-    """ATorch form: ``([("data", 2), ("tensor", 2)], rank_order)``.
+    """ATorch form: ``([("data", 2), ("tensor", 2)], rank_order)``. No config: all data parallel."""
 
-    dims: ordered (name, size) pairs; the first varies slowest across ranks.
-    rank_order: optional permutation of range(world_size) giving the rank at each mesh position.
-    Default (no config): all processes data parallel.
-    """
-
-    dims: tuple[tuple[str, int], ...] = (("data", -1),)
-    rank_order: tuple[int, ...] | None = None
+    dims: tuple[tuple[str, int], ...] = Field(
+        default=(("data", -1),),
+        description="ordered (name, size) pairs, first varies slowest; data's size is fitted to the world size",
+    )
+    rank_order: tuple[int, ...] | None = Field(
+        default=None,
+        description="the global rank at each mesh position (a permutation of 0..world-1); null: 0, 1, 2, ...",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -6,7 +6,7 @@ import functools
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BeforeValidator, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
@@ -34,11 +34,12 @@ HalfDtype = Annotated[Literal["fp16", "bf16"], BeforeValidator(_dtype_name)]
 
 
 class AmpConfig(MethodConfig):
-    """dtype: autocast type (fp16 adds a GradScaler). skip_if_nonfinite: skip an optimizer step
-    whose gradients hold inf/nan on any rank (fp16 steps are always skipped by the scaler)."""
+    """ATorch form: ``{"dtype": torch.bfloat16}``."""
 
-    dtype: HalfDtype = "fp16"
-    skip_if_nonfinite: bool = False
+    dtype: HalfDtype = Field(default="fp16", description="autocast dtype; fp16 adds a GradScaler")
+    skip_if_nonfinite: bool = Field(
+        default=False, description="skip an optimizer step whose gradients hold inf/nan on any rank (fp16 always does)"
+    )
 
 
 class _AutocastForward:
@@ -92,9 +93,9 @@ class AmpNative(Method):
 
 
 class HalfConfig(MethodConfig):
-    """dtype: the type the whole model and its floating inputs are cast to. ATorch form: ``"bf16"``."""
+    """ATorch form: ``"bf16"``."""
 
-    dtype: HalfDtype = "fp16"
+    dtype: HalfDtype = Field(default="fp16", description="dtype of the whole model and its floating inputs")
 
     @model_validator(mode="before")
     @classmethod

@@ -21,40 +21,52 @@ logger = get_logger(__name__)
 
 
 class ShardingConfig(MethodConfig):
-    """Options shared by fsdp and zero2.
+    """Options shared by fsdp and zero2."""
 
-    atorch_wrap_cls: module classes (or names) sharded as units; None detects transformer blocks,
-      unless wrap_min_num_params is given.
-    wrap_min_num_params: shard every module holding at least this many not-yet-sharded params
-      (children first); with atorch_wrap_cls, in addition to those classes.
-    ignored_modules: classes, class names or module names kept whole on every rank (their
-      gradients are still averaged across ranks).
-    cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory.
-    sync_module_states: broadcast rank 0's weights first, so every rank starts identical.
-    """
-
-    atorch_wrap_cls: ClassRefs = None
-    wrap_min_num_params: int | None = Field(default=None, gt=0)
-    ignored_modules: ClassRefs = None
-    cpu_offload: bool = False
-    sync_module_states: bool = True
+    atorch_wrap_cls: ClassRefs = Field(
+        default=None,
+        description="module classes or names sharded as units; null: detected blocks "
+        "(or size-based units if wrap_min_num_params is set)",
+    )
+    wrap_min_num_params: int | None = Field(
+        default=None, gt=0,
+        description="shard every module holding at least this many not-yet-sharded parameters, children first",
+    )
+    ignored_modules: ClassRefs = Field(
+        default=None,
+        description="classes, class names or module names kept whole on every rank (gradients still averaged)",
+    )
+    cpu_offload: bool = Field(
+        default=False, description="keep sharded parameters, gradients and optimizer state in CPU memory"
+    )
+    sync_module_states: bool = Field(
+        default=True, description="broadcast rank 0's weights before sharding so all ranks start identical"
+    )
 
 
 class FSDPConfig(ShardingConfig):
-    """reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them until
-    backward. use_orig_params, limit_all_gathers, forward_prefetch: ATorch/FSDP1 options, accepted
-    for compatibility; FSDP2 always keeps original parameters and bounds and prefetches all-gathers."""
+    """fsdp's options: the shared ones, plus resharding and ATorch's FSDP1 keys (accepted, no-ops)."""
 
-    reshard_after_forward: bool = True
-    use_orig_params: bool = True
-    limit_all_gathers: bool = True
-    forward_prefetch: bool = False
+    reshard_after_forward: bool = Field(
+        default=True, description="free gathered parameters after forward (ZeRO-3); False keeps them until backward"
+    )
+    use_orig_params: bool = Field(
+        default=True, description="FSDP1 option accepted for compatibility; FSDP2 always keeps the original parameters"
+    )
+    limit_all_gathers: bool = Field(
+        default=True, description="FSDP1 option accepted for compatibility; FSDP2 always bounds in-flight all-gathers"
+    )
+    forward_prefetch: bool = Field(
+        default=False, description="FSDP1 option accepted for compatibility; FSDP2 prefetches the next unit itself"
+    )
 
 
 class Zero2Config(ShardingConfig):
-    """use_ds_zero: use DeepSpeed ZeRO stage 2 instead of FSDP2 (the other keys then do not apply)."""
+    """zero2's options: the shared ones, plus the DeepSpeed switch."""
 
-    use_ds_zero: bool = False
+    use_ds_zero: bool = Field(
+        default=False, description="use DeepSpeed ZeRO stage 2 instead of FSDP2 (the other keys then do not apply)"
+    )
 
 
 def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:

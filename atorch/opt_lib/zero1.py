@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
 from atorch.opt_lib.deepspeed_zero import DeepSpeedZero
@@ -13,9 +15,11 @@ logger = get_logger(__name__)
 
 
 class Zero1Config(MethodConfig):
-    """use_ds_zero: use DeepSpeed ZeRO stage 1 instead of torch's ZeroRedundancyOptimizer."""
+    """zero1's options."""
 
-    use_ds_zero: bool = False
+    use_ds_zero: bool = Field(
+        default=False, description="use DeepSpeed ZeRO stage 1 instead of torch's ZeroRedundancyOptimizer"
+    )
 
 
 @register
