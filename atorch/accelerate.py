@@ -89,10 +89,10 @@ def _setup_problems(setup: UserSetup, excluded: Any, included: Any) -> list[str]
 
 def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> tuple[Strategy | None, list[str]]:
     try:
-        strategy = default_strategy(env) if load_strategy is None else Strategy.load(load_strategy)
-    except StrategyError as exc:
+        strategy, problems = (default_strategy(env), []) if load_strategy is None else Strategy.parse(load_strategy)
+    except StrategyError as exc:  # the source as a whole is unreadable (bad JSON, pickled, ...)
         return None, exc.problems
-    problems = strategy.problems(env.world_size)
+    problems += strategy.problems(env.world_size)
     problems += [f"'{n}' is in load_strategy and in excluded; remove it from one" for n in excluded if n in strategy]
     return strategy.adjusted(env.world_size), problems
 

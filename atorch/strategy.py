@@ -48,16 +48,24 @@ class Strategy(BaseModel):
 
         Raises StrategyError listing every problem found.
         """
-        if isinstance(source, Strategy):
-            strategy, problems = source, []
-        else:
-            items, problems = _parse_items(_decode(source))
-            strategy = cls(methods=tuple(items))
+        strategy, problems = cls.parse(source)
         if world_size is not None:
             problems += strategy.problems(world_size)
         if problems:
             raise StrategyError(problems)
         return strategy
+
+    @classmethod
+    def parse(cls, source: Any) -> tuple[Strategy, list[str]]:
+        """The methods that parsed, and the problems of those that did not (nothing raised for
+        those, so later checks can still run on the rest and report everything together).
+
+        Raises StrategyError only when the source as a whole cannot be read (bad JSON, pickle...).
+        """
+        if isinstance(source, Strategy):
+            return source, []
+        items, problems = _parse_items(_decode(source))
+        return cls(methods=tuple(items)), problems
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Strategy:

@@ -334,3 +334,13 @@ def test_batch_size_must_divide_over_data_parallel_ranks(tmp_path):
     assert out["problem_counts"] == [3, 3]  # the other rank refused the same calls
     # rank_order [1, 0]: process 1 sits at data-parallel position 0.
     assert out["dp_ranks"] == [1, 0]
+
+
+def test_unparsable_methods_and_conflicts_among_the_rest_are_reported_together():
+    problems = accelerate_problems(
+        load_strategy=["fsdpp", ("amp_native", {"dtype": "int8"}), "zero1", "fsdp"]
+    )
+    assert problems[0] == "unknown method 'fsdpp'; did you mean 'fsdp'?"
+    assert problems[1].startswith("'amp_native': config key 'dtype'")
+    assert problems[2].startswith("'zero1' cannot be combined with 'fsdp'")
+    assert len(problems) == 3, problems
