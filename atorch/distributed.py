@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,6 +54,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
             # No launcher: a private in-process store, no network port.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         logger.debug("initialised process group: backend=%s world_size=%d", backend, dist.get_world_size())
+        _install_shutdown()
     return DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -59,3 +62,38 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
         device=device,
         backend=dist.get_backend(),
     )
+
+
+_EXIT_BARRIER_S = 60.0  # how long a rank waits at exit for the others before tearing down alone
+_failed = False
+
+
+def shutdown() -> None:
+    """Tear the process group down on every rank together.
+
+    gloo aborts a process ("terminate called without an active exception") when a peer closes its
+    connections while this rank still tears its own down, so ranks meet at a barrier first. After
+    an uncaught exception there is no barrier: the other ranks may never arrive.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_BARRIER_S))
+    except RuntimeError as exc:  # a peer is gone: tear down alone
+        logger.warning("exit barrier: %s", str(exc).splitlines()[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def _install_shutdown() -> None:
+    """For a process group atorch created: remember a crash, and shut down cleanly at exit."""
+    previous = sys.excepthook
+
+    def excepthook(*args: object) -> None:
+        global _failed
+        _failed = True
+        previous(*args)  # type: ignore[arg-type]
+
+    sys.excepthook = excepthook
+    atexit.register(shutdown)

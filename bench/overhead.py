@@ -241,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print("RESULT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
     return 0 if report["losses"]["identical"] else 1
 
 

@@ -280,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_main():
             print(f"strategy problem:\n{exc}", file=sys.stderr)
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # atorch tears the process group down at exit, all ranks together.
     problems = check(summary)  # the same on every process: the losses are averaged over all of them
     if main_process:
         print_summary(summary, problems, time.perf_counter() - start)

@@ -310,8 +310,6 @@ BATCH_SCRIPT = textwrap.dedent(
     out["problem_counts"] = [int(t[1]) for t in gathered]
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()  # a clean gloo shutdown; exiting with live groups can abort
     """
 )
 

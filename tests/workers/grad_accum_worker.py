@@ -142,7 +142,6 @@ def main() -> None:
             entry["max_grad_diff_vs_ddp"] = (grads - base).abs().max().item()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

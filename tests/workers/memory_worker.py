@@ -97,7 +97,6 @@ def main() -> None:
     }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -157,7 +157,6 @@ def main(model_name: str) -> None:
     if dist.get_rank() == 0:
         report["reference"] = reference_losses(setup, model, dataset)
         print("RESULT " + json.dumps(report), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
