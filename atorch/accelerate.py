@@ -99,7 +99,7 @@ def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> 
 
 def _data_parallel_size(strategy: Strategy, world_size: int) -> int:
     mode = strategy.get("parallel_mode")
-    return dict(mode.dims).get("data", 1) if mode is not None else world_size  # type: ignore[attr-defined]
+    return mode.size_of("data") if mode is not None else world_size  # type: ignore[attr-defined]
 
 
 def _copy_if_dict(value: Any) -> Any:

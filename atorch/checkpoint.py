@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atorch.errors import AtorchError
+from atorch.errors import ProblemsError
 from atorch.log import get_logger
 
 logger = get_logger(__name__)
@@ -43,13 +43,11 @@ _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wr
 _LISTED = 6  # names shown per kind of mismatch
 
 
-class CheckpointError(AtorchError, ValueError):
-    """A checkpoint that cannot be written or read as asked; lists every problem found."""
+class CheckpointError(ProblemsError):
+    """A checkpoint that cannot be written or read as asked."""
 
     def __init__(self, what: str, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{lines}")
+        super().__init__(problems, what)
 
 
 # ----- public API ---------------------------------------------------------------------------

@@ -7,13 +7,20 @@ class AtorchError(Exception):
     """Base class of every error atorch raises on purpose."""
 
 
-class StrategyError(AtorchError, ValueError):
-    """A strategy that cannot be applied; lists every problem found, not only the first."""
+class ProblemsError(AtorchError, ValueError):
+    """Lists every problem found, not only the first, under one heading."""
 
-    def __init__(self, problems: list[str], what: str = "invalid strategy"):
+    def __init__(self, problems: list[str], what: str):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{what} ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class StrategyError(ProblemsError):
+    """A strategy (or the arguments around it) that cannot be applied."""
+
+    def __init__(self, problems: list[str], what: str = "invalid strategy"):
+        super().__init__(problems, what)
 
 
 class SetupError(AtorchError, ValueError):

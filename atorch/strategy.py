@@ -30,9 +30,6 @@ class StrategyItem(BaseModel):
     config: SerializeAsAny[MethodConfig]
     tunable: bool = False
 
-    def as_pair(self) -> tuple[str, dict[str, Any]]:
-        return self.name, self.config.model_dump(mode="json")
-
 
 class Strategy(BaseModel):
     """An ordered list of optimization methods with their configs."""
@@ -90,7 +87,7 @@ class Strategy(BaseModel):
 
     def to_list(self) -> list[tuple[str, dict[str, Any]]]:
         """ATorch's list form, with JSON-safe configs."""
-        return [item.as_pair() for item in self.methods]
+        return [(item.name, item.config.model_dump(mode="json")) for item in self.methods]
 
     def to_json(self, indent: int | None = 2) -> str:
         payload = {

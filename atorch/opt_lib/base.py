@@ -78,7 +78,6 @@ class Method(ABC):
     summary: ClassVar[str]
     Config: ClassVar[type[MethodConfig]] = EmptyConfig
     mesh_dims: ClassVar[tuple[str, ...]] = ()  # parallel_mode dimensions this method consumes
-    wraps_data_parallel: ClassVar[bool] = False  # True if it replaces the DDP wrapper
     # True: where applicable() gives a reason, the method is skipped with a warning (fp8 off CUDA);
     # False: the reason is an error, because the rest of the strategy relies on the method.
     skip_when_inapplicable: ClassVar[bool] = False

@@ -180,7 +180,6 @@ class FSDP(Method):
     summary = "Fully sharded data parallel (FSDP2 fully_shard): parameters, gradients, optimizer state."
     Config = FSDPConfig
     mesh_dims = ("data",)
-    wraps_data_parallel = True
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"reshard_after_forward": Categorical((True, False)), "cpu_offload": Categorical((False, True))}
@@ -199,7 +198,6 @@ class Zero2(DeepSpeedZero, Method):
     summary = "ZeRO-2: gradients and optimizer state sharded (FSDP2 without resharding after forward)."
     Config = Zero2Config
     mesh_dims = ("data",)
-    wraps_data_parallel = True
     ds_stage = 2
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
