@@ -4,26 +4,49 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from atorch import opt_lib  # noqa: F401  (registers the methods)
-from atorch.distributed import DistEnv, init_distributed
+from atorch.apply import apply_strategy
+from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import StrategyError
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
+from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
 
-AccelerateResult = namedtuple(
-    "AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
-)
+_RESULT_FIELDS = ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
+
+
+class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
+    """ATorch's result namedtuple, plus ``close()``: release everything it holds.
+
+    ``with auto_accelerate(...)[1] as result:`` closes it at the end of the block. Dropping every
+    reference to a result also frees it; ``close()`` does so at once, even while other references
+    to its parts remain (a trial of the search, a notebook cell).
+    """
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        from atorch.lifecycle import release
+
+        release(self)
+
+    def __enter__(self) -> AccelerateResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 KNOWN_KWARGS = ("verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit")
 
@@ -43,6 +66,25 @@ class AccelerateArgs:
     memory_limit: int | None
     time_limit: float | None
     skipped: dict[str, str] = field(default_factory=dict)  # method -> reason it was not applied
+    data_parallel_group: Any = field(default=None, repr=False)  # process group of the data-parallel ranks
+
+    # ATorch hands these out as a dict: ``result.args["use_optim_backward"]`` works too.
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.keys() else default
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(k, getattr(self, k)) for k in self.keys()]
 
 
 def default_strategy(env: DistEnv) -> Strategy:
@@ -95,11 +137,6 @@ def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> 
     problems += strategy.problems(env.world_size)
     problems += [f"'{n}' is in load_strategy and in excluded; remove it from one" for n in excluded if n in strategy]
     return strategy.adjusted(env.world_size), problems
-
-
-def _data_parallel_size(strategy: Strategy, world_size: int) -> int:
-    mode = strategy.get("parallel_mode")
-    return mode.size_of("data") if mode is not None else world_size  # type: ignore[attr-defined]
 
 
 def _copy_if_dict(value: Any) -> Any:
@@ -166,21 +203,26 @@ def auto_accelerate(
     setup_problems = _setup_problems(setup, excluded, included)
     problems += setup_problems
     env = init_distributed()
-    strategy, strategy_problems = _resolve_strategy(
-        load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
-    )
-    problems += strategy_problems
-    skipped: dict[str, str] = {}
-    if strategy is not None and not strategy_problems and not setup_problems:
-        dp = _data_parallel_size(strategy, env.world_size)
-        batch = setup.dataloader_args.get("batch_size", 1)
-        if batch % dp:
-            problems.append(
-                f"global batch_size {batch} does not divide over {dp} data-parallel processes; "
-                f"use a multiple of {dp}"
-            )
-        skipped, model_problems = preflight(setup, env, strategy)
-        problems += model_problems
+    strategy, skipped = None, {}
+    try:  # a rank that fails here must still reach the agreement below, or the others would wait
+        strategy, strategy_problems = _resolve_strategy(
+            load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
+        )
+        problems += strategy_problems
+        if strategy is not None and not strategy_problems and not setup_problems:
+            layout = ParallelLayout.of(strategy, env.world_size)
+            batch = setup.dataloader_args.get("batch_size", 1)
+            if batch % layout.data_size:
+                problems.append(
+                    f"global batch_size {batch} does not divide over {layout.data_size} data-parallel processes; "
+                    f"use a multiple of {layout.data_size}"
+                )
+            skipped, model_problems = preflight(setup, env, strategy, layout)
+            problems += model_problems
+    except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)
+        problems.append(f"checking the strategy failed: {type(exc).__name__}: {exc}")
+    # Every rank raises the same error, or none does.
+    problems = agreed_problems(problems)
     if problems:
         raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
@@ -201,17 +243,19 @@ def auto_accelerate(
             global_batch_size=setup.dataloader_args.get("batch_size") if dataset is not None else None,
             local_batch_size=ctx.local_batch_size() if dataset is not None else None,
             model_input_format=model_input_format, memory_limit=memory_limit, time_limit=time_limit,
-            skipped=dict(ctx.skipped),
+            skipped=dict(ctx.skipped), data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
         ),
     )
     logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
     return True, result, strategy
 
 
-def preflight(setup: UserSetup, env: DistEnv, strategy: Strategy) -> tuple[dict[str, str], list[str]]:
+def preflight(
+    setup: UserSetup, env: DistEnv, strategy: Strategy, layout: ParallelLayout
+) -> tuple[dict[str, str], list[str]]:
     """Before anything is built: which methods are skipped here (with why), and every problem of
     the strategy with this machine and this model (the model is only read)."""
-    probe = ModelContext(setup, env)
+    probe = ModelContext(setup, env, layout)
     skipped: dict[str, str] = {}
     problems: list[str] = []
     for item in strategy.in_apply_order():
@@ -227,15 +271,17 @@ def preflight(setup: UserSetup, env: DistEnv, strategy: Strategy) -> tuple[dict[
 
 
 def build_context(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: dict[str, str]) -> ModelContext:
-    """Apply a checked strategy to a fresh copy of the user's model; the originals stay as they were."""
+    """Apply a checked strategy to a fresh copy of the user's model; the originals stay as they were.
+
+    Building draws no numbers from the user's random generators (new layers made by module swaps
+    are initialised, then overwritten): the user's training sees the same random stream as without atorch.
+    """
     for name, reason in skipped.items():
         logger.warning("%s skipped: %s", name, reason)
-    ctx = ModelContext(setup, env).fresh()
-    ctx.strategy = strategy
-    ctx.skipped = dict(skipped)
-    active = [item for item in strategy.in_apply_order() if item.name not in skipped]
-    for item in active:
-        get_method(item.name).apply(ctx, item.config)
-    hooks = [lambda m=get_method(i.name), c=i.config: m.after_build(ctx, c) for i in active]
-    ctx.build_after_methods(hooks)
+    devices = [env.device] if env.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        ctx = ModelContext(setup, env, ParallelLayout.of(strategy, env.world_size)).fresh()
+        ctx.skipped = dict(skipped)
+        apply_strategy(ctx, strategy)
+        ctx.finish()
     return ctx

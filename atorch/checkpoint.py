@@ -28,18 +28,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import ProblemsError
 from atorch.log import get_logger
+from atorch.names import param_names
 
 logger = get_logger(__name__)
 
 META_FILE = "atorch_checkpoint.json"
 FORMAT = "atorch-checkpoint"
 FORMAT_VERSION = 1
-# Module-name parts that wrappers insert; a clean FQN leaves them out (as get_state_dict does).
-_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 _LISTED = 6  # names shown per kind of mismatch
 
 
@@ -72,7 +71,7 @@ def save_checkpoint(
         problems.append(f"extra must be a dict (of JSON values) or None, got {type(extra).__name__}")
     problems += _json_problems(extra or {}, "extra")
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = _param_fqns(model)
+    fqns = param_names(model)
     if _is_zero1(optim):
         model_sd = get_model_state_dict(model)
         optim_state = {fqns[p]: dict(s) for p, s in optim.optim.state.items()}
@@ -93,7 +92,7 @@ def save_checkpoint(
     _raise_agreed(where, problems)
 
     # Every rank's tensor names and (non-tensor) optimizer values, so the JSON describes all.
-    gathered = _all_gather_json({"tensors": _describe(tensors), "scalars": scalars})
+    gathered = all_gather_json({"tensors": _describe(tensors), "scalars": scalars})
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "step": step, "extra": extra or {},
         "world_size": _world_size(),
@@ -142,7 +141,7 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     meta = _read_meta(directory, where)
     saved: dict[str, dict[str, Any]] = meta["tensors"]
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = _param_fqns(model)
+    fqns = param_names(model)
     zero = _is_zero1(optim)
     has_optim_state = any(k.startswith("optim.") for k in saved) or bool(meta["optimizer"]["scalars"])
     if zero:
@@ -251,18 +250,6 @@ def _refuse_deepspeed(result: Any, what: str) -> None:
         "only directories you wrote), or train with use_ds_zero=False to use atorch checkpoints; "
         "export_consolidated works with DeepSpeed for the model weights",
     ])
-
-
-def _clean_fqn(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _param_fqns(model: nn.Module) -> dict[torch.Tensor, str]:
-    """Each parameter's clean name, as get_state_dict names it."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    root = model.module if isinstance(model, DistributedDataParallel) else model
-    return {param: _clean_fqn(name) for name, param in root.named_parameters()}
 
 
 def _split(
@@ -510,25 +497,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_gather_json(value: Any) -> list[Any]:
-    """Every rank's JSON value (as UTF-8 bytes in tensors: nothing is pickled)."""
-    if _world_size() == 1:
-        return [value]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(_world_size())]
-    dist.all_gather(chunks, padded)
-    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes, strict=True)]
-
-
 def _raise_agreed(where: str, problems: list[str]) -> None:
     """Raise on every rank if any rank found a problem, so none is left waiting in a collective."""
-    everyone = _all_gather_json(problems)
-    merged = list(dict.fromkeys(chain.from_iterable(everyone)))
+    merged = agreed_problems(problems)
     if merged:
         raise CheckpointError(where, merged)

@@ -9,7 +9,7 @@ from typing import Any
 
 from atorch import opt_lib
 from atorch.errors import StrategyError
-from atorch.opt_lib.compatibility import CONFLICTS
+from atorch.opt_lib.compatibility import RULES
 from atorch.strategy import Strategy
 
 
@@ -28,10 +28,10 @@ def methods_markdown() -> str:
         lines += ["", f"**`{name}`** config:", "", "| key | default | meaning |", "|---|---|---|"]
         for key, field in method.Config.model_fields.items():
             lines.append(f"| `{key}` | `{_default(field)}` | {field.description or ''} |")
-    lines += ["", "Combinations that are refused:", "", "| method | with | because | fix |", "|---|---|---|---|"]
-    for rule in CONFLICTS:
-        cond = f" ({rule.condition})" if rule.condition else ""
-        lines.append(f"| `{rule.first}`{cond} | `{rule.second}` | {rule.reason} | {rule.fix} |")
+    lines += ["", "Combinations that are refused:", "", "| methods | when | because | fix |", "|---|---|---|---|"]
+    for rule in RULES:
+        names = " + ".join(f"`{m}`" for m in rule.methods)
+        lines.append(f"| {names} | {rule.condition or 'always'} | {rule.reason} | {rule.fix} |")
     return "\n".join(lines)
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +50,9 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        global _pg_timeout
         backend = "nccl" if use_cuda else "gloo"
-        timeout = timedelta(seconds=timeout_s)
+        timeout = _pg_timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
@@ -64,6 +69,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
     )
 
 
+_pg_timeout = timedelta(minutes=30)  # torch's default; atorch's own when it created the group
 _EXIT_BARRIER_S = 60.0  # how long a rank waits at exit for the others before tearing down alone
 _failed = False
 
@@ -83,6 +89,9 @@ def shutdown() -> None:
     except RuntimeError as exc:  # a peer is gone: tear down alone
         logger.warning("exit barrier: %s", str(exc).splitlines()[0])
     finally:
+        from atorch.parallel_layout import forget_meshes
+
+        forget_meshes()
         dist.destroy_process_group()
 
 
@@ -97,3 +106,80 @@ def _install_shutdown() -> None:
 
     sys.excepthook = excepthook
     atexit.register(shutdown)
+
+
+# ----- agreement across ranks --------------------------------------------------------------
+AGREE_TIMEOUT_S = 300.0  # how long a rank waits for the others to report what they found
+
+
+def _collective_device() -> torch.device:
+    # NCCL moves CUDA tensors only.
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _wait(work: Any, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(
+            f"{what}: another process did not answer within {timeout_s:.0f} s ({str(exc).splitlines()[0]}); "
+            "it may have crashed or be stuck: look at the other ranks' output"
+        ) from exc
+
+
+def all_gather_json(value: Any, timeout_s: float = AGREE_TIMEOUT_S) -> list[Any]:
+    """Every rank's JSON value, in rank order (UTF-8 bytes in tensors: nothing is pickled).
+
+    Waits at most timeout_s for the other ranks, then raises TimeoutError instead of hanging.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    world, device = dist.get_world_size(), _collective_device()
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    _wait(dist.all_gather(sizes, mine, async_op=True), timeout_s, "exchanging checks between ranks")
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    _wait(dist.all_gather(chunks, padded, async_op=True), timeout_s, "exchanging checks between ranks")
+    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes, strict=True)]
+
+
+def agreed_problems(problems: list[str], timeout_s: float = AGREE_TIMEOUT_S) -> list[str]:
+    """The problems any rank found, the same list on every rank.
+
+    A problem seen on some ranks only (a file on one node, a package on some) is labelled with
+    those ranks, so that every rank can raise the same error and none waits in a collective.
+    """
+    everyone = all_gather_json(list(problems), timeout_s)
+    merged: dict[str, list[int]] = {}
+    for rank, found in enumerate(everyone):
+        for problem in found:
+            merged.setdefault(problem, []).append(rank)
+    world = len(everyone)
+    return [p if len(ranks) == world else f"on rank(s) {', '.join(map(str, ranks))} only: {p}"
+            for p, ranks in merged.items()]
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float) -> Iterator[None]:
+    """Bound every collective of every process group in this block to ``seconds``.
+
+    A collective that does not complete in time raises on that rank instead of waiting for the
+    group's default timeout, so a caller (a search trial) can bound the work it starts.
+    """
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    if not dist.is_initialized():
+        yield
+        return
+    groups = list(_world.pg_map)
+    for group in groups:
+        _set_pg_timeout(timedelta(seconds=seconds), group)
+    try:
+        yield
+    finally:
+        for group in groups:
+            _set_pg_timeout(_pg_timeout, group)

@@ -1,9 +1,8 @@
 """The user's training objects, and the build of model → optimizer → scheduler → dataloader.
 
 A ModelContext never changes the user's objects: ``fresh()`` gives a context over a deep copy of
-the model, on which a Strategy is applied. Methods change the context's fields in APPLY_ORDER;
-``build`` then finishes in one fixed order (data-parallel wrapper, optimizer, after-build hooks,
-scheduler, dataloader).
+the model, on which ``atorch.apply.apply_strategy`` applies a Strategy; ``finish()`` then builds the
+LR scheduler and the dataloader.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from atorch.distributed import DistEnv
 from atorch.log import get_logger
 from atorch.optimizer import AcceleratedOptimizer
+from atorch.parallel_layout import ParallelLayout
 
 logger = get_logger(__name__)
 
@@ -70,17 +70,15 @@ def call_model(model: nn.Module, data: Any, model_input_format: str | None) -> A
 
 
 class ModelContext:
-    """Working state while a Strategy is applied to one copy of the user's model."""
+    """Working state while a Strategy is applied to one copy of the user's model (see apply.py)."""
 
-    def __init__(self, setup: UserSetup, env: DistEnv, model: nn.Module | None = None) -> None:
+    def __init__(self, setup: UserSetup, env: DistEnv, layout: ParallelLayout, model: nn.Module | None = None) -> None:
         self.setup = setup
         self.env = env
+        self.layout = layout  # the one source of the data-parallel size and rank
         self.model: nn.Module = setup.model if model is None else model
-        # Set by methods in APPLY_ORDER:
-        self.mesh: Any = None  # torch DeviceMesh over all ranks, named dimensions
-        self.data_parallel_wrapped = False  # a sharding method replaced DDP
+        # Set while the strategy is applied (apply.py):
         self.sharded_gradients = False  # gradients are shards (FSDP/ZeRO-2): checks need all ranks
-        self.optimizer_factory: Callable[[Any], torch.optim.Optimizer] = self._plain_optimizer
         self.input_dtype: torch.dtype | None = None  # 'half' casts floating inputs
         self.autocast_dtype: torch.dtype | None = None
         self.grad_scaler: Any = None
@@ -89,51 +87,33 @@ class ModelContext:
         self.engine: Any = None  # DeepSpeed engine, if one owns the step
         self.skipped: dict[str, str] = {}  # method name -> why it was not applied
         self.strategy: Any = None  # the Strategy being applied
-        # Built by build():
+        # Built at the end:
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self.dataloader: DataLoader | None = None
 
     def fresh(self) -> ModelContext:
         """A new context over a deep copy of the user's model: the originals stay untouched."""
-        return ModelContext(self.setup, self.env, copy.deepcopy(self.setup.model).to(self.env.device))
+        return ModelContext(self.setup, self.env, self.layout, copy.deepcopy(self.setup.model).to(self.env.device))
 
-    # ----- parallel layout ------------------------------------------------------------------
-    def dim_size(self, name: str) -> int:
-        """Size of a parallel dimension; with no mesh yet, every process is data parallel."""
-        if self.mesh is None:
-            return self.env.world_size if name == "data" else 1
-        return self.mesh[name].size() if name in (self.mesh.mesh_dim_names or ()) else 1
-
+    # ----- parallel layout (all from self.layout) -------------------------------------------
     @property
     def dp_size(self) -> int:
-        return self.dim_size("data")
+        return self.layout.data_size
 
     @property
     def dp_rank(self) -> int:
-        if self.mesh is None:
-            return self.env.rank
-        names = self.mesh.mesh_dim_names or ()
-        if "data" not in names:
-            return 0
-        # The mesh coordinate, not get_local_rank(): torch numbers a group's ranks in sorted order,
-        # which would ignore parallel_mode's rank_order when the data is sharded.
-        return self.mesh.get_coordinate()[names.index("data")]
+        return self.layout.data_rank(self.env.rank)
 
-    def dp_mesh(self) -> Any:
-        """The 1-D data-parallel mesh (created over the whole world if parallel_mode made none)."""
-        if self.mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
+    @property
+    def data_mesh(self) -> Any:
+        """The 1-D data-parallel DeviceMesh of this process (created once per layout)."""
+        return self.layout.data_mesh(self.env.device.type)
 
-            self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("data",))
-        return self.mesh["data"]
-
-    # ----- fixed build order ----------------------------------------------------------------
-    def build_after_methods(self, after_build_hooks: list[Callable[[], None]]) -> None:
-        self._wrap_data_parallel()
-        self.optimizer = self.optimizer_factory(self._optimizer_params())
-        for hook in after_build_hooks:
-            hook()
+    # ----- what is built after the strategy's transformations -------------------------------
+    def finish(self) -> None:
+        """Wrap the optimizer, then build the LR scheduler and the dataloader."""
+        assert self.optimizer is not None
         self.optimizer = AcceleratedOptimizer(
             self.optimizer,
             grad_scaler=self.grad_scaler,
@@ -143,35 +123,6 @@ class ModelContext:
         )
         self.lr_scheduler = self._build_scheduler()
         self.dataloader = self._build_dataloader()
-
-    def _wrap_data_parallel(self) -> None:
-        if self.data_parallel_wrapped or self.dp_size == 1:
-            return
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        cuda = self.env.device.type == "cuda"
-        model = DDP(
-            self.model,
-            device_ids=[self.env.device.index] if cuda else None,
-            process_group=self.dp_mesh().get_group(),
-            find_unused_parameters=self.setup.find_unused_parameters,
-        )
-        self.model = model
-        self.data_parallel_wrapped = True
-
-        def set_sync(enabled: bool) -> None:
-            model.require_backward_grad_sync = enabled
-
-        self.gradient_sync = set_sync
-        logger.info("data parallel: DDP over %d processes", self.dp_size)
-
-    def _optimizer_params(self) -> Any:
-        if self.setup.optim_param_func is not None:
-            return self.setup.optim_param_func(self.model)
-        return self.model.parameters()
-
-    def _plain_optimizer(self, params: Any) -> torch.optim.Optimizer:
-        return self.setup.optim_func(params, **self.setup.optim_args)
 
     def _build_scheduler(self) -> Any:
         if self.setup.lr_scheduler_cls is None:

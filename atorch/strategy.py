@@ -117,7 +117,8 @@ class Strategy(BaseModel):
         found: list[str] = []
         for item in self.methods:
             found += [f"'{item.name}': {p}" for p in registry.get_method(item.name).check(item.config, check)]
-        return found + conflicts_in(configs)
+        # Rules see the configs as they run at this world size (parallel_mode's data size fitted).
+        return found + conflicts_in(self.adjusted(world_size).configs())
 
     def adjusted(self, world_size: int) -> Strategy:
         """The strategy as it runs at world_size (ATorch fits parallel_mode's data size)."""

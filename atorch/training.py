@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from atorch.model_context import call_model
 
@@ -13,12 +14,15 @@ from atorch.model_context import call_model
 def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
 
-    Gradients are synchronised only on the last micro-batch; each micro-batch loss is divided by
-    the number of micro-batches so the step equals one over their concatenation. Returns the mean
-    loss on this rank (detached).
+    Gradients are synchronised only on the last micro-batch (the boundary is set before each
+    forward, the order every strategy reads it in); each micro-batch loss is divided by the number
+    of micro-batches so the step equals one over their concatenation. Returns the global batch's
+    loss: the mean over data-parallel ranks, the same value on every rank (detached).
     """
     model, optim, args = result.model, result.optim, result.args
     count = len(micro_batches)
+    if count == 0:
+        raise ValueError("train_step needs at least one micro-batch")
     total = torch.zeros((), device=args.device)
     for index, batch in enumerate(micro_batches):
         if count > 1 and args.requires_set_gradient_accumulation_boundary:
@@ -33,8 +37,19 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
         else:
             loss.backward()
         total += loss.detach().float()
+    # Started before the step so that it overlaps with it; the group is the data-parallel one.
+    reduction = _start_mean(total, result)
     optim.step()
     optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
+    if reduction is not None:
+        reduction.wait()
+        total /= args.data_parallel_size
     return total
+
+
+def _start_mean(total: torch.Tensor, result: Any) -> Any:
+    if result.args.data_parallel_size == 1:
+        return None
+    return dist.all_reduce(total, group=result.args.data_parallel_group, async_op=True)

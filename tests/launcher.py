@@ -4,27 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(script: str | Path, args: tuple[str, ...], nproc: int, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args,
-    ]
+    # --standalone: torchrun picks a free rendezvous port itself (no race between probing and binding).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
@@ -34,16 +25,9 @@ def _launch(script: str | Path, args: tuple[str, ...], nproc: int, timeout: floa
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Launch ``script`` on nproc local processes; raises with the output on failure or time-out.
 
-    A launch that fails is run once more (a port taken between probing and binding, or a gloo
-    tear-down crash, can fail a launch through no fault of the code under test); the first failure
-    is reported as a warning, so it stays visible. A second failure fails the test.
+    There is no retry: a launch that fails is a failure to fix, not to hide.
     """
     proc = _launch(script, args, nproc, timeout)
-    if proc.returncode != 0:
-        first = f"{script} failed ({proc.returncode}), retried:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        warnings.warn(first, RuntimeWarning, stacklevel=2)
-        print(first, file=sys.stderr)
-        proc = _launch(script, args, nproc, timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

@@ -8,7 +8,6 @@ is its own test id; its per-step losses (mean over ranks) must match the referen
 from __future__ import annotations
 
 import importlib.util
-from itertools import product
 from typing import Any
 
 import pytest
@@ -18,8 +17,8 @@ from launcher import HERE, run_json
 from workers.numerics_worker import MODELS, scenarios
 
 import atorch
-from atorch.opt_lib import CONFLICTS, get_method
-from atorch.opt_lib.compatibility import Conflict
+from atorch.opt_lib import RULES
+from atorch.strategy import Strategy
 
 WORKER = HERE / "workers" / "numerics_worker.py"
 LAUNCH_TIMEOUT_S = 420  # a first DeepSpeed run compiles its CPU communication op (about 80 s on 2 cores)
@@ -91,27 +90,20 @@ def test_scenario_matches_fp32_reference(launch: dict[str, Any], scenario: str) 
 
 
 # ----- forbidden combinations ---------------------------------------------------------------
-# Every rule of the table: forbidden_pairs() (always forbidden) and the conditional ones.
-def _candidate_configs(name: str) -> list[dict[str, Any]]:
-    """The default config and each boolean option flipped: enough to reach every table condition."""
-    fields = get_method(name).Config.model_fields
-    flips = [{key: not info.default} for key, info in fields.items() if isinstance(info.default, bool)]
-    return [{}, *flips]
+# Every rule of the table, through the strategy it carries as its example.
+CONFLICT_CASES = {" + ".join(r.methods) + (f" ({r.condition})" if r.condition else ""): r for r in RULES}
+# Examples that need more processes than this test's one (a rank order over 2 ranks) are checked
+# for their message here, and refused on real ranks in the checkpoint tests.
+IN_PROCESS_CASES = [
+    case for case, rule in CONFLICT_CASES.items()
+    if Strategy.load(rule.refused_example()).problems(1) == [rule.message()]
+]
 
 
-def _triggering_strategy(rule: Conflict) -> list[Any]:
-    """A two-method strategy that the rule forbids (for a conditional rule: configs that meet it)."""
-    if rule.when is None:
-        return [rule.first, rule.second]
-    first, second = get_method(rule.first), get_method(rule.second)
-    for raw_first, raw_second in product(_candidate_configs(rule.first), _candidate_configs(rule.second)):
-        if rule.when(first.parse_config(raw_first), second.parse_config(raw_second)):
-            return [(rule.first, raw_first), (rule.second, raw_second)]
-    raise AssertionError(f"no config among boolean flips meets {rule.condition!r} of {rule.message()}")
-
-
-CONFLICT_CASES = {f"{r.first}({r.condition})+{r.second}" if r.condition else f"{r.first}+{r.second}": r
-                  for r in CONFLICTS}
+@pytest.mark.parametrize("case", list(CONFLICT_CASES))
+def test_every_rule_refuses_its_example(case: str) -> None:
+    rule = CONFLICT_CASES[case]
+    assert rule.message() in Strategy.load(rule.refused_example()).problems(world_size=2)
 
 
 class CopyTrapMLP(toy_models.MLP):
@@ -131,10 +123,10 @@ def _snapshot(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("case", list(CONFLICT_CASES))
+@pytest.mark.parametrize("case", IN_PROCESS_CASES)
 def test_conflicting_pair_is_refused_before_building(case: str) -> None:
     rule = CONFLICT_CASES[case]
-    strategy = _triggering_strategy(rule)
+    strategy = rule.refused_example()
     torch.manual_seed(0)
     model = CopyTrapMLP()
     before = _snapshot(model)
@@ -145,7 +137,7 @@ def test_conflicting_pair_is_refused_before_building(case: str) -> None:
         )
     message = str(raised.value)
     assert rule.message() in raised.value.problems, message
-    assert f"'{rule.first}'" in message and f"'{rule.second}'" in message and rule.fix in message, message
+    assert all(f"'{m}'" in message for m in rule.methods) and rule.fix in message, message
 
     after = _snapshot(model)
     assert after["modules"] == before["modules"] and after["attributes"] == before["attributes"]

@@ -11,7 +11,8 @@ from toy_models import mlp
 
 from atorch.distributed import DistEnv
 from atorch.model_context import ModelContext, UserSetup
-from atorch.opt_lib import APPLY_ORDER, CONFLICTS, Categorical, get_method, method_names
+from atorch.opt_lib import APPLY_ORDER, RULES, Categorical, get_method, method_names
+from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
 GROUPS = {"parallel", "precision", "memory", "module"}
@@ -21,7 +22,7 @@ GROUPS = {"parallel", "precision", "memory", "module"}
 def ctx() -> ModelContext:
     # A context at world size 2 that is never built: search spaces and checks only read it.
     env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    return ModelContext(UserSetup(model=mlp(), optim_func=torch.optim.SGD), env)
+    return ModelContext(UserSetup(model=mlp(), optim_func=torch.optim.SGD), env, ParallelLayout.data_parallel(2))
 
 
 def test_every_method_is_registered_once_in_apply_order() -> None:
@@ -32,9 +33,9 @@ def test_every_method_is_registered_once_in_apply_order() -> None:
 
 
 def test_conflict_table_names_registered_methods_only() -> None:
-    for rule in CONFLICTS:
-        assert rule.first in method_names() and rule.second in method_names(), rule
-        assert rule.first != rule.second
+    for rule in RULES:
+        assert set(rule.methods) <= set(method_names()), rule
+        assert len(set(rule.methods)) == len(rule.methods) >= 2, rule
 
 
 @pytest.mark.parametrize("name", method_names())

@@ -288,6 +288,6 @@ def test_conflicts_are_reported_with_world_size():
     joined = "\n".join(problems)
     assert "'half' cannot be combined with 'amp_native'" in joined
     assert "'zero1' cannot be combined with 'zero2'" in joined
-    assert "'zero2' cannot be combined with 'amp_native' (use_ds_zero=True)" in joined
+    assert "'zero2' cannot be combined with 'amp_native' (zero2 implementation='deepspeed')" in joined
     # Without a world size only the form is checked.
     assert Strategy.load(["amp_native", "half"]).names() == ["amp_native", "half"]

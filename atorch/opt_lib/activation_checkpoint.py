@@ -56,19 +56,21 @@ class ActivationCheckpoint(Method):
             return [f"wrap_class {list(classes)} matches no module of the model; use class objects or names"]
         return []
 
-    def apply(self, ctx: Any, config: CheckpointConfig) -> None:  # type: ignore[override]
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
 
-        classes = config.wrap_class or block_classes(ctx.model)
-        count = sum(1 for m in ctx.model.modules() if matches(m, classes))
-        impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
-        apply_activation_checkpointing(
-            ctx.model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
-            check_fn=lambda m: matches(m, classes),
-        )
-        logger.info("checkpoint: %d modules of %s (%s)", count, list(classes), impl.name.lower())
+def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:
+    """Wrap the chosen blocks of ctx.model so that their activations are recomputed in backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    classes = config.wrap_class or block_classes(ctx.model)
+    count = sum(1 for m in ctx.model.modules() if matches(m, classes))
+    impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
+    apply_activation_checkpointing(
+        ctx.model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: matches(m, classes),
+    )
+    logger.info("checkpoint: %d modules of %s (%s)", count, list(classes), impl.name.lower())

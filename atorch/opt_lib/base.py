@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,8 +69,9 @@ class Method(ABC):
     - ``applicable(ctx)``: None if the method can run here, else the reason it cannot.
     - ``model_problems(ctx, config)``: config problems with the user's model (e.g. no such class).
     - ``search_space(ctx)``: config fields a planner may vary, with their choices.
-    - ``apply(ctx, config)``: changes ``ctx`` before the optimizer is built (runs in APPLY_ORDER).
-    - ``after_build(ctx, config)``: changes ``ctx`` after the optimizer is built (same order).
+
+    A method is data only; ``atorch.apply.apply_strategy`` applies every method, in one fixed order,
+    through the transformation functions next to each method's class.
     """
 
     name: ClassVar[str]
@@ -101,9 +102,3 @@ class Method(ABC):
 
     def search_space(self, ctx: ModelContext) -> dict[str, Dimension]:
         return {}
-
-    @abstractmethod
-    def apply(self, ctx: ModelContext, config: MethodConfig) -> None: ...
-
-    def after_build(self, ctx: ModelContext, config: MethodConfig) -> None:
-        return None

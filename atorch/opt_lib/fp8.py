@@ -11,6 +11,7 @@ from torch import nn
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig
+from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -75,17 +76,6 @@ def fp8_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-class _FP8Forward:
-    def __init__(self, forward: Any, recipe: Any) -> None:
-        self.forward, self.recipe = forward, recipe
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import transformer_engine.pytorch as te
-
-        with te.fp8_autocast(enabled=True, fp8_recipe=self.recipe):
-            return self.forward(*args, **kwargs)
-
-
 @register
 class FP8(Method):
     name = "fp8"
@@ -97,30 +87,32 @@ class FP8(Method):
     def applicable(self, ctx: Any) -> str | None:
         return fp8_unavailable_reason(ctx.env.device)
 
-    def apply(self, ctx: Any, config: FP8Config) -> None:  # type: ignore[override]
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import DelayedScaling, Format
 
-        names = fp8_linear_names(ctx.model, config.include, config.exclude)
-        for name in names:
-            parent_name, _, child = name.rpartition(".")
-            parent = ctx.model.get_submodule(parent_name) if parent_name else ctx.model
-            old: nn.Linear = getattr(parent, child)
-            new = te.Linear(
-                old.in_features, old.out_features, bias=old.bias is not None,
-                params_dtype=old.weight.dtype, device=old.weight.device,
-            )
-            with torch.no_grad():
-                new.weight.copy_(old.weight)
-                if old.bias is not None:
-                    new.bias.copy_(old.bias)
-            setattr(parent, child, new)
-        options: dict[str, Any] = dict(
-            margin=config.margin, fp8_format=Format[config.fp8_format],
-            amax_history_len=config.amax_history_len, amax_compute_algo=config.amax_compute_algo,
+def use_fp8_linears(ctx: Any, config: FP8Config) -> None:
+    """Swap the chosen nn.Linear layers for Transformer Engine's and run forward under fp8 autocast."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    names = fp8_linear_names(ctx.model, config.include, config.exclude)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = ctx.model.get_submodule(parent_name) if parent_name else ctx.model
+        old: nn.Linear = getattr(parent, child)
+        new = te.Linear(
+            old.in_features, old.out_features, bias=old.bias is not None,
+            params_dtype=old.weight.dtype, device=old.weight.device,
         )
-        if "interval" in getattr(DelayedScaling, "__dataclass_fields__", {}):  # removed in newer TE
-            options["interval"] = config.interval
-        recipe = DelayedScaling(**options)
-        ctx.model.forward = _FP8Forward(ctx.model.forward, recipe)
-        logger.info("fp8: %d Linear layers use Transformer Engine", len(names))
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        setattr(parent, child, new)
+    options: dict[str, Any] = dict(
+        margin=config.margin, fp8_format=Format[config.fp8_format],
+        amax_history_len=config.amax_history_len, amax_compute_algo=config.amax_compute_algo,
+    )
+    if "interval" in getattr(DelayedScaling, "__dataclass_fields__", {}):  # removed in newer TE
+        options["interval"] = config.interval
+    recipe = DelayedScaling(**options)
+    run_forward_in(ctx.model, lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe), "fp8_autocast")
+    logger.info("fp8: %d Linear layers use Transformer Engine", len(names))

@@ -17,7 +17,6 @@ from torch import nn
 from atorch.class_ref import class_path, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig
-from atorch.opt_lib.precision import TORCH_DTYPES
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -123,9 +122,9 @@ class ModuleReplace(Method):
             return [f"unknown replace pair(s) {unknown}; registered: {sorted(_PAIRS)} (see register_replace_pair)"]
         return []
 
-    def apply(self, ctx: Any, config: ModuleReplaceConfig) -> None:  # type: ignore[override]
-        pairs = [_PAIRS[n] for n in config.pairs] if config.pairs else list(_PAIRS.values())
-        half = ctx.strategy.get("half") if ctx.strategy is not None else None
-        dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
-        counts = replace_modules(ctx.model, pairs, dtype)
-        logger.info("module_replace: %s", {k: v for k, v in counts.items() if v} or "nothing to replace")
+
+def replace_registered(ctx: Any, config: ModuleReplaceConfig, dtype: torch.dtype) -> None:
+    """Apply the configured replace pairs to ctx.model, which will run in ``dtype``."""
+    pairs = [_PAIRS[n] for n in config.pairs] if config.pairs else list(_PAIRS.values())
+    counts = replace_modules(ctx.model, pairs, dtype)
+    logger.info("module_replace: %s", {k: v for k, v in counts.items() if v} or "nothing to replace")

@@ -94,14 +94,3 @@ class ParallelMode(Method):
                 dict(config.dims)["data"], data, world_size,
             )
         return config.model_copy(update={"dims": dims})
-
-    def apply(self, ctx: Any, config: ParallelModeConfig) -> None:  # type: ignore[override]
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        config = self.adjust(config, ctx.env.world_size)
-        names = tuple(n for n, _ in config.dims)
-        shape = tuple(s for _, s in config.dims)
-        order = list(config.rank_order) if config.rank_order is not None else list(range(ctx.env.world_size))
-        ctx.mesh = DeviceMesh(ctx.env.device.type, torch.tensor(order).reshape(shape), mesh_dim_names=names)
-        logger.info("parallel_mode: mesh %s", dict(config.dims))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Annotated, Any, Literal
 
 import torch
@@ -10,6 +9,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -42,19 +42,26 @@ class AmpConfig(MethodConfig):
     )
 
 
-class _AutocastForward:
-    """A module's forward run under torch.autocast (a class, so it has a readable repr)."""
+def autocast_forward(ctx: Any, config: AmpConfig) -> None:
+    """Run ctx.model's forward under autocast; remember the dtype for sharding's gather dtype."""
+    dtype = TORCH_DTYPES[config.dtype]
+    ctx.autocast_dtype = dtype
+    ctx.skip_if_nonfinite = config.skip_if_nonfinite
+    device_type = ctx.env.device.type
+    run_forward_in(ctx.model, lambda: torch.autocast(device_type, dtype=dtype), f"autocast({dtype})")
+    logger.info("amp_native: autocast %s%s", config.dtype, ", loss scaling" if config.dtype == "fp16" else "")
 
-    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype) -> None:
-        functools.update_wrapper(self, forward)
-        self.forward, self.device_type, self.dtype = forward, device_type, dtype
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.forward(*args, **kwargs)
+def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
+    """fp16 needs loss scaling; a sharded scaler when gradients are shards (agreed inf/nan check)."""
+    if config.dtype != "fp16":
+        return None
+    device = ctx.env.device.type
+    if ctx.sharded_gradients:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    def __repr__(self) -> str:
-        return f"autocast({self.dtype})"
+        return ShardedGradScaler(device=device)
+    return torch.amp.GradScaler(device)
 
 
 @register
@@ -71,25 +78,6 @@ class AmpNative(Method):
         if not torch.amp.is_autocast_available(ctx.env.device.type):
             return f"torch.autocast is not available on device type {ctx.env.device.type!r}"
         return None
-
-    def apply(self, ctx: Any, config: AmpConfig) -> None:  # type: ignore[override]
-        dtype = TORCH_DTYPES[config.dtype]
-        ctx.autocast_dtype = dtype
-        ctx.skip_if_nonfinite = config.skip_if_nonfinite
-        ctx.model.forward = _AutocastForward(ctx.model.forward, ctx.env.device.type, dtype)
-        logger.info("amp_native: autocast %s%s", config.dtype, ", loss scaling" if config.dtype == "fp16" else "")
-
-    def after_build(self, ctx: Any, config: AmpConfig) -> None:  # type: ignore[override]
-        if config.dtype != "fp16" or ctx.engine is not None:
-            return
-        device = ctx.env.device.type
-        if ctx.sharded_gradients:
-            # Gradients are shards: the inf/nan check must be agreed across ranks.
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            ctx.grad_scaler = ShardedGradScaler(device=device)
-        else:
-            ctx.grad_scaler = torch.amp.GradScaler(device)
 
 
 class HalfConfig(MethodConfig):
@@ -113,8 +101,10 @@ class Half(Method):
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"dtype": Categorical(("bf16", "fp16"))}
 
-    def apply(self, ctx: Any, config: HalfConfig) -> None:  # type: ignore[override]
-        dtype = TORCH_DTYPES[config.dtype]
-        ctx.model.to(dtype)
-        ctx.input_dtype = dtype
-        logger.info("half: model and inputs in %s", config.dtype)
+
+def cast_to_half(ctx: Any, config: HalfConfig) -> None:
+    """The whole model, and later its floating inputs, in 16 bits."""
+    dtype = TORCH_DTYPES[config.dtype]
+    ctx.model.to(dtype)
+    ctx.input_dtype = dtype
+    logger.info("half: model and inputs in %s", config.dtype)

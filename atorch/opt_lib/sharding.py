@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
 from atorch.opt_lib.blocks import block_classes
-from atorch.opt_lib.deepspeed_zero import DeepSpeedZero
+from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -61,11 +61,13 @@ class FSDPConfig(ShardingConfig):
     )
 
 
-class Zero2Config(ShardingConfig):
-    """zero2's options: the shared ones, plus the DeepSpeed switch."""
+class Zero2Config(ZeroConfig, ShardingConfig):
+    """zero2's options: the shared ones, plus the implementation (ATorch's ``use_ds_zero``)."""
 
-    use_ds_zero: bool = Field(
-        default=False, description="use DeepSpeed ZeRO stage 2 instead of FSDP2 (the other keys then do not apply)"
+    implementation: Literal["fsdp2", "deepspeed"] = Field(
+        default="fsdp2",
+        description="fsdp2: FSDP2 without resharding after forward; deepspeed: DeepSpeed's ZeRO stage 2 engine "
+        "(the other keys then do not apply)",
     )
 
 
@@ -131,18 +133,18 @@ def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
 
 
 def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:
+    """Wrap ctx.model's units and root with FSDP2 over the data-parallel mesh (no communication:
+    FSDP2 gathers on first forward; the initial weights are made equal beforehand by apply.py)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     model: nn.Module = ctx.model
-    mesh = ctx.dp_mesh()
+    mesh = ctx.data_mesh
     # Units: the given classes; else size-based units if asked for; else the detected blocks.
     classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
     targets = [m for m in model.modules() if m is not model and matches(m, classes)] if classes else []
     if config.wrap_min_num_params:
         targets += [m for m in _size_based_targets(model, config.wrap_min_num_params) if m not in targets]
     ignored = {p for m in _ignored_modules(model, config.ignored_modules) for p in m.parameters()}
-    if config.sync_module_states:
-        broadcast_from_first(model, mesh)
     mp_policy = MixedPrecisionPolicy()
     if ctx.autocast_dtype is not None:
         mp_policy = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
@@ -165,7 +167,6 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
         model.set_requires_gradient_sync(enabled)
 
     ctx.gradient_sync = set_sync
-    ctx.data_parallel_wrapped = True
     ctx.sharded_gradients = True
     logger.info(
         "%s: FSDP2 over %d processes, %d units + root%s%s", label, mesh.size(), len(targets),
@@ -187,31 +188,21 @@ class FSDP(Method):
     def model_problems(self, ctx: Any, config: FSDPConfig) -> list[str]:  # type: ignore[override]
         return sharding_problems(ctx.model, config)
 
-    def apply(self, ctx: Any, config: FSDPConfig) -> None:  # type: ignore[override]
-        shard_model(ctx, config, reshard_after_forward=config.reshard_after_forward, label="fsdp")
-
 
 @register
-class Zero2(DeepSpeedZero, Method):
+class Zero2(Method):
     name = "zero2"
     group = "parallel"
-    summary = "ZeRO-2: gradients and optimizer state sharded (FSDP2 without resharding after forward)."
+    summary = "ZeRO-2: gradients and optimizer state sharded (FSDP2 without resharding after forward, or DeepSpeed)."
     Config = Zero2Config
     mesh_dims = ("data",)
-    ds_stage = 2
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
-        return {"use_ds_zero": Categorical((False, True) if self.deepspeed_reason() is None else (False,))}
+        return {"implementation": Categorical(("fsdp2", "deepspeed") if deepspeed_reason() is None else ("fsdp2",))}
 
     def model_problems(self, ctx: Any, config: Zero2Config) -> list[str]:  # type: ignore[override]
-        return [] if config.use_ds_zero else sharding_problems(ctx.model, config)
+        from atorch.opt_lib.zero1 import deepspeed_problems
 
-    def apply(self, ctx: Any, config: Zero2Config) -> None:  # type: ignore[override]
-        if config.use_ds_zero:
-            self.prepare_deepspeed(ctx)
-        else:
-            shard_model(ctx, config, reshard_after_forward=False, label="zero2")
-
-    def after_build(self, ctx: Any, config: Zero2Config) -> None:  # type: ignore[override]
-        if config.use_ds_zero:
-            self.start_deepspeed(ctx)
+        if config.implementation == "deepspeed":
+            return deepspeed_problems(ctx, config)
+        return sharding_problems(ctx.model, config)

@@ -1,56 +1,46 @@
-"""zero1: optimizer state sharded across data-parallel ranks (torch ZeroRedundancyOptimizer)."""
+"""zero1: optimizer state sharded across data-parallel ranks."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
-from atorch.log import get_logger
-from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
-from atorch.opt_lib.deepspeed_zero import DeepSpeedZero
+from atorch.opt_lib.base import Categorical, Dimension, Method
+from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.registry import register
 
-logger = get_logger(__name__)
 
+class Zero1Config(ZeroConfig):
+    """zero1's options (ATorch's ``{"use_ds_zero": True}`` means implementation "deepspeed")."""
 
-class Zero1Config(MethodConfig):
-    """zero1's options."""
-
-    use_ds_zero: bool = Field(
-        default=False, description="use DeepSpeed ZeRO stage 1 instead of torch's ZeroRedundancyOptimizer"
+    implementation: Literal["torch", "deepspeed"] = Field(
+        default="torch",
+        description="torch: ZeroRedundancyOptimizer under DDP; deepspeed: DeepSpeed's ZeRO stage 1 engine",
     )
 
 
 @register
-class Zero1(DeepSpeedZero, Method):
+class Zero1(Method):
     name = "zero1"
     group = "parallel"
     summary = "ZeRO-1: optimizer state sharded across data-parallel ranks; gradients all-reduced by DDP."
     Config = Zero1Config
     mesh_dims = ("data",)
-    ds_stage = 1
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
-        return {"use_ds_zero": Categorical((False, True) if self.deepspeed_reason() is None else (False,))}
+        return {"implementation": Categorical(("torch", "deepspeed") if deepspeed_reason() is None else ("torch",))}
 
-    def apply(self, ctx: Any, config: Zero1Config) -> None:  # type: ignore[override]
-        if config.use_ds_zero:
-            self.prepare_deepspeed(ctx)
-            return
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    def model_problems(self, ctx: Any, config: Zero1Config) -> list[str]:  # type: ignore[override]
+        return deepspeed_problems(ctx, config)
 
-        def zero_redundancy(params: Any) -> Any:
-            return ZeroRedundancyOptimizer(
-                params,
-                optimizer_class=ctx.setup.optim_func,
-                process_group=ctx.dp_mesh().get_group(),
-                **ctx.setup.optim_args,
-            )
 
-        ctx.optimizer_factory = zero_redundancy
-        logger.info("zero1: optimizer state sharded over %d processes", ctx.dp_size)
-
-    def after_build(self, ctx: Any, config: Zero1Config) -> None:  # type: ignore[override]
-        if config.use_ds_zero:
-            self.start_deepspeed(ctx)
+def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
+    """What keeps the DeepSpeed implementation from running here."""
+    if config.implementation != "deepspeed":
+        return []
+    reason = deepspeed_reason()
+    problems = [f"implementation 'deepspeed': {reason}; or use the default implementation"] if reason else []
+    if ctx.layout.data_size != ctx.env.world_size:
+        problems.append("implementation 'deepspeed' needs every process data parallel; remove other parallel_mode dims")
+    return problems

@@ -1,0 +1,118 @@
+"""Applying a strategy: one function, every method in one fixed order.
+
+Transformations of the model (module swaps, casts, autocast, recompute, sharding wrappers) do not
+communicate. The steps that do (making the initial weights equal on every rank, DDP's constructor,
+DeepSpeed's engine) are named below and are left out with ``communicate=False``, so the same
+function can transform a model made of fake or meta tensors for the cost model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from atorch.log import get_logger
+from atorch.model_context import ModelContext
+from atorch.names import user_param_groups
+from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
+from atorch.opt_lib.deepspeed_zero import start_deepspeed
+from atorch.opt_lib.fp8 import use_fp8_linears
+from atorch.opt_lib.module_replace import replace_registered
+from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
+from atorch.opt_lib.sharding import broadcast_from_first, shard_model
+from atorch.strategy import Strategy
+
+logger = get_logger(__name__)
+
+
+def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True) -> None:
+    """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it."""
+    cfg = {item.name: item.config for item in strategy.methods if item.name not in ctx.skipped}
+    ctx.strategy = strategy
+    half, amp = cfg.get("half"), cfg.get("amp_native")
+    zero1, zero2, fsdp = cfg.get("zero1"), cfg.get("zero2"), cfg.get("fsdp")
+    deepspeed_stage = next(
+        (stage for stage, c in ((1, zero1), (2, zero2)) if c is not None and c.implementation == "deepspeed"), None
+    )
+    sharding = fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None
+
+    # 1. Module swaps first: every later step sees the replaced modules (Conv1D -> Linear, ...).
+    if "module_replace" in cfg:
+        dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
+        replace_registered(ctx, cfg["module_replace"], dtype)
+    # 2. Whole-model dtype before anything captures parameters or their dtype.
+    if half is not None:
+        cast_to_half(ctx, half)
+    # 3. fp8 layers, then autocast around the whole forward (fp8's context runs inside autocast's).
+    if "fp8" in cfg:
+        use_fp8_linears(ctx, cfg["fp8"])
+    if amp is not None:
+        autocast_forward(ctx, amp)
+    # 4. Activation recompute wraps the plain blocks, so it ends up inside any sharding unit.
+    if "checkpoint" in cfg:
+        checkpoint_blocks(ctx, cfg["checkpoint"])
+    # 5. [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its
+    #    constructor and DeepSpeed in its engine; FSDP2 does not, so it happens here.
+    if communicate and sharding is not None and sharding.sync_module_states and ctx.dp_size > 1:
+        broadcast_from_first(ctx.model, ctx.data_mesh)
+    # 6. Data parallel: shard (fsdp, zero2) ...
+    if sharding is not None:
+        shard_model(ctx, sharding, reshard_after_forward=fsdp is not None and fsdp.reshard_after_forward,
+                    label="fsdp" if fsdp is not None else "zero2")
+    # 7. ... the optimizer over the parameters the model now trains (the user's groups, by name) ...
+    params = _optimizer_params(ctx)
+    if zero1 is not None and deepspeed_stage is None:
+        ctx.optimizer = _zero_redundancy(ctx, params)
+    else:
+        ctx.optimizer = ctx.setup.optim_func(params, **ctx.setup.optim_args)
+    # 8. ... or [communication] replicate with DDP, or hand model and optimizer to DeepSpeed.
+    if communicate and deepspeed_stage is not None:
+        start_deepspeed(ctx, deepspeed_stage)
+    elif communicate and sharding is None and ctx.dp_size > 1:
+        _wrap_ddp(ctx)
+    # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
+    if amp is not None and ctx.engine is None:
+        ctx.grad_scaler = grad_scaler_for(ctx, amp)
+
+
+def _optimizer_params(ctx: ModelContext) -> Any:
+    if ctx.setup.optim_param_func is None:
+        return list(ctx.model.parameters())
+    return user_param_groups(ctx.setup.model, ctx.setup.optim_param_func(ctx.setup.model), ctx.model)
+
+
+def _zero_redundancy(ctx: ModelContext, params: Any) -> torch.optim.Optimizer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    optimizer = ZeroRedundancyOptimizer(
+        params, optimizer_class=ctx.setup.optim_func, process_group=ctx.data_mesh.get_group(), **ctx.setup.optim_args
+    )
+    logger.info("zero1: optimizer state sharded over %d processes", ctx.dp_size)
+    return optimizer
+
+
+def _wrap_ddp(ctx: ModelContext) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    cuda = ctx.env.device.type == "cuda"
+    model = DistributedDataParallel(
+        ctx.model,
+        device_ids=[ctx.env.device.index] if cuda else None,
+        process_group=ctx.data_mesh.get_group(),
+        find_unused_parameters=ctx.setup.find_unused_parameters,
+    )
+    ctx.model = model
+    ctx.gradient_sync = _DDPSync(model)
+    logger.info("data parallel: DDP over %d processes", ctx.dp_size)
+
+
+class _DDPSync:
+    """Turns DDP's gradient all-reduce on or off (read by DDP in its next forward)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, enabled: bool) -> None:
+        self.model.require_backward_grad_sync = enabled
+

@@ -1,0 +1,147 @@
+"""The parallel layout: one validated value saying how the processes are arranged.
+
+A layout is an ordered list of named dimensions (first varies slowest), e.g.
+``(("pipeline", 2), ("data", 2), ("tensor", 2))``, and the global rank at each mesh position. It is
+checked once against the world size, is the only place the data-parallel size and rank come from,
+and builds the torch DeviceMesh. Meshes (and so process groups) are created once per layout and
+process group, and reused: a search runs many trials in one job.
+
+Everything but ``mesh()`` is pure arithmetic, so the cost model can reason about a layout of a
+1,000-GPU job without any process group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atorch.errors import StrategyError
+
+DATA = "data"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    dims: tuple[tuple[str, int], ...]
+    rank_order: tuple[int, ...] | None = None  # None: 0, 1, 2, ... in mesh order
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise StrategyError(problems, what="invalid parallel layout")
+
+    # ----- construction -------------------------------------------------------------------
+    @classmethod
+    def data_parallel(cls, world_size: int) -> ParallelLayout:
+        """Every process data parallel (the layout when a strategy has no parallel_mode)."""
+        return cls(((DATA, world_size),))
+
+    @classmethod
+    def of(cls, strategy: Any, world_size: int) -> ParallelLayout:
+        """The layout a strategy runs with at world_size (its parallel_mode, fitted; else all data)."""
+        mode = strategy.get("parallel_mode")
+        if mode is None:
+            return cls.data_parallel(world_size)
+        from atorch.opt_lib.registry import get_method
+
+        fitted = get_method("parallel_mode").adjust(mode, world_size)
+        return cls(tuple(fitted.dims), fitted.rank_order)
+
+    # ----- pure facts ---------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        names = [n for n, _ in self.dims]
+        found = []
+        if len(set(names)) != len(names):
+            found.append(f"dimension names must be unique, got {names}")
+        found += [f"size of '{n}' must be at least 1, got {s}" for n, s in self.dims if s < 1]
+        if self.rank_order is not None and sorted(self.rank_order) != list(range(self.world_size)):
+            found.append(f"rank_order must be a permutation of 0..{self.world_size - 1}, got {list(self.rank_order)}")
+        return found
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.dims)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s for _, s in self.dims)
+
+    def size(self, name: str) -> int:
+        return dict(self.dims).get(name, 1)
+
+    @property
+    def data_size(self) -> int:
+        return self.size(DATA)
+
+    def ranks(self) -> torch.Tensor:
+        """The global rank at each mesh position, shaped like the mesh."""
+        order = self.rank_order if self.rank_order is not None else range(self.world_size)
+        return torch.tensor(list(order), dtype=torch.int64).reshape(self.shape)
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """The mesh coordinate of a global rank, by dimension name."""
+        flat = (self.ranks().flatten() == rank).nonzero()
+        if len(flat) != 1:
+            raise ValueError(f"rank {rank} is not in a layout of {self.world_size} processes")
+        index, coords = int(flat[0]), []
+        for size in reversed(self.shape):
+            coords.append(index % size)
+            index //= size
+        return dict(zip(self.names, reversed(coords), strict=True))
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel rank of a global rank: its coordinate along 'data' (0 without one)."""
+        return self.coordinate(rank).get(DATA, 0)
+
+    def groups_follow_coordinates(self, name: str) -> bool:
+        """True if along dimension ``name`` every group's ranks ascend with the coordinate.
+
+        torch numbers a group's members in ascending global rank whatever the mesh says, so where
+        this is False a group rank differs from the mesh coordinate (FSDP2 shards by the former,
+        DTensor's metadata follows the latter).
+        """
+        if name not in self.names:
+            return True
+        lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name))
+        return bool((lines[:, 1:] > lines[:, :-1]).all())
+
+    def __str__(self) -> str:
+        dims = " × ".join(f"{n} {s}" for n, s in self.dims)
+        return dims + ("" if self.rank_order is None else f" (rank order {list(self.rank_order)})")
+
+    # ----- the mesh (collective on first use, then cached) --------------------------------
+    def mesh(self, device_type: str) -> Any:
+        """The DeviceMesh of this layout over the current process group (created once, reused)."""
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+        key = (self, device_type)
+        cached = _MESHES.get(key)
+        if cached is not None and cached[0] is group:
+            return cached[1]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh(device_type, self.ranks(), mesh_dim_names=self.names)
+        _MESHES[key] = (group, mesh)
+        return mesh
+
+    def data_mesh(self, device_type: str) -> Any:
+        """The 1-D data-parallel sub-mesh this process belongs to."""
+        return self.mesh(device_type)[DATA]
+
+
+# (layout, device type) -> (the default group it was made on, mesh). Entries made on a process
+# group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
+_MESHES: dict[tuple[ParallelLayout, str], tuple[Any, Any]] = {}
+
+
+def forget_meshes() -> None:
+    """Drop every cached mesh (called when atorch tears its process group down)."""
+    _MESHES.clear()
