@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.distributed import DistEnv
+from atorch.grad_sync import DDPGradientSync
 from atorch.log import get_logger
 from atorch.optimizer import AcceleratedOptimizer
 
@@ -158,11 +159,8 @@ class ModelContext:
         )
         self.model = model
         self.data_parallel_wrapped = True
-
-        def set_sync(enabled: bool) -> None:
-            model.require_backward_grad_sync = enabled
-
-        self.gradient_sync = set_sync
+        # Boundary declared before forward or before backward: see atorch/grad_sync.py.
+        self.gradient_sync = DDPGradientSync(model, self.dp_mesh().get_group())
         logger.info("data parallel: DDP over %d processes", self.dp_size)
 
     def _optimizer_params(self) -> Any:
