@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from atorch.grad_sync import DDPGradientSync
 from atorch.log import get_logger
 from atorch.model_context import ModelContext
 from atorch.names import user_param_groups
@@ -103,16 +104,7 @@ def _wrap_ddp(ctx: ModelContext) -> None:
         find_unused_parameters=ctx.setup.find_unused_parameters,
     )
     ctx.model = model
-    ctx.gradient_sync = _DDPSync(model)
+    # The boundary may be declared before forward or before backward: see atorch/grad_sync.py.
+    ctx.gradient_sync = DDPGradientSync(model, ctx.data_mesh.get_group())
     logger.info("data parallel: DDP over %d processes", ctx.dp_size)
-
-
-class _DDPSync:
-    """Turns DDP's gradient all-reduce on or off (read by DDP in its next forward)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __call__(self, enabled: bool) -> None:
-        self.model.require_backward_grad_sync = enabled
 

@@ -93,7 +93,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if self.engine is not None:
             self.engine.step()
+            self._clip_in_engine(0.0)  # a clip applies to the step it was asked for
             return None
+        self._complete_gradient_sync()
         if self.grad_scaler is not None:
             result = self.grad_scaler.step(self.optimizer)
             self._count_scaler_skip()
@@ -120,11 +122,74 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Call before each backward when accumulating: False skips the gradient all-reduce."""
+        """Call in each training pass when accumulating, before its forward (cheapest) or before its
+        backward: False leaves the gradient reduction out, True (the boundary pass) reduces."""
         if self.engine is not None:
             self.engine.set_gradient_accumulation_boundary(is_boundary)
         elif self.gradient_sync is not None:
             self.gradient_sync(is_boundary)
+
+    def _complete_gradient_sync(self) -> None:
+        # DDP: a boundary declared after the forward of its pass is reduced here (atorch/grad_sync.py).
+        complete = getattr(self.gradient_sync, "complete", None)
+        if complete is not None:
+            complete()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def _unscaled_grads(self) -> list[torch.Tensor]:
+        """This step's reduced, unscaled gradients (GradScaler then does not unscale again in step)."""
+        self._complete_gradient_sync()
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            self.grad_scaler.unscale_(self.optimizer)
+        return self._grads()
+
+    def _clip_in_engine(self, max_norm: float) -> None:
+        # DeepSpeed ZeRO clips its fp32 partitions in step by the norm it computes, with torch's formula.
+        zero_optimizer = getattr(self.engine, "optimizer", None)
+        if zero_optimizer is not None and hasattr(zero_optimizer, "clip_grad"):
+            zero_optimizer.clip_grad = float(max_norm)
+        elif max_norm:
+            raise NotImplementedError("this DeepSpeed engine's optimizer has no clip_grad setting")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole global batch to max_norm; returns their total norm.
+
+        Right under every strategy: loss scaling is undone first, sharded gradients count once over
+        all ranks, and the norm is that of the unscaled, reduced gradients. Call after the last
+        backward of a step, before ``step()``.
+        """
+        norm_type = float(norm_type)
+        if self.engine is not None:
+            from atorch.clipping import deepspeed_total_norm
+
+            self._clip_in_engine(max_norm)
+            return deepspeed_total_norm(self.engine, norm_type)
+        from atorch.clipping import clip_by_norm, total_norm
+
+        grads = self._unscaled_grads()
+        norm = total_norm(grads, norm_type)
+        clip_by_norm(grads, max_norm, norm)
+        return norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every (unscaled) gradient element to [-clip_value, clip_value]."""
+        if self.engine is not None:
+            raise NotImplementedError(
+                "clip_grad_value_ is not available under DeepSpeed (use_ds_zero=True): DeepSpeed clips by "
+                "norm only; use clip_grad_norm_, or use_ds_zero=False"
+            )
+        from atorch.clipping import clip_by_value
+
+        clip_by_value(self._unscaled_grads(), float(clip_value))
+
+    # Colossal-AI's names for the same operations.
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_by_value(self, clip_value: float) -> None:
+        self.clip_grad_value_(clip_value)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

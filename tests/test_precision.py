@@ -7,6 +7,7 @@ import torch
 from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
+from atorch.errors import StrategyError
 from atorch.training import train_step
 
 
@@ -123,3 +124,43 @@ def test_half_fp16_and_user_prepare_input():
     assert calls == [torch.device("cpu")]  # the user's function runs first, then the cast
     assert x.dtype == torch.float16 and y.dtype == torch.int64
     assert {p.dtype for p in result.model.parameters()} == {torch.float16}
+
+
+def _half_fp16_adamw_weights(eps: float) -> torch.Tensor:
+    """What ('half', 'fp16') did with AdamW before the check: model.half(), AdamW on fp16 state."""
+    model = mlp().half()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps)
+    x, y = mlp_dataset()[:8]
+    for _ in range(3):
+        mlp_loss((x, y), model(x.half())).backward()
+        optim.step()
+        optim.zero_grad()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def test_half_fp16_with_adamw_default_eps_is_refused_early():
+    # The reason: eps=1e-8 is 0 in fp16 and v = g*g underflows, so sqrt(v) + eps = 0 and the update
+    # is inf/nan: every weight is NaN after three steps (eps=1e-6, a subnormal, fares no better).
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    assert not torch.isfinite(_half_fp16_adamw_weights(1e-8)).any()
+    assert not torch.isfinite(_half_fp16_adamw_weights(1e-6)).any()
+    with pytest.raises(StrategyError) as info:
+        accelerate([("half", "fp16")])
+    message = str(info.value)
+    assert "eps=1e-08" in message and "('half', 'bf16')" in message and "'eps': 1e-4" in message, message
+    with pytest.raises(StrategyError, match="eps=1e-10"):  # Adagrad's default, read from its signature
+        accelerate([("half", "fp16")], optim=torch.optim.Adagrad)
+
+
+def test_half_fp16_with_a_representable_eps_trains():
+    assert torch.isfinite(_half_fp16_adamw_weights(1e-4)).all()
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.AdamW, mlp_dataset(), mlp_loss, model_input_format="unpack_sequence",
+        optim_args={"lr": 1e-2, "eps": 1e-4}, dataloader_args={"batch_size": 8}, load_strategy=[("half", "fp16")],
+    )
+    batch = next(iter(result.dataloader))
+    first = float(train_step(result, [batch]))
+    for _ in range(3):
+        last = float(train_step(result, [batch]))
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert last < first

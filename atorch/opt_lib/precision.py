@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Literal
 
 import torch
@@ -80,6 +81,22 @@ class AmpNative(Method):
         return None
 
 
+FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny
+
+
+def optimizer_eps(optim_func: Any, optim_args: dict[str, Any]) -> float | None:
+    """The eps the optimizer will use: optim_args' value, else the default in its signature."""
+    if "eps" in optim_args:
+        value = optim_args["eps"]
+    else:
+        try:
+            parameter = inspect.signature(optim_func).parameters.get("eps")
+        except (TypeError, ValueError):  # no signature to read (a builtin or C callable)
+            return None
+        value = None if parameter is None else parameter.default
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 class HalfConfig(MethodConfig):
     """ATorch form: ``"bf16"``."""
 
@@ -100,6 +117,23 @@ class Half(Method):
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"dtype": Categorical(("bf16", "fp16"))}
+
+    def model_problems(self, ctx: Any, config: HalfConfig) -> list[str]:  # type: ignore[override]
+        if config.dtype != "fp16":
+            return []
+        eps = optimizer_eps(ctx.setup.optim_func, ctx.setup.optim_args)
+        if eps is None or eps >= FP16_SMALLEST_NORMAL:
+            return []
+        # Adam-style optimizers divide by sqrt(v) + eps with v and eps held in the weights' dtype:
+        # in fp16 v underflows to 0 for gradients below ~2.4e-4, and an eps under fp16's smallest
+        # normal (6.1e-5) is 0 or a few-bit subnormal, so the update is inf/nan or huge
+        # (1e-8 and 1e-6 turn every weight of a small MLP NaN within three steps; 1e-5 does not).
+        return [
+            f"('half', 'fp16') keeps the optimizer state in fp16, where the optimizer's eps={eps:g} "
+            f"is below fp16's smallest normal number ({FP16_SMALLEST_NORMAL:.3g}): the first steps turn "
+            "the weights inf/NaN. Use ('half', 'bf16'), or ('amp_native', {'dtype': 'fp16'}) (fp32 weights "
+            "and optimizer state), or pass optim_args={'eps': 1e-4}"
+        ]
 
 
 def cast_to_half(ctx: Any, config: HalfConfig) -> None:

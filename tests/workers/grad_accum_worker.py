@@ -1,9 +1,12 @@
-"""Gradient accumulation under DDP, zero1, zero2 and fsdp, on all launched processes.
+"""Gradient accumulation under DDP, zero1, zero2, fsdp and DeepSpeed, on all launched processes.
 
-Usage: ``torchrun --nproc_per_node=2 grad_accum_worker.py``. For each strategy:
-- ``full``: STEPS steps of ``train_step(result, [batch])``;
-- ``accumulated``: the same steps as ``train_step(result, [first half, second half])``;
+Usage: ``torchrun --nproc_per_node=2 grad_accum_worker.py``. For each strategy (SGD, so that
+rounding differences stay proportional to the gradients; see tests/test_grad_accum.py):
+- ``full``: STEPS steps over whole batches;
+- ``accumulated``: the same steps over two half batches, for each ORDER of the boundary call
+  (before the forward or before the backward of each training pass);
 - ``probe``: one step by hand, to see whether gradients were reduced after each micro-batch.
+After each run the weights of every rank are compared with rank 0's (replicas must stay equal).
 Rank 0 prints ``RESULT {"strategies": {name: {...}}}`` (or ``{"error": ...}`` per strategy).
 """
 
@@ -32,7 +35,10 @@ GLOBAL_BATCH = 8
 STRATEGIES: dict[str, list[Any]] = {
     "ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"],
     "zero2[use_ds_zero]": [("zero2", {"use_ds_zero": True})],
+    "zero1[use_ds_zero]": [("zero1", {"use_ds_zero": True})],
 }
+ORDERS = ("before_forward", "before_backward")
+LR = 0.1
 # DeepSpeed's engine owns backward, so the by-hand gradient probe does not apply to it; the
 # accumulation itself (through optim.set_gradient_accumulation_boundary) is checked all the same.
 PROBED = [name for name in STRATEGIES if "use_ds_zero" not in name]
@@ -40,8 +46,8 @@ PROBED = [name for name in STRATEGIES if "use_ds_zero" not in name]
 
 def build(strategy: list[Any]) -> Any:
     _, result, _ = atorch.auto_accelerate(
-        toy_models.mlp(), torch.optim.AdamW, toy_models.mlp_dataset(), toy_models.mlp_loss,
-        model_input_format="unpack_sequence", optim_args={"lr": 1e-2},
+        toy_models.mlp(), torch.optim.SGD, toy_models.mlp_dataset(), toy_models.mlp_loss,
+        model_input_format="unpack_sequence", optim_args={"lr": LR},
         dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
     )
     return result
@@ -67,14 +73,49 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([full(p).detach().flatten().float() for p in model.parameters()])
 
 
-def train(strategy: list[Any], split: bool) -> dict[str, Any]:
+def max_grad(model: torch.nn.Module) -> float:
+    grads = [full(p.grad).abs().max() for p in model.parameters() if p.grad is not None]
+    return torch.stack(grads).max().item() if grads else 0.0
+
+
+def accumulate(result: Any, micro_batches: list[Any], order: str) -> tuple[torch.Tensor, float]:
+    """train_step's loop with the boundary declared ``order``; returns this rank's loss and the
+    largest gradient element before the step (0 where the engine holds the gradients)."""
+    model, optim, args = result.model, result.optim, result.args
+    count, total = len(micro_batches), torch.zeros(())
+    for index, batch in enumerate(micro_batches):
+        if order == "before_forward":
+            optim.set_gradient_accumulation_boundary(index == count - 1)
+        data = result.prepare_input(batch, args.device)
+        loss = result.loss_func(data, call_model(model, data, args.model_input_format)) / count
+        if order == "before_backward":
+            optim.set_gradient_accumulation_boundary(index == count - 1)
+        optim.backward(loss) if args.use_optim_backward else loss.backward()
+        total += loss.detach().float()
+    largest = max_grad(model)  # (for whole batches: the reduced gradient the step uses)
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return total, largest
+
+
+def train(strategy: list[Any], order: str | None) -> dict[str, Any]:
+    """STEPS steps over whole batches (order None), or over two halves each: through train_step
+    (which declares the boundary before the forward), or by hand with the boundary before the backward."""
     result = build(strategy)
     batches = iter(result.dataloader)
-    losses = []
+    losses, largest = [], 0.0
     for _ in range(STEPS):
         batch = next(batches)
-        losses.append(mean_over_ranks(train_step(result, halves(batch) if split else [batch])))
-    return {"losses": losses, "weights": flat_params(result.model)}
+        if order is None:
+            loss, grad = accumulate(result, [batch], "before_forward")
+        elif order == "before_forward":
+            loss, grad = train_step(result, halves(batch)), 0.0
+        else:
+            loss, grad = accumulate(result, halves(batch), order)
+        losses.append(mean_over_ranks(loss))
+        largest = max(largest, grad)
+    weights = flat_params(result.model)
+    return {"losses": losses, "weights": weights, "replica_gap": differs_from_rank0(weights), "max_grad": largest}
 
 
 def differs_from_rank0(vector: torch.Tensor) -> float:
@@ -114,15 +155,22 @@ def probe(strategy: list[Any]) -> dict[str, Any]:
 
 
 def run(name: str, strategy: list[Any]) -> dict[str, Any]:
-    whole, accumulated = train(strategy, False), train(strategy, True)
-    probed = probe(strategy) if name in PROBED else {}
-    return {
+    whole = train(strategy, None)
+    entry: dict[str, Any] = {
         "full_losses": whole["losses"],
-        "accumulated_losses": accumulated["losses"],
-        "max_weight_diff": (whole["weights"] - accumulated["weights"]).abs().max().item(),
+        "max_grad": whole["max_grad"],
+        "replica_gap": {"full": whole["replica_gap"]},
         "max_weight_change": (whole["weights"] - flat_params(toy_models.mlp())).abs().max().item(),
-        **probed,
+        "orders": {},
     }
+    for order in ORDERS:
+        accumulated = train(strategy, order)
+        entry["orders"][order] = {
+            "losses": accumulated["losses"],
+            "max_weight_diff": (whole["weights"] - accumulated["weights"]).abs().max().item(),
+        }
+        entry["replica_gap"][order] = accumulated["replica_gap"]
+    return {**entry, **(probe(strategy) if name in PROBED else {})}
 
 
 def main() -> None:

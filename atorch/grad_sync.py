@@ -1,0 +1,65 @@
+"""Gradient-sync control for DDP that is right whether the boundary is declared before the
+forward or before the backward of the boundary training pass.
+
+DDP reads ``require_backward_grad_sync`` in forward (``prepare_for_backward``): a boundary
+declared after that forward leaves the last backward un-reduced. ``DDPGradientSync`` records
+the flag each forward ran with and, before the optimizer step, all-reduces gradients the last
+backward left un-reduced. Averaging over ranks is linear and leaves already averaged values
+unchanged, so reducing the sum of reduced and local parts again gives exactly the average.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def average_gradients(params: list[torch.Tensor], group: Any) -> None:
+    """Average the gradients of params over the group: one all-reduce per (device, dtype)."""
+    size = dist.get_world_size(group)
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            buckets.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(averaged)
+
+
+class DDPGradientSync:
+    """Called with the boundary flag; ``complete()`` runs just before the optimizer step."""
+
+    def __init__(self, ddp: nn.Module, group: Any) -> None:
+        # DDP holds this object through its hook: a weak reference back keeps that from being a
+        # cycle, so a dropped model is freed at once.
+        self._ddp, self.group = weakref.ref(ddp), group
+        self.last_forward_synced = True
+        ddp.register_forward_pre_hook(self._record)
+
+    @property
+    def ddp(self) -> nn.Module:
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError("the model of this optimizer has been released")
+        return ddp
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # DDP prepares no backward without autograd
+            self.last_forward_synced = bool(module.require_backward_grad_sync)
+
+    def __call__(self, enabled: bool) -> None:
+        self.ddp.require_backward_grad_sync = enabled
+
+    def complete(self) -> None:
+        """At a declared boundary, reduce what the last backward did not (declared after its forward)."""
+        if self.ddp.require_backward_grad_sync and not self.last_forward_synced:
+            average_gradients([p for p in self.ddp.parameters() if p.requires_grad], self.group)
+            self.last_forward_synced = True
