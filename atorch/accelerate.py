@@ -14,6 +14,7 @@ from atorch import opt_lib  # noqa: F401  (registers the methods)
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import StrategyError
+from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
@@ -235,7 +236,7 @@ def auto_accelerate(
         logger.info("strategy saved to %s", save_strategy_to_file)
     result = AccelerateResult(
         model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=loss_func,
-        prepare_input=ctx.prepare_input, lr_scheduler=ctx.lr_scheduler,
+        prepare_input=ctx.input_preparer(), lr_scheduler=ctx.lr_scheduler,
         args=AccelerateArgs(
             use_optim_backward=ctx.grad_scaler is not None or ctx.engine is not None,
             requires_set_gradient_accumulation_boundary=ctx.gradient_sync is not None or ctx.engine is not None,
@@ -278,6 +279,7 @@ def build_context(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: d
     """
     for name, reason in skipped.items():
         logger.warning("%s skipped: %s", name, reason)
+    import_off_the_stack("torch._dynamo")
     devices = [env.device] if env.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         ctx = ModelContext(setup, env, ParallelLayout.of(strategy, env.world_size)).fresh()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+import threading
 from typing import Any
 
 from torch import nn
@@ -69,3 +72,17 @@ def _empty_module(model: nn.Module) -> None:
 
 
 _WRAPPER_STATE = frozenset({"reducer", "logger", "process_group", "_module_copies", "_comm_hooks"})
+
+
+def import_off_the_stack(module: str) -> None:
+    """Import ``module`` in a helper thread if it is not imported yet.
+
+    Importing torch._dynamo (which DTensor does lazily, on its first use inside FSDP2) keeps the
+    frames of the importing call stack alive for good; imported from inside a build, that stack
+    holds the user's model and the build's context. A thread's stack starts empty.
+    """
+    if module in sys.modules:
+        return
+    thread = threading.Thread(target=importlib.import_module, args=(module,), name=f"atorch-import-{module}")
+    thread.start()
+    thread.join()

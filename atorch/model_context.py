@@ -149,9 +149,21 @@ class ModelContext:
             args["shuffle"] = shuffle
         return DataLoader(self.setup.dataset, **args)
 
-    def prepare_input(self, data: Any, device: torch.device | None = None) -> Any:
-        """Move a batch to the device (through the user's prepare_input if given); cast for 'half'."""
-        device = self.env.device if device is None else device
-        if self.setup.prepare_input is not None:
-            data = self.setup.prepare_input(data, device)
+    def input_preparer(self) -> InputPreparer:
+        """``result.prepare_input``: holds only what it needs, not this context."""
+        return InputPreparer(self.setup.prepare_input, self.env.device, self.input_dtype)
+
+
+@dataclass(frozen=True)
+class InputPreparer:
+    """Move a batch to the device (through the user's prepare_input if given); cast for 'half'."""
+
+    user_prepare_input: Callable[[Any, torch.device], Any] | None
+    device: torch.device
+    input_dtype: torch.dtype | None
+
+    def __call__(self, data: Any, device: torch.device | None = None) -> Any:
+        device = self.device if device is None else device
+        if self.user_prepare_input is not None:
+            data = self.user_prepare_input(data, device)
         return move_to(data, device, self.input_dtype)

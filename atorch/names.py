@@ -41,7 +41,7 @@ def user_param_groups(user_model: nn.Module, groups: Any, model: nn.Module) -> l
     by_name = {clean_name(n): p for n, p in unwrapped(model).named_parameters(remove_duplicate=False)}
 
     def moved(params: Iterable[Any]) -> list[torch.Tensor]:
-        out = []
+        out: list[torch.Tensor] = []
         for param in params:
             name = names.get(id(param))
             if name is None:
@@ -49,7 +49,7 @@ def user_param_groups(user_model: nn.Module, groups: Any, model: nn.Module) -> l
                     "optim_param_func returned a tensor that is not a parameter of the model passed to it; "
                     "return model.parameters() (or groups of them) of the module it receives"
                 )
-            if by_name[name] not in out:  # a tied weight is listed under each of its names
+            if all(by_name[name] is not p for p in out):  # a tied weight is listed under each of its names
                 out.append(by_name[name])
         return out
 
