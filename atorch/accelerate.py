@@ -13,6 +13,7 @@ from torch import nn
 from atorch import opt_lib  # noqa: F401  (registers the methods)
 from atorch.distributed import DistEnv, init_distributed
 from atorch.errors import StrategyError
+from atorch.input_checks import input_problems, launch_problems
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
@@ -164,7 +165,10 @@ def auto_accelerate(
     )
     excluded, included = excluded or [], included or []
     setup_problems = _setup_problems(setup, excluded, included)
+    setup_problems += input_problems(setup, save_strategy_to_file)  # [input checks] atorch/input_checks.py
     problems += setup_problems
+    if launch := launch_problems():  # [input checks] torchrun's environment, before a group is made from it
+        raise StrategyError(problems + launch, what="auto_accelerate cannot start")
     env = init_distributed()
     strategy, strategy_problems = _resolve_strategy(
         load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
