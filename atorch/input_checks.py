@@ -61,6 +61,12 @@ def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
+def _plain(sig: inspect.Signature) -> inspect.Signature:
+    """The signature without annotations: short, and the same whether annotations are strings or not."""
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+
+
 def _loss_func_problems(loss_func: Any) -> list[str]:
     if loss_func is None or not callable(loss_func):
         return []
@@ -71,7 +77,7 @@ def _loss_func_problems(loss_func: Any) -> list[str]:
         sig.bind(object(), object())
     except TypeError:
         name = getattr(loss_func, "__name__", type(loss_func).__name__)
-        return [f"loss_func {name}{sig} cannot be called as loss_func(data, output): atorch passes the batch "
+        return [f"loss_func {name}{_plain(sig)} cannot be called as loss_func(data, output): atorch passes the batch "
                 "and the model's output; give it exactly these two required positional parameters"]
     return []
 
@@ -162,7 +168,7 @@ def _batch_problems(setup: Any) -> list[str]:
     except TypeError as exc:
         call = {"unpack_dict": "model(**batch)", "unpack_sequence": "model(*batch)"}.get(fmt, "model(batch)")
         return [f"model_input_format={fmt!r} calls {call} with {_describe(batch)}, which "
-                f"{type(setup.model).__name__}.forward{sig} does not accept ({exc}); change the dataset / "
+                f"{type(setup.model).__name__}.forward{_plain(sig)} does not accept ({exc}); change the dataset / "
                 "collate_fn or model_input_format to match forward"]
     return []
 
