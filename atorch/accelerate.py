@@ -13,7 +13,7 @@ from torch import nn
 from atorch import opt_lib  # noqa: F401  (registers the methods)
 from atorch.distributed import DistEnv, init_distributed
 from atorch.errors import StrategyError
-from atorch.input_checks import input_problems, launch_problems
+from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
@@ -165,8 +165,9 @@ def auto_accelerate(
     )
     excluded, included = excluded or [], included or []
     setup_problems = _setup_problems(setup, excluded, included)
-    setup_problems += input_problems(setup, save_strategy_to_file)  # [input checks] atorch/input_checks.py
+    setup_problems += wrapped_model_problems(setup.model)  # [input checks] a wrapped model is not probed
     problems += setup_problems
+    problems += input_problems(setup, save_strategy_to_file)  # [input checks] atorch/input_checks.py
     if launch := launch_problems():  # [input checks] torchrun's environment, before a group is made from it
         raise StrategyError(problems + launch, what="auto_accelerate cannot start")
     env = init_distributed()

@@ -32,15 +32,15 @@ _WRAPPER_NAMES = {
 
 
 def input_problems(setup: Any, save_strategy_to_file: Any = None) -> list[str]:
-    """Problems of the model, loss_func, dataset / dataloader_args and save path of a UserSetup."""
-    problems = _wrapped_model_problems(setup.model)
-    problems += _loss_func_problems(setup.loss_func)
+    """Problems of the loss_func, dataset / dataloader_args (against the model) and save path of a UserSetup."""
+    problems = _loss_func_problems(setup.loss_func)
     problems += _dataset_problems(setup)
     problems += save_path_problems(save_strategy_to_file)
     return problems
 
 
-def _wrapped_model_problems(model: Any) -> list[str]:
+def wrapped_model_problems(model: Any) -> list[str]:
+    """A model already inside a data-parallel / sharding wrapper (which atorch would apply again)."""
     if not isinstance(model, nn.Module):
         return []  # reported by the type check
     for name, module in model.named_modules():

@@ -157,6 +157,18 @@ def test_too_many_positional_inputs_for_forward():
     assert "calls model(*batch) with a list of 2 element(s), which Linear.forward(input) does not accept" in problem
 
 
+def test_input_problems_are_reported_with_strategy_and_model_problems():
+    problems = accelerate_problems(load_strategy=["amp_nativ"], model_input_format="unpack_dict",
+                                   loss_func=lambda output: output)
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("loss_func <lambda>(output) cannot be called as loss_func(data, output)")
+    assert problems[1].startswith("model_input_format='unpack_dict' calls model(**batch)")
+    assert problems[2] == "unknown method 'amp_nativ'; did you mean 'amp_native'?"
+    problems = accelerate_problems(load_strategy=[("checkpoint", ("NoSuchBlock",))], model_input_format="unpack_dict")
+    assert len(problems) == 2, problems  # the model is still probed: its problems come with the input's
+    assert problems[1].startswith("'checkpoint': wrap_class ['NoSuchBlock'] matches no")
+
+
 def test_forward_with_kwargs_accepts_any_key():
     class Open(nn.Module):
         def __init__(self):
