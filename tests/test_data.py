@@ -227,13 +227,17 @@ def test_loss_funcs_that_fit_or_have_no_signature_are_accepted():
     accelerate(loss_func=max)  # a builtin without a signature: not checked
 
 
-def test_a_model_already_wrapped_in_ddp_or_fsdp2():
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
+def test_a_model_already_wrapped_in_ddp_or_fsdp():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     accelerate()  # makes sure the one-process group exists
     problem = only_problem(model=DDP(mlp()), load_strategy=PS)
     assert problem.startswith("the model is already wrapped in DistributedDataParallel; pass the plain nn.Module")
+    problem = only_problem(model=FSDP(mlp(), device_id=torch.device("cpu")), load_strategy=PS)
+    assert problem.startswith("the model is already wrapped in FSDP; pass the plain nn.Module")
     sharded = mlp()
     fully_shard(sharded.blocks[0])
     problem = only_problem(model=sharded, load_strategy=PS)
