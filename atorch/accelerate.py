@@ -14,6 +14,7 @@ from atorch import opt_lib  # noqa: F401  (registers the methods)
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import StrategyError
+from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
@@ -202,7 +203,11 @@ def auto_accelerate(
     )
     excluded, included = excluded or [], included or []
     setup_problems = _setup_problems(setup, excluded, included)
+    setup_problems += wrapped_model_problems(setup.model)  # [input checks] a wrapped model is not probed
     problems += setup_problems
+    problems += input_problems(setup, save_strategy_to_file)  # [input checks] atorch/input_checks.py
+    if launch := launch_problems():  # [input checks] torchrun's environment, before a group is made from it
+        raise StrategyError(problems + launch, what="auto_accelerate cannot start")
     env = init_distributed()
     strategy, skipped = None, {}
     try:  # a rank that fails here must still reach the agreement below, or the others would wait

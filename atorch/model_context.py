@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
+from atorch.data import build_dataloader
 from atorch.distributed import DistEnv
 from atorch.log import get_logger
 from atorch.optimizer import AcceleratedOptimizer
@@ -135,19 +135,9 @@ class ModelContext:
     def _build_dataloader(self) -> DataLoader | None:
         if self.setup.dataset is None:
             return None
-        args = dict(self.setup.dataloader_args)
-        args["batch_size"] = self.local_batch_size()
-        shuffle = bool(args.pop("shuffle", False))
-        sampler_cls = self.setup.distributed_sampler_cls
-        if sampler_cls is None and self.dp_size > 1:
-            sampler_cls = DistributedSampler
-        if sampler_cls is not None:
-            args["sampler"] = sampler_cls(
-                self.setup.dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=shuffle
-            )
-        else:
-            args["shuffle"] = shuffle
-        return DataLoader(self.setup.dataset, **args)
+        # [data] the per-rank dataloader is built in atorch/data.py
+        return build_dataloader(self.setup.dataset, self.setup.dataloader_args, self.dp_size, self.dp_rank,
+                                self.setup.distributed_sampler_cls)
 
     def input_preparer(self) -> InputPreparer:
         """``result.prepare_input``: holds only what it needs, not this context."""

@@ -108,7 +108,7 @@ def device() -> torch.device:
 def atorch_runner(model: torch.nn.Module, dataset: SyntheticLanguage, batch_size: int) -> Runner:
     _, result, _ = atorch.auto_accelerate(
         model, torch.optim.AdamW, dataset, loss_func,
-        optim_args={"lr": LR}, dataloader_args={"batch_size": batch_size},
+        optim_args={"lr": LR}, dataloader_args={"batch_size": batch_size, "shuffle": False},
         model_input_format="unpack_dict", load_strategy=["parallel_mode"],
     )
     return Runner("atorch", lambda batch: train_step(result, [batch]), result.dataloader)

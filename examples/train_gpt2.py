@@ -120,14 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ----- training -----------------------------------------------------------------------------
 def batches(dataloader: DataLoader) -> Iterator[Any]:
-    """Endless batches; a new shuffle on every pass through the data (DistributedSampler epochs)."""
-    epoch = 0
+    """Endless batches; atorch's dataloader shuffles anew on every pass (it advances the epoch itself)."""
     while True:
-        sampler = getattr(dataloader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
         yield from dataloader
-        epoch += 1
 
 
 def global_mean(value: torch.Tensor) -> float:

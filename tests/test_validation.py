@@ -179,7 +179,8 @@ def test_checkpoint_class_that_matches_nothing():
     assert problem == (
         "'checkpoint': wrap_class ['NoSuchBlock'] matches no module of the model; use class objects or names"
     )
-    problem = only_problem(model=nn.Sequential(nn.Linear(16, 8)), load_strategy=["checkpoint"])
+    # model_input_format=None: Sequential.forward takes the batch as one argument (checked up front too)
+    problem = only_problem(model=nn.Sequential(nn.Linear(16, 8)), model_input_format=None, load_strategy=["checkpoint"])
     assert problem.startswith("'checkpoint': no wrap_class given and no repeated blocks found in the model")
 
 

@@ -66,7 +66,7 @@ def accelerate(kind: str, strategy: Any, seed: int) -> Any:
         model, data, loss, fmt, lr = gpt2_with_dropout(seed), TokenDataset(), gpt2_loss, "unpack_dict", 3e-3
     _, result, _ = atorch.auto_accelerate(
         model, torch.optim.AdamW, data, loss, model_input_format=fmt, optim_args={"lr": lr},
-        dataloader_args={"batch_size": 8}, load_strategy=strategy, **SCHEDULER,
+        dataloader_args={"batch_size": 8, "shuffle": False}, load_strategy=strategy, **SCHEDULER,
     )
     return result
 

@@ -123,7 +123,7 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def run_scenario(setup: ModelSetup, model: torch.nn.Module, dataset: Any, strategy: list[Any]) -> dict[str, Any]:
     _, result, _ = atorch.auto_accelerate(
         model, torch.optim.AdamW, dataset, setup.loss, model_input_format=setup.input_format,
-        optim_args=OPTIM_ARGS, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+        optim_args=OPTIM_ARGS, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
     )
     batches = iter(result.dataloader)
     losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]

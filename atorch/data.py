@@ -1,0 +1,87 @@
+"""The per-rank dataloader: the user's dataset and dataloader_args, split over data-parallel ranks.
+
+Map-style datasets get a DistributedSampler (or the user's ``distributed_sampler_cls``); it shuffles
+by default under data parallel, as ATorch does, and the returned loader advances the sampler's
+epoch on every pass, so each epoch has a new order. Iterable datasets are sharded by rank instead:
+rank r (and within it, dataloader worker w) takes every n-th sample of the stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
+
+from atorch.errors import SetupError
+
+
+class EpochDataLoader(DataLoader):
+    """A torch DataLoader that calls ``sampler.set_epoch`` before each pass and then advances
+    the epoch, so a shuffling sampler gives a new order every epoch without the user's help.
+    ``set_epoch(e)`` sets the epoch of the next pass (e.g. when resuming)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Any:
+        for source in (self.sampler, self.dataset):  # the dataset: RankShard forwards to the user's
+            if hasattr(source, "set_epoch"):
+                source.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
+class RankShard(IterableDataset):
+    """One data-parallel rank's share of an iterable dataset: every (dp_size * workers)-th sample.
+
+    The user's dataset yields the whole stream in every process and worker; each sample goes to
+    exactly one (rank, worker) pair, so ranks and workers see disjoint samples covering the stream.
+    """
+
+    def __init__(self, dataset: IterableDataset, dp_size: int, dp_rank: int) -> None:
+        self.dataset = dataset
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:  # TypeError (as for any unsized stream) when the dataset has no len
+        return len(range(self.dp_rank, len(self.dataset), self.dp_size))  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, worker = (1, 0) if info is None else (info.num_workers, info.id)
+        start = self.dp_rank + worker * self.dp_size  # rank-major within each group of dp_size*workers
+        return itertools.islice(iter(self.dataset), start, None, self.dp_size * workers)
+
+
+def local_batch_size(dataloader_args: dict[str, Any], dp_size: int) -> int:
+    """ATorch's batch_size is the global batch: each data-parallel rank loads its share."""
+    return int(dataloader_args.get("batch_size", 1)) // dp_size
+
+
+def build_dataloader(
+    dataset: Dataset, dataloader_args: dict[str, Any], dp_size: int, dp_rank: int, sampler_cls: type | None = None
+) -> EpochDataLoader:
+    """This rank's dataloader. ``shuffle`` defaults to True under data parallel (dp_size > 1)."""
+    args = dict(dataloader_args)
+    args["batch_size"] = local_batch_size(dataloader_args, dp_size)
+    if isinstance(dataset, IterableDataset):
+        if args.pop("shuffle", False) or sampler_cls is not None:
+            raise SetupError("an IterableDataset is read in order: remove shuffle / distributed_sampler_cls")
+        return EpochDataLoader(RankShard(dataset, dp_size, dp_rank), **args)  # also splits over workers
+    shuffle = bool(args.pop("shuffle", dp_size > 1))
+    if sampler_cls is None and (dp_size > 1 or shuffle):
+        sampler_cls = DistributedSampler  # also at one rank when shuffling: seeded, per-epoch orders
+    if sampler_cls is not None:
+        args["sampler"] = sampler_cls(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle)
+    return EpochDataLoader(dataset, **args)
