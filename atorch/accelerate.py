@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch import opt_lib  # noqa: F401  (registers the methods)
+from atorch import (
+    meta_init,
+    opt_lib,  # noqa: F401  (registers the methods)
+)
 from atorch.distributed import DistEnv, init_distributed
 from atorch.errors import StrategyError
 from atorch.log import get_logger, set_verbose
@@ -213,7 +216,7 @@ def preflight(setup: UserSetup, env: DistEnv, strategy: Strategy) -> tuple[dict[
     the strategy with this machine and this model (the model is only read)."""
     probe = ModelContext(setup, env)
     skipped: dict[str, str] = {}
-    problems: list[str] = []
+    problems: list[str] = meta_init.meta_problems(setup.model)  # a meta-device model must be initialisable
     for item in strategy.in_apply_order():
         method = get_method(item.name)
         reason = method.applicable(probe)
@@ -233,6 +236,7 @@ def build_context(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: d
     ctx = ModelContext(setup, env).fresh()
     ctx.strategy = strategy
     ctx.skipped = dict(skipped)
+    meta_init.prepare(ctx)  # a meta-device model: materialised now, or per unit by fsdp/zero2
     active = [item for item in strategy.in_apply_order() if item.name not in skipped]
     for item in active:
         get_method(item.name).apply(ctx, item.config)

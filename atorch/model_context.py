@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from atorch import meta_init
 from atorch.distributed import DistEnv
 from atorch.log import get_logger
 from atorch.optimizer import AcceleratedOptimizer
@@ -96,7 +97,8 @@ class ModelContext:
 
     def fresh(self) -> ModelContext:
         """A new context over a deep copy of the user's model: the originals stay untouched."""
-        return ModelContext(self.setup, self.env, copy.deepcopy(self.setup.model).to(self.env.device))
+        model = meta_init.to_device(copy.deepcopy(self.setup.model), self.env.device)  # meta: materialised later
+        return ModelContext(self.setup, self.env, model)
 
     # ----- parallel layout ------------------------------------------------------------------
     def dim_size(self, name: str) -> int:

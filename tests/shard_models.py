@@ -127,11 +127,11 @@ def tiny_t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
-def tiny_gpt2() -> nn.Module:
+def tiny_gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=2, n_head=2,
+        vocab_size=VOCAB, n_positions=SEQ_LEN, n_embd=32, n_layer=layers, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     return GPT2LMHeadModel(config)

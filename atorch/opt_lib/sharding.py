@@ -12,6 +12,7 @@ from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
+from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.deepspeed_zero import DeepSpeedZero
@@ -186,7 +187,9 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
             label, why,
         )
     ignored = {p for m in _ignored_modules(model, config.ignored_modules) for p in m.parameters()}
-    if config.sync_module_states:
+    # A meta-device model is materialised one unit at a time, identically on every rank (no broadcast).
+    materialiser = ShardMaterialiser(model, ctx.env.device) if is_meta(model) else None
+    if config.sync_module_states and materialiser is None:
         broadcast_from_first(model, mesh)
     mp_policy = MixedPrecisionPolicy()
     if ctx.autocast_dtype is not None:
@@ -197,9 +200,12 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload, ignored_params=ignored or None,
     )
-    for module in targets:
+    for module in [*targets, model]:
+        if materialiser is not None:
+            materialiser.before_shard(module)
         fully_shard(module, **options)
-    fully_shard(model, **options)
+    if materialiser is not None:
+        materialiser.finish()
 
     sync = {"enabled": True}
     if ignored:
