@@ -24,7 +24,8 @@ from __future__ import annotations
 import sys
 import weakref
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -168,12 +169,74 @@ def materialise_region(
                 slots[key] = done[id(tensor)]
                 made.add(id(module))
     # A parent's init may rewrite its children's tensors (GPT-2 rescales c_proj): initialise every
-    # module above a new tensor, children first.
+    # module above a new tensor, children first, then the region's ancestors (whose own tensors are
+    # still meta, so their init reaches only this region). Tensors made earlier (shards of units
+    # already sharded) are masked by meta placeholders meanwhile, so no later init rewrites them.
     touched: set[int] = set()
     for module in order:
         if id(module) in made or any(id(c) in touched for c in module.children()):
             touched.add(id(module))
+    steps = [m for m in order if id(m) in touched] + (_ancestors(model, region) if made else [])
+    with _masked(model, keep=_own_tensor_ids(region, skip)):
+        for module in steps:
             _initialise(module, names.get(id(module), ""), owners.get(id(module)), seed, device, id(module) in made)
+
+
+def _own_tensor_ids(region: nn.Module, skip: set[int]) -> set[int]:
+    """Ids of the region's tensors, leaving out those of the modules in skip (and below them).
+
+    Ids, gathered without a recursive closure: a list of tensors held by a self-referencing closure
+    sits in a reference cycle, which would keep the full tensors alive after fully_shard until the
+    garbage collector runs."""
+    found: set[int] = set()
+    stack = [region]
+    while stack:
+        module = stack.pop()
+        if id(module) in skip:
+            continue
+        found.update(id(t) for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
+        stack.extend(module.children())
+    return found
+
+
+def _ancestors(model: nn.Module, region: nn.Module) -> list[nn.Module]:
+    """The modules above region, nearest first."""
+    path: list[nn.Module] = []
+
+    def find(module: nn.Module) -> bool:
+        if module is region:
+            return True
+        for child in module.children():
+            if find(child):
+                path.append(module)
+                return True
+        return False
+
+    find(model)
+    return path
+
+
+@contextmanager
+def _masked(model: nn.Module, keep: set[int]) -> Iterator[None]:
+    """Swap every materialised tensor of the model not in keep for a meta placeholder, then restore."""
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    placeholders: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for key, tensor in slots.items():
+                if tensor is None or tensor.is_meta or id(tensor) in keep:
+                    continue
+                if id(tensor) not in placeholders:
+                    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    is_param = isinstance(tensor, nn.Parameter)
+                    placeholders[id(tensor)] = nn.Parameter(empty, requires_grad=False) if is_param else empty
+                saved.append((slots, key, tensor))
+                slots[key] = placeholders[id(tensor)]
+    try:
+        yield
+    finally:
+        for slots, key, tensor in saved:
+            slots[key] = tensor
 
 
 def _initialise(module: nn.Module, name: str, owner: Any, seed: int, device: torch.device, own: bool) -> None:

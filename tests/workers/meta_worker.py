@@ -39,6 +39,9 @@ MODELS = {  # name -> (make, dataset, loss, input format)
 }
 STRATEGIES = {"ddp": ["parallel_mode"], "fsdp": ["fsdp"]}
 SCENARIOS = {f"{m}/{s}": (m, strategy) for m in MODELS for s, strategy in STRATEGIES.items()}
+# Size-based units make GPT-2's c_proj layers units of their own, sharded before their parent, whose
+# transformers init rescales them: the parent's init must still reach them (before they are sharded).
+SCENARIOS["gpt2/zero2[size_based]"] = ("gpt2", [("zero2", {"wrap_min_num_params": 1000})])
 
 
 def repeated_batch(dataset: Any) -> Subset:
