@@ -14,9 +14,11 @@ initialises it itself, so that every rank holds the same weights without any bei
   (``materialise_region`` before each ``fully_shard``), so a rank holds about one unit's full
   parameters at a time, plus its shards of the units already sharded.
 
-Parent modules whose transformers init rewrites a child's tensors (GPT-2 rescales ``c_proj``) are
-handled when both lie in one region; with size-based units a child may be sharded first, and the
-parent's init then writes into the shard (still identical on every rank, though scaled differently).
+A parent's init may rewrite its children's tensors (GPT-2's attention rescales ``c_proj``): before a
+unit is sharded, its ancestors' inits run too (their own tensors are still meta, so only the unit is
+written), with the shards made earlier masked. A unit then gets the values the whole-model
+materialisation gives it whenever an ancestor's init draws random numbers for that unit alone (as
+GPT-2's does); otherwise the values differ from it, but are still the same on every rank.
 """
 
 from __future__ import annotations

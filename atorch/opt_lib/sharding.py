@@ -82,8 +82,10 @@ def _used_outside(module: nn.Module, model_uses: Counter[int]) -> bool:
     return any(model_uses[pid] > n for pid, n in _parameter_uses(module).items())
 
 
-def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Modules (children first) that gather at least min_params parameters not yet assigned."""
+def _size_based_targets(model: nn.Module, min_params: int, assigned: set[int] | None = None) -> list[nn.Module]:
+    """Modules (children first) that gather at least min_params parameters not yet assigned (to a
+    chosen module, or to a module in ``assigned``: the class units)."""
+    assigned = assigned or set()
     chosen: list[nn.Module] = []
     uses = _parameter_uses(model)
 
@@ -95,7 +97,7 @@ def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:
         if module is not model and not is_container and count >= min_params and not _used_outside(module, uses):
             chosen.append(module)
             return 0
-        return count
+        return 0 if id(module) in assigned else count
 
     visit(model)
     return chosen
@@ -122,7 +124,7 @@ def choose_units(model: nn.Module, classes: tuple[str, ...] | None, min_params: 
     if classes:
         wanted |= {id(m) for m in model.modules() if m is not model and matches(m, classes)}
     if min_params:
-        wanted |= {id(m) for m in _size_based_targets(model, min_params)}
+        wanted |= {id(m) for m in _size_based_targets(model, min_params, assigned=set(wanted))}
     uses = _parameter_uses(model)
     units, seen = [], set()
     for module in _post_order(model):
