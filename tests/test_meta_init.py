@@ -59,6 +59,14 @@ def test_fsdp_materialises_one_unit_at_a_time(launch: dict[str, Any], model: str
     assert stats["peak_bytes"] < 0.7 * full, stats
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_modules_kept_whole_stay_whole(launch: dict[str, Any]) -> None:
+    whole = launch["scenarios"]["mlp/fsdp[ignored_modules]"]["whole"]
+    assert whole == ["blocks.7.0.bias", "blocks.7.0.weight", "head.bias", "head.weight"], whole
+    assert launch["scenarios"]["mlp/fsdp"]["whole"] == []
+
+
 class Scaled(nn.Module):
     """Holds a parameter and has no reset_parameters(): cannot be initialised on the meta device."""
 

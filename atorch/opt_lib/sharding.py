@@ -188,9 +188,13 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
             "and saves little memory; give atorch_wrap_cls (your block classes) or wrap_min_num_params",
             label, why,
         )
-    ignored = {p for m in _ignored_modules(model, config.ignored_modules) for p in m.parameters()}
-    # A meta-device model is materialised one unit at a time, identically on every rank (no broadcast).
+    ignored_modules = _ignored_modules(model, config.ignored_modules)
+    # A meta-device model is materialised one unit at a time, identically on every rank (no broadcast);
+    # modules kept whole first, so that the parameters named as ignored are the real ones.
     materialiser = ShardMaterialiser(model, ctx.env.device) if is_meta(model) else None
+    for module in ignored_modules if materialiser is not None else []:
+        materialiser.before_shard(module)
+    ignored = {p for m in ignored_modules for p in m.parameters()}
     if config.sync_module_states and materialiser is None:
         broadcast_from_first(model, mesh)
     mp_policy = MixedPrecisionPolicy()

@@ -42,6 +42,8 @@ SCENARIOS = {f"{m}/{s}": (m, strategy) for m in MODELS for s, strategy in STRATE
 # Size-based units make GPT-2's c_proj layers units of their own, sharded before their parent, whose
 # transformers init rescales them: the parent's init must still reach them (before they are sharded).
 SCENARIOS["gpt2/zero2[size_based]"] = ("gpt2", [("zero2", {"wrap_min_num_params": 1000})])
+# Modules kept whole are materialised before the units, so the parameters left out are the real ones.
+SCENARIOS["mlp/fsdp[ignored_modules]"] = ("mlp", [("fsdp", {"ignored_modules": ["head", "blocks.7"]})])
 
 
 def repeated_batch(dataset: Any) -> Subset:
@@ -96,6 +98,7 @@ def run_scenario(name: str, strategy: list[Any]) -> dict[str, Any]:
         "weight_gap": max_over_ranks(weight_gap(result.model, reference(name))),
         "user_model_still_meta": meta_init.is_meta(model),
         "stats": dict(meta_init.LAST_STATS),
+        "whole": sorted(clean(n) for n, p in result.model.named_parameters() if not isinstance(p, DTensor)),
     }
     batches = iter(result.dataloader)
     losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
