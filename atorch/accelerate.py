@@ -10,7 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch import opt_lib  # noqa: F401  (registers the methods)
+from atorch import (
+    meta_init,
+    opt_lib,  # noqa: F401  (registers the methods)
+)
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import StrategyError
@@ -263,7 +266,7 @@ def preflight(
     the strategy with this machine and this model (the model is only read)."""
     probe = ModelContext(setup, env, layout)
     skipped: dict[str, str] = {}
-    problems: list[str] = []
+    problems: list[str] = meta_init.meta_problems(setup.model)  # a meta-device model must be initialisable
     for item in strategy.in_apply_order():
         method = get_method(item.name)
         reason = method.applicable(probe)

@@ -14,6 +14,7 @@ import torch
 
 from atorch.grad_sync import DDPGradientSync
 from atorch.log import get_logger
+from atorch.meta_init import is_meta, materialise
 from atorch.model_context import ModelContext
 from atorch.names import user_param_groups
 from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
@@ -38,6 +39,10 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     )
     sharding = fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None
 
+    # 0. A model built on the meta device is materialised and initialised identically on every rank,
+    #    here as a whole, or under FSDP2 one unit at a time as it is sharded (meta_init.py).
+    if sharding is None and is_meta(ctx.model):
+        materialise(ctx.model, ctx.env.device)
     # 1. Module swaps first: every later step sees the replaced modules (Conv1D -> Linear, ...).
     if "module_replace" in cfg:
         dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
@@ -55,7 +60,9 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
         checkpoint_blocks(ctx, cfg["checkpoint"])
     # 5. [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its
     #    constructor and DeepSpeed in its engine; FSDP2 does not, so it happens here.
-    if communicate and sharding is not None and sharding.sync_module_states and ctx.dp_size > 1:
+    #    A model on the meta device is initialised identically on every rank instead (meta_init.py).
+    if communicate and sharding is not None and sharding.sync_module_states and ctx.dp_size > 1 \
+            and not is_meta(ctx.model):
         broadcast_from_first(ctx.model, ctx.data_mesh)
     # 6. Data parallel: shard (fsdp, zero2) ...
     if sharding is not None:

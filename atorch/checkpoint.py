@@ -244,10 +244,10 @@ def _refuse_deepspeed(result: Any, what: str) -> None:
     if getattr(result.optim, "engine", None) is None:
         return
     raise CheckpointError(f"{what} does not support DeepSpeed", [
-        "this result trains with DeepSpeed ZeRO (use_ds_zero=True), whose engine keeps the optimizer state "
+        "this result trains with DeepSpeed ZeRO (implementation 'deepspeed'), whose engine keeps the optimizer state "
         "in its own partitioned layout; save and resume with DeepSpeed's API instead: "
         "result.model.save_checkpoint(dir) / result.model.load_checkpoint(dir) (a pickle-based format: load "
-        "only directories you wrote), or train with use_ds_zero=False to use atorch checkpoints; "
+        "only directories you wrote), or train with the default implementation to use atorch checkpoints; "
         "export_consolidated works with DeepSpeed for the model weights",
     ])
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from atorch import meta_init
 from atorch.data import build_dataloader
 from atorch.distributed import DistEnv
 from atorch.log import get_logger
@@ -94,7 +95,8 @@ class ModelContext:
 
     def fresh(self) -> ModelContext:
         """A new context over a deep copy of the user's model: the originals stay untouched."""
-        return ModelContext(self.setup, self.env, self.layout, copy.deepcopy(self.setup.model).to(self.env.device))
+        model = meta_init.to_device(copy.deepcopy(self.setup.model), self.env.device)  # meta: materialised later
+        return ModelContext(self.setup, self.env, self.layout, model)
 
     # ----- parallel layout (all from self.layout) -------------------------------------------
     @property

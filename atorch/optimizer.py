@@ -177,8 +177,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         """Clamp every (unscaled) gradient element to [-clip_value, clip_value]."""
         if self.engine is not None:
             raise NotImplementedError(
-                "clip_grad_value_ is not available under DeepSpeed (use_ds_zero=True): DeepSpeed clips by "
-                "norm only; use clip_grad_norm_, or use_ds_zero=False"
+                "clip_grad_value_ is not available under DeepSpeed (implementation 'deepspeed'): DeepSpeed clips by "
+                "norm only; use clip_grad_norm_, or the default implementation"
             )
         from atorch.clipping import clip_by_value
 

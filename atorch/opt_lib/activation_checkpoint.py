@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 from pydantic import Field, model_validator
+from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
@@ -33,6 +35,26 @@ class CheckpointConfig(MethodConfig):
         if isinstance(value, (list, tuple, type, str)):
             return {"wrap_class": value}
         return value
+
+
+def disable_kv_cache(model: nn.Module) -> int:
+    """Turn transformers' KV cache off on every config of the model (a copy); returns how many changed.
+
+    With ``use_cache`` on, a decoder fills a cache object in forward, and recomputing a block in
+    backward sees a different cache, so a different number of tensors is saved and backward fails.
+    transformers' own checkpointing turns the cache off for the same reason. Sub-models may hold
+    their own config copies (T5's decoder stack), so every module's config is visited.
+    """
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return 0
+    changed = 0
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, transformers.PretrainedConfig) and getattr(config, "use_cache", False):
+            config.use_cache = False
+            changed += 1
+    return changed
 
 
 @register
@@ -66,6 +88,8 @@ def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:
     )
 
     classes = config.wrap_class or block_classes(ctx.model)
+    if disable_kv_cache(ctx.model):
+        logger.info("checkpoint: use_cache set to False in the model's config (a KV cache breaks recompute)")
     count = sum(1 for m in ctx.model.modules() if matches(m, classes))
     impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
     apply_activation_checkpointing(

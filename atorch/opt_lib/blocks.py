@@ -1,4 +1,4 @@
-"""Finding the repeated blocks of a model (transformer layers), by class, for wrapping."""
+"""Finding the repeated blocks of a model (transformer layers, residual blocks), by class, for wrapping."""
 
 from __future__ import annotations
 
@@ -8,12 +8,44 @@ from torch import nn
 
 from atorch.class_ref import class_path
 
+# Modules that only hold others; a list of these (or of blocks) is where repeated blocks live.
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _holds_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _repeated_groups(module: nn.Module) -> list[tuple[type, list[nn.Module]]]:
+    """The groups of identical-class, parameter-holding children of one module that count as blocks.
+
+    A container whose children are all of one class gives that class (``nn.Sequential(*[Block() ...])``,
+    a ModuleList of layers). Other modules give each class that two or more of their children share,
+    if those children are themselves composite (a repeated leaf such as two Linear layers of an MLP
+    is not a block) and not containers (ResNet's stages are Sequentials of the real blocks).
+    """
+    children = [c for c in module.children() if _holds_params(c)]
+    kinds = Counter(type(c) for c in children)
+    # Every entry a parameter-holding module of one class: a list of blocks, with no stray layer.
+    uniform = len(kinds) == 1 and len(children) >= 2 and len(children) == len(list(module.children()))
+    if isinstance(module, CONTAINERS) and uniform:
+        return [(type(children[0]), children)]
+    groups = []
+    for kind, count in kinds.items():
+        if count < 2 or issubclass(kind, CONTAINERS):
+            continue
+        members = [c for c in children if type(c) is kind]
+        if all(next(c.children(), None) is not None for c in members):
+            groups.append((kind, members))
+    return groups
+
 
 def block_classes(model: nn.Module) -> tuple[str, ...]:
     """Import paths of the model's repeated block classes.
 
-    Uses transformers' ``_no_split_modules`` when the model declares it; otherwise the class that
-    fills the largest ``nn.ModuleList`` of identical, parameter-holding modules.
+    Uses transformers' ``_no_split_modules`` when the model declares it; otherwise the class of the
+    group of repeated blocks (in any container, or repeated children of a module) holding the most
+    parameters.
     """
     declared = getattr(model, "_no_split_modules", None)
     if declared:
@@ -23,13 +55,8 @@ def block_classes(model: nn.Module) -> tuple[str, ...]:
             return tuple(sorted(found))
     best: tuple[int, str] | None = None
     for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        kinds = Counter(type(child) for child in module)
-        if len(kinds) != 1:
-            continue
-        kind = next(iter(kinds))
-        params = sum(p.numel() for p in module.parameters())
-        if params and (best is None or params > best[0]):
-            best = (params, class_path(kind))
+        for kind, members in _repeated_groups(module):
+            params = sum(p.numel() for m in members for p in m.parameters())
+            if best is None or params > best[0]:
+                best = (params, class_path(kind))
     return (best[1],) if best else ()

@@ -12,6 +12,7 @@ from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
+from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
@@ -71,26 +72,68 @@ class Zero2Config(ZeroConfig, ShardingConfig):
     )
 
 
-def _size_based_targets(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Modules (children first) that gather at least min_params parameters not yet assigned."""
+def _parameter_uses(module: nn.Module) -> Counter[int]:
+    """How many times each parameter (by id) is registered under the module: >1 for tied weights."""
+    return Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+
+
+def _used_outside(module: nn.Module, model_uses: Counter[int]) -> bool:
+    """True if a parameter of the module is also used elsewhere in the model (a weight tied across
+    modules, such as BERT's word embeddings and masked-LM decoder). FSDP2 manages each parameter in
+    one unit, so such a module cannot be a unit: its parameters fall to an enclosing unit or the root."""
+    return any(model_uses[pid] > n for pid, n in _parameter_uses(module).items())
+
+
+def _size_based_targets(model: nn.Module, min_params: int, assigned: set[int] | None = None) -> list[nn.Module]:
+    """Modules (children first) that gather at least min_params parameters not yet assigned (to a
+    chosen module, or to a module in ``assigned``: the class units)."""
+    assigned = assigned or set()
     chosen: list[nn.Module] = []
-    # Tied parameters (GPT-2's wte/lm_head) must stay in one unit: leave them to the root.
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    tied = {pid for pid, n in uses.items() if n > 1}
+    uses = _parameter_uses(model)
 
     def visit(module: nn.Module) -> int:
         count = sum(p.numel() for p in module.parameters(recurse=False))
         count += sum(visit(child) for child in module.children())
         # Containers without a forward (ModuleList/ModuleDict) cannot be units; their children can.
         is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        holds_tied = any(id(p) in tied for p in module.parameters())
-        if module is not model and not is_container and not holds_tied and count >= min_params:
+        if module is not model and not is_container and count >= min_params and not _used_outside(module, uses):
             chosen.append(module)
             return 0
-        return count
+        return 0 if id(module) in assigned else count
 
     visit(model)
     return chosen
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    """Every module below the root, children before their parent."""
+    order: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(model)
+    return order[:-1]
+
+
+def choose_units(model: nn.Module, classes: tuple[str, ...] | None, min_params: int | None) -> list[nn.Module]:
+    """The modules to shard as units, deepest first so that each is sharded after the units inside
+    it (FSDP2 needs that when classes nest or overlap with size-based units). Modules that hold a
+    parameter also used outside them (tied weights) are left out."""
+    wanted: set[int] = set()
+    if classes:
+        wanted |= {id(m) for m in model.modules() if m is not model and matches(m, classes)}
+    if min_params:
+        wanted |= {id(m) for m in _size_based_targets(model, min_params, assigned=set(wanted))}
+    uses = _parameter_uses(model)
+    units, seen = [], set()
+    for module in _post_order(model):
+        if id(module) in wanted and id(module) not in seen and not _used_outside(module, uses):
+            seen.add(id(module))  # a module reachable by two paths is sharded once
+            units.append(module)
+    return units
 
 
 def _ignored_modules(model: nn.Module, refs: tuple[str, ...] | None) -> list[nn.Module]:
@@ -141,10 +184,21 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     mesh = ctx.data_mesh
     # Units: the given classes; else size-based units if asked for; else the detected blocks.
     classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
-    targets = [m for m in model.modules() if m is not model and matches(m, classes)] if classes else []
-    if config.wrap_min_num_params:
-        targets += [m for m in _size_based_targets(model, config.wrap_min_num_params) if m not in targets]
-    ignored = {p for m in _ignored_modules(model, config.ignored_modules) for p in m.parameters()}
+    targets = choose_units(model, classes, config.wrap_min_num_params)
+    if not targets:
+        why = f"{list(classes)} give no module that can be a unit" if classes else "no repeated blocks detected"
+        logger.warning(
+            "%s: no units found (%s), so only the root is sharded: every rank gathers all parameters at once "
+            "and saves little memory; give atorch_wrap_cls (your block classes) or wrap_min_num_params",
+            label, why,
+        )
+    ignored_modules = _ignored_modules(model, config.ignored_modules)
+    # A meta-device model is materialised one unit at a time, identically on every rank (no broadcast);
+    # modules kept whole first, so that the parameters named as ignored are the real ones.
+    materialiser = ShardMaterialiser(model, ctx.env.device) if is_meta(model) else None
+    for module in ignored_modules if materialiser is not None else []:
+        materialiser.before_shard(module)
+    ignored = {p for m in ignored_modules for p in m.parameters()}
     mp_policy = MixedPrecisionPolicy()
     if ctx.autocast_dtype is not None:
         mp_policy = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
@@ -154,9 +208,12 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload, ignored_params=ignored or None,
     )
-    for module in targets:
+    for module in [*targets, model]:
+        if materialiser is not None:
+            materialiser.before_shard(module)
         fully_shard(module, **options)
-    fully_shard(model, **options)
+    if materialiser is not None:
+        materialiser.finish()
 
     sync = {"enabled": True}
     if ignored:

@@ -1,0 +1,166 @@
+"""Sharding and checkpointing on models that used to crash or shard nothing, on all launched processes.
+
+Usage: ``torchrun --nproc_per_node=2 sharding_worker.py``. Each scenario trains one model with one
+strategy; rank 0 also trains each model in plain fp32 in one process on the whole global batch, and
+prints ``RESULT {"reference": {model: [...]}, "scenarios": {name: {"losses": [...], ...} or {"error": ...}}}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import copy
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import shard_models as sm
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader, Subset
+
+import atorch
+from atorch.model_context import call_model
+from atorch.training import train_step
+
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
+
+
+@dataclass(frozen=True)
+class Setup:
+    make: Callable[[], torch.nn.Module]
+    dataset: Callable[[], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    input_format: str
+
+
+MODELS = {
+    "vit": Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "cnn": Setup(sm.StagedCNN, sm.image_dataset, sm.class_loss, "unpack_sequence"),
+    "staged": Setup(sm.StagedMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "flat": Setup(sm.FlatMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "bert": Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "t5": Setup(sm.tiny_t5, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+}
+MIXER, STAGE = "shard_models.MixerBlock", "shard_models.Stage"
+# scenario name -> (model, load_strategy)
+SCENARIOS: dict[str, tuple[str, list[Any]]] = {
+    "vit/fsdp": ("vit", ["fsdp"]),
+    "cnn/fsdp": ("cnn", ["fsdp"]),
+    "vit/checkpoint": ("vit", ["checkpoint"]),
+    "flat/fsdp": ("flat", ["fsdp"]),
+    "staged/fsdp[nested]": ("staged", [("fsdp", {"atorch_wrap_cls": [STAGE, MIXER]})]),
+    "staged/zero2[nested]": ("staged", [("zero2", {"atorch_wrap_cls": [STAGE, MIXER]})]),
+    "staged/fsdp[classes+size]": ("staged", [("fsdp", {"atorch_wrap_cls": [MIXER], "wrap_min_num_params": 1000})]),
+    "bert/fsdp": ("bert", ["fsdp"]),
+    "bert/zero2": ("bert", ["zero2"]),
+    "bert/fsdp[size_based]": ("bert", [("fsdp", {"wrap_min_num_params": 1000})]),
+    "t5/checkpoint": ("t5", ["checkpoint"]),
+    "t5/checkpoint+fsdp": ("t5", ["checkpoint", "fsdp"]),
+}
+
+
+def repeated_batch(dataset: Any) -> Subset:
+    """The first global batch, once per step: memorised, so the loss falls far more than the tolerance."""
+    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
+
+
+def make(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name].make()
+
+
+def reference_losses(setup: Setup, model: torch.nn.Module, dataset: Any) -> list[float]:
+    model = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = iter(DataLoader(dataset, batch_size=GLOBAL_BATCH))
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        loss = setup.loss(batch, call_model(model, batch, setup.input_format))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        batch = next(batches)
+        losses.append(setup.loss(batch, call_model(model, batch, setup.input_format)).item())
+    return losses
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().reshape(1).cpu()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    setup = MODELS[model_name]
+    model, dataset = make(model_name), repeated_batch(setup.dataset())
+    records = Records()
+    logging.getLogger("atorch").addHandler(records)
+    try:
+        _, result, _ = atorch.auto_accelerate(
+            model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
+            optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+        )
+    finally:
+        logging.getLogger("atorch").removeHandler(records)
+    wrapped = result.model
+    entry: dict[str, Any] = {
+        "units": sum(isinstance(m, FSDPModule) for m in wrapped.modules() if m is not wrapped),
+        "warnings": records.messages,
+    }
+    if model_name == "bert":
+        entry["tied"] = wrapped.cls.predictions.decoder.weight is wrapped.bert.embeddings.word_embeddings.weight
+    batches = iter(result.dataloader)
+    losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
+    with torch.no_grad():
+        data = result.prepare_input(next(batches), result.args.device)
+        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
+    entry["losses"] = losses
+    return entry
+
+
+def main() -> None:
+    report: dict[str, Any] = {"scenarios": {}, "reference": {}}
+    for name, (model_name, strategy) in SCENARIOS.items():
+        try:
+            entry = run_scenario(model_name, strategy)
+        except Exception as exc:  # reported per scenario; the others still run
+            entry = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
+            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        failed = torch.tensor([1.0 if "error" in entry else 0.0])
+        dist.all_reduce(failed)
+        if failed.item() and "error" not in entry:
+            entry = {"error": "failed on another rank (see its stderr)"}
+        report["scenarios"][name] = entry
+        dist.barrier()
+    if dist.get_rank() == 0:
+        for model_name in sorted({m for m, _ in SCENARIOS.values()}):
+            setup = MODELS[model_name]
+            report["reference"][model_name] = reference_losses(setup, make(model_name), repeated_batch(setup.dataset()))
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
