@@ -23,7 +23,7 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     count = len(micro_batches)
     if count == 0:
         raise ValueError("train_step needs at least one micro-batch")
-    total = torch.zeros((), device=args.device)
+    losses = []
     for index, batch in enumerate(micro_batches):
         if count > 1 and args.requires_set_gradient_accumulation_boundary:
             optim.set_gradient_accumulation_boundary(index == count - 1)
@@ -36,7 +36,8 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
             optim.backward(loss)
         else:
             loss.backward()
-        total += loss.detach().float()
+        losses.append(loss.detach())
+    total = losses[0].float() if count == 1 else torch.stack(losses).float().sum()
     # Started before the step so that it overlaps with it; the group is the data-parallel one.
     reduction = _start_mean(total, result)
     optim.step()

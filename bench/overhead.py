@@ -130,7 +130,11 @@ def hand_runner(model: torch.nn.Module, dataset: SyntheticLanguage, batch_size: 
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
-        return loss.detach()
+        loss = loss.detach()
+        if world > 1:  # the global batch's loss, as train_step returns it (what a training log shows)
+            dist.all_reduce(loss)
+            loss /= world
+        return loss
 
     return Runner(name, step, loader)
 

@@ -88,6 +88,12 @@ def test_building_draws_nothing_from_the_users_random_generator(report: dict[str
     assert entry["drawn"] == entry["expected"]
 
 
+def test_a_collective_can_be_bounded_by_the_caller() -> None:
+    entry = _entry(run_json(WORKER, "timeout", timeout=240), "timeout")
+    assert entry["raised"] is not None, "the step waited for a peer that never came"
+    assert entry["seconds"] < 7.0, entry
+
+
 # ----- in one process -----------------------------------------------------------------------
 def test_layout_is_one_validated_value() -> None:
     layout = ParallelLayout((("pipeline", 2), ("data", 2), ("tensor", 2)))

@@ -49,6 +49,8 @@ SINGLE = {
 }
 # (2-rank checkpoint, strategy it is loaded under on 1 rank)
 RESHARD = {"fsdp": ["parallel_mode"], "zero1": ["fsdp"]}
+# (2-rank checkpoint, another strategy it is loaded under on the same 2 ranks)
+RESHARD_SAME = {"fsdp": ["zero1"], "zero1": ["fsdp"], "ddp": ["zero2"], "zero2": ["parallel_mode"]}
 
 
 def gpt2_with_dropout(seed: int) -> nn.Module:
@@ -137,7 +139,8 @@ def round_trip(name: str, kind: str, strategy: Any, root: Path, k: int = K, cont
 
 
 def reshard(source: Path, kind: str, strategy: Any) -> dict[str, Any]:
-    """A 2-rank checkpoint loaded on 1 rank under another strategy; the same global batches."""
+    """A 2-rank checkpoint loaded under another strategy (on 1 rank, or on the same 2); the same
+    global batches."""
     result = accelerate(kind, strategy, seed=3)
     batches = list(islice(result.dataloader, K + 2))
     info = atorch.load_checkpoint(source, result)
@@ -201,6 +204,9 @@ def main() -> None:
     if mode == "multi":
         for name, (kind, strategy) in MULTI.items():
             report[name] = round_trip(name, kind, strategy, root, control=name == "ddp")
+        report["reshard_same"] = {
+            src: reshard(root / src / "ckpt", "mlp", strategy) for src, strategy in RESHARD_SAME.items()
+        }
     else:
         multi = Path(sys.argv[3])
         for name, (kind, strategy) in SINGLE.items():

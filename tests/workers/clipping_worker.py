@@ -51,7 +51,7 @@ def build(strategy: list[Any]) -> Any:
     _, result, _ = atorch.auto_accelerate(
         toy_models.mlp(), torch.optim.SGD, toy_models.mlp_dataset(), toy_models.mlp_loss,
         model_input_format="unpack_sequence", optim_args={"lr": LR},
-        dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+        dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
     )
     return result
 

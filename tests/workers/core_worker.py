@@ -201,12 +201,39 @@ def rng(_: Path) -> dict[str, Any]:
     return {"expected": expected, "drawn": drawn}
 
 
+def timeout(_: Path) -> dict[str, Any]:
+    """A collective that a peer never joins raises within the caller's bound, not the group's."""
+    import time
+
+    from atorch.distributed import collective_timeout
+
+    result = build(["fsdp"])
+    outcome: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            with collective_timeout(3.0):
+                train_step(result, [next(iter(result.dataloader))])  # rank 1 is not there
+            outcome["raised"] = None
+        except Exception as exc:  # noqa: BLE001  (whatever torch raises for a timed-out collective)
+            outcome["raised"] = type(exc).__name__
+        outcome["seconds"] = time.monotonic() - start
+    else:
+        time.sleep(8.0)
+    return outcome
+
+
 SCENARIOS = {f.__name__: f for f in (agreement, global_loss, param_names, rank_order, close_cycles, dropped, meshes,
                                      rng)}
 
 
 def main(tmp: str) -> None:
     init_distributed()
+    if tmp == "timeout":  # its own launch: the timed-out collective leaves the group unusable
+        outcome = timeout(Path(tmp))
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"timeout": outcome}), flush=True)
+        os._exit(0)  # no tear-down handshake with a peer that is still asleep
     report: dict[str, Any] = {}
     for name, scenario in SCENARIOS.items():
         try:

@@ -92,7 +92,7 @@ def run_scenario(name: str, strategy: list[Any]) -> dict[str, Any]:
     meta_init.LAST_STATS.clear()
     _, result, _ = atorch.auto_accelerate(
         model, torch.optim.SGD, dataset, loss, model_input_format=input_format,
-        optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+        optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
     )
     entry: dict[str, Any] = {
         "weight_gap": max_over_ranks(weight_gap(result.model, reference(name))),

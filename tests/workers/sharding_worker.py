@@ -121,7 +121,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     try:
         _, result, _ = atorch.auto_accelerate(
             model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
-            optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
+            optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False},
+            load_strategy=strategy,
         )
     finally:
         logging.getLogger("atorch").removeHandler(records)
