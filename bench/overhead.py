@@ -8,7 +8,7 @@ same global batch): "atorch" is ``auto_accelerate(load_strategy=["parallel_mode"
 After a warm-up, timed rounds of ``--steps`` steps alternate A B | B A | A B ... so drift in machine
 load falls on both alike (with --control, a second identical hand-written loop joins the rotation:
 its ratio to the first is the noise floor of the machine). Reports, as seen by rank 0, the median
-step time and throughput of each, their throughput ratio (atorch/hand, target >= 0.98), the CPU
+step time and throughput of each, their throughput ratio (atorch/hand, target >= 0.99), the CPU
 time per step (less sensitive to other programs on the machine), and whether the loops produced
 the same losses (they should be bit-identical; the exit status is 1 if not).
 """
@@ -40,7 +40,7 @@ import atorch  # noqa: E402
 from atorch.distributed import init_distributed  # noqa: E402
 from atorch.training import train_step  # noqa: E402
 
-TARGET_RATIO = 0.98
+TARGET_RATIO = 0.99
 LR = 1e-3
 
 

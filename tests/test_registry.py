@@ -70,3 +70,4 @@ def test_every_config_key_is_documented(name: str) -> None:
     """The README's reference tables are generated from these descriptions."""
     for key, field in get_method(name).Config.model_fields.items():
         assert field.description, f"{name}.{key} has no description"
+

@@ -1,14 +1,13 @@
-"""The one registry of optimization methods, and the one order they are applied in."""
+"""The one registry of optimization methods, listed in the order they are applied in."""
 
 from __future__ import annotations
 
 from atorch.opt_lib.base import Method
 
-# Why this order: parallel layout first (everything else needs the mesh); module swaps and dtype
-# changes before anything captures parameters; autocast and activation checkpointing wrap the
-# plain modules; sharding (FSDP/ZeRO-2) wraps last; ZeRO-1 only changes the optimizer.
-# The DDP wrapper, when no sharding method replaces it, and the optimizer are built after all
-# ``apply`` steps; ``after_build`` hooks run after that, in this same order.
+# The order atorch.apply.apply_strategy applies methods in (the reasons are commented there):
+# layout first; module swaps and dtype changes before anything captures parameters; autocast and
+# activation checkpointing wrap the plain modules; sharding wraps last; ZeRO-1 changes the optimizer.
+# Listings (the CLI, the README tables, Strategy.in_apply_order) follow it.
 APPLY_ORDER: tuple[str, ...] = (
     "parallel_mode",
     "module_replace",

@@ -13,9 +13,8 @@ import os
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
+import functools
 import json
-import sys
-import traceback
 from typing import Any
 
 import shard_models as sm
@@ -23,12 +22,11 @@ import torch
 import torch.distributed as dist
 import toy_models
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
+from worker_common import losses_of, reference_losses, run_each
 
 import atorch
 from atorch import meta_init
-from atorch.model_context import call_model
-from atorch.training import train_step
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -79,12 +77,6 @@ def max_over_ranks(value: float) -> float:
     return tensor.item()
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).cpu()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
-
 def run_scenario(name: str, strategy: list[Any]) -> dict[str, Any]:
     _, make_dataset, loss, input_format = MODELS[name]
     model, dataset = on_meta(name), repeated_batch(make_dataset())
@@ -100,50 +92,22 @@ def run_scenario(name: str, strategy: list[Any]) -> dict[str, Any]:
         "stats": dict(meta_init.LAST_STATS),
         "whole": sorted(clean(n) for n, p in result.model.named_parameters() if not isinstance(p, DTensor)),
     }
-    batches = iter(result.dataloader)
-    losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
-    with torch.no_grad():
-        data = result.prepare_input(next(batches), result.args.device)
-        losses.append(mean_over_ranks(loss(data, call_model(result.model, data, input_format))))
-    entry["losses"] = losses
+    entry["losses"] = losses_of(result, STEPS, loss, input_format)
     return entry
 
 
-def reference_losses(name: str) -> list[float]:
-    _, make_dataset, loss_fn, input_format = MODELS[name]
-    model = reference(name)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    batches = iter(DataLoader(repeated_batch(make_dataset()), batch_size=GLOBAL_BATCH))
-    losses = []
-    for _ in range(STEPS):
-        batch = next(batches)
-        loss = loss_fn(batch, call_model(model, batch, input_format))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        batch = next(batches)
-        losses.append(loss_fn(batch, call_model(model, batch, input_format)).item())
-    return losses
+def reference_losses_of(name: str) -> list[float]:
+    _, make_dataset, loss, input_format = MODELS[name]
+    return reference_losses(reference(name), repeated_batch(make_dataset()), loss, input_format,
+                            lambda p: torch.optim.SGD(p, lr=LR), STEPS, GLOBAL_BATCH)
 
 
 def main() -> None:
-    report: dict[str, Any] = {"scenarios": {}, "reference": {}}
-    for name, (model_name, strategy) in SCENARIOS.items():
-        try:
-            entry = run_scenario(model_name, strategy)
-        except Exception as exc:
-            entry = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
-            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        failed = torch.tensor([1.0 if "error" in entry else 0.0])
-        dist.all_reduce(failed)
-        if failed.item() and "error" not in entry:
-            entry = {"error": "failed on another rank (see its stderr)"}
-        report["scenarios"][name] = entry
-        dist.barrier()
+    report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
+        name: functools.partial(run_scenario, model, strategy) for name, (model, strategy) in SCENARIOS.items()
+    })}
     if dist.get_rank() == 0:
-        report["reference"] = {name: reference_losses(name) for name in MODELS}
+        report["reference"] = {name: reference_losses_of(name) for name in MODELS}
         report["full_bytes"] = {name: meta_init.param_bytes(reference(name)) for name in MODELS}
         print("RESULT " + json.dumps(report), flush=True)
 

@@ -17,10 +17,9 @@ import os
 if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import copy
+import functools
 import json
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import toy_models
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
+from worker_common import losses_of, reference_losses, run_each
 
 import atorch
-from atorch.model_context import call_model
 from atorch.opt_lib import allowed_pairs, method_names
-from atorch.training import train_step
 
 STEPS = 4  # optimizer steps; one more forward-only loss checks the last update
 GLOBAL_BATCH = 8
@@ -95,43 +93,13 @@ def repeated_batch(dataset: Any) -> Subset:
     return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
 
 
-def reference_losses(setup: ModelSetup, model: torch.nn.Module, dataset: Any) -> list[float]:
-    """Plain fp32 training in this one process on the whole global batch: what every strategy must match."""
-    model = copy.deepcopy(model)
-    optim = torch.optim.AdamW(model.parameters(), **OPTIM_ARGS)
-    batches = iter(DataLoader(dataset, batch_size=GLOBAL_BATCH))
-    losses = []
-    for _ in range(STEPS):
-        batch = next(batches)
-        loss = setup.loss(batch, call_model(model, batch, setup.input_format))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        batch = next(batches)
-        losses.append(setup.loss(batch, call_model(model, batch, setup.input_format)).item())
-    return losses
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).cpu()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
-
 def run_scenario(setup: ModelSetup, model: torch.nn.Module, dataset: Any, strategy: list[Any]) -> dict[str, Any]:
     _, result, _ = atorch.auto_accelerate(
         model, torch.optim.AdamW, dataset, setup.loss, model_input_format=setup.input_format,
         optim_args=OPTIM_ARGS, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
     )
-    batches = iter(result.dataloader)
-    losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
-    with torch.no_grad():
-        data = result.prepare_input(next(batches), result.args.device)
-        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
     return {
-        "losses": losses,
+        "losses": losses_of(result, STEPS, setup.loss, setup.input_format),
         "skipped": dict(result.args.skipped),
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),
         "device": result.args.device.type,
@@ -141,21 +109,14 @@ def run_scenario(setup: ModelSetup, model: torch.nn.Module, dataset: Any, strate
 def main(model_name: str) -> None:
     setup = MODELS[model_name]
     model, dataset = setup.make(), repeated_batch(setup.dataset())
-    report: dict[str, Any] = {"scenarios": {}}
-    for name, strategy in scenarios().items():
-        try:
-            entry = run_scenario(setup, model, dataset, strategy)
-        except Exception as exc:  # reported per scenario; the others still run
-            entry = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
-            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        failed = torch.tensor([1.0 if "error" in entry else 0.0])
-        dist.all_reduce(failed)  # a failure on another rank is a failure of the scenario
-        if failed.item() and "error" not in entry:
-            entry = {"error": "failed on another rank (see its stderr)"}
-        report["scenarios"][name] = entry
-        dist.barrier()
+    report: dict[str, Any] = {"scenarios": run_each({
+        name: functools.partial(run_scenario, setup, model, dataset, strategy) for name, strategy in scenarios().items()
+    })}
     if dist.get_rank() == 0:
-        report["reference"] = reference_losses(setup, model, dataset)
+        report["reference"] = reference_losses(
+            model, dataset, setup.loss, setup.input_format, lambda p: torch.optim.AdamW(p, **OPTIM_ARGS), STEPS,
+            GLOBAL_BATCH,
+        )
         print("RESULT " + json.dumps(report), flush=True)
 
 

@@ -12,11 +12,9 @@ import os
 if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import copy
+import functools
 import json
 import logging
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +23,10 @@ import shard_models as sm
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import Subset
+from worker_common import losses_of, reference_losses, run_each
 
 import atorch
-from atorch.model_context import call_model
-from atorch.training import train_step
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -80,30 +77,6 @@ def make(name: str) -> torch.nn.Module:
     return MODELS[name].make()
 
 
-def reference_losses(setup: Setup, model: torch.nn.Module, dataset: Any) -> list[float]:
-    model = copy.deepcopy(model)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    batches = iter(DataLoader(dataset, batch_size=GLOBAL_BATCH))
-    losses = []
-    for _ in range(STEPS):
-        batch = next(batches)
-        loss = setup.loss(batch, call_model(model, batch, setup.input_format))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        batch = next(batches)
-        losses.append(setup.loss(batch, call_model(model, batch, setup.input_format)).item())
-    return losses
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).cpu()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
-
 class Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -133,33 +106,22 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     }
     if model_name == "bert":
         entry["tied"] = wrapped.cls.predictions.decoder.weight is wrapped.bert.embeddings.word_embeddings.weight
-    batches = iter(result.dataloader)
-    losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(STEPS)]
-    with torch.no_grad():
-        data = result.prepare_input(next(batches), result.args.device)
-        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
+    losses = losses_of(result, STEPS, setup.loss, setup.input_format)
     entry["losses"] = losses
     return entry
 
 
 def main() -> None:
-    report: dict[str, Any] = {"scenarios": {}, "reference": {}}
-    for name, (model_name, strategy) in SCENARIOS.items():
-        try:
-            entry = run_scenario(model_name, strategy)
-        except Exception as exc:  # reported per scenario; the others still run
-            entry = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
-            print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        failed = torch.tensor([1.0 if "error" in entry else 0.0])
-        dist.all_reduce(failed)
-        if failed.item() and "error" not in entry:
-            entry = {"error": "failed on another rank (see its stderr)"}
-        report["scenarios"][name] = entry
-        dist.barrier()
+    report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
+        name: functools.partial(run_scenario, model, strategy) for name, (model, strategy) in SCENARIOS.items()
+    })}
     if dist.get_rank() == 0:
         for model_name in sorted({m for m, _ in SCENARIOS.values()}):
             setup = MODELS[model_name]
-            report["reference"][model_name] = reference_losses(setup, make(model_name), repeated_batch(setup.dataset()))
+            report["reference"][model_name] = reference_losses(
+                make(model_name), repeated_batch(setup.dataset()), setup.loss, setup.input_format,
+                lambda p: torch.optim.SGD(p, lr=LR), STEPS, GLOBAL_BATCH,
+            )
         print("RESULT " + json.dumps(report), flush=True)
 
 
