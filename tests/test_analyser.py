@@ -46,10 +46,31 @@ def test_mlp_figures_match_hand_computation() -> None:
     # (log-softmax output, int64 targets, and at most a few bytes of scalars such as nll_loss's total weight).
     loss_saved = stats.activation_bytes_outside_blocks - BATCH * 16 * F32 - BATCH * 32 * F32
     assert BATCH * 8 * F32 + BATCH * 8 <= loss_saved <= BATCH * 8 * F32 + BATCH * 8 + 8
-    assert stats.activation_bytes == stats.activation_bytes_outside_blocks + 3 * block.activation_bytes
+    assert block.activation_bytes_total == 3 * block.activation_bytes
+    assert block.param_bytes_total == 3 * block.param_bytes
+    assert stats.activation_bytes == stats.activation_bytes_outside_blocks + block.activation_bytes_total
     assert stats.largest_layer is not None and stats.largest_layer.name == "blocks.0.0"
     assert stats.largest_activation is not None and stats.largest_activation.bytes == BATCH * 32 * F32
     assert stats.batch_size == BATCH and stats.seq_len is None
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 4 tokens, 8) -> 2 heads of 4
+        q = self.qkv(x).view(x.shape[0], 4, 2, 4).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(q, q, q).sum()
+
+
+def test_attention_is_counted_on_cpu() -> None:
+    stats = analyse(Attention(), torch.randn(2, 4, 8), None)
+    linear = 4 * 2 * 8 * 8  # per sample: 4 tokens x 2·in·out
+    attention = 4 * 2 * 4 * 4 * 4  # QK^T and AV: 2 x 2·s·s·d_head per head, 2 heads (torch's sdpa formula)
+    assert stats.fwd_flops_per_sample == linear + attention
+    # Backward: the weight gradient only (the input needs none), attention 2.5x its forward (torch's formula).
+    assert stats.fwd_bwd_flops_per_sample == 2 * linear + 3.5 * attention
 
 
 def test_frozen_parameters_have_no_gradient_bytes() -> None:
@@ -175,9 +196,11 @@ def test_transformers_models(name: str) -> None:
     elapsed = time.perf_counter() - start
     assert elapsed < 30, f"analysing a tiny {name} took {elapsed:.1f} s"
     assert stats.param_count == sum(p.numel() for p in model.parameters())
-    (block,) = stats.blocks
-    assert block.class_path.endswith(block_name) and block.count == count
-    assert block.activation_bytes > 0 and count * block.activation_bytes <= stats.activation_bytes
+    # The classes block_classes gives (transformers' _no_split_modules: BERT's also names its embeddings).
+    (block,) = [b for b in stats.blocks if b.class_path.endswith(block_name)]
+    assert block.count == count
+    assert 0 < block.activation_bytes_total <= count * block.activation_bytes
+    assert block.activation_bytes_total + stats.activation_bytes_outside_blocks <= stats.activation_bytes
     # Every matmul's inputs need gradients (embeddings are trained), so backward does about twice the
     # forward's matmul work; attention's backward is counted as 2.5x its forward (torch's sdpa formula),
     # so the ratio is 3 plus a little: 2.9..3.3 leaves room for that and nothing else.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from launcher import HERE, run_json
 
-from atorch.strategy_search.hardware import COLLECTIVES, PROFILES_DIR, HardwareProfile, load_profile
+from atorch.strategy_search.hardware import COLLECTIVES, PROFILES_DIR, HardwareProfile, load_profile, measure_profile
 
 WORKER = HERE / "workers" / "hardware_worker.py"
 
@@ -53,3 +53,16 @@ def test_table_profile_round_trips(tmp_path: Path) -> None:
     table.save(path)
     assert load_profile(path) == table
     assert HardwareProfile.from_table(table.model_dump(mode="json")) == table
+
+
+def test_one_process_without_a_process_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    profile = measure_profile(memory_limit=12345)
+    assert profile.world_size == 1 and profile.backend == "none" and profile.collectives == {}
+    assert profile.memory_per_rank == 12345 and profile.memory_source == "memory_limit"
+    (cached,) = (tmp_path / "profiles").glob("*.json")
+    assert load_profile(cached).model_copy(update={"memory_per_rank": 12345, "memory_source": "memory_limit"}) \
+        == profile
+    assert measure_profile(memory_limit=12345) == profile  # from the cache
+    assert measure_profile().memory_source == "ram"

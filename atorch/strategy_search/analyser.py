@@ -49,12 +49,17 @@ class _Frozen(BaseModel):
 
 
 class BlockStats(_Frozen):
-    """One repeated block class: how many there are and, per block (the largest instance), its size."""
+    """One repeated block class: how many there are, the largest instance's size, and all instances' together.
+
+    Instances of one class may differ (T5's decoder blocks hold cross-attention, its encoder blocks do not).
+    """
 
     class_path: str
     count: int
     param_bytes: int  # parameter bytes of one block (the largest instance)
     activation_bytes: int  # bytes saved for backward by one block at the measured batch (largest instance)
+    param_bytes_total: int
+    activation_bytes_total: int
 
 
 class LayerStats(_Frozen):
@@ -168,7 +173,7 @@ def _loss_of(output: Any, batch: Any, loss_func: Callable[..., Any] | None) -> t
     elif getattr(output, "loss", None) is not None:  # transformers ModelOutput with labels
         loss = output.loss
     else:
-        loss = next((t for t in _leaves(output.values() if isinstance(output, dict) else output)
+        loss = next((t for t in _leaves(list(output.values()) if isinstance(output, dict) else output)
                      if t.requires_grad), None)
     if loss is None or not loss.requires_grad:
         return None
@@ -186,8 +191,8 @@ def _sdpa_cpu_backward(grad_shape: Any, query_shape: Any, key_shape: Any, value_
 
 
 _EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
 }
 
 
@@ -289,7 +294,8 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         by_class.setdefault(path, []).append((block_params, saved.by_block[name]))
     block_stats = tuple(
         BlockStats(class_path=path, count=len(sizes), param_bytes=max(s[0] for s in sizes),
-                   activation_bytes=max(s[1] for s in sizes))
+                   activation_bytes=max(s[1] for s in sizes), param_bytes_total=sum(s[0] for s in sizes),
+                   activation_bytes_total=sum(s[1] for s in sizes))
         for path, sizes in sorted(by_class.items()))
 
     largest_layer = None
