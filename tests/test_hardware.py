@@ -33,8 +33,9 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
     assert first.memory_per_rank > 0
     assert first.measure_s < 15, "the micro-benchmarks must stay short"
 
-    # The second call reads the cache: the same profile, no measuring.
-    assert profiles["cached"] == profiles["first"]
+    # The second call reads the cache: the same profile, no measuring (available RAM, the budget, moves).
+    cached = HardwareProfile.model_validate(profiles["cached"])
+    assert cached.model_copy(update={"memory_per_rank": first.memory_per_rank}) == first
     times = ranks[0]["times"]
     assert times["cached"] < times["first"] / 10, times
     assert len(result["cache_files"]) == 1 and result["cache_files"][0].endswith(".json")
