@@ -11,6 +11,7 @@ import torch
 import toy_models
 from torch import nn
 
+from atorch.errors import SetupError
 from atorch.strategy_search.analyser import ModelStats, analyse, fingerprint
 
 BATCH = 4
@@ -117,6 +118,22 @@ def test_a_meta_model_gives_the_stats_of_the_real_one() -> None:
         toy_models.MLP(), batch, "unpack_sequence", toy_models.mlp_loss)
 
 
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) if x.sum() > 0 else -self.layer(x)  # data-dependent: no value on fake tensors
+
+
+def test_a_model_that_reads_values_gets_a_clear_error() -> None:
+    with pytest.raises(SetupError, match="could not run on fake tensors.*reads tensor values"):
+        analyse(ReadsValues(), torch.randn(BATCH, 16))
+    with pytest.raises(SetupError, match="model_input_format"):
+        analyse(toy_models.MLP(), {"x": torch.randn(BATCH, 16)}, "unpack_sequence")
+
+
 def test_non_transformer_models() -> None:
     images = (torch.randn(BATCH, 3, 8, 8), torch.randint(0, 8, (BATCH,)))
     cnn = analyse(sm.StagedCNN(), images, "unpack_sequence", sm.class_loss)
@@ -134,10 +151,11 @@ LAYERS = 2
 VOCAB = 256
 
 
-def gpt2() -> nn.Module:
+def gpt2(dropout: float = 0.1) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=LAYERS, n_head=4))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=LAYERS, n_head=4,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
 
 
 def llama() -> nn.Module:
@@ -223,6 +241,17 @@ def test_gpt2_flops_follow_the_6n_rule() -> None:
     # VOCAB·D multiply-adds per token (14% of N), so missing it, or a missing backward (-67%), fails a 10%
     # tolerance, which the terms above (< 6% together) pass.
     assert abs(per_token / six_n - 1) < 0.10, (per_token, six_n)
+
+
+def test_gpt2_block_activations_are_plausible() -> None:
+    stats = analyse(gpt2(dropout=0.0), tokens(), "unpack_dict")
+    (block,) = stats.blocks
+    values = block.activation_bytes / (F32 * BATCH * SEQ * D)  # fp32 tensors of batch x seq x hidden
+    # Lower bound: what a block with fused kernels keeps (Korthikanti et al., 34 bytes per token·hidden in
+    # fp16 without tensor parallelism; less the 2 bytes of dropout masks, 16 two-byte values). Upper bound:
+    # transformers' GPT-2 runs gelu_new as separate elementwise ops, which keep up to 4 more 4h-wide
+    # intermediates (16 values), plus a few copies of the attention's inputs: at most 40.
+    assert 16 <= values <= 40, values
 
 
 def test_gpt2_on_meta_device_and_frozen_embeddings() -> None:

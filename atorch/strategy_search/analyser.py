@@ -40,6 +40,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.class_ref import class_path
+from atorch.errors import SetupError
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
 
@@ -253,6 +254,22 @@ def _block_instances(model: nn.Module) -> dict[str, str]:
 
 # ----- the analysis ------------------------------------------------------------------------------------
 
+def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func: Callable[..., Any] | None,
+          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int]:
+    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch."""
+    with ExitStack() as hooks:
+        saved.track(work, hooks)
+        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            output = call_model(work, batch, model_input_format)
+            loss = _loss_of(output, batch, loss_func)
+    if loss is None:
+        return fwd.get_total_flops(), 0
+    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd:
+        loss.backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
 def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
             loss_func: Callable[..., Any] | None = None) -> ModelStats:
     """Measure ``model`` on one ``sample_batch`` (called as ``model_input_format`` says) with fake tensors.
@@ -274,18 +291,15 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         batch = _map_tensors(sample_batch, lambda t: torch.empty_strided(
             t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
     saved = _SavedTensors(work, blocks)
-    with ExitStack() as hooks:
-        saved.track(work, hooks)
-        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, \
-                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            output = call_model(work, batch, model_input_format)
-            loss = _loss_of(output, batch, loss_func)
-    bwd_flops = 0
-    if loss is not None:
-        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd:
-            loss.backward()
-        bwd_flops = bwd.get_total_flops()
-    fwd_flops = fwd.get_total_flops()
+    try:
+        fwd_flops, bwd_flops = _step(work, batch, model_input_format, loss_func, mode, saved)
+    except Exception as exc:
+        raise SetupError(
+            f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "
+            f"values): {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. "
+            "A forward that reads tensor values (.item(), `if tensor:`, shapes that depend on data) cannot be "
+            "analysed; check that model_input_format and loss_func match the sample batch"
+        ) from exc
 
     by_class: dict[str, list[tuple[int, int]]] = {}
     instances = dict(model.named_modules())
