@@ -276,7 +276,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
 
     ``loss_func(batch, output)`` gives the scalar to differentiate; without it, the model's output when it
     is a tensor, else its ``.loss``, else its first tensor that requires grad (summed). A model on the
-    meta device is analysed as if on the CPU.
+    meta device is analysed as if on the sample batch's device.
     """
     batch_size, seq_len = _batch_shape(sample_batch)
     params = list(model.parameters())
