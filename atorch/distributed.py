@@ -127,23 +127,24 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
         ) from exc
 
 
-def all_gather_json(value: Any, timeout_s: float = AGREE_TIMEOUT_S) -> list[Any]:
+def all_gather_json(value: Any, timeout_s: float = AGREE_TIMEOUT_S, group: Any = None) -> list[Any]:
     """Every rank's JSON value, in rank order (UTF-8 bytes in tensors: nothing is pickled).
 
     Waits at most timeout_s for the other ranks, then raises TimeoutError instead of hanging.
+    ``group``: a process group to gather over instead of the world (ranks in its order).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [value]
-    world, device = dist.get_world_size(), _collective_device()
+    world, device = dist.get_world_size(group), _collective_device()
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    _wait(dist.all_gather(sizes, mine, async_op=True), timeout_s, "exchanging checks between ranks")
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), timeout_s, "exchanging checks between ranks")
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    _wait(dist.all_gather(chunks, padded, async_op=True), timeout_s, "exchanging checks between ranks")
+    _wait(dist.all_gather(chunks, padded, group=group, async_op=True), timeout_s, "exchanging checks between ranks")
     return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes, strict=True)]
 
 

@@ -1,0 +1,14 @@
+"""Fully automatic mode: what the strategy search knows about a model and about the machines.
+
+* ``analyser``: statistics of a model from one sample batch, measured on fake tensors (no real compute).
+* ``hardware``: a hardware profile (matmul throughput, collective bandwidth, memory budget), measured by
+  short micro-benchmarks on the ranks and cached on disk, or read from a table.
+"""
+
+from atorch.strategy_search.analyser import BlockStats, LayerStats, ModelStats, analyse, fingerprint
+from atorch.strategy_search.hardware import CollectiveStats, HardwareProfile, load_profile, measure_profile
+
+__all__ = [
+    "BlockStats", "CollectiveStats", "HardwareProfile", "LayerStats", "ModelStats", "analyse", "fingerprint",
+    "load_profile", "measure_profile",
+]

@@ -1,0 +1,341 @@
+"""Statistics of a model from one sample batch, measured on fake tensors: what the cost model plans with.
+
+``analyse(model, sample_batch, model_input_format, loss_func)`` runs one forward and one backward of a
+copy of the model whose parameters and buffers are fake tensors (``FakeTensorMode``: shapes, dtypes and
+devices, no storage, no arithmetic), so it costs neither real compute nor real memory and works for a
+model on the meta device. From that one step it reads:
+
+* parameter / gradient / buffer bytes and parameter counts (trainable and frozen), from the module;
+* FLOPs per sample of the forward and of forward+backward, counted by ``torch.utils.flop_counter`` on
+  the ops actually dispatched (matmuls, convolutions, attention; elementwise ops are not counted), divided
+  by the batch size;
+* activation bytes: the tensors autograd saves for backward (``saved_tensors_hooks``), each storage
+  counted once, parameters and buffers left out; attributed to the innermost repeated block (transformer
+  layer, residual block) running when the tensor was saved, so a block's figure is what that block keeps
+  alive between its forward and its backward at the measured batch;
+* the repeated block classes (``opt_lib.blocks.block_classes``), their count and size, the layer with
+  the most parameter bytes and the largest single saved activation;
+* a fingerprint of the module tree (class names, parameter and buffer names, shapes, dtypes, trainable
+  flags; not values) that identifies "the same model" across runs: the search's study key.
+
+The user's model is never touched: the copy is made with the fake tensors in the deepcopy memo, so no
+parameter is moved or copied and no hook is left on the original.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+from atorch.class_ref import class_path
+from atorch.errors import SetupError
+from atorch.model_context import call_model
+from atorch.opt_lib.blocks import block_classes
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BlockStats(_Frozen):
+    """One repeated block class: how many there are, the largest instance's size, and all instances' together.
+
+    Instances of one class may differ (T5's decoder blocks hold cross-attention, its encoder blocks do not).
+    """
+
+    class_path: str
+    count: int
+    param_bytes: int  # parameter bytes of one block (the largest instance)
+    activation_bytes: int  # bytes saved for backward by one block at the measured batch (largest instance)
+    param_bytes_total: int
+    activation_bytes_total: int
+
+
+class LayerStats(_Frozen):
+    """The module holding the most parameter bytes of its own (not counting its children)."""
+
+    name: str
+    class_path: str
+    param_bytes: int
+
+
+class ActivationStats(_Frozen):
+    """The largest single tensor saved for backward, and the module that was running when it was saved."""
+
+    module: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+class ModelStats(_Frozen):
+    """What the analyser measured. Activation figures are for ``batch_size`` samples (the sample batch)."""
+
+    fingerprint: str
+    batch_size: int
+    seq_len: int | None  # dim 1 of the first integer tensor of 2+ dims in the batch (token ids), if any
+    param_count: int
+    trainable_param_count: int
+    param_bytes: int
+    trainable_param_bytes: int
+    frozen_param_bytes: int
+    grad_bytes: int  # one gradient per trainable parameter, in the parameter's dtype
+    buffer_bytes: int
+    fwd_flops_per_sample: float
+    fwd_bwd_flops_per_sample: float
+    activation_bytes: int  # all tensors saved for backward in one step at the measured batch
+    activation_bytes_outside_blocks: int
+    blocks: tuple[BlockStats, ...]
+    largest_layer: LayerStats | None
+    largest_activation: ActivationStats | None
+
+    @property
+    def activation_bytes_per_sample(self) -> float:
+        return self.activation_bytes / self.batch_size
+
+
+# ----- fingerprint -------------------------------------------------------------------------------------
+
+def fingerprint(model: nn.Module) -> str:
+    """A stable hash of the module tree: classes, parameter/buffer names, shapes, dtypes, trainable flags.
+
+    Values are not read, so two instances of one config (and a meta-device instance) share a fingerprint.
+    """
+    tree = {
+        "modules": [[name, class_path(type(m))] for name, m in model.named_modules()],
+        "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+    }
+    return hashlib.sha256(json.dumps(tree, separators=(",", ":")).encode()).hexdigest()
+
+
+# ----- the fake copy and the batch ---------------------------------------------------------------------
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+    """A deep copy whose parameters and buffers are fresh fake tensors (tied ones stay tied)."""
+    memo: dict[int, Any] = {}
+    with mode:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) in memo:
+                continue
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device if t.is_meta else t.device)
+            memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_map_tensors(v, fn) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(v, fn) for v in data)
+    return data
+
+
+def _leaves(data: Any) -> Iterator[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_tensors(data, found.append)
+    return iter(found)
+
+
+def _batch_shape(batch: Any) -> tuple[int, int | None]:
+    leaves = list(_leaves(batch))
+    if not leaves or leaves[0].dim() == 0:
+        raise ValueError("analyse: the sample batch holds no tensor with a batch dimension")
+    seq = next((t.shape[1] for t in leaves if t.dim() >= 2 and not t.is_floating_point()), None)
+    return int(leaves[0].shape[0]), None if seq is None else int(seq)
+
+
+def _loss_of(output: Any, batch: Any, loss_func: Callable[..., Any] | None) -> torch.Tensor | None:
+    """The scalar to run backward from: loss_func(batch, output) (ATorch's order), else the model's own loss."""
+    if loss_func is not None:
+        loss = loss_func(batch, output)
+    elif isinstance(output, torch.Tensor):
+        loss = output
+    elif getattr(output, "loss", None) is not None:  # transformers ModelOutput with labels
+        loss = output.loss
+    else:
+        loss = next((t for t in _leaves(list(output.values()) if isinstance(output, dict) else output)
+                     if t.requires_grad), None)
+    if loss is None or not loss.requires_grad:
+        return None
+    return loss if loss.numel() == 1 else loss.float().sum()
+
+
+# FlopCounterMode counts the CUDA attention kernels; the CPU flash kernel does the same matmuls.
+def _sdpa_cpu(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward(grad_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                       **kwargs: Any) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_shape, query_shape, key_shape, value_shape)
+
+
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+}
+
+
+# ----- saved-tensor accounting -------------------------------------------------------------------------
+
+class _SavedTensors:
+    """Counts the storages autograd saves for backward, by innermost running block, skipping model state."""
+
+    def __init__(self, model: nn.Module, blocks: dict[str, str]) -> None:
+        self.state = {t.untyped_storage()._cdata for t in itertools.chain(model.parameters(), model.buffers())}
+        self.seen: set[int] = set()
+        self.blocks = blocks  # module name -> block class path
+        self.stack: list[str] = []
+        self.total = 0
+        self.by_block: dict[str, int] = {name: 0 for name in blocks}
+        self.largest: ActivationStats | None = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.state or key in self.seen:
+            return t
+        self.seen.add(key)
+        size = storage.nbytes()
+        self.total += size
+        block = next((name for name in reversed(self.stack) if name in self.blocks), None)
+        if block is not None:
+            self.by_block[block] += size
+        if self.largest is None or size > self.largest.bytes:
+            module = self.stack[-1] if self.stack else ""
+            self.largest = ActivationStats(module=module, shape=tuple(t.shape), dtype=str(t.dtype), bytes=size)
+        return t
+
+    def track(self, model: nn.Module, stack: ExitStack) -> None:
+        """Keep ``self.stack`` = the names of the modules running now (hooks on the copy only)."""
+        for name, module in model.named_modules():
+            pre = module.register_forward_pre_hook(lambda *_, n=name: self.stack.append(n))
+            post = module.register_forward_hook(lambda *_, n=name: self._leave(n), always_call=True)
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+
+    def _leave(self, name: str) -> None:
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
+
+def _block_instances(model: nn.Module) -> dict[str, str]:
+    """Outermost modules of the repeated block classes: name -> class path."""
+    wanted = set(block_classes(model))
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        path = class_path(type(module))
+        if (path in wanted or type(module).__name__ in wanted) and not any(
+                name.startswith(outer + ".") for outer in found):
+            found[name] = path
+    return found
+
+
+# ----- the analysis ------------------------------------------------------------------------------------
+
+def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func: Callable[..., Any] | None,
+          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int]:
+    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch."""
+    with ExitStack() as hooks:
+        saved.track(work, hooks)
+        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            output = call_model(work, batch, model_input_format)
+            loss = _loss_of(output, batch, loss_func)
+    if loss is None:
+        return fwd.get_total_flops(), 0
+    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd:
+        loss.backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
+            loss_func: Callable[..., Any] | None = None) -> ModelStats:
+    """Measure ``model`` on one ``sample_batch`` (called as ``model_input_format`` says) with fake tensors.
+
+    ``loss_func(batch, output)`` gives the scalar to differentiate; without it, the model's output when it
+    is a tensor, else its ``.loss``, else its first tensor that requires grad (summed). A model on the
+    meta device is analysed as if on the sample batch's device.
+    """
+    batch_size, seq_len = _batch_shape(sample_batch)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    blocks = _block_instances(model)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    batch_device = next((t.device for t in _leaves(sample_batch) if not t.is_meta), torch.device("cpu"))
+    work = _fake_copy(model, mode, batch_device)
+    work.train()
+    with mode:
+        batch = _map_tensors(sample_batch, lambda t: torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
+    saved = _SavedTensors(work, blocks)
+    try:
+        fwd_flops, bwd_flops = _step(work, batch, model_input_format, loss_func, mode, saved)
+    except Exception as exc:
+        raise SetupError(
+            f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "
+            f"values): {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. "
+            "A forward that reads tensor values (.item(), `if tensor:`, shapes that depend on data) cannot be "
+            "analysed; check that model_input_format and loss_func match the sample batch"
+        ) from exc
+
+    by_class: dict[str, list[tuple[int, int]]] = {}
+    instances = dict(model.named_modules())
+    for name, path in blocks.items():
+        block_params = sum(_nbytes(p) for p in instances[name].parameters())
+        by_class.setdefault(path, []).append((block_params, saved.by_block[name]))
+    block_stats = tuple(
+        BlockStats(class_path=path, count=len(sizes), param_bytes=max(s[0] for s in sizes),
+                   activation_bytes=max(s[1] for s in sizes), param_bytes_total=sum(s[0] for s in sizes),
+                   activation_bytes_total=sum(s[1] for s in sizes))
+        for path, sizes in sorted(by_class.items()))
+
+    largest_layer = None
+    for name, module in model.named_modules():
+        own = sum(_nbytes(p) for p in module.parameters(recurse=False))
+        if own and (largest_layer is None or own > largest_layer.param_bytes):
+            largest_layer = LayerStats(name=name, class_path=class_path(type(module)), param_bytes=own)
+
+    trainable_bytes = sum(_nbytes(p) for p in trainable)
+    param_bytes = sum(_nbytes(p) for p in params)
+    return ModelStats(
+        fingerprint=fingerprint(model),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        param_count=sum(p.numel() for p in params),
+        trainable_param_count=sum(p.numel() for p in trainable),
+        param_bytes=param_bytes,
+        trainable_param_bytes=trainable_bytes,
+        frozen_param_bytes=param_bytes - trainable_bytes,
+        grad_bytes=trainable_bytes,
+        buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
+        fwd_flops_per_sample=fwd_flops / batch_size,
+        fwd_bwd_flops_per_sample=(fwd_flops + bwd_flops) / batch_size,
+        activation_bytes=saved.total,
+        activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
+        blocks=block_stats,
+        largest_layer=largest_layer,
+        largest_activation=saved.largest,
+    )

@@ -1,0 +1,297 @@
+"""A hardware profile: what the cost model needs to know about the machines, measured or from a table.
+
+``measure_profile(group, memory_limit)`` runs short micro-benchmarks on every rank of the group at once
+(so shared cores and links are measured under the load training puts on them):
+
+* matmul throughput per dtype (fp32, bf16, fp16 where the device has them): square matmuls of growing
+  size, the median of a few timed calls per size, the best size's TFLOP/s (large enough to be sustained,
+  capped in time so a slow dtype, e.g. bf16 on a CPU without bf16 units, costs about a second);
+* all-reduce / all-gather / reduce-scatter on the group: latency = median time of a one-element
+  operation, bandwidth = the best bus bandwidth over a few message sizes, as nccl-tests define it
+  (algbw = bytes / time, where bytes is the full tensor for all-reduce and the gathered output for the
+  other two; busbw = algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter),
+  each repeat started after a barrier;
+* the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
+  RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks.
+
+Rank 0's measurements are what every rank returns (sent as JSON, never pickled), so all ranks plan with
+the same numbers. The measured part is cached as JSON in ``$ATORCH_CACHE_DIR/profiles`` (default
+``~/.cache/atorch/profiles``), keyed by device name, world size, backend and torch version; the memory
+budget is taken afresh on each call. ``load_profile`` / ``HardwareProfile.from_table`` read a profile
+for a cluster that is not here (see ``profiles/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+from atorch.distributed import all_gather_json
+from atorch.log import get_logger
+from atorch.units import parse_bytes
+
+logger = get_logger(__name__)
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # tables shipped with atorch
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+_MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+_MATMUL_BUDGET_S = 1.0  # per dtype: stop growing the matmul once this much time is spent
+_MATMUL_REPEATS = 3
+_LATENCY_REPEATS = 15
+_BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
+_BANDWIDTH_REPEATS = 5
+_COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CollectiveStats(_Frozen):
+    bus_bandwidth: float  # bytes/s, nccl-tests' bus bandwidth convention
+    latency_s: float  # time of a one-element operation
+    size_bytes: int  # message size at which bus_bandwidth was reached (0 for a table)
+
+
+class HardwareProfile(_Frozen):
+    """The machines a plan is for. Every figure is per rank; collectives are over ``world_size`` ranks."""
+
+    source: Literal["measured", "table"]
+    device_type: str  # "cuda" or "cpu"
+    device_name: str
+    world_size: int
+    local_world_size: int
+    backend: str
+    torch_version: str
+    matmul_tflops: dict[str, float]  # dtype name ("float32", "bfloat16", "float16") -> TFLOP/s
+    collectives: dict[str, CollectiveStats]  # by name in COLLECTIVES; empty at world size 1
+    memory_per_rank: int  # bytes a rank may use
+    memory_source: Literal["memory_limit", "cuda", "ram", "table"]
+    measure_s: float = 0.0  # how long the micro-benchmarks took
+    note: str = ""
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any] | str | Path) -> HardwareProfile:
+        """A profile from a table (a dict, or a JSON file) for a cluster that is not here."""
+        data = json.loads(Path(table).read_text()) if isinstance(table, (str, Path)) else dict(table)
+        data.setdefault("source", "table")
+        data.setdefault("memory_source", "table")
+        return cls.model_validate(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a profile (measured and saved, or a table); a bare name looks in atorch's ``profiles/``."""
+    path = Path(path)
+    if not path.exists() and (PROFILES_DIR / path.with_suffix(".json").name).exists():
+        path = PROFILES_DIR / path.with_suffix(".json").name
+    return HardwareProfile.from_table(path)
+
+
+# ----- cache ---------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATORCH_CACHE_DIR") or Path.home() / ".cache" / "atorch") / "profiles"
+
+
+def cache_path(device_name: str, world_size: int, backend: str) -> Path:
+    key = f"{device_name}|{world_size}|{backend}|{torch.__version__}"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{device_name}_{world_size}x_{backend}").strip("_")[:80]
+    return cache_dir() / f"{slug}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+
+
+def _read_cache(path: Path) -> dict[str, Any] | None:
+    try:
+        return HardwareProfile.model_validate_json(path.read_text()).model_dump(mode="json")
+    except (OSError, ValueError) as exc:  # missing, unreadable or from an older format: measure again
+        if path.exists():
+            logger.warning("ignoring hardware profile cache %s: %s", path, str(exc).splitlines()[0])
+        return None
+
+
+def _write_cache(path: Path, profile: HardwareProfile) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        profile.save(tmp)
+        tmp.replace(path)  # atomic: a reader never sees half a file
+    except OSError as exc:
+        logger.warning("could not cache the hardware profile at %s: %s", path, exc)
+
+
+# ----- what this rank is on ------------------------------------------------------------------------------
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _available_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("cannot tell the available memory: install psutil or pass memory_limit") from None
+
+
+def _memory_budget(memory_limit: int | None, device: torch.device, local_world: int) -> tuple[int, str]:
+    if memory_limit is not None:
+        return memory_limit, "memory_limit"
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory), "cuda"
+    return _available_ram() // local_world, "ram"
+
+
+# ----- micro-benchmarks ----------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _matmul_dtypes(device: torch.device) -> list[torch.dtype]:
+    if device.type == "cuda":
+        return [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    return [torch.float32, torch.bfloat16, torch.float16]  # CPU kernels exist for all three
+
+
+def _matmul_tflops(device: torch.device) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for dtype in _matmul_dtypes(device):
+        best, spent = 0.0, 0.0
+        for n in _MATMUL_SIZES:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            first = _timed(lambda a=a, b=b: a @ b, device)  # warm-up (kernel selection, caches)
+            times = [_timed(lambda a=a, b=b: a @ b, device) for _ in range(_MATMUL_REPEATS)]
+            best = max(best, 2 * n**3 / statistics.median(times) / 1e12)
+            spent += first + sum(times)
+            # The next size costs ~8x this one: stop before it would blow the budget.
+            if spent + 8 * (_MATMUL_REPEATS + 1) * statistics.median(times) > _MATMUL_BUDGET_S:
+                break
+        found[str(dtype).removeprefix("torch.")] = best
+    return found
+
+
+def _collective(name: str, numel: int, world: int, group: Any, device: torch.device) -> Callable[[], Any]:
+    """The operation on ``numel`` elements in all (the gathered output for all-gather and reduce-scatter)."""
+    chunk = max(1, numel // world)
+    if name == "all_reduce":
+        full = torch.ones(max(1, numel), device=device)
+        return lambda: dist.all_reduce(full, group=group)
+    if name == "all_gather":
+        mine, out = torch.ones(chunk, device=device), torch.empty(chunk * world, device=device)
+        return lambda: dist.all_gather_into_tensor(out, mine, group=group)
+    full, mine = torch.ones(chunk * world, device=device), torch.empty(chunk, device=device)
+    return lambda: dist.reduce_scatter_tensor(mine, full, group=group)
+
+
+def _median_time(op: Callable[[], Any], repeats: int, group: Any, device: torch.device) -> float:
+    op()  # warm-up (connections, buffers)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)  # start together: the time is the collective's, not a rank's lateness
+        times.append(_timed(op, device))
+    return statistics.median(times)
+
+
+def _collective_stats(group: Any, world: int, device: torch.device) -> dict[str, dict[str, float]]:
+    if world == 1:
+        return {}
+    stats = {}
+    for name in COLLECTIVES:
+        factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
+        latency = _median_time(_collective(name, world, world, group, device), _LATENCY_REPEATS, group, device)
+        best, best_size, spent = 0.0, 0, 0.0
+        for size in _BANDWIDTH_BYTES:
+            op = _collective(name, size // 4, world, group, device)  # float32 elements
+            t = _median_time(op, _BANDWIDTH_REPEATS, group, device)
+            if size / t * factor > best:
+                best, best_size = size / t * factor, size
+            spent += t * (_BANDWIDTH_REPEATS + 1)
+            # Every rank must make the same choice: decide on rank 0's time (sent to all).
+            stop = all_gather_json(spent * 4 > _COLLECTIVE_BUDGET_S, group=group)[0]
+            if stop:
+                break
+        stats[name] = {"bus_bandwidth": best, "latency_s": latency, "size_bytes": best_size}
+    return stats
+
+
+# ----- the profile ---------------------------------------------------------------------------------------
+
+def measure_profile(group: Any = None, memory_limit: int | str | None = None, refresh: bool = False) -> HardwareProfile:
+    """Measure (or read from the cache) the profile of ``group`` (default: the world); call on all its ranks.
+
+    Every rank returns the same profile: rank 0's measurements and cache, the smallest memory budget.
+    ``refresh=True`` measures again even if a cached profile exists.
+    """
+    limit = parse_bytes(memory_limit)
+    device = _device()
+    distributed = dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    rank = dist.get_rank(group) if distributed else 0
+    backend = str(dist.get_backend(group)) if distributed else "none"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    name = _device_name(device)
+    path = cache_path(name, world, backend)
+
+    budget, source = _memory_budget(limit, device, local_world)
+    cached = _read_cache(path) if rank == 0 and not refresh else None
+    mine = {"cached": cached, "budget": budget, "source": source}
+    everyone = all_gather_json(mine, group=group) if distributed else [mine]
+    memory = {"memory_per_rank": min(e["budget"] for e in everyone), "memory_source": everyone[0]["source"]}
+    if everyone[0]["cached"] is not None:
+        return HardwareProfile.model_validate({**everyone[0]["cached"], **memory})
+
+    start = time.perf_counter()
+    measured = {
+        "source": "measured", "device_type": device.type, "device_name": name, "world_size": world,
+        "local_world_size": local_world, "backend": backend, "torch_version": torch.__version__,
+        "matmul_tflops": _matmul_tflops(device),
+        "collectives": _collective_stats(group, world, device),
+    }
+    measured["measure_s"] = time.perf_counter() - start
+    if distributed:
+        measured = all_gather_json(measured, group=group)[0]
+    profile = HardwareProfile.model_validate({**measured, **memory})
+    if rank == 0:
+        _write_cache(path, profile)
+    logger.debug("hardware profile measured in %.1f s: %s", measured["measure_s"], profile)
+    return profile

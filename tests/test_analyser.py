@@ -1,0 +1,266 @@
+"""The analyser: exact figures on a hand-computable MLP, plausible ones on transformers models, on fake tensors."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import shard_models as sm
+import torch
+import toy_models
+from torch import nn
+
+from atorch.errors import SetupError
+from atorch.strategy_search.analyser import ModelStats, analyse, fingerprint
+
+BATCH = 4
+F32 = 4  # bytes
+
+
+def mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, 16), torch.randint(0, 8, (BATCH,))
+
+
+def test_mlp_figures_match_hand_computation() -> None:
+    model = toy_models.MLP(dim=32, depth=3, classes=8)  # inp 16->32, 3 blocks 32->32, head 32->8
+    stats = analyse(model, mlp_batch(), "unpack_sequence", toy_models.mlp_loss)
+
+    linears = [(16, 32), (32, 32), (32, 32), (32, 32), (32, 8)]
+    params = sum(i * o + o for i, o in linears)
+    assert stats.param_count == stats.trainable_param_count == params
+    assert stats.param_bytes == stats.grad_bytes == stats.trainable_param_bytes == params * F32
+    assert stats.frozen_param_bytes == stats.buffer_bytes == 0
+    # FLOPs count matmuls: 2·in·out per sample forward. Backward: 2·in·out for each weight gradient, and
+    # 2·in·out for each input gradient except the first layer's (its input, the batch, needs no gradient).
+    fwd = sum(2 * i * o for i, o in linears)
+    assert stats.fwd_flops_per_sample == fwd
+    assert stats.fwd_bwd_flops_per_sample == fwd + 2 * fwd - 2 * 16 * 32
+    # One block, Sequential(Linear, GELU): Linear saves its input, GELU its input (the Linear's output);
+    # the weight is model state, not counted.
+    (block,) = stats.blocks
+    assert block.class_path == "torch.nn.modules.container.Sequential"
+    assert block.count == 3
+    assert block.param_bytes == (32 * 32 + 32) * F32
+    assert block.activation_bytes == 2 * BATCH * 32 * F32
+    # Outside the blocks: the input layer's input (the batch), the head's input, then what the loss saves
+    # (log-softmax output, int64 targets, and at most a few bytes of scalars such as nll_loss's total weight).
+    loss_saved = stats.activation_bytes_outside_blocks - BATCH * 16 * F32 - BATCH * 32 * F32
+    assert BATCH * 8 * F32 + BATCH * 8 <= loss_saved <= BATCH * 8 * F32 + BATCH * 8 + 8
+    assert block.activation_bytes_total == 3 * block.activation_bytes
+    assert block.param_bytes_total == 3 * block.param_bytes
+    assert stats.activation_bytes == stats.activation_bytes_outside_blocks + block.activation_bytes_total
+    assert stats.largest_layer is not None and stats.largest_layer.name == "blocks.0.0"
+    assert stats.largest_activation is not None and stats.largest_activation.bytes == BATCH * 32 * F32
+    assert stats.batch_size == BATCH and stats.seq_len is None
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, 4 tokens, 8) -> 2 heads of 4
+        q = self.qkv(x).view(x.shape[0], 4, 2, 4).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(q, q, q).sum()
+
+
+def test_attention_is_counted_on_cpu() -> None:
+    stats = analyse(Attention(), torch.randn(2, 4, 8), None)
+    linear = 4 * 2 * 8 * 8  # per sample: 4 tokens x 2·in·out
+    attention = 4 * 2 * 4 * 4 * 4  # QK^T and AV: 2 x 2·s·s·d_head per head, 2 heads (torch's sdpa formula)
+    assert stats.fwd_flops_per_sample == linear + attention
+    # Backward: the weight gradient only (the input needs none), attention 2.5x its forward (torch's formula).
+    assert stats.fwd_bwd_flops_per_sample == 2 * linear + 3.5 * attention
+
+
+def test_frozen_parameters_have_no_gradient_bytes() -> None:
+    model = toy_models.MLP()
+    model.head.requires_grad_(False)
+    stats = analyse(model, mlp_batch(), "unpack_sequence", toy_models.mlp_loss)
+    assert stats.frozen_param_bytes == (32 * 8 + 8) * F32
+    assert stats.grad_bytes == stats.param_bytes - stats.frozen_param_bytes
+
+
+def test_the_users_model_is_untouched_and_stats_round_trip_as_json() -> None:
+    model = toy_models.MLP()
+    before = copy.deepcopy(model.state_dict())
+    params = [id(p) for p in model.parameters()]
+    stats = analyse(model, mlp_batch(), "unpack_sequence", toy_models.mlp_loss)
+    assert [id(p) for p in model.parameters()] == params
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None and p.device.type == "cpu" for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert ModelStats.model_validate_json(stats.model_dump_json()) == stats
+
+
+def test_fingerprint_follows_structure_not_values() -> None:
+    torch.manual_seed(0)
+    a = toy_models.MLP()
+    torch.manual_seed(1)
+    b = toy_models.MLP()
+    with torch.device("meta"):
+        on_meta = toy_models.MLP()
+    assert fingerprint(a) == fingerprint(b) == fingerprint(on_meta)
+    assert fingerprint(toy_models.MLP(depth=4)) != fingerprint(a)  # a layer more
+    assert fingerprint(toy_models.MLP(dim=48)) != fingerprint(a)  # other shapes
+    assert fingerprint(toy_models.MLP().double()) != fingerprint(a)  # other dtype
+    changed = toy_models.MLP()
+    changed.blocks[1][1] = nn.ReLU()  # a parameter-free layer of another class
+    assert fingerprint(changed) != fingerprint(a)
+
+
+def test_a_meta_model_gives_the_stats_of_the_real_one() -> None:
+    with torch.device("meta"):
+        on_meta = toy_models.MLP()
+    batch = mlp_batch()
+    assert analyse(on_meta, batch, "unpack_sequence", toy_models.mlp_loss) == analyse(
+        toy_models.MLP(), batch, "unpack_sequence", toy_models.mlp_loss)
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) if x.sum() > 0 else -self.layer(x)  # data-dependent: no value on fake tensors
+
+
+def test_a_model_that_reads_values_gets_a_clear_error() -> None:
+    with pytest.raises(SetupError, match="could not run on fake tensors.*reads tensor values"):
+        analyse(ReadsValues(), torch.randn(BATCH, 16))
+    with pytest.raises(SetupError, match="model_input_format"):
+        analyse(toy_models.MLP(), {"x": torch.randn(BATCH, 16)}, "unpack_sequence")
+
+
+def test_non_transformer_models() -> None:
+    images = (torch.randn(BATCH, 3, 8, 8), torch.randint(0, 8, (BATCH,)))
+    cnn = analyse(sm.StagedCNN(), images, "unpack_sequence", sm.class_loss)
+    assert cnn.fwd_flops_per_sample > 0 and cnn.blocks and cnn.blocks[0].count >= 2
+    vit = analyse(sm.SequentialViT(), mlp_batch(), "unpack_sequence", sm.class_loss)
+    (block,) = vit.blocks
+    assert block.class_path.endswith("MixerBlock") and block.count == 3 and block.activation_bytes > 0
+
+
+# ----- transformers models: tiny configs, random weights -------------------------------------------------
+
+SEQ = 16
+D = 64
+LAYERS = 2
+VOCAB = 256
+
+
+def gpt2(dropout: float = 0.1) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=D, n_layer=LAYERS, n_head=4,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=4 * D,
+                                        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=SEQ))
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, intermediate_size=4 * D, max_position_embeddings=SEQ))
+
+
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=D, d_kv=16, d_ff=4 * D,
+                                               num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=4,
+                                               decoder_start_token_id=0, pad_token_id=0))
+
+
+def vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                               intermediate_size=4 * D, image_size=16, patch_size=4,
+                                               num_labels=8))
+
+
+def tokens() -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    return {"input_ids": ids, "labels": ids}
+
+
+MODELS = {  # name -> (make, batch, block class name, blocks)
+    "gpt2": (gpt2, tokens, "GPT2Block", LAYERS),
+    "llama": (llama, tokens, "LlamaDecoderLayer", LAYERS),
+    "bert": (bert, tokens, "BertLayer", LAYERS),
+    "t5": (t5, tokens, "T5Block", 2 * LAYERS),  # encoder and decoder blocks share the class
+    "vit": (vit, lambda: {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 8, (BATCH,))},
+            "ViTLayer", LAYERS),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_transformers_models(name: str) -> None:
+    make, batch, block_name, count = MODELS[name]
+    torch.manual_seed(0)
+    model = make()
+    start = time.perf_counter()
+    stats = analyse(model, batch(), "unpack_dict")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 30, f"analysing a tiny {name} took {elapsed:.1f} s"
+    assert stats.param_count == sum(p.numel() for p in model.parameters())
+    # The classes block_classes gives (transformers' _no_split_modules: BERT's also names its embeddings).
+    (block,) = [b for b in stats.blocks if b.class_path.endswith(block_name)]
+    assert block.count == count
+    assert 0 < block.activation_bytes_total <= count * block.activation_bytes
+    assert block.activation_bytes_total + stats.activation_bytes_outside_blocks <= stats.activation_bytes
+    # Every matmul's inputs need gradients (embeddings are trained), so backward does about twice the
+    # forward's matmul work; attention's backward is counted as 2.5x its forward (torch's sdpa formula),
+    # so the ratio is 3 plus a little: 2.9..3.3 leaves room for that and nothing else.
+    assert 2.9 <= stats.fwd_bwd_flops_per_sample / stats.fwd_flops_per_sample <= 3.3
+    assert stats.fingerprint == fingerprint(make())  # a second instance of the config
+    with torch.device("meta"):
+        assert fingerprint(make()) == stats.fingerprint
+
+
+def test_gpt2_flops_follow_the_6n_rule() -> None:
+    model = gpt2()
+    stats = analyse(model, tokens(), "unpack_dict")
+    assert stats.seq_len == SEQ and stats.batch_size == BATCH
+    per_token = stats.fwd_bwd_flops_per_sample / SEQ
+    six_n = 6 * stats.param_count
+    # 6N (2 FLOPs per parameter forward, 4 backward) leaves out, as fractions of N at this config
+    # (N ≈ 117k): position embeddings, which hold parameters but do no matmul (SEQ·D ≈ 0.9%), biases and
+    # layer norms (≈ 1%), and adds nothing for attention's score matmuls (12·SEQ·D·LAYERS / 6N ≈ 3.5%, a
+    # little more with sdpa's backward formula). The LM head shares the token embedding and does
+    # VOCAB·D multiply-adds per token (14% of N), so missing it, or a missing backward (-67%), fails a 10%
+    # tolerance, which the terms above (< 6% together) pass.
+    assert abs(per_token / six_n - 1) < 0.10, (per_token, six_n)
+
+
+def test_gpt2_block_activations_are_plausible() -> None:
+    stats = analyse(gpt2(dropout=0.0), tokens(), "unpack_dict")
+    (block,) = stats.blocks
+    values = block.activation_bytes / (F32 * BATCH * SEQ * D)  # fp32 tensors of batch x seq x hidden
+    # Lower bound: what a block with fused kernels keeps (Korthikanti et al., 34 bytes per token·hidden in
+    # fp16 without tensor parallelism; less the 2 bytes of dropout masks, 16 two-byte values). Upper bound:
+    # transformers' GPT-2 runs gelu_new as separate elementwise ops, which keep up to 4 more 4h-wide
+    # intermediates (16 values), plus a few copies of the attention's inputs: at most 40.
+    assert 16 <= values <= 40, values
+
+
+def test_gpt2_on_meta_device_and_frozen_embeddings() -> None:
+    real = analyse(gpt2(), tokens(), "unpack_dict")
+    with torch.device("meta"):
+        on_meta = gpt2()
+    assert analyse(on_meta, tokens(), "unpack_dict") == real
+    frozen = gpt2()
+    frozen.transformer.wte.requires_grad_(False)  # tied to the LM head: both frozen
+    stats = analyse(frozen, tokens(), "unpack_dict")
+    assert stats.frozen_param_bytes == VOCAB * D * F32
+    assert stats.fingerprint != real.fingerprint

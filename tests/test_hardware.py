@@ -1,0 +1,69 @@
+"""The hardware profile: measured on 2 real ranks (gloo), the same on both, cached; tables round-trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from launcher import HERE, run_json
+
+from atorch.strategy_search.hardware import COLLECTIVES, PROFILES_DIR, HardwareProfile, load_profile, measure_profile
+
+WORKER = HERE / "workers" / "hardware_worker.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_profile_on_two_ranks(tmp_path: Path) -> None:
+    result = run_json(WORKER, str(tmp_path), nproc=2, timeout=240)
+    ranks = result["ranks"]
+    assert ranks[0]["profiles"] == ranks[1]["profiles"], "every rank must plan with the same numbers"
+    profiles = ranks[0]["profiles"]
+    first = HardwareProfile.model_validate(profiles["first"])
+    assert first.source == "measured" and first.world_size == 2 and first.backend == "gloo"
+    assert first.device_type == "cpu" and first.memory_source == "ram"
+    # Plausible for any CPU: more than a GFLOP/s, less than 10 TFLOP/s (a large server's fp32 peak).
+    assert set(first.matmul_tflops) == {"float32", "bfloat16", "float16"}
+    assert 1e-3 < first.matmul_tflops["float32"] < 10
+    assert all(v > 0 for v in first.matmul_tflops.values())
+    # Loopback gloo: between 1 MB/s and 1 TB/s bus bandwidth, latency between 100 ns and 1 s.
+    assert set(first.collectives) == set(COLLECTIVES)
+    for stats in first.collectives.values():
+        assert 1e6 < stats.bus_bandwidth < 1e12 and 1e-7 < stats.latency_s < 1 and stats.size_bytes > 0
+    assert first.memory_per_rank > 0
+    assert first.measure_s < 15, "the micro-benchmarks must stay short"
+
+    # The second call reads the cache: the same profile, no measuring (available RAM, the budget, moves).
+    cached = HardwareProfile.model_validate(profiles["cached"])
+    assert cached.model_copy(update={"memory_per_rank": first.memory_per_rank}) == first
+    times = ranks[0]["times"]
+    assert times["cached"] < times["first"] / 10, times
+    assert len(result["cache_files"]) == 1 and result["cache_files"][0].endswith(".json")
+
+    limited = HardwareProfile.model_validate(profiles["limited"])
+    assert limited.memory_per_rank == 2**30 and limited.memory_source == "memory_limit"
+    assert limited.model_copy(update={"memory_per_rank": first.memory_per_rank, "memory_source": "ram"}) == first
+
+
+def test_table_profile_round_trips(tmp_path: Path) -> None:
+    table = load_profile("a100_80gb_8x_nvlink")
+    assert table == load_profile(PROFILES_DIR / "a100_80gb_8x_nvlink.json")
+    assert table.source == "table" and table.world_size == 8 and set(table.collectives) == set(COLLECTIVES)
+    assert table.matmul_tflops["bfloat16"] > table.matmul_tflops["float32"]
+    path = tmp_path / "copy.json"
+    table.save(path)
+    assert load_profile(path) == table
+    assert HardwareProfile.from_table(table.model_dump(mode="json")) == table
+
+
+def test_one_process_without_a_process_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    profile = measure_profile(memory_limit=12345)
+    assert profile.world_size == 1 and profile.backend == "none" and profile.collectives == {}
+    assert profile.memory_per_rank == 12345 and profile.memory_source == "memory_limit"
+    (cached,) = (tmp_path / "profiles").glob("*.json")
+    assert load_profile(cached).model_copy(update={"memory_per_rank": 12345, "memory_source": "memory_limit"}) \
+        == profile
+    assert measure_profile(memory_limit=12345) == profile  # from the cache
+    assert measure_profile().memory_source == "ram"
