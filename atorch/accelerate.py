@@ -242,21 +242,29 @@ def auto_accelerate(
     if save_strategy_to_file and env.is_main:
         strategy.save(save_strategy_to_file)
         logger.info("strategy saved to %s", save_strategy_to_file)
-    result = AccelerateResult(
-        model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=loss_func,
+    result = _result(ctx, setup, memory_limit, time_limit)
+    logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
+    return True, result, strategy
+
+
+def _result(
+    ctx: ModelContext, setup: UserSetup, memory_limit: int | None, time_limit: float | None
+) -> AccelerateResult:
+    """What auto_accelerate returns, from a built context (holding nothing of the build itself)."""
+    with_data = setup.dataset is not None
+    return AccelerateResult(
+        model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=setup.loss_func,
         prepare_input=ctx.input_preparer(), lr_scheduler=ctx.lr_scheduler,
         args=AccelerateArgs(
             use_optim_backward=ctx.grad_scaler is not None or ctx.engine is not None,
             requires_set_gradient_accumulation_boundary=ctx.gradient_sync is not None or ctx.engine is not None,
-            device=env.device, data_parallel_size=ctx.dp_size, data_parallel_rank=ctx.dp_rank,
-            global_batch_size=setup.dataloader_args.get("batch_size") if dataset is not None else None,
-            local_batch_size=ctx.local_batch_size() if dataset is not None else None,
-            model_input_format=model_input_format, memory_limit=memory_limit, time_limit=time_limit,
+            device=ctx.env.device, data_parallel_size=ctx.dp_size, data_parallel_rank=ctx.dp_rank,
+            global_batch_size=setup.dataloader_args.get("batch_size") if with_data else None,
+            local_batch_size=ctx.local_batch_size() if with_data else None,
+            model_input_format=setup.model_input_format, memory_limit=memory_limit, time_limit=time_limit,
             skipped=dict(ctx.skipped), data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
         ),
     )
-    logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
-    return True, result, strategy
 
 
 def preflight(
