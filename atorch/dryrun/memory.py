@@ -45,7 +45,8 @@ def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages holding a tensor's data (through the inner tensors of a wrapper subclass)."""
     if is_traceable_wrapper_subclass(tensor):
         inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        return [s for name in inner for s in _storages(getattr(tensor, name))]
+        values = (getattr(tensor, name) for name in inner)  # DTensor also lists its device mesh
+        return [s for value in values if isinstance(value, torch.Tensor) for s in _storages(value)]
     if tensor.is_sparse or tensor.device.type == "meta":
         return []
     try:

@@ -25,6 +25,7 @@ is recorded "failed" with that reason and the search returns instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import sys
 import threading
@@ -41,6 +42,7 @@ from atorch.distributed import DistEnv, all_gather_json, collective_timeout
 from atorch.dryrun.coordination import Coordinator
 from atorch.dryrun.memory import PeakMemory
 from atorch.errors import SetupError
+from atorch.lifecycle import import_off_the_stack
 from atorch.model_context import UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
@@ -102,9 +104,11 @@ def dry_run_many(
         raise SetupError("dry-run needs warmup >= 0, steps >= 1, micro_batches >= 1 and timeout_s > 0")
     if setup.dataset is None:
         raise SetupError("a dry-run needs a dataset to take batches from")
-    lists = all_gather_json([c.to_list() for c in candidates], timeout_s)
+    lists = all_gather_json([_plain(c) for c in candidates], timeout_s)
     if any(other != lists[0] for other in lists):
         raise SetupError("the ranks were given different candidate lists; every rank must dry-run the same ones")
+    # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
+    import_off_the_stack("torch._dynamo")
     rejoin = rejoin_timeout_s if rejoin_timeout_s is not None else max(60.0, 2 * timeout_s)
     coordinator = Coordinator(env.rank, env.world_size)
     results: list[TrialResult] = []
@@ -116,7 +120,7 @@ def dry_run_many(
                 lost = (f"rank(s) {', '.join(map(str, missing))} did not come back within {rejoin:.0f} s after "
                         f"trial {index - 1}; the other ranks cannot go on without them")
         if lost is not None:
-            results.append(TrialResult(strategy=strategy.to_list(), status="failed", reason=lost))
+            results.append(TrialResult(strategy=_plain(strategy), status="failed", reason=lost))
             continue
         trial = _Trial(coordinator, index, setup, env, strategy, warmup, steps, timeout_s, micro_batches)
         results.append(trial.run(memory_budget))
@@ -285,6 +289,11 @@ def _classify(exc: BaseException, phase: str) -> RankOutcome:
     return RankOutcome(status="failed", reason=text, root_cause=not collective)
 
 
+def _plain(strategy: Strategy) -> list[Any]:
+    """The strategy as JSON values (lists, not tuples), so a result compares equal after a round trip."""
+    return json.loads(json.dumps(strategy.to_list()))
+
+
 def _describe(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:500]
@@ -297,7 +306,7 @@ def _agree(strategy: Strategy, ranks: list[RankOutcome | None], global_batch: in
            wall_s: float) -> TrialResult:
     """One result from every rank's outcome (a pure function of them: the same on every rank)."""
     peaks = [o.peak_bytes if o is not None else None for o in ranks]
-    base = {"strategy": strategy.to_list(), "ranks": ranks, "peak_bytes_per_rank": peaks, "wall_s": wall_s}
+    base = {"strategy": _plain(strategy), "ranks": ranks, "peak_bytes_per_rank": peaks, "wall_s": wall_s}
     bad = [(r, o) for r, o in enumerate(ranks) if o is None or o.status != "ok"]
     if bad:
         silent = [r for r, o in bad if o is None]
