@@ -78,12 +78,15 @@ def test_peak_of_an_mlp_step_covers_params_grads_and_adam_state() -> None:
             model(x).square().mean().backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
-    # Inside the block: gradients (1x) and Adam's exp_avg and exp_avg_sq (2x), plus activations of
-    # at most four (32, 256) float32 tensors and the per-parameter temporaries of a non-foreach
-    # step (the largest parameter's size, a few at a time).
-    activations = 4 * 32 * 256 * F32
+    # Whole process: parameters (in the baseline), gradients, Adam's exp_avg and exp_avg_sq.
+    assert peak.bytes >= 4 * params
+    # Inside the block the peak is in the optimizer step, once activations are freed: gradients and
+    # the two moments (3x params), four float32 `step` scalars, and a non-foreach step's two
+    # temporaries (sqrt, then division) of the largest weight, 256x256. This is the exact figure on
+    # torch 2.13; the bounds allow another Adam to order its temporaries differently.
+    largest = 256 * 256 * F32
     assert peak.increase >= 3 * params
-    assert peak.increase <= 3 * params + activations + 3 * 256 * 256 * F32 + 4096
+    assert peak.increase <= 3 * params + 4 * F32 + 3 * largest + 4 * 32 * 256 * F32
     assert peak.baseline_bytes >= params + x.numel() * F32
 
 
