@@ -175,3 +175,14 @@ def test_inapplicable_candidate_is_reported_not_built(report: dict[str, Any]) ->
         refused, ok = (TrialResult.model_validate(r) for r in view["results"])
         assert refused.status == "failed" and refused.reason.startswith("rank 0: not applicable"), refused.reason
         assert ok.status == "ok"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_does_not_come_back_ends_the_series_without_hanging(report: dict[str, Any]) -> None:
+    views = _ok(report["lost"])
+    by_rank = [[TrialResult.model_validate(r) for r in view["results"]] for view in views]
+    for results in by_rank:  # the same verdict on both ranks, also on the one that came back late
+        assert [r.status for r in results] == ["timeout", "failed", "failed"]
+        assert all("rank(s) 1 did not come back" in r.reason for r in results[1:])
+    # Rank 0: the trial's 2 s, the 1 s wait for rank 1, then nothing more.
+    assert views[0]["total_s"] < 2.0 + 1.0 + 3.0, views[0]["total_s"]

@@ -63,21 +63,27 @@ class Coordinator:
         return self.collect(name, timeout_s)
 
     # ----- the trial's process group -----------------------------------------------------------
-    def meet(self, name: str, timeout_s: float) -> list[int]:
-        """Wait (bounded) until every rank is here; returns the ranks that did not come.
+    def meet(self, name: str, timeout_s: float) -> str | None:
+        """Wait (bounded) until every rank is here; None if all came, else why the ranks give up.
 
-        Once all have come, no rank is inside an earlier trial: its groups are destroyed, and the
-        counter that names new groups is set to the same value everywhere.
+        The verdict is the store's first answer (compare-and-set), so a rank that arrives just after
+        another gave up waiting follows that verdict instead of going on alone. Once all have come, no
+        rank is inside an earlier trial: its groups are destroyed, and the counter that names new
+        groups is set to the same value everywhere.
         """
         seen = self.exchange(name, {"group_count": c10d._world.group_count}, timeout_s)
         missing = [r for r, v in enumerate(seen) if v is None]
-        if not missing:
-            for group in self._stale:
-                with contextlib.suppress(Exception):  # already gone with its peers: nothing to free
-                    dist.destroy_process_group(group)
-            self._stale.clear()
-            c10d._world.group_count = max(v["group_count"] for v in seen if v is not None)
-        return missing
+        mine = "" if not missing else (
+            f"rank(s) {', '.join(map(str, missing))} did not come back within {timeout_s:.0f} s")
+        verdict = self.store.compare_set(f"{name}/verdict", "", mine or "go").decode()
+        if verdict != "go":
+            return verdict
+        for group in self._stale:
+            with contextlib.suppress(Exception):  # already gone with its peers: nothing to free
+                dist.destroy_process_group(group)
+        self._stale.clear()
+        c10d._world.group_count = max(v["group_count"] for v in seen if v is not None)
+        return None
 
     @contextlib.contextmanager
     def trial_world(self, timeout_s: float) -> Iterator[None]:

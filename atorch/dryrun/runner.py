@@ -115,10 +115,9 @@ def dry_run_many(
     lost: str | None = None
     for index, strategy in enumerate(candidates):
         if lost is None:
-            missing = coordinator.meet(f"{index}/meet", rejoin)
-            if missing:
-                lost = (f"rank(s) {', '.join(map(str, missing))} did not come back within {rejoin:.0f} s after "
-                        f"trial {index - 1}; the other ranks cannot go on without them")
+            verdict = coordinator.meet(f"{index}/meet", rejoin)
+            if verdict is not None:
+                lost = f"{verdict} (before candidate {index}); the ranks cannot go on without every rank"
         if lost is not None:
             results.append(TrialResult(strategy=_plain(strategy), status="failed", reason=lost))
             continue

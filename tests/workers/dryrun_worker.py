@@ -7,6 +7,7 @@
 - ``mismatch``: different candidate lists on the two ranks are refused on both.
 - ``release``: live tensor bytes before and after several trials.
 - ``inapplicable``: a candidate preflight refuses is reported, not built.
+- ``lost``: rank 1 oversleeps the rejoin time too: both ranks record the rest as failed and return.
 """
 
 from __future__ import annotations
@@ -112,7 +113,28 @@ def inapplicable(env: Any) -> dict[str, Any]:
     return {"results": [r.model_dump() for r in results]}
 
 
-SCENARIOS = [sequence, budget, mismatch, release, inapplicable]
+class SleepOnceMLP(toy_models.MLP):
+    """The toy MLP; rank 1 sleeps SLEEP_S in its first forward in this process."""
+
+    slept = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if dist.get_rank() == 1 and not SleepOnceMLP.slept:
+            SleepOnceMLP.slept = True
+            time.sleep(SLEEP_S)
+        return super().forward(x, y)
+
+
+def lost(env: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    candidates = [Strategy.load(["parallel_mode"])] * 3
+    start = time.monotonic()
+    results = dry_run_many(setup(SleepOnceMLP()), env, candidates, warmup=1, steps=1, timeout_s=2.0,
+                           rejoin_timeout_s=1.0)
+    return {"results": [r.model_dump() for r in results], "total_s": time.monotonic() - start}
+
+
+SCENARIOS = [sequence, budget, mismatch, release, inapplicable, lost]
 
 
 def main() -> None:
