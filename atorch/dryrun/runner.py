@@ -97,8 +97,10 @@ def dry_run_many(
     """Dry-run each candidate in turn on all ranks; the same list of results on every rank.
 
     timeout_s bounds one trial (build, warm-up and steps); memory_budget (bytes per rank) turns a
-    higher measured peak into "oom"; rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how
-    long ranks wait for one that overran a trial before giving it up.
+    higher measured peak into "oom"; each step trains on micro_batches batches of the dataloader
+    (gradient accumulation), so samples/s counts batch_size * micro_batches per step;
+    rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how long ranks wait for one that
+    overran a trial before giving it up.
     """
     if warmup < 0 or steps < 1 or micro_batches < 1 or timeout_s <= 0:
         raise SetupError("dry-run needs warmup >= 0, steps >= 1, micro_batches >= 1 and timeout_s > 0")
@@ -226,6 +228,8 @@ class _Trial:
         finally:
             if result is not None:
                 result.close()
+            if self.env.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next candidate starts from an empty cache, not this one's blocks
         return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses)
 
     def _step(self, result: Any, batches: Iterator[Any]) -> float:
