@@ -242,13 +242,13 @@ def auto_accelerate(
     if save_strategy_to_file and env.is_main:
         strategy.save(save_strategy_to_file)
         logger.info("strategy saved to %s", save_strategy_to_file)
-    result = _result(ctx, setup, memory_limit, time_limit)
+    result = build_result(ctx, setup, memory_limit, time_limit)
     logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
     return True, result, strategy
 
 
-def _result(
-    ctx: ModelContext, setup: UserSetup, memory_limit: int | None, time_limit: float | None
+def build_result(
+    ctx: ModelContext, setup: UserSetup, memory_limit: int | None = None, time_limit: float | None = None
 ) -> AccelerateResult:
     """What auto_accelerate returns, from a built context (holding nothing of the build itself)."""
     with_data = setup.dataset is not None

@@ -1,0 +1,312 @@
+"""Dry-runs: apply a candidate strategy to fresh objects, run a few steps, measure, agree, release.
+
+Each trial, on every rank:
+
+1. **meet** the other ranks (store, bounded by ``rejoin_timeout_s``) and open a fresh process group for
+   the trial (coordination.py); agree on preflight problems, so an inapplicable candidate is reported
+   by every rank and built by none;
+2. build through ``build_context`` (a fresh copy: the user's model is never changed) and run ``warmup``
+   then ``steps`` steps of ``train_step``; memory is measured over build and warm-up (the optimizer's
+   state appears in the first step; CPU measurement slows operations down, so timed steps run without
+   it, except on CUDA where it is free); each timed step starts after a barrier and ends with the loss
+   on the host (``cuda.synchronize`` on CUDA);
+3. every collective is bounded by the time left until the trial's deadline, and a **watchdog** thread
+   publishes "timeout" for its rank at the deadline if the main thread has not reported (with where it
+   is stuck), so the other ranks learn of a hung rank within the timeout;
+4. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
+
+A rank stuck in Python (a sleep, a loop, a C call holding on) cannot be interrupted. The others record
+"timeout" at the deadline and wait for it at the next meeting: a rank that overslept rejoins when its
+step returns (its remaining collectives fail fast, its late report is ignored) and the next trial runs
+normally. A rank that does not come back within ``rejoin_timeout_s`` is lost: every remaining candidate
+is recorded "failed" with that reason and the search returns instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from atorch.distributed import DistEnv, all_gather_json, collective_timeout
+from atorch.dryrun.coordination import Coordinator
+from atorch.dryrun.memory import PeakMemory
+from atorch.errors import SetupError
+from atorch.lifecycle import import_off_the_stack
+from atorch.model_context import UserSetup
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy
+
+Status = Literal["ok", "oom", "failed", "timeout"]
+AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
+
+
+class RankOutcome(BaseModel):
+    """What one rank saw in a trial."""
+
+    status: Status
+    reason: str | None = None
+    root_cause: bool = False  # the rank's own error, not a consequence of another rank's (a failed collective)
+    peak_bytes: int | None = None
+    step_times_s: list[float] = []
+    losses: list[float] = []
+
+
+class TrialResult(BaseModel):
+    """One candidate's dry-run, the same on every rank."""
+
+    strategy: list[Any]  # Strategy.to_list()
+    status: Status
+    reason: str | None = None
+    step_time_s: float | None = None  # median step time of the slowest rank
+    samples_per_s: float | None = None
+    peak_bytes: int | None = None  # max over ranks of the bytes the trial added at its peak
+    peak_bytes_per_rank: list[int | None] = []
+    losses: list[float] = []  # global loss per step (warm-up included), as rank 0 saw it
+    ranks: list[RankOutcome | None] = []  # None: the rank did not report in time
+    wall_s: float = 0.0
+
+
+def dry_run(setup: UserSetup, env: DistEnv, strategy: Strategy, **kwargs: Any) -> TrialResult:
+    """Dry-run one candidate on every rank; see ``dry_run_many`` for the arguments."""
+    return dry_run_many(setup, env, [strategy], **kwargs)[0]
+
+
+def dry_run_many(
+    setup: UserSetup,
+    env: DistEnv,
+    candidates: Sequence[Strategy],
+    *,
+    warmup: int = 2,
+    steps: int = 5,
+    timeout_s: float = 300.0,
+    memory_budget: int | None = None,
+    rejoin_timeout_s: float | None = None,
+    micro_batches: int = 1,
+) -> list[TrialResult]:
+    """Dry-run each candidate in turn on all ranks; the same list of results on every rank.
+
+    timeout_s bounds one trial (build, warm-up and steps); memory_budget (bytes per rank) turns a
+    higher measured peak into "oom"; each step trains on micro_batches batches of the dataloader
+    (gradient accumulation), so samples/s counts batch_size * micro_batches per step;
+    rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how long ranks wait for one that
+    overran a trial before giving it up.
+    """
+    if warmup < 0 or steps < 1 or micro_batches < 1 or timeout_s <= 0:
+        raise SetupError("dry-run needs warmup >= 0, steps >= 1, micro_batches >= 1 and timeout_s > 0")
+    if setup.dataset is None:
+        raise SetupError("a dry-run needs a dataset to take batches from")
+    lists = all_gather_json([_plain(c) for c in candidates], timeout_s)
+    if any(other != lists[0] for other in lists):
+        raise SetupError("the ranks were given different candidate lists; every rank must dry-run the same ones")
+    # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
+    import_off_the_stack("torch._dynamo")
+    rejoin = rejoin_timeout_s if rejoin_timeout_s is not None else max(60.0, 2 * timeout_s)
+    coordinator = Coordinator(env.rank, env.world_size)
+    results: list[TrialResult] = []
+    lost: str | None = None
+    for index, strategy in enumerate(candidates):
+        if lost is None:
+            verdict = coordinator.meet(f"{index}/meet", rejoin)
+            if verdict is not None:
+                lost = f"{verdict} (before candidate {index}); the ranks cannot go on without every rank"
+        if lost is not None:
+            results.append(TrialResult(strategy=_plain(strategy), status="failed", reason=lost))
+            continue
+        trial = _Trial(coordinator, index, setup, env, strategy, warmup, steps, timeout_s, micro_batches)
+        results.append(trial.run(memory_budget))
+    if lost is None:
+        coordinator.close(rejoin)
+    return results
+
+
+class _Trial:
+    def __init__(self, coordinator: Coordinator, index: int, setup: UserSetup, env: DistEnv, strategy: Strategy,
+                 warmup: int, steps: int, timeout_s: float, micro_batches: int) -> None:
+        self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
+        self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
+        self.deadline = 0.0
+        self.phase = "starting"
+        self._reported = False
+        self._lock = threading.Lock()
+
+    # ----- what every rank does ----------------------------------------------------------------
+    def run(self, memory_budget: int | None) -> TrialResult:
+        start = time.monotonic()
+        self.deadline = start + self.timeout_s
+        watchdog = threading.Timer(self.timeout_s, self._on_deadline, args=(threading.get_ident(),))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            with self.coordinator.trial_world(self.timeout_s):
+                outcome = self._outcome()
+            self._report(outcome)
+        except Exception as exc:  # noqa: BLE001  (making the trial's group, or a time-out before the build)
+            self._report(_classify(exc, self.phase))
+        except BaseException as exc:  # never leave the others waiting for this rank's report
+            self._report(RankOutcome(status="failed", reason=_describe(exc), root_cause=True))
+            raise
+        finally:
+            watchdog.cancel()
+        everyone = self.coordinator.collect(f"{self.index}/outcome", self.deadline + AGREE_GRACE_S - time.monotonic())
+        ranks = [RankOutcome.model_validate(o) if o is not None else None for o in everyone]
+        return _agree(self.strategy, ranks, self._global_batch(), memory_budget, time.monotonic() - start)
+
+    def _report(self, outcome: RankOutcome) -> None:
+        with self._lock:  # the first report stands: the watchdog's, or the main thread's
+            if not self._reported:
+                self._reported = True
+                self.coordinator.publish(f"{self.index}/outcome", outcome.model_dump())
+
+    def _on_deadline(self, trial_thread: int) -> None:
+        frame = sys._current_frames().get(trial_thread)  # where the trial's thread is now
+        where = ""
+        if frame is not None:
+            last = traceback.extract_stack(frame)[-1]
+            where = f" ({self.phase}; at {last.filename}:{last.lineno} in {last.name})"
+        self._report(RankOutcome(status="timeout", reason=f"not done within {self.timeout_s:g} s{where}"))
+
+    def _global_batch(self) -> int:
+        return int(self.setup.dataloader_args.get("batch_size", 1)) * self.micro_batches
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"not done within {self.timeout_s:g} s ({self.phase})")
+        return left
+
+    # ----- inside the trial's process group ----------------------------------------------------
+    def _outcome(self) -> RankOutcome:
+        from atorch.accelerate import build_context, build_result, preflight
+
+        self.phase = "preflight"
+        layout = ParallelLayout.of(self.strategy, self.env.world_size)
+        try:
+            problems = self.strategy.problems(self.env.world_size)
+            skipped, found = preflight(self.setup, self.env, self.strategy, layout) if not problems else ({}, [])
+            problems += found
+        except Exception as exc:  # noqa: BLE001  (reported as a problem, through the agreement)
+            skipped, problems = {}, [_describe(exc)]
+        seen = self.coordinator.exchange(f"{self.index}/preflight", problems, self._remaining())
+        if any(found for found in seen) or None in seen:
+            mine = "; ".join(problems) or "another rank found problems"
+            return RankOutcome(status="failed", reason=f"not applicable: {mine}", root_cause=bool(problems))
+        result, peak = None, PeakMemory(self.env.device)
+        losses: list[float] = []
+        times: list[float] = []
+        try:
+            with contextlib.ExitStack() as measuring:
+                measuring.enter_context(peak)
+                self.phase = "build"
+                with collective_timeout(self._remaining()):
+                    result = build_result(build_context(self.setup, self.env, self.strategy, skipped), self.setup)
+                batches = _cycle(result.dataloader)
+                for step in range(self.warmup):
+                    self.phase = f"warm-up step {step}"
+                    losses.append(self._step(result, batches))
+                if self.warmup > 0 and self.env.device.type != "cuda":
+                    measuring.close()  # CPU tracking costs time per operation: timed steps run without it
+                for step in range(self.steps):
+                    self.phase = f"step {step}"
+                    with collective_timeout(self._remaining()):
+                        dist.barrier()  # the trial's group: every rank starts the step together
+                    begin = time.perf_counter()
+                    losses.append(self._step(result, batches))
+                    times.append(time.perf_counter() - begin)
+        except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
+            return _classify(exc, self.phase)
+        finally:
+            if result is not None:
+                result.close()
+            if self.env.device.type == "cuda":
+                torch.cuda.empty_cache()  # the next candidate starts from an empty cache, not this one's blocks
+        return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses)
+
+    def _step(self, result: Any, batches: Iterator[Any]) -> float:
+        with collective_timeout(self._remaining()):
+            loss = _train_step(result, [next(batches) for _ in range(self.micro_batches)])
+            if self.env.device.type == "cuda":
+                torch.cuda.synchronize(self.env.device)
+            return float(loss.item())
+
+
+def _train_step(result: Any, micro_batches: list[Any]) -> torch.Tensor:
+    from atorch.training import train_step
+
+    return train_step(result, micro_batches)
+
+
+def _cycle(loader: Any) -> Iterator[Any]:
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise SetupError("the dataloader of this candidate yields no batch (dataset smaller than the batch?)")
+
+
+_COMMUNICATION_ERRORS = (dist.DistError,)
+
+
+def _classify(exc: BaseException, phase: str) -> RankOutcome:
+    text = f"{phase}: {_describe(exc)}"
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return RankOutcome(status="oom", reason=text, root_cause=True)
+    message = str(exc)
+    collective = isinstance(exc, _COMMUNICATION_ERRORS) or any(
+        word in message for word in ("gloo", "Gloo", "NCCL", "Connection closed", "Timed out", "timed out")
+    )
+    if isinstance(exc, TimeoutError) or (collective and "imed out" in message):
+        return RankOutcome(status="timeout", reason=text, root_cause=not collective)
+    return RankOutcome(status="failed", reason=text, root_cause=not collective)
+
+
+def _plain(strategy: Strategy) -> list[Any]:
+    """The strategy as JSON values (lists, not tuples), so a result compares equal after a round trip."""
+    return json.loads(json.dumps(strategy.to_list()))
+
+
+def _describe(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:500]
+
+
+_PRIORITY: dict[str, int] = {"oom": 0, "failed": 1, "timeout": 2}
+
+
+def _agree(strategy: Strategy, ranks: list[RankOutcome | None], global_batch: int, memory_budget: int | None,
+           wall_s: float) -> TrialResult:
+    """One result from every rank's outcome (a pure function of them: the same on every rank)."""
+    peaks = [o.peak_bytes if o is not None else None for o in ranks]
+    base = {"strategy": _plain(strategy), "ranks": ranks, "peak_bytes_per_rank": peaks, "wall_s": wall_s}
+    bad = [(r, o) for r, o in enumerate(ranks) if o is None or o.status != "ok"]
+    if bad:
+        silent = [r for r, o in bad if o is None]
+        reported = [(r, o) for r, o in bad if o is not None]
+        # The cause first: a rank's own error explains the others' failed collectives.
+        causes = [(r, o) for r, o in reported if o.root_cause] or reported
+        status: Status = "timeout" if not causes else min((o.status for _, o in causes), key=_PRIORITY.__getitem__)
+        lines = [f"rank {r}: {o.reason}" for r, o in causes if o.status == status]
+        if silent:
+            lines.append(f"rank(s) {', '.join(map(str, silent))} did not report within the trial's time")
+        return TrialResult(status=status, reason="; ".join(lines), **base)
+    outcomes = [o for o in ranks if o is not None]
+    step_time = max(statistics.median(o.step_times_s) for o in outcomes)
+    peak = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
+    status, reason = "ok", None
+    if memory_budget is not None and peak is not None and peak > memory_budget:
+        worst = peaks.index(peak)
+        status, reason = "oom", f"measured peak {peak} bytes on rank {worst} is above the budget of {memory_budget}"
+    return TrialResult(status=status, reason=reason, step_time_s=step_time, samples_per_s=global_batch / step_time,
+                       peak_bytes=peak, losses=outcomes[0].losses, **base)

@@ -1,0 +1,188 @@
+"""Dry-runs: peak live tensor bytes on CPU (exact on known sizes), one trial in this process, and on 2
+real ranks the failure, hang, budget, agreement and release cases (tests/workers/dryrun_worker.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from launcher import HERE, run_json
+from toy_models import mlp, mlp_dataset, mlp_loss
+from workers.dryrun_worker import PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
+
+from atorch.distributed import init_distributed
+from atorch.dryrun import PeakMemory, TrialResult, dry_run
+from atorch.model_context import UserSetup
+from atorch.strategy import Strategy
+
+WORKER = HERE / "workers" / "dryrun_worker.py"
+F32 = 4
+
+
+# ----- peak live tensor bytes (CPU) -----------------------------------------------------------
+def test_peak_of_known_sizes_is_exact() -> None:
+    keep = torch.empty(1000)  # 4000 bytes live before the block
+    with PeakMemory("cpu") as peak:
+        a = torch.empty(250)  # +1000
+        b = torch.ones(500)  # +2000 -> 3000 above the baseline
+        view = b[100:]  # a view: no new storage
+        del a  # -1000 -> 2000
+        c = torch.zeros(10, 100)  # +4000 -> 6000: the peak
+        del b, c, view
+        keep = None  # a baseline tensor freed inside the block counts as freed
+        d = torch.empty(100)  # +400 on 0 above the baseline: below the peak
+    assert peak.increase == 6000
+    assert peak.bytes - peak.baseline_bytes == 6000
+    assert peak.baseline_bytes >= 4000  # whatever else this process holds, plus `keep`
+    del d, keep
+
+
+def test_peak_sees_frees_of_baseline_tensors() -> None:
+    big = torch.empty(10_000)  # 40000 bytes in the baseline
+    with PeakMemory("cpu") as peak:
+        big = None  # freed: the block may now allocate as much without raising the peak
+        again = torch.empty(10_000)
+    assert peak.increase == 0
+    del again, big
+
+
+def test_peak_counts_storage_growth() -> None:
+    with PeakMemory("cpu") as peak:
+        t = torch.empty(10)
+        t.resize_(1000)  # the same storage, now 4000 bytes
+    assert peak.increase == 4000
+    del t
+
+
+def test_peak_sees_tensors_kept_only_by_autograd() -> None:
+    x = torch.randn(1000, requires_grad=True)
+    with PeakMemory("cpu") as peak:
+        loss = x.exp().sum()  # exp's output (4000 bytes) lives in the graph only
+        loss.backward()  # frees the graph; x.grad (4000) appears
+        del loss
+    # exp's output, the grad of the sum broadcast to x's shape and x.grad: the peak is at least two
+    # 1000-element tensors at once, and only float32 tensors of 1000 elements or scalars are made.
+    assert peak.increase >= 2 * 1000 * F32
+    assert peak.increase % 4 == 0
+
+
+def test_peak_of_an_mlp_step_covers_params_grads_and_adam_state() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    optim = torch.optim.Adam(model.parameters(), foreach=False)
+    params = sum(p.numel() for p in model.parameters()) * F32
+    x = torch.randn(32, 256)
+    with PeakMemory("cpu") as peak:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+    # Whole process: parameters (in the baseline), gradients, Adam's exp_avg and exp_avg_sq.
+    assert peak.bytes >= 4 * params
+    # Inside the block the peak is in the optimizer step, once activations are freed: gradients and
+    # the two moments (3x params), four float32 `step` scalars, and a non-foreach step's two
+    # temporaries (sqrt, then division) of the largest weight, 256x256. This is the exact figure on
+    # torch 2.13; the bounds allow another Adam to order its temporaries differently.
+    largest = 256 * 256 * F32
+    assert peak.increase >= 3 * params
+    assert peak.increase <= 3 * params + 4 * F32 + 3 * largest + 4 * 32 * 256 * F32
+    assert peak.baseline_bytes >= params + x.numel() * F32
+
+
+# ----- one trial in this process ----------------------------------------------------------------
+def _setup(model: torch.nn.Module) -> UserSetup:
+    return UserSetup(
+        model=model, optim_func=torch.optim.SGD, dataset=mlp_dataset(), loss_func=mlp_loss,
+        model_input_format="unpack_sequence", optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
+    )
+
+
+def test_dry_run_in_one_process_measures_and_leaves_the_model_alone() -> None:
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = dry_run(_setup(model), init_distributed(), Strategy.load(["parallel_mode"]), warmup=1, steps=3)
+    assert result.status == "ok", result.reason
+    assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert result.step_time_s is not None and result.step_time_s > 0
+    assert result.samples_per_s == pytest.approx(8 / result.step_time_s)
+    params = sum(p.numel() for p in model.parameters()) * F32
+    assert result.peak_bytes is not None and result.peak_bytes >= 2 * params  # the copy and its gradients
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert TrialResult.model_validate_json(result.model_dump_json()) == result  # JSON round trip
+
+
+# ----- two real ranks ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    return run_json(WORKER, timeout=240)
+
+
+def _ok(entry: Any) -> Any:
+    assert isinstance(entry, list), entry
+    for view in entry:
+        assert "failed" not in view, view["failed"]
+    return entry
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_failure_and_hang_on_one_rank_are_recorded_and_the_next_trial_runs(report: dict[str, Any]) -> None:
+    views = _ok(report["sequence"])
+    by_rank = [[TrialResult.model_validate(r) for r in view["results"]] for view in views]
+    assert [[r.status for r in results] for results in by_rank] == [["ok", "failed", "ok", "timeout", "ok"]] * 2
+    assert PLAN == ["ok", "raise", "ok", "sleep", "ok"] and len(STRATEGIES) == 5
+    for results in by_rank:  # every rank records the same outcome and reason
+        assert [(r.status, r.reason, r.losses) for r in results] == [(r.status, r.reason, r.losses) for r in by_rank[0]]
+        failed, hung = results[1], results[3]
+        assert "rank 1" in failed.reason and "ValueError: injected failure on rank 1" in failed.reason
+        assert "not done within" in hung.reason and "rank 1" in hung.reason
+    rank0 = by_rank[0]
+    # Rank 0 learns of the hang at the trial's deadline: the timeout plus building and a store round trip.
+    assert rank0[3].wall_s <= TIMEOUT_S + 2.0, rank0[3].wall_s
+    assert rank0[1].wall_s <= TIMEOUT_S + 2.0, rank0[1].wall_s
+    for ok in (rank0[0], rank0[2], rank0[4]):
+        assert ok.samples_per_s and ok.peak_bytes and len(ok.losses) == 4
+    # The whole series waits for the sleeper once (it rejoins), and not much longer.
+    assert views[0]["total_s"] < SLEEP_S + 4 * TIMEOUT_S + 20
+
+
+@pytest.mark.distributed
+def test_peak_above_the_budget_is_an_oom(report: dict[str, Any]) -> None:
+    for view in _ok(report["budget"]):
+        result = TrialResult.model_validate(view)
+        assert result.status == "oom" and "above the budget of 1" in result.reason
+        assert len(result.peak_bytes_per_rank) == 2 and result.peak_bytes == max(result.peak_bytes_per_rank)
+
+
+@pytest.mark.distributed
+def test_different_candidate_lists_are_refused_on_every_rank(report: dict[str, Any]) -> None:
+    for view in _ok(report["mismatch"]):
+        assert view["raised"] and "different candidate lists" in view["raised"]
+
+
+@pytest.mark.distributed
+def test_memory_returns_to_the_baseline_between_trials(report: dict[str, Any]) -> None:
+    for view in _ok(report["release"]):
+        # A few small tensors may be cached between trials (a dataloader's generator state, the
+        # process group's scalars); a leaked model copy would be its ~16 kB of parameters and more each time.
+        assert all(abs(after - view["before"]) <= 1024 for after in view["after"]), view
+
+
+@pytest.mark.distributed
+def test_inapplicable_candidate_is_reported_not_built(report: dict[str, Any]) -> None:
+    for view in _ok(report["inapplicable"]):
+        refused, ok = (TrialResult.model_validate(r) for r in view["results"])
+        assert refused.status == "failed" and refused.reason.startswith("rank 0: not applicable"), refused.reason
+        assert ok.status == "ok"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_does_not_come_back_ends_the_series_without_hanging(report: dict[str, Any]) -> None:
+    views = _ok(report["lost"])
+    by_rank = [[TrialResult.model_validate(r) for r in view["results"]] for view in views]
+    for results in by_rank:  # the same verdict on both ranks, also on the one that came back late
+        assert [r.status for r in results] == ["timeout", "failed", "failed"]
+        assert all("rank(s) 1 did not come back" in r.reason for r in results[1:])
+    # Rank 0: the trial's 2 s, the 1 s wait for rank 1, then nothing more.
+    assert views[0]["total_s"] < 2.0 + 1.0 + 3.0, views[0]["total_s"]

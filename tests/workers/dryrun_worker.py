@@ -1,0 +1,155 @@
+"""Dry-runs on 2 real ranks (launched by tests/test_dryrun.py); rank 0 prints ``RESULT {json}``.
+
+- ``sequence``: one ``dry_run_many`` over five candidates whose model behaves per trial (see FaultyMLP):
+  ok (ddp), raises on rank 1 (ddp), ok (fsdp), sleeps on rank 1 past the timeout (ddp), ok (zero1).
+  Reported: every rank's results, and rank 0's wall time per trial.
+- ``budget``: a memory budget of 1 byte turns an ok trial into "oom".
+- ``mismatch``: different candidate lists on the two ranks are refused on both.
+- ``release``: live tensor bytes before and after several trials.
+- ``inapplicable``: a candidate preflight refuses is reported, not built.
+- ``lost``: rank 1 oversleeps the rejoin time too: both ranks record the rest as failed and return.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import gc
+import json
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import toy_models
+
+from atorch.distributed import all_gather_json, init_distributed
+from atorch.dryrun import dry_run, dry_run_many
+from atorch.dryrun.memory import live_tensor_bytes
+from atorch.model_context import UserSetup
+from atorch.strategy import Strategy
+
+TIMEOUT_S = 4.0
+SLEEP_S = 9.0  # rank 1 in the hang case: well past the timeout, then it wakes and rejoins
+PLAN = ["ok", "raise", "ok", "sleep", "ok"]
+STRATEGIES = [["parallel_mode"], ["parallel_mode"], ["fsdp"], ["parallel_mode"], ["zero1"]]
+PERMUTED_FSDP: list[Any] = [("parallel_mode", {"dims": [("data", 2)], "rank_order": [1, 0]}), "fsdp"]
+
+
+class FaultyMLP(toy_models.MLP):
+    """The toy MLP; the n-th fresh copy to run forward in this process follows PLAN[n] on rank 1.
+
+    Each trial builds its own deep copy of the user's model, so copies count trials: a real model,
+    real faults, no mocks.
+    """
+
+    copies_seen = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if not hasattr(self, "_plan"):
+            self._plan = PLAN[FaultyMLP.copies_seen] if FaultyMLP.copies_seen < len(PLAN) else "ok"
+            FaultyMLP.copies_seen += 1
+        if dist.get_rank() == 1 and self._plan == "raise":
+            raise ValueError("injected failure on rank 1")
+        if dist.get_rank() == 1 and self._plan == "sleep":
+            self._plan = "ok"  # once: the step returns late, then the copy would train normally
+            time.sleep(SLEEP_S)
+        return super().forward(x, y)
+
+
+def setup(model: torch.nn.Module | None = None) -> UserSetup:
+    torch.manual_seed(0)
+    return UserSetup(
+        model=model if model is not None else FaultyMLP(), optim_func=torch.optim.AdamW,
+        dataset=toy_models.mlp_dataset(), loss_func=toy_models.mlp_loss, model_input_format="unpack_sequence",
+        optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
+    )
+
+
+def sequence(env: Any) -> dict[str, Any]:
+    candidates = [Strategy.load(s) for s in STRATEGIES]
+    start = time.monotonic()
+    results = dry_run_many(setup(), env, candidates, warmup=1, steps=3, timeout_s=TIMEOUT_S)
+    return {"results": [r.model_dump() for r in results], "total_s": time.monotonic() - start}
+
+
+def budget(env: Any) -> dict[str, Any]:
+    model = toy_models.mlp()
+    result = dry_run(setup(model), env, Strategy.load(["parallel_mode"]), warmup=1, steps=1, memory_budget=1)
+    return result.model_dump()
+
+
+def mismatch(env: Any) -> dict[str, Any]:
+    mine = [Strategy.load(["parallel_mode"] if env.rank == 0 else ["fsdp"])]
+    try:
+        dry_run_many(setup(toy_models.mlp()), env, mine, steps=1)
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    return {"raised": None}
+
+
+def release(env: Any) -> dict[str, Any]:
+    user = setup(toy_models.mlp())
+    gc.collect()
+    before = live_tensor_bytes()
+    after = []
+    for strategy in (["parallel_mode"], ["fsdp"], ["zero1"], ["zero2"], ["parallel_mode"]):
+        result = dry_run(user, env, Strategy.load(strategy), warmup=1, steps=2)
+        assert result.status == "ok", result.reason
+        gc.collect()
+        after.append(live_tensor_bytes())
+    return {"before": before, "after": after}
+
+
+def inapplicable(env: Any) -> dict[str, Any]:
+    # fsdp with a permuted rank order is refused before anything is built (DCP would misplace shards).
+    results = dry_run_many(setup(toy_models.mlp()), env,
+                           [Strategy.load(PERMUTED_FSDP), Strategy.load(["parallel_mode"])], warmup=1, steps=1)
+    return {"results": [r.model_dump() for r in results]}
+
+
+class SleepOnceMLP(toy_models.MLP):
+    """The toy MLP; rank 1 sleeps SLEEP_S in its first forward in this process."""
+
+    slept = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if dist.get_rank() == 1 and not SleepOnceMLP.slept:
+            SleepOnceMLP.slept = True
+            time.sleep(SLEEP_S)
+        return super().forward(x, y)
+
+
+def lost(env: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    candidates = [Strategy.load(["parallel_mode"])] * 3
+    start = time.monotonic()
+    results = dry_run_many(setup(SleepOnceMLP()), env, candidates, warmup=1, steps=1, timeout_s=2.0,
+                           rejoin_timeout_s=1.0)
+    return {"results": [r.model_dump() for r in results], "total_s": time.monotonic() - start}
+
+
+SCENARIOS = [sequence, budget, mismatch, release, inapplicable, lost]
+
+
+def main() -> None:
+    env = init_distributed()
+    report: dict[str, Any] = {}
+    for scenario in SCENARIOS:
+        try:
+            entry = scenario(env)
+        except Exception as exc:  # reported per scenario; the others still run
+            entry = {"failed": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
+            print(f"[rank {env.rank}] {scenario.__name__} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        report[scenario.__name__] = all_gather_json(entry, timeout_s=120)  # every rank's view
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
