@@ -17,7 +17,8 @@ Memory per rank (bytes). The state that lives across steps — parameters, optim
 wrappers' persistent buffers — plus the largest of three phases:
 
 * forward (end of forward / start of backward): activations ``A`` at ``m`` samples, plus the output's
-  gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor),
+  gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor; with
+  recompute, part of them is freed before the largest block is recomputed, so the factor is smaller),
   plus the gathered parameters that exist then;
 * backward: the gradients plus the gathered parameters and unsharded gradients that exist then;
 * optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
@@ -82,7 +83,7 @@ from atorch.strategy_search.hardware import HardwareProfile
 # Calibrated against bench/cost_model.py (see bench/README.md "Cost model").
 AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # a checkpointed block's saved input, as a share of its saved activations
-LOSS_TEMP_FACTOR = 2.5  # output, its gradient and the loss's temporaries at the start of backward, x largest saved
+LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
 OPTIMIZER_TEMP_PER_STATE = 0.25  # foreach AdamW's temporaries (sqrt of the second moment), per state and parameter
 DDP_FSDP_PERSISTENT = (2.0, 1.0)  # persistent gradient-sized buffers: DDP reducer (buckets), FSDP2 (dp > 1)
 DEFAULT_OPTIMIZER_BYTES_PER_S = 5e9
@@ -210,7 +211,7 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     else:
         kept = stats.activation_bytes
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
-    activations = (kept + LOSS_TEMP_FACTOR * largest) * act_scale
+    activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
     host = 0.0
     if offload and sharding:
         host = params - buffers + grads + state
