@@ -74,6 +74,15 @@ def test_sharding_checkpoint_zero1_and_batch_move_memory_the_right_way() -> None
     assert sgd.memory.optimizer_state == 0
 
 
+def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> None:
+    fsdp, zero2 = _predict(["parallel_mode", "fsdp"]), _predict(["parallel_mode", "zero2"])
+    assert zero2.memory.parameters == fsdp.memory.parameters
+    assert zero2.time.communication < fsdp.time.communication  # one all-gather per step, not two
+    offload = _predict(["parallel_mode", ("fsdp", {"cpu_offload": True})])
+    assert offload.memory.peak < fsdp.memory.peak
+    assert offload.memory.host_bytes == fsdp.memory.parameters + fsdp.memory.gradients + fsdp.memory.optimizer_state
+
+
 def test_more_data_parallel_ranks_less_compute_per_step() -> None:
     two, four = _predict(["parallel_mode", "fsdp"], dp=2), _predict(["parallel_mode", "fsdp"], dp=4)
     assert four.time.compute == pytest.approx(two.time.compute / 2)
