@@ -114,3 +114,29 @@ def test_prediction_json_round_trip_and_bad_input() -> None:
         _predict(["parallel_mode"], global_batch=7)
     with pytest.raises(ValueError, match="overlap"):
         _predict(["parallel_mode"], overlap=2.0)
+
+
+def test_benchmark_live_bytes_counts_known_tensors() -> None:
+    """bench/cost_model.py's LiveBytes: views count once, freed and resized storages leave the total."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "cost_model.py"
+    spec = importlib.util.spec_from_file_location("bench_cost_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tracker = bench.LiveBytes()
+    with tracker:
+        a = torch.zeros(1000)  # 4000 bytes
+        view = a[10:20]  # no new storage
+        b = torch.ones(500, dtype=torch.float64)  # 4000 bytes
+        assert tracker.current() == 8000
+        del b
+        c = a + 1  # 4000 bytes; peak stays 8000
+        c.untyped_storage().resize_(0)  # how FSDP2 frees a gathered parameter
+        d = torch.empty(250)  # 1000 bytes
+    assert tracker.peak == 8000
+    assert tracker.current() == 5000
+    assert view.numel() == 10 and d.numel() == 250
