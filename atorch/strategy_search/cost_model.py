@@ -1,0 +1,265 @@
+"""Cost model: predicted peak memory per rank and step time of a strategy, from its arguments alone.
+
+``predict(stats, strategy, layout, profile, global_batch, micro_batches)`` is a pure function: the
+model's statistics (``analyser.ModelStats``), the strategy, the parallel layout and a hardware profile
+(measured here or read from a table for another cluster) are all it reads, so a plan for a 1,000-GPU
+job can be made on a laptop. Every term is analytical and listed here; the constants marked
+"calibrated" were fitted against ``bench/cost_model.py`` (peak live tensor bytes and median step times
+of real runs at 2 ranks, see bench/README.md).
+
+Notation: ``dp`` = data-parallel size, ``P`` = trainable parameter bytes (fp32 as built), ``F`` = frozen
+parameter bytes, ``B`` = buffer bytes, ``k`` = ``optimizer_state_factor`` (states per parameter: AdamW 2,
+SGD with momentum 1, plain SGD 0), ``m`` = samples per micro-batch on one rank =
+``global_batch / dp / micro_batches``, ``A`` = activation bytes saved for backward at ``m`` samples
+(the analyser's figure at ``stats.batch_size`` scaled linearly).
+
+Memory per rank (bytes). The state that lives across steps — parameters, optimizer state and the
+wrappers' persistent buffers — plus the largest of three phases:
+
+* forward (end of forward / start of backward): activations ``A`` at ``m`` samples, plus the output's
+  gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor; with
+  recompute, part of them is freed before the largest block is recomputed, so the factor is smaller),
+  plus the gathered parameters that exist then;
+* backward: the gradients plus the gathered parameters and unsharded gradients that exist then;
+* optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
+  ``OPTIMIZER_TEMP_PER_STATE`` × ``k`` × the parameters a rank updates).
+
+``peak_phase`` says which phase won; ``temporary`` is the persistent buffers plus that phase's
+temporaries (so parameters + optimizer_state + temporary + that phase's activations or gradients = peak).
+Gradients are set to None after each step (``train_step``), so they do not coexist with the forward's
+activations. Per method:
+
+* plain / DDP: ``P + F + B`` parameters, ``P`` gradients, ``k·P`` optimizer state (in the parameter
+  dtype). DDP (dp > 1) keeps persistent gradient-sized buffers: measured 2 × ``P`` with gloo (the
+  reducer's buckets and a second copy; calibrated ``DDP_FSDP_PERSISTENT[0]``).
+* zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds the
+  other ranks' updated parameters, ``P (dp−1)/dp``; the rest as DDP.
+* fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; in forward and backward
+  the root unit's parameters (everything outside the repeated blocks, gathered for the whole step) + two
+  blocks' gathered parameters (the one running and the one prefetched) + one block's unsharded gradient.
+  FSDP2 keeps one persistent gradient-sized buffer at dp > 1 (measured; ``DDP_FSDP_PERSISTENT[1]``).
+* zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
+  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak); in
+  backward they are freed as the sharded gradients grow (``P + F + one block − grads/2``).
+* cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: the
+  device figure leaves them out (``host_bytes`` holds them).
+* amp_native: parameters stay fp32; under FSDP the gathered copies are in the autocast dtype (half);
+  without FSDP autocast caches a 16-bit cast of every weight until the forward ends (``(P + F) / 2``);
+  activations: matmul outputs are saved in 16 bits, the rest in 32 (calibrated ``AMP_ACTIVATION_FACTOR``).
+* half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
+* checkpoint (every repeated block): a block keeps only its input (calibrated
+  ``CHECKPOINT_INPUT_FRACTION`` of its saved bytes) and one block's activations exist again during its
+  recompute: ``A_outside + fraction × Σ blocks + the largest block``.
+
+Step time (seconds): compute + exposed communication + optimizer.
+
+* compute = FLOPs per sample (forward+backward) × samples per rank per step / matmul throughput of the
+  compute dtype (fp32; bf16/fp16 under amp_native or half); checkpoint adds one more forward of the blocks.
+* communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
+  ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
+  ``P`` in 25 MB buckets; zero1: the same + all-gather of the updated parameters; zero2: one all-gather
+  of the parameters per micro-batch + reduce-scatter of the gradients; fsdp: all-gather in forward and
+  again in backward (reshard after forward) + reduce-scatter, one collective per unit. Gathers move
+  16-bit parameters under amp_native; gradients are reduced in fp32. With gradient accumulation only the
+  last micro-batch reduces under DDP; FSDP gathers on every micro-batch. Exposed communication =
+  ``(1 − overlap) ×`` that: ``overlap = 0`` (the default) assumes nothing overlaps (right for gloo on CPU,
+  where the collectives run on the same cores); on GPUs pass the fraction hidden behind compute.
+* optimizer: the update reads and writes parameters, gradients and states of the shard a rank owns,
+  ``(2 + 2k)`` passes over its bytes, at ``optimizer_bytes_per_s`` (a memory-bandwidth figure; default
+  ``DEFAULT_OPTIMIZER_BYTES_PER_S``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict
+
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy
+from atorch.strategy_search.analyser import ModelStats
+from atorch.strategy_search.hardware import HardwareProfile
+
+# Calibrated against bench/cost_model.py (see bench/README.md "Cost model").
+AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
+CHECKPOINT_INPUT_FRACTION = 0.03  # a checkpointed block's saved input, as a share of its saved activations
+LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
+OPTIMIZER_TEMP_PER_STATE = 0.25  # foreach AdamW's temporaries (sqrt of the second moment), per state and parameter
+DDP_FSDP_PERSISTENT = (2.0, 1.0)  # persistent gradient-sized buffers: DDP reducer (buckets), FSDP2 (dp > 1)
+DEFAULT_OPTIMIZER_BYTES_PER_S = 5e9
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+SHARDED = ("fsdp", "zero2")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MemoryPrediction(_Frozen):
+    """Peak device bytes per rank and its terms (see the module docstring for how they make ``peak``)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    temporary: int  # DDP buckets, gathered (unsharded) FSDP parameters and gradients, 16-bit weight casts
+    peak: int
+    peak_phase: str = ""  # "forward" (end of forward), "backward" or "optimizer" (the step)
+    host_bytes: int = 0  # state kept in host memory by cpu_offload (not in peak)
+
+
+class TimePrediction(_Frozen):
+    """Seconds per optimizer step and what they are made of (the terms add up to ``step``)."""
+
+    compute: float
+    communication: float  # exposed: (1 - overlap) x all collectives
+    optimizer: float
+    step: float
+
+
+class Prediction(_Frozen):
+    memory: MemoryPrediction
+    time: TimePrediction
+    samples_per_rank: float  # per micro-batch
+    notes: tuple[str, ...] = ()
+
+
+def _collective_s(profile: HardwareProfile, name: str, nbytes: float, dp: int, count: int) -> float:
+    """Time of ``count`` collectives moving ``nbytes`` in all (nccl-tests bus-bandwidth convention)."""
+    if dp <= 1 or nbytes <= 0:
+        return 0.0
+    stats = profile.collectives.get(name)
+    if stats is None:
+        return 0.0
+    factor = 2 * (dp - 1) / dp if name == "all_reduce" else (dp - 1) / dp
+    return nbytes * factor / stats.bus_bandwidth + stats.latency_s * count
+
+
+def _compute_dtype(strategy: Strategy) -> str:
+    for name in ("half", "amp_native"):
+        config = strategy.get(name)
+        if config is not None:
+            return {"bf16": "bfloat16", "fp16": "float16"}.get(str(config.dtype), str(config.dtype))
+    return "float32"
+
+
+def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profile: HardwareProfile,
+            global_batch: int, micro_batches: int = 1, *, optimizer_state_factor: float = 2.0,
+            overlap: float = 0.0, optimizer_bytes_per_s: float = DEFAULT_OPTIMIZER_BYTES_PER_S) -> Prediction:
+    """Peak memory per rank and step time of ``strategy`` (see the module docstring for every term)."""
+    dp = layout.data_size
+    if global_batch % (dp * micro_batches):
+        raise ValueError(f"global_batch {global_batch} is not divisible by dp {dp} x micro_batches {micro_batches}")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    samples = global_batch / dp  # per rank per step
+    micro = samples / micro_batches
+    notes: list[str] = []
+
+    sharding = next((name for name in SHARDED if name in strategy), None)
+    config = strategy.get(sharding) if sharding else None
+    if sharding == "zero2" and getattr(config, "implementation", "fsdp2") == "deepspeed":
+        notes.append("zero2 deepspeed modelled as FSDP2 without resharding")
+    reshard = sharding == "fsdp" and bool(getattr(config, "reshard_after_forward", True))
+    offload = bool(getattr(config, "cpu_offload", False))
+    zero1 = "zero1" in strategy and sharding is None
+    half = "half" in strategy
+    amp = "amp_native" in strategy
+    checkpoint = "checkpoint" in strategy
+    scale = 0.5 if half else 1.0  # everything in 16 bits under half
+    shard = dp if sharding else 1
+
+    trainable = stats.trainable_param_bytes * scale
+    frozen = stats.frozen_param_bytes * scale
+    buffers = stats.buffer_bytes * scale
+    block_params = sum(b.param_bytes_total for b in stats.blocks) * scale
+    biggest_block = max((b.param_bytes for b in stats.blocks), default=0) * scale
+    root_params = (stats.param_bytes * scale) - block_params
+
+    # ----- memory -----------------------------------------------------------------------------------
+    params = (trainable + frozen) / shard + buffers
+    grads = trainable / shard
+    owned = trainable / (dp if (sharding or zero1) else 1)  # the parameters whose state this rank keeps
+    state = optimizer_state_factor * owned
+    gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
+    unit = biggest_block if stats.blocks else stats.param_bytes * scale  # FSDP's largest unit
+    persistent = 0.0  # buffers that live across steps
+    fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
+    if sharding and dp > 1:
+        persistent = DDP_FSDP_PERSISTENT[1] * trainable
+        if reshard:
+            root = root_params if stats.blocks else 0.0
+            fwd_temp = bwd_temp = (root + 2 * unit) * gather + unit
+        else:
+            fwd_temp = stats.param_bytes * scale * gather
+            bwd_temp = fwd_temp + unit - grads / 2  # gathered copies are freed as sharded grads grow
+    elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
+        fwd_temp = bwd_temp = stats.param_bytes * 0.5
+    elif dp > 1:
+        persistent = DDP_FSDP_PERSISTENT[0] * trainable
+    if amp and not sharding:
+        fwd_temp += stats.param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
+    step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
+    if zero1 and dp > 1:
+        step_temp += trainable * (dp - 1) / dp  # the other ranks' updated parameters, gathered after the step
+
+    act_scale = micro / stats.batch_size * scale * (AMP_ACTIVATION_FACTOR if amp and not half else 1.0)
+    block_act = sum(b.activation_bytes_total for b in stats.blocks)
+    if checkpoint and stats.blocks:
+        kept = stats.activation_bytes_outside_blocks + CHECKPOINT_INPUT_FRACTION * block_act
+        kept += max(b.activation_bytes for b in stats.blocks)
+    else:
+        kept = stats.activation_bytes
+    largest = stats.largest_activation.bytes if stats.largest_activation else 0
+    activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
+    host = 0.0
+    if offload and sharding:
+        host = params - buffers + grads + state
+        params, grads, state = buffers, 0.0, 0.0
+        notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
+    phases = {
+        "forward": activations + fwd_temp,
+        "backward": grads + bwd_temp,
+        "optimizer": grads + (0.0 if offload and sharding else step_temp),
+    }
+    phase = max(phases, key=phases.__getitem__)
+    temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp}[phase]
+    peak = params + state + persistent + phases[phase]
+
+    # ----- time --------------------------------------------------------------------------------------
+    dtype = _compute_dtype(strategy)
+    tflops = profile.matmul_tflops.get(dtype) or profile.matmul_tflops.get("float32")
+    if not tflops:
+        raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
+    flops = stats.fwd_bwd_flops_per_sample * samples
+    if checkpoint and stats.blocks:
+        flops += stats.fwd_flops_per_sample * samples  # one more forward (of the blocks: most of it)
+    compute = flops / (tflops * 1e12)
+
+    units = sum(b.count for b in stats.blocks) + 1
+    comm = 0.0
+    full_grads = stats.trainable_param_bytes * scale
+    gathered = stats.param_bytes * scale * gather
+    if sharding:
+        gathers = micro_batches * (2 if reshard else 1)
+        comm += _collective_s(profile, "all_gather", gathered * gathers, dp, units * gathers)
+        comm += _collective_s(profile, "reduce_scatter", full_grads, dp, units)
+    elif dp > 1:
+        buckets = max(1, math.ceil(full_grads / DDP_BUCKET_BYTES))
+        comm += _collective_s(profile, "all_reduce", full_grads, dp, buckets)
+        if zero1:
+            comm += _collective_s(profile, "all_gather", stats.trainable_param_bytes * scale, dp, 1)
+    communication = comm * (1.0 - overlap)
+    optimizer = (2 + 2 * optimizer_state_factor) * owned / optimizer_bytes_per_s
+
+    return Prediction(
+        memory=MemoryPrediction(
+            parameters=round(params), gradients=round(grads), optimizer_state=round(state),
+            activations=round(activations), temporary=round(temporary), peak=round(peak), peak_phase=phase,
+            host_bytes=round(host),
+        ),
+        time=TimePrediction(compute=compute, communication=communication, optimizer=optimizer,
+                            step=compute + communication + optimizer),
+        samples_per_rank=micro,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,142 @@
+"""The cost model: sanity of every term's direction, JSON round trip, and one case computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy
+from atorch.strategy_search.analyser import ActivationStats, BlockStats, LayerStats, ModelStats
+from atorch.strategy_search.cost_model import Prediction, predict
+from atorch.strategy_search.hardware import HardwareProfile, load_profile
+
+
+def _stats() -> ModelStats:
+    """1000 fp32 parameters: two 250-parameter blocks and 500 outside them; 1600 activation bytes at batch 4."""
+    return ModelStats(
+        fingerprint="x", batch_size=4, seq_len=None, param_count=1000, trainable_param_count=1000,
+        param_bytes=4000, trainable_param_bytes=4000, frozen_param_bytes=0, grad_bytes=4000, buffer_bytes=0,
+        fwd_flops_per_sample=1e6, fwd_bwd_flops_per_sample=3e6, activation_bytes=1600,
+        activation_bytes_outside_blocks=600,
+        blocks=(BlockStats(class_path="m.Block", count=2, param_bytes=1000, activation_bytes=500,
+                           param_bytes_total=2000, activation_bytes_total=1000),),
+        largest_layer=LayerStats(name="head", class_path="torch.nn.Linear", param_bytes=1000),
+        largest_activation=ActivationStats(module="head", shape=(4, 50), dtype="torch.float32", bytes=200),
+    )
+
+
+def _profile(world: int = 2) -> HardwareProfile:
+    link = {"bus_bandwidth": 1e9, "latency_s": 1e-4, "size_bytes": 0}
+    return HardwareProfile.from_table({
+        "device_type": "cpu", "device_name": "test", "world_size": world, "local_world_size": world,
+        "backend": "gloo", "torch_version": "any", "matmul_tflops": {"float32": 1.0, "bfloat16": 0.5},
+        "collectives": {"all_reduce": link, "all_gather": link, "reduce_scatter": link},
+        "memory_per_rank": 1 << 30,
+    })
+
+
+def _predict(items: list, dp: int = 2, global_batch: int = 8, micro_batches: int = 1, **kw) -> Prediction:
+    return predict(_stats(), Strategy.load(items), ParallelLayout.data_parallel(dp), _profile(dp), global_batch,
+                   micro_batches, **kw)
+
+
+def test_hand_computed_ddp_case() -> None:
+    p = _predict(["parallel_mode"])
+    m = p.memory
+    # params 4000, grads 4000, AdamW state 2 x 4000, DDP buffers 2 x 4000 (calibrated), activations at
+    # 4 samples/rank = 1600 + 2.5 x 200 = 2100; the optimizer step's phase wins: grads 4000 + foreach
+    # temporaries 0.25 x 2 x 4000 = 2000 -> peak = 4000 + 8000 + 8000 + 6000.
+    assert (m.parameters, m.gradients, m.optimizer_state, m.activations) == (4000, 4000, 8000, 2100)
+    assert (m.temporary, m.peak, m.peak_phase) == (10000, 26000, "optimizer")
+    t = p.time
+    assert t.compute == pytest.approx(3e6 * 4 / 1e12)  # FLOPs/sample x samples per rank / 1 TFLOP/s
+    assert t.communication == pytest.approx(4000 * 1.0 / 1e9 + 1e-4)  # all-reduce: 2(n-1)/n = 1 at n=2, 1 bucket
+    assert t.optimizer == pytest.approx(6 * 4000 / 5e9)
+    assert t.step == pytest.approx(t.compute + t.communication + t.optimizer)
+
+
+def test_sharding_checkpoint_zero1_and_batch_move_memory_the_right_way() -> None:
+    ddp, fsdp, zero1 = _predict(["parallel_mode"]), _predict(["parallel_mode", "fsdp"]), _predict(
+        ["parallel_mode", "zero1"])
+    assert fsdp.memory.parameters < ddp.memory.parameters
+    assert fsdp.memory.gradients < ddp.memory.gradients
+    assert zero1.memory.optimizer_state == ddp.memory.optimizer_state / 2
+    ckpt = _predict(["parallel_mode", "checkpoint"])
+    assert ckpt.memory.activations < ddp.memory.activations
+    assert ckpt.time.compute > ddp.time.compute  # one more forward
+    big = _predict(["parallel_mode"], global_batch=16)
+    assert big.memory.activations == 2 * ddp.memory.activations  # linear in the micro-batch
+    accumulated = _predict(["parallel_mode"], global_batch=16, micro_batches=2)
+    assert accumulated.memory.activations == ddp.memory.activations
+    half = _predict(["parallel_mode", ("half", {"dtype": "bf16"})])
+    assert half.memory.parameters == ddp.memory.parameters / 2
+    sgd = _predict(["parallel_mode"], optimizer_state_factor=0)
+    assert sgd.memory.optimizer_state == 0
+
+
+def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> None:
+    fsdp, zero2 = _predict(["parallel_mode", "fsdp"]), _predict(["parallel_mode", "zero2"])
+    assert zero2.memory.parameters == fsdp.memory.parameters
+    assert zero2.time.communication < fsdp.time.communication  # one all-gather per step, not two
+    offload = _predict(["parallel_mode", ("fsdp", {"cpu_offload": True})])
+    assert offload.memory.peak < fsdp.memory.peak
+    assert offload.memory.host_bytes == fsdp.memory.parameters + fsdp.memory.gradients + fsdp.memory.optimizer_state
+
+
+def test_more_data_parallel_ranks_less_compute_per_step() -> None:
+    two, four = _predict(["parallel_mode", "fsdp"], dp=2), _predict(["parallel_mode", "fsdp"], dp=4)
+    assert four.time.compute == pytest.approx(two.time.compute / 2)
+    assert four.memory.optimizer_state < two.memory.optimizer_state
+    overlapped = _predict(["parallel_mode", "fsdp"], overlap=0.5)
+    assert overlapped.time.communication == pytest.approx(two.time.communication / 2)
+    amp = _predict(["parallel_mode", ("amp_native", {"dtype": "bf16"})])
+    assert amp.time.compute == pytest.approx(2 * _predict(["parallel_mode"]).time.compute)  # 0.5 TFLOP/s bf16
+
+
+def test_cluster_table_uses_the_same_formulas() -> None:
+    profile = load_profile("a100_80gb_8x_nvlink")
+    stats = _stats()
+    strategy = Strategy.load(["parallel_mode", "fsdp", ("amp_native", {"dtype": "bf16"})])
+    p = predict(stats, strategy, ParallelLayout.data_parallel(8), profile, 64)
+    assert p.time.compute == pytest.approx(3e6 * 8 / 312e12)
+    gathered = 4000 * 0.5 * 2  # 16-bit parameters, gathered in forward and again in backward
+    link = profile.collectives
+    expected = (gathered * 7 / 8 / link["all_gather"].bus_bandwidth + 2 * 3 * link["all_gather"].latency_s
+                + 4000 * 7 / 8 / link["reduce_scatter"].bus_bandwidth + 3 * link["reduce_scatter"].latency_s)
+    assert p.time.communication == pytest.approx(expected)
+    assert p.memory.parameters == 4000 / 8
+
+
+def test_prediction_json_round_trip_and_bad_input() -> None:
+    p = _predict(["parallel_mode", "zero2", "checkpoint"])
+    assert Prediction.model_validate_json(p.model_dump_json()) == p
+    with pytest.raises(ValueError, match="divisible"):
+        _predict(["parallel_mode"], global_batch=7)
+    with pytest.raises(ValueError, match="overlap"):
+        _predict(["parallel_mode"], overlap=2.0)
+
+
+def test_benchmark_live_bytes_counts_known_tensors() -> None:
+    """bench/cost_model.py's LiveBytes: views count once, freed and resized storages leave the total."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "cost_model.py"
+    spec = importlib.util.spec_from_file_location("bench_cost_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tracker = bench.LiveBytes()
+    with tracker:
+        a = torch.zeros(1000)  # 4000 bytes
+        view = a[10:20]  # no new storage
+        b = torch.ones(500, dtype=torch.float64)  # 4000 bytes
+        assert tracker.current() == 8000
+        del b
+        c = a + 1  # 4000 bytes; peak stays 8000
+        c.untyped_storage().resize_(0)  # how FSDP2 frees a gathered parameter
+        d = torch.empty(250)  # 1000 bytes
+    assert tracker.peak == 8000
+    assert tracker.current() == 5000
+    assert view.numel() == 10 and d.numel() == 250
