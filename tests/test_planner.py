@@ -237,14 +237,27 @@ def test_study_key_depends_on_everything_a_plan_depends_on(space) -> None:
     assert len(keys) == 6 and study_key(*base) == study_key(*base)
 
 
-def test_patience_and_gp_sampler(space, tmp_path) -> None:
+def test_patience_stops_after_dry_runs_without_improvement(space, tmp_path) -> None:
+    calls = []
+
+    def flat(cand: Candidate) -> Run:  # every candidate equally fast: only the first is an improvement
+        calls.append(cand)
+        return Run("ok", 10.0, true_memory(dict(cand.point)))
+
+    result = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=flat,
+                     memory_budget=BUDGET, max_trials=8, patience=2).search()
+    assert len(calls) == 3 and "patience" in result.stop_reason
+    assert result.candidate == calls[0]
+
+
+def test_gp_sampler_learns_from_constraints(space, tmp_path) -> None:
+    budget = 350 * MiB
     measure = Measure()
-    planner = Planner(space, storage=storage(tmp_path), study_key="gp", predict=predict, measure=measure,
-                      memory_budget=BUDGET, max_trials=8, patience=2, sampler="gp", top_k=1)
-    result = planner.search()
-    assert result.candidate is not None
-    if len(measure.calls) < 8:
-        assert "patience" in result.stop_reason
+    result = Planner(space, storage=storage(tmp_path), study_key="gp", predict=predict, measure=measure,
+                     memory_budget=budget, max_trials=4, sampler="gp", top_k=1).search()
+    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= budget
+    assert all(predict(c).peak_memory_bytes <= budget for c in measure.calls)
+    assert all(set(r["constraints"]) == {"memory_over", "failed"} for r in result.trials)
 
 
 def test_default_storage_is_sqlite_in_the_cache_dir(space, tmp_path, monkeypatch) -> None:
