@@ -214,7 +214,6 @@ class Planner:
         if not force and (hit := self.cached()) is not None:
             logger.info("strategy search: cached best %s (%.3g samples/s)", hit.candidate, hit.samples_per_s)
             return hit
-        import optuna
         from optuna.trial import TrialState
 
         study = self.study()
@@ -229,11 +228,19 @@ class Planner:
         for cand in order:
             study.enqueue_trial(self.space.to_params(dict(cand.point)), skip_if_exists=True)
 
-        done: dict[str, optuna.trial.FrozenTrial] = {
-            t.user_attrs["key"]: t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if "key" in t.user_attrs and t.user_attrs.get("status") != "duplicate"
-        }
-        best_value, best_key = _best_measured(done.values())
+        # Measured outcomes already in the study (an earlier or interrupted search): never measured again,
+        # judged under this budget. Predicted OOMs are not reused: the budget may have changed.
+        done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
+        for old in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if "measured" in old.user_attrs and old.user_attrs.get("status") != "duplicate":
+                key = old.user_attrs["key"]
+                verdict: dict[str, Any] = {"number": old.number, "measured": old.user_attrs["measured"]}
+                value, constraints = self._judge(old.user_attrs["measured"], preds.get(key, ""), verdict)
+                done[key] = (value, constraints, verdict)
+        best_value, best_key = None, None
+        for key, (value, _, verdict) in done.items():
+            if verdict["status"] == "ok" and (best_value is None or value > best_value):
+                best_value, best_key = value, key
         dry_runs, since_best, asks = 0, 0, 0
         max_asks = max(50, 10 * self.max_trials)
         stop = ""
@@ -255,9 +262,9 @@ class Planner:
             pred = preds[cand.key]
             attrs: dict[str, Any] = {"key": cand.key, "candidate": cand.to_json(), "predicted": _pred_json(pred)}
             if cand.key in done:  # asked again: reuse the stored outcome, no dry-run
-                old = done[cand.key]
-                attrs.update(status="duplicate", duplicate_of=old.number)
-                self._tell(study, trial, old.value, old.constraints, attrs)
+                value, constraints, verdict = done[cand.key]
+                attrs.update(status="duplicate", duplicate_of=verdict["number"], outcome=verdict["status"])
+                self._tell(study, trial, value, constraints, attrs)
                 continue
             if isinstance(pred, Predicted) and not self._fits(pred):
                 attrs.update(status="predicted_oom", reason=(
@@ -265,13 +272,14 @@ class Planner:
                     f"{self.memory_budget / 2**20:.1f} MiB"
                 ))
                 over = (pred.peak_memory_bytes - self.memory_budget) / self.memory_budget
-                frozen = self._tell(study, trial, pred.samples_per_s, {"memory_over": over, "failed": 0.0}, attrs)
-                done[cand.key] = frozen
+                constraints = {"memory_over": over, "failed": 0.0}
+                self._tell(study, trial, pred.samples_per_s, constraints, attrs)
+                done[cand.key] = (pred.samples_per_s, constraints, {"number": trial.number, **attrs})
                 continue
             dry_runs += 1
             value, constraints = self._measure(cand, pred, attrs)
-            frozen = self._tell(study, trial, value, constraints, attrs)
-            done[cand.key] = frozen
+            self._tell(study, trial, value, constraints, attrs)
+            done[cand.key] = (value, constraints, {"number": trial.number, **attrs})
             logger.info("trial %d: %s -> %s %s", trial.number, cand, attrs["status"], attrs.get("reason", ""))
             if attrs["status"] == "ok" and (best_value is None or value > best_value):
                 best_value, best_key, since_best = value, cand.key, 0
@@ -280,31 +288,39 @@ class Planner:
 
         best_cand = None
         if best_key is not None:
-            best_trial = done[best_key]
-            best_cand = self.space.from_point(best_trial.user_attrs["candidate"]["point"])
+            _, _, verdict = done[best_key]
+            best_cand = self.space.from_point(json.loads(best_key))
             study.set_user_attr("best", {
-                "point": dict(best_cand.point), "samples_per_s": best_value, "trial": best_trial.number,
-                "peak_memory_bytes": best_trial.user_attrs["measured"]["peak_memory_bytes"],
+                "point": dict(best_cand.point), "samples_per_s": best_value, "trial": verdict["number"],
+                "peak_memory_bytes": verdict["measured"]["peak_memory_bytes"],
                 "strategy": json.loads(best_cand.strategy.to_json(indent=None)),
             })
         logger.info("strategy search: %s; best %s", stop, best_cand)
         return PlanResult(best_cand, best_value, "search", self.study_name, dry_runs, stop, _trial_records(study))
 
     def _measure(self, cand: Candidate, pred: Predicted | str, attrs: dict[str, Any]) -> tuple[float, dict[str, float]]:
-        fallback = pred.samples_per_s if isinstance(pred, Predicted) else 0.0
         try:
             res = self.measure_fn(cand)
-            status = str(res.status).lower()
-            peak = float(res.peak_memory_bytes or 0.0)
-            sps = float(res.samples_per_s or 0.0)
-            reason = str(getattr(res, "reason", "") or "")
+            measured = {"status": str(res.status).lower(), "samples_per_s": float(res.samples_per_s or 0.0),
+                        "peak_memory_bytes": float(res.peak_memory_bytes or 0.0),
+                        "reason": str(getattr(res, "reason", "") or "")}
         except Exception as exc:  # a dry-run that raises is a failed trial; the search goes on
-            status, peak, sps, reason = "failed", 0.0, 0.0, f"{type(exc).__name__}: {exc}"
+            measured = {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0,
+                        "reason": f"{type(exc).__name__}: {exc}"}
+        attrs["measured"] = measured
+        return self._judge(measured, pred, attrs)
+
+    def _judge(
+        self, measured: dict[str, Any], pred: Predicted | str, attrs: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        """Value and constraints of a measured outcome under this planner's budget (stored outcomes too:
+        a budget that changed since they were measured re-judges them)."""
+        fallback = pred.samples_per_s if isinstance(pred, Predicted) else 0.0
+        status, peak, sps, reason = (measured[k] for k in ("status", "peak_memory_bytes", "samples_per_s", "reason"))
         over = (peak - self.memory_budget) / self.memory_budget
         if status in OK_STATUSES and over > 0:
             status = "oom"
             reason = f"measured peak {peak / 2**20:.1f} MiB > budget {self.memory_budget / 2**20:.1f} MiB"
-        attrs["measured"] = {"status": status, "samples_per_s": sps, "peak_memory_bytes": peak, "reason": reason}
         if status in OK_STATUSES and sps > 0:
             attrs["status"] = "ok"
             return sps, {"memory_over": over, "failed": 0.0}
@@ -327,14 +343,6 @@ def _pred_json(pred: Predicted | str) -> dict[str, Any]:
         return {"error": pred}
     return {"peak_memory_bytes": pred.peak_memory_bytes, "step_time_s": pred.step_time_s,
             "samples_per_s": pred.samples_per_s}
-
-
-def _best_measured(trials: Any) -> tuple[float | None, str | None]:
-    best: tuple[float | None, str | None] = (None, None)
-    for t in trials:
-        if t.user_attrs.get("status") == "ok" and (best[0] is None or t.value > best[0]):
-            best = (t.value, t.user_attrs["key"])
-    return best
 
 
 def _trial_records(study: Any) -> list[dict[str, Any]]:
