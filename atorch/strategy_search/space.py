@@ -1,0 +1,375 @@
+"""The search space, built from the method registry: every valid (strategy, micro-batching) for one job.
+
+A *point* is a flat dict of choices, e.g. ``{"sharding": "zero2", "zero2.implementation": "fsdp2",
+"checkpoint": True, "precision": "amp_bf16", "module_replace": False, "micro_batch_size": 2}``.
+Which keys a point has depends on earlier choices (``zero2.implementation`` only with zero2), so the
+space is a tree of dimensions walked in a fixed order. Each method's tunable fields come from its
+``search_space()`` in the registry; nothing here lists a method's options by hand.
+
+Validity is data, not code: a point becomes a Strategy and ``Strategy.problems(world_size)`` (the
+method checks and the compatibility RULES) decides. ``enumerate()`` keeps only valid candidates, and
+the Optuna view (``suggest``) offers at each dimension only the choices that some valid candidate
+extends, so an invalid combination is never proposed to a trial.
+
+Activation checkpointing searches off / every repeated block. A subset of blocks (a fraction) is not
+searched: ``checkpoint``'s config chooses blocks by class only and has no field for a subset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from torch import nn
+
+from atorch.class_ref import matches
+from atorch.errors import SetupError
+from atorch.opt_lib import registry
+from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.module_replace import replace_pairs
+from atorch.strategy import Strategy, StrategyItem
+from atorch.strategy_search.analyser import fingerprint
+
+Point = dict[str, Any]
+
+SHARDING = ("zero1", "zero2", "fsdp")  # methods that shard; "ddp" is parallel_mode alone
+PRECISION = ("amp_native", "half")  # fp8 is left out: it needs CUDA sm >= 8.9 and is opt-in
+# half fp16 keeps no fp32 master weights: Adam's state underflows (see Half.model_problems), so by
+# default only bf16 is searched for 'half'.
+DEFAULT_HALF_DTYPES = ("bf16",)
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of the tree: a name and the choices offered there."""
+
+    name: str
+    choices: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A strategy plus micro-batching: ``micro_batches`` micro-batches of ``micro_batch_size`` per rank
+    make one optimizer step over the global batch."""
+
+    strategy: Strategy
+    micro_batch_size: int
+    micro_batches: int
+    point: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def key(self) -> str:
+        """A stable JSON text of the point (identifies the candidate in a study)."""
+        return json.dumps(dict(self.point), sort_keys=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "point": dict(self.point),
+            "strategy": json.loads(self.strategy.to_json(indent=None)),
+            "micro_batch_size": self.micro_batch_size,
+            "micro_batches": self.micro_batches,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.strategy} mbs={self.micro_batch_size}x{self.micro_batches}"
+
+
+def _prefix_key(items: list[tuple[str, Any]]) -> str:
+    return json.dumps(items)
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+class SearchSpace:
+    """Every valid candidate for a model at a world size and a fixed global batch.
+
+    supported_dtypes: the half dtypes the hardware runs ("bf16", "fp16"); fp32 is always there.
+    excluded / included: method names never used / always used.
+    finetune_strategy: search around a loaded strategy: its methods stay; the search dims of the
+    items marked ``tunable`` vary, as does micro-batching.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        world_size: int,
+        global_batch: int,
+        supported_dtypes: Sequence[str] = ("bf16", "fp16"),
+        excluded: Iterable[str] = (),
+        included: Iterable[str] = (),
+        finetune_strategy: Any = None,
+        half_dtypes: Sequence[str] = DEFAULT_HALF_DTYPES,
+        max_micro_batch_size: int | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.global_batch = global_batch
+        self.supported_dtypes = tuple(supported_dtypes)
+        self.excluded = frozenset(excluded)
+        self.included = frozenset(included)
+        self.half_dtypes = tuple(half_dtypes)
+        unknown = sorted(n for n in self.excluded | self.included if not registry.is_registered(n))
+        if unknown:
+            raise SetupError([f"unknown method(s) {unknown} in excluded/included; known: {registry.method_names()}"])
+        both = sorted(self.excluded & self.included)
+        if both:
+            raise SetupError([f"method(s) {both} are both excluded and included; keep each in one list"])
+        self.finetune = Strategy.load(finetune_strategy) if finetune_strategy is not None else None
+        self.model_fingerprint = fingerprint(model)
+        self._ctx = SimpleNamespace(model=model)  # what Method.search_space may look at
+        self.blocks = block_classes(model)
+        self.replaceable = any(
+            matches(m, (pair.source,)) for pair in replace_pairs().values() for m in model.modules()
+        )
+        # Only data parallelism exists so far: every rank is a data-parallel rank.
+        self.dp = world_size
+        if global_batch % self.dp:
+            raise SetupError(
+                [f"global batch {global_batch} is not divisible by the {self.dp} data-parallel ranks; "
+                 "choose a multiple of the world size"]
+            )
+        per_rank = global_batch // self.dp
+        self.micro_batch_sizes = tuple(
+            d for d in _divisors(per_rank) if max_micro_batch_size is None or d <= max_micro_batch_size
+        )
+        self._candidates: list[Candidate] | None = None
+        self._invalid: list[tuple[Point, list[str]]] = []
+        self._valid_points: list[Point] = []  # in walk order
+        self._prefixes: dict[str, set[str]] | None = None
+
+    # ----- the tree of dimensions ------------------------------------------------------------
+    def _method_dims(self, name: str) -> list[Dim]:
+        """A method's registry search dims with more than one choice (dtype filtered by the hardware)."""
+        dims = []
+        for fname, dim in registry.get_method(name).search_space(self._ctx).items():
+            choices = tuple(getattr(dim, "choices", ()) or range(dim.low, dim.high + 1))  # type: ignore[union-attr]
+            if fname == "dtype":
+                choices = tuple(c for c in choices if c in self.supported_dtypes)
+            if len(choices) > 1:
+                dims.append(Dim(f"{name}.{fname}", choices))
+        return dims
+
+    def _allowed(self, name: str) -> bool:
+        return registry.is_registered(name) and name not in self.excluded
+
+    def _sharding_choices(self) -> tuple[str, ...]:
+        forced = [m for m in SHARDING if m in self.included]
+        if forced:
+            return tuple(forced)  # more than one: every candidate breaks a rule, reported as empty space
+        return ("ddp",) + tuple(m for m in SHARDING if self._allowed(m))
+
+    def _precision_choices(self) -> tuple[str, ...]:
+        choices: list[str] = [] if any(m in self.included for m in PRECISION) else ["fp32"]
+        for method in PRECISION:
+            if not self._allowed(method) or (self.included & set(PRECISION) and method not in self.included):
+                continue
+            dtypes = registry.get_method(method).search_space(self._ctx).get("dtype")
+            for dtype in getattr(dtypes, "choices", ()):
+                if dtype in self.supported_dtypes and (method != "half" or dtype in self.half_dtypes):
+                    choices.append(f"{'amp' if method == 'amp_native' else method}_{dtype}")
+        return tuple(choices)
+
+    def _on_off(self, name: str) -> tuple[bool, ...]:
+        if name in self.included:
+            return (True,)
+        return (False, True) if self._allowed(name) else (False,)
+
+    def next_dim(self, partial: Point) -> Dim | None:
+        """The next dimension after the choices in ``partial`` (None once the point is complete)."""
+        for dim in self._dims_after(partial):
+            if dim.name not in partial:
+                return dim
+        return None
+
+    def _dims_after(self, partial: Point) -> Iterator[Dim]:
+        if self.finetune is not None:
+            for item in self.finetune.methods:
+                if item.tunable:
+                    yield from self._method_dims(item.name)
+            yield Dim("micro_batch_size", self.micro_batch_sizes)
+            return
+        yield Dim("sharding", self._sharding_choices())
+        if partial.get("sharding", "ddp") != "ddp":
+            yield from self._method_dims(partial["sharding"])
+        if self.blocks:
+            yield Dim("checkpoint", self._on_off("checkpoint"))
+            if partial.get("checkpoint"):
+                yield from self._method_dims("checkpoint")
+        yield Dim("precision", self._precision_choices())
+        if self.replaceable:
+            yield Dim("module_replace", self._on_off("module_replace"))
+        yield Dim("micro_batch_size", self.micro_batch_sizes)
+
+    def _points(self, partial: Point) -> Iterator[Point]:
+        dim = self.next_dim(partial)
+        if dim is None:
+            yield dict(partial)
+            return
+        for choice in dim.choices:
+            yield from self._points({**partial, dim.name: choice})
+
+    # ----- points <-> candidates -------------------------------------------------------------
+    def strategy_of(self, point: Point) -> Strategy:
+        """The strategy a complete point stands for (not yet checked)."""
+        configs: dict[str, dict[str, Any]] = {}
+        for key, value in point.items():
+            if "." in key:
+                method, fname = key.split(".", 1)
+                configs.setdefault(method, {})[fname] = value
+        if self.finetune is not None:
+            items = [
+                item.model_copy(update={"config": registry.get_method(item.name).parse_config(
+                    {**item.config.model_dump(mode="json", exclude_unset=True), **configs.get(item.name, {})}
+                )}) if item.name in configs else item
+                for item in self.finetune.methods
+            ]
+            return Strategy(methods=tuple(items))
+        names = {"parallel_mode"}
+        if point["sharding"] != "ddp":
+            names.add(point["sharding"])
+        if point.get("checkpoint"):
+            names.add("checkpoint")
+        if point.get("module_replace"):
+            names.add("module_replace")
+        precision = point["precision"]
+        if precision != "fp32":
+            method, dtype = precision.rsplit("_", 1)
+            method = "amp_native" if method == "amp" else method
+            names.add(method)
+            configs.setdefault(method, {})["dtype"] = dtype
+        # Every included method is in every candidate (fp8 say, or two that the rules then refuse).
+        names |= self.included
+        items = [
+            StrategyItem(name=n, config=registry.get_method(n).parse_config(configs.get(n)))
+            for n in registry.APPLY_ORDER if n in names
+        ]
+        return Strategy(methods=tuple(items))
+
+    def from_point(self, point: Point) -> Candidate:
+        """The candidate of a complete point; raises SetupError if the point is not in the space."""
+        expected = self._complete_keys(point)
+        if set(point) != expected:
+            raise SetupError([f"point {point} does not fit this space: it needs exactly the keys {sorted(expected)}"])
+        strategy = self.strategy_of(point)
+        problems = strategy.problems(self.world_size)
+        if problems:
+            raise SetupError([f"point {point} is not a valid strategy: {p}" for p in problems])
+        mbs = int(point["micro_batch_size"])
+        per_rank = self.global_batch // self.dp
+        if mbs not in self.micro_batch_sizes:
+            raise SetupError([f"micro_batch_size {mbs} is not one of {list(self.micro_batch_sizes)}"])
+        return Candidate(strategy, mbs, per_rank // mbs, tuple(sorted(point.items())))
+
+    def to_point(self, candidate: Candidate) -> Point:
+        return dict(candidate.point)
+
+    def _complete_keys(self, point: Point) -> set[str]:
+        walked: Point = {}
+        while (dim := self.next_dim(walked)) is not None:
+            if dim.name not in point or point[dim.name] not in dim.choices:
+                return {*walked, dim.name}
+            walked[dim.name] = point[dim.name]
+        return set(walked)
+
+    # ----- the whole space -------------------------------------------------------------------
+    def enumerate(self) -> list[Candidate]:
+        """Every valid candidate (points whose strategy breaks a rule or check are left out)."""
+        if self._candidates is None:
+            self._candidates, self._invalid = [], []
+            for point in self._points({}):
+                strategy = self.strategy_of(point)
+                problems = strategy.problems(self.world_size)
+                if problems:
+                    self._invalid.append((point, problems))
+                    continue
+                self._valid_points.append(point)
+                mbs = int(point["micro_batch_size"])
+                self._candidates.append(
+                    Candidate(strategy, mbs, self.global_batch // self.dp // mbs, tuple(sorted(point.items())))
+                )
+            if not self._candidates:
+                why = sorted({p for _, ps in self._invalid for p in ps})[:5]
+                raise SetupError([f"the search space has no valid strategy (excluded/included/finetune): {why}"])
+        return list(self._candidates)
+
+    def invalid_points(self) -> list[tuple[Point, list[str]]]:
+        """Points the rules refused, with why (for reports and tests)."""
+        self.enumerate()
+        return list(self._invalid)
+
+    def __len__(self) -> int:
+        return len(self.enumerate())
+
+    def signature(self) -> str:
+        """A hash of the whole space (its valid points, world size and global batch)."""
+        payload = {
+            "world_size": self.world_size, "global_batch": self.global_batch,
+            "points": sorted(c.key for c in self.enumerate()),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ----- the Optuna view -------------------------------------------------------------------
+    def _valid_choices(self, partial: Point, dim: Dim) -> tuple[Any, ...]:
+        """The choices of ``dim`` that some valid candidate extending ``partial`` takes."""
+        if self._prefixes is None:
+            # Walk-ordered prefix of every valid point -> the choices taken next (built once).
+            self._prefixes = {}
+            for point in self._valid_points:
+                items = list(point.items())
+                for i, (_name, value) in enumerate(items):
+                    self._prefixes.setdefault(_prefix_key(items[:i]), set()).add(json.dumps(value))
+        seen = self._prefixes.get(_prefix_key(list(partial.items())), set())
+        return tuple(c for c in dim.choices if json.dumps(c) in seen)
+
+    def _param_name(self, dim: Dim, choices: tuple[Any, ...]) -> str:
+        # Optuna needs one distribution per parameter name: a dimension narrowed by the rules
+        # (e.g. precision under DeepSpeed) gets its own name.
+        return dim.name if choices == dim.choices else f"{dim.name}|{','.join(map(str, choices))}"
+
+    def _walk(self, choose: Any) -> Point:
+        point: Point = {}
+        while (dim := self.next_dim(point)) is not None:
+            choices = self._valid_choices(point, dim)
+            point[dim.name] = choose(self._param_name(dim, choices), choices)
+        return point
+
+    def suggest(self, trial: Any) -> Candidate:
+        """Ask an Optuna trial for a valid candidate (define-by-run over the tree)."""
+        self.enumerate()
+        point = self._walk(lambda name, choices: trial.suggest_categorical(name, list(choices)))
+        return self.from_point(point)
+
+    def to_params(self, point: Point) -> dict[str, Any]:
+        """Optuna params of a point (for enqueue_trial)."""
+        params: dict[str, Any] = {}
+
+        def take(name: str, choices: tuple[Any, ...]) -> Any:
+            dim_name = name.split("|", 1)[0]
+            params[name] = point[dim_name]
+            return point[dim_name]
+
+        self.enumerate()
+        self._walk(take)
+        return params
+
+    def point_from_params(self, params: dict[str, Any]) -> Point:
+        return {name.split("|", 1)[0]: value for name, value in params.items()}
+
+    def optuna_distributions(self) -> dict[str, Any]:
+        """Every Optuna parameter the space can ask for, with its distribution."""
+        from optuna.distributions import CategoricalDistribution
+
+        out: dict[str, Any] = {}
+        self.enumerate()
+        for point in self._valid_points:
+            walked: Point = {}
+            while (dim := self.next_dim(walked)) is not None:
+                choices = self._valid_choices(walked, dim)
+                out.setdefault(self._param_name(dim, choices), CategoricalDistribution(choices))
+                walked[dim.name] = point[dim.name]
+        return out

@@ -1,0 +1,286 @@
+"""The planner on a real Optuna study (SQLite in tmp_path) with a synthetic, deterministic landscape.
+
+predict/measure are pure functions of the candidate's point: memory and speed follow simple rules
+(sharding and checkpointing save memory and cost time, a bigger micro-batch is faster and larger), and
+the cost model is the truth distorted by up to +-8% per candidate, so its ranking is close but not exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import optuna
+import pytest
+import toy_models
+
+from atorch.strategy_search.planner import Planner, study_key
+from atorch.strategy_search.space import Candidate, SearchSpace
+
+WORLD, GLOBAL_BATCH = 2, 8
+MiB = 2**20
+
+
+@dataclass
+class Pred:
+    peak_memory_bytes: float
+    step_time_s: float
+
+
+@dataclass
+class Run:
+    status: str
+    samples_per_s: float
+    peak_memory_bytes: float
+    reason: str = ""
+
+
+def true_memory(p: dict) -> float:
+    states = {"ddp": 400, "zero1": 300, "zero2": 250, "fsdp": 150}[p["sharding"]]
+    if p.get("fsdp.cpu_offload"):
+        states -= 100
+    states *= {"fp32": 1.0, "amp_bf16": 1.0, "amp_fp16": 1.0, "half_bf16": 0.5}[p["precision"]]
+    acts = p["micro_batch_size"] * (30 if p["checkpoint"] else 120)
+    return (states + acts) * MiB
+
+
+def true_speed(p: dict) -> float:
+    """samples/s: a unique best somewhere in the middle of the space."""
+    s = 100.0 * {"ddp": 1.0, "zero1": 0.97, "zero2": 0.93, "fsdp": 0.85}[p["sharding"]]
+    s *= {"fp32": 1.0, "amp_bf16": 1.3, "amp_fp16": 1.25, "half_bf16": 1.4}[p["precision"]]
+    s *= 0.75 if p["checkpoint"] else 1.0
+    s *= 0.6 if p.get("fsdp.cpu_offload") else 1.0
+    s *= 0.98 if p.get("fsdp.reshard_after_forward") else 1.0
+    s *= 1.05 if p.get("module_replace") else 1.0
+    s *= 1.0 + 0.1 * p["micro_batch_size"]
+    s *= 0.99 if "deepspeed" in (p.get("zero1.implementation"), p.get("zero2.implementation")) else 1.0
+    return s
+
+
+def wobble(cand: Candidate) -> float:
+    """A deterministic factor in [0.92, 1.08] per candidate: the cost model's error."""
+    h = int(hashlib.sha256(cand.key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return 0.92 + 0.16 * h
+
+
+def predict(cand: Candidate) -> Pred:
+    p = dict(cand.point)
+    return Pred(true_memory(p) * wobble(cand), GLOBAL_BATCH / (true_speed(p) * wobble(cand)))
+
+
+class Measure:
+    def __init__(self, fail_keys: set[str] = frozenset(), sleep_s: float = 0.0) -> None:
+        self.calls: list[Candidate] = []
+        self.fail_keys = fail_keys
+        self.sleep_s = sleep_s
+
+    def __call__(self, cand: Candidate) -> Run:
+        self.calls.append(cand)
+        time.sleep(self.sleep_s)
+        p = dict(cand.point)
+        if cand.key in self.fail_keys:
+            return Run("failed", 0.0, 0.0, "RuntimeError: boom on rank 1")
+        return Run("ok", true_speed(p), true_memory(p))
+
+
+@pytest.fixture(scope="module")
+def space() -> SearchSpace:
+    return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+
+
+def storage(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'search.db'}"
+
+
+BUDGET = 610 * MiB  # DDP fp32 needs 400 MiB + 120 MiB per sample of micro-batch: only mbs 1 fits
+
+
+def exhaustive_best(space: SearchSpace, budget: float) -> tuple[Candidate, float]:
+    fits = [c for c in space.enumerate() if true_memory(dict(c.point)) <= budget]
+    best = max(fits, key=lambda c: true_speed(dict(c.point)))
+    return best, true_speed(dict(best.point))
+
+
+def test_planner_finds_the_best_of_the_landscape_within_the_trial_budget(space, tmp_path) -> None:
+    measure = Measure()
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=8)
+    # The cost model alone is close, not exact (its error reorders the top), so the search has to measure.
+    truth, truth_sps = exhaustive_best(space, BUDGET)
+    assert planner.plan_without_dryrun().candidate != truth
+    result = planner.search()
+    assert result.source == "search" and 1 <= result.dry_runs == len(measure.calls) <= 8
+    assert result.candidate == truth and result.samples_per_s == pytest.approx(truth_sps)
+    # No dry-run was spent on a candidate that does not fit.
+    assert all(true_memory(dict(c.point)) <= BUDGET for c in measure.calls)
+    # Everything stored is JSON.
+    json.dumps(result.trials)
+    assert len(space.enumerate()) >= 50
+
+
+def test_predicted_oom_is_a_completed_trial_with_a_violated_constraint_and_never_measured(space, tmp_path) -> None:
+    budget = 350 * MiB  # most of the space is predicted not to fit (DDP never does)
+    measure = Measure()
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=budget, max_trials=8)
+    result = planner.search()
+    predicted_oom = {c.key for c in space.enumerate() if predict(c).peak_memory_bytes > budget}
+    assert not predicted_oom & {c.key for c in measure.calls}
+    study = optuna.load_study(study_name="k", storage=storage(tmp_path))
+    ooms = [t for t in study.trials if t.user_attrs.get("status") == "predicted_oom"]
+    assert ooms, [t.user_attrs.get("status") for t in study.trials]
+    for t in ooms:
+        assert t.state == optuna.trial.TrialState.COMPLETE
+        assert t.constraints["memory_over"] > 0 and t.constraints["failed"] == 0
+        assert "predicted peak" in t.user_attrs["reason"] and "measured" not in t.user_attrs
+        assert t.user_attrs["key"] in predicted_oom
+    assert result.dry_runs == len(measure.calls) == 8  # predicted OOMs do not use up the dry-run budget
+    assert true_memory(dict(result.candidate.point)) <= budget
+
+
+def test_ddp_baseline_predicted_oom_costs_no_dry_run(space, tmp_path) -> None:
+    tight = 300 * MiB  # below DDP's 400 MiB of states: every DDP candidate is predicted out of memory
+    measure = Measure()
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=tight, max_trials=3)
+    assert dict(planner.baseline().point)["sharding"] == "ddp"
+    result = planner.search()
+    study = optuna.load_study(study_name="k", storage=storage(tmp_path))
+    base = [t for t in study.trials if t.user_attrs["key"] == planner.baseline().key]
+    assert base and base[0].user_attrs["status"] == "predicted_oom" and base[0].constraints["memory_over"] > 0
+    assert all(dict(c.point)["sharding"] != "ddp" for c in measure.calls)
+    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= tight
+
+
+def test_measured_failure_is_recorded_with_its_reason_and_the_search_goes_on(space, tmp_path) -> None:
+    ranked = Planner(space, storage=storage(tmp_path), study_key="probe", predict=predict, measure=Measure(),
+                     memory_budget=BUDGET).ranked_by_cost_model()
+    first = ranked[0]  # the cost model's favourite: enqueued first, and it fails
+    measure = Measure(fail_keys={first.key})
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=5)
+    result = planner.search()
+    assert measure.calls[0] == first and len(measure.calls) == 5
+    study = optuna.load_study(study_name="k", storage=storage(tmp_path))
+    failed = [t for t in study.trials if t.user_attrs.get("key") == first.key]
+    assert failed[0].state == optuna.trial.TrialState.COMPLETE
+    assert failed[0].user_attrs["status"] == "failed"
+    assert failed[0].user_attrs["reason"] == "RuntimeError: boom on rank 1"
+    assert failed[0].constraints["failed"] > 0
+    assert failed[0].value > 0  # not told as "throughput 0": the constraint marks it infeasible
+    assert result.candidate is not None and result.candidate != first
+
+
+def test_measure_that_raises_or_exceeds_the_budget_is_infeasible(space, tmp_path) -> None:
+    calls = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        if len(calls) == 1:
+            raise RuntimeError("worker died")
+        if len(calls) == 2:
+            return Run("ok", 1e6, BUDGET * 2)  # fastest ever, but over the budget: an OOM
+        return Run("ok", true_speed(dict(cand.point)), true_memory(dict(cand.point)))
+
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=4)
+    result = planner.search()
+    statuses = [r["status"] for r in result.trials if r["status"] != "duplicate"]
+    assert statuses[:2] == ["failed", "oom"]
+    assert result.trials[0]["reason"] == "RuntimeError: worker died"
+    assert result.trials[1]["constraints"]["memory_over"] == pytest.approx(1.0)
+    assert result.samples_per_s < 1e6 and result.candidate not in calls[:2]
+
+
+def test_time_limit_is_checked_before_each_trial(space, tmp_path) -> None:
+    now = [0.0]  # a clock that only a dry-run moves: 1 s per dry-run, limit 3.5 s
+
+    class Tick(Measure):
+        def __call__(self, cand: Candidate) -> Run:
+            now[0] += 1.0
+            return super().__call__(cand)
+
+    measure = Tick()
+    result = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                     memory_budget=BUDGET, max_trials=50, time_limit_s=3.5, clock=lambda: now[0]).search()
+    assert len(measure.calls) == 4 and "time limit" in result.stop_reason  # checks at 0, 1, 2, 3 s pass; 4 s stops
+
+
+def test_time_limit_is_enforced_in_real_time(space, tmp_path) -> None:
+    sleep, limit = 0.5, 1.5
+    measure = Measure(sleep_s=sleep)
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=50, time_limit_s=limit)
+    start = time.monotonic()
+    result = planner.search()
+    elapsed = time.monotonic() - start
+    assert "time limit" in result.stop_reason and len(measure.calls) < 50
+    # Checked before each trial, so the overrun is at most one trial: the dry-run (sleep) plus the study's
+    # bookkeeping (SQLite writes, a sampler step; well under a second each, but seconds on a loaded 2-core box).
+    assert elapsed <= limit + sleep + 3.0, elapsed
+
+
+def test_cached_second_run_does_no_dry_run_and_force_searches_again(space, tmp_path) -> None:
+    key = study_key(space.model_fingerprint, WORLD, "cpu-test", GLOBAL_BATCH, space.signature())
+    first = Planner(space, storage=storage(tmp_path), study_key=key, predict=predict, measure=Measure(),
+                    memory_budget=BUDGET, max_trials=4).search()
+    measure = Measure()
+    again = Planner(space, storage=storage(tmp_path), study_key=key, predict=predict, measure=measure,
+                    memory_budget=BUDGET, max_trials=4)
+    cached = again.search()
+    assert len(measure.calls) == 0 and cached.source == "cache"
+    assert cached.candidate == first.candidate and cached.samples_per_s == first.samples_per_s
+    forced = again.search(force=True)
+    assert forced.source == "search" and len(measure.calls) > 0
+    # The stored trials are reused: nothing measured before is measured again.
+    assert not {c.key for c in measure.calls} & {r["key"] for r in first.trials if r["status"] == "ok"}
+    # A budget the stored best does not fit is not answered from the cache.
+    small_measure = Measure()
+    small = Planner(space, storage=storage(tmp_path), study_key=key, predict=predict, measure=small_measure,
+                    memory_budget=int(true_memory(dict(first.candidate.point))) - 1, max_trials=2)
+    assert small.cached() is None
+    # Searching under it re-judges the stored measurements: the old best is now over the budget.
+    smaller = small.search()
+    assert smaller.candidate != first.candidate and len(small_measure.calls) <= 2
+    assert true_memory(dict(smaller.candidate.point)) <= small.memory_budget
+
+
+def test_study_key_depends_on_everything_a_plan_depends_on(space) -> None:
+    base = ("fp", WORLD, "hw", GLOBAL_BATCH, space.signature())
+    keys = {study_key(*base)}
+    for i, other in enumerate(("fp2", 4, "hw2", 16, "sig2")):
+        keys.add(study_key(*(base[:i] + (other,) + base[i + 1:])))
+    assert len(keys) == 6 and study_key(*base) == study_key(*base)
+
+
+def test_patience_stops_after_dry_runs_without_improvement(space, tmp_path) -> None:
+    calls = []
+
+    def flat(cand: Candidate) -> Run:  # every candidate equally fast: only the first is an improvement
+        calls.append(cand)
+        return Run("ok", 10.0, true_memory(dict(cand.point)))
+
+    result = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=flat,
+                     memory_budget=BUDGET, max_trials=8, patience=2).search()
+    assert len(calls) == 3 and "patience" in result.stop_reason
+    assert result.candidate == calls[0]
+
+
+def test_gp_sampler_learns_from_constraints(space, tmp_path) -> None:
+    budget = 350 * MiB
+    measure = Measure()
+    result = Planner(space, storage=storage(tmp_path), study_key="gp", predict=predict, measure=measure,
+                     memory_budget=budget, max_trials=4, sampler="gp", top_k=1).search()
+    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= budget
+    assert all(predict(c).peak_memory_bytes <= budget for c in measure.calls)
+    assert all(set(r["constraints"]) == {"memory_over", "failed"} for r in result.trials)
+
+
+def test_default_storage_is_sqlite_in_the_cache_dir(space, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path / "cache"))
+    planner = Planner(space, predict=predict, measure=Measure(), memory_budget=BUDGET, max_trials=1)
+    assert planner.storage == f"sqlite:///{tmp_path / 'cache' / 'search.db'}"
+    planner.search()
+    assert (tmp_path / "cache" / "search.db").exists()

@@ -1,0 +1,138 @@
+"""The search space from the registry: size, validity by the compatibility rules, filters, round trips."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import toy_models
+
+from atorch.errors import SetupError
+from atorch.opt_lib.compatibility import conflicts_in
+from atorch.strategy import Strategy
+from atorch.strategy_search.space import SearchSpace
+
+WORLD = 2
+GLOBAL_BATCH = 8  # 4 samples per rank: micro-batch sizes 1, 2, 4
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return toy_models.tiny_gpt2()
+
+
+@pytest.fixture(scope="module")
+def space(gpt2) -> SearchSpace:
+    return SearchSpace(gpt2, WORLD, GLOBAL_BATCH)
+
+
+def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(space: SearchSpace) -> None:
+    cands = space.enumerate()
+    assert len(cands) >= 50, len(cands)
+    for cand in cands:
+        assert cand.strategy.problems(WORLD) == []
+        Strategy.load(cand.strategy.to_json(), world_size=WORLD)  # what a user could load back
+        assert cand.micro_batch_size * cand.micro_batches * WORLD == GLOBAL_BATCH
+    assert len({c.key for c in cands}) == len(cands)
+    # Every family of the issue is there: each sharding method and implementation, offload, reshard,
+    # checkpointing, each precision, module_replace, and every micro-batch size.
+    points = [dict(c.point) for c in cands]
+    assert {p["sharding"] for p in points} == {"ddp", "zero1", "zero2", "fsdp"}
+    assert {p.get("zero1.implementation") for p in points} >= {"torch", "deepspeed"}
+    assert {p.get("zero2.implementation") for p in points} >= {"fsdp2", "deepspeed"}
+    assert {p.get("fsdp.cpu_offload") for p in points} >= {True, False}
+    assert {p.get("fsdp.reshard_after_forward") for p in points} >= {True, False}
+    assert {p["precision"] for p in points} == {"fp32", "amp_bf16", "amp_fp16", "half_bf16"}
+    assert {p["checkpoint"] for p in points} == {p["module_replace"] for p in points} == {False, True}
+    assert {p["micro_batch_size"] for p in points} == {1, 2, 4}
+
+
+def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpace) -> None:
+    invalid = space.invalid_points()
+    assert invalid, "DeepSpeed ZeRO with amp/half must be refused by the rules"
+    keys = {c.key for c in space.enumerate()}
+    for point, problems in invalid:
+        assert problems and conflicts_in(space.strategy_of(point).adjusted(WORLD).configs())
+        assert "deepspeed" in (point.get("zero1.implementation"), point.get("zero2.implementation"))
+        with pytest.raises(SetupError, match="not a valid strategy"):
+            space.from_point(point)
+        assert Strategy(methods=()).to_json() not in keys
+
+
+def test_points_round_trip_and_optuna_view_covers_every_param(space: SearchSpace) -> None:
+    dists = space.optuna_distributions()
+    for cand in space.enumerate():
+        point = space.to_point(cand)
+        assert space.from_point(point) == cand
+        params = space.to_params(point)
+        assert space.point_from_params(params) == point
+        for name, value in params.items():
+            assert value in dists[name].choices
+    # A narrowed dimension gets its own name (DeepSpeed leaves only fp32 precision).
+    assert dists["precision|fp32"].choices == ("fp32",)
+    with pytest.raises(SetupError, match="needs exactly the keys"):
+        space.from_point({"sharding": "ddp"})
+
+
+def test_suggest_from_a_real_trial_gives_only_valid_candidates(space: SearchSpace) -> None:
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    keys = {c.key for c in space.enumerate()}
+    for _ in range(40):
+        trial = study.ask()
+        cand = space.suggest(trial)
+        assert cand.key in keys
+        study.tell(trial, 1.0)
+
+
+def test_excluded_and_included(gpt2) -> None:
+    excl = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fsdp", "half", "module_replace"])
+    for cand in excl.enumerate():
+        assert not {"fsdp", "half", "module_replace"} & set(cand.strategy.names())
+    incl = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, included=["zero2", "checkpoint", "amp_native"])
+    assert incl.enumerate()
+    for cand in incl.enumerate():
+        assert {"zero2", "checkpoint", "amp_native"} <= set(cand.strategy.names())
+    with pytest.raises(SetupError, match="both excluded and included"):
+        SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fsdp"], included=["fsdp"])
+    with pytest.raises(SetupError, match="unknown method"):
+        SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fdsp"])
+    with pytest.raises(SetupError, match="no valid strategy"):  # two ZeRO stages: every point breaks a rule
+        SearchSpace(gpt2, WORLD, GLOBAL_BATCH, included=["zero1", "zero2"]).enumerate()
+
+
+def test_supported_dtypes_limit_precision(gpt2) -> None:
+    fp32_only = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, supported_dtypes=())
+    assert {dict(c.point)["precision"] for c in fp32_only.enumerate()} == {"fp32"}
+    bf16 = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, supported_dtypes=("bf16",))
+    assert {dict(c.point)["precision"] for c in bf16.enumerate()} == {"fp32", "amp_bf16", "half_bf16"}
+
+
+def test_finetune_fixes_methods_and_varies_only_tunable_configs(gpt2) -> None:
+    loaded = [("parallel_mode", None), ("amp_native", {"dtype": "bf16"}),
+              ("fsdp", {"cpu_offload": False}, True)]
+    space = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, finetune_strategy=loaded)
+    cands = space.enumerate()
+    assert len(cands) == 2 * 2 * 3  # fsdp: reshard_after_forward x cpu_offload; 3 micro-batch sizes
+    for cand in cands:
+        assert cand.strategy.names() == ["parallel_mode", "amp_native", "fsdp"]
+        assert cand.strategy.get("amp_native").dtype == "bf16"  # not tunable: kept
+    assert {(c.strategy.get("fsdp").cpu_offload, c.strategy.get("fsdp").reshard_after_forward)
+            for c in cands} == {(False, False), (False, True), (True, False), (True, True)}
+    fixed = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, finetune_strategy=["parallel_mode", "zero2"])
+    assert [c.micro_batch_size for c in fixed.enumerate()] == [1, 2, 4]  # only micro-batching varies
+
+
+def test_model_without_blocks_or_replaceable_modules_has_no_such_dims() -> None:
+    from torch import nn
+
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    space = SearchSpace(plain, WORLD, GLOBAL_BATCH)
+    assert all("checkpoint" not in c.point and "module_replace" not in dict(c.point) for c in space.enumerate())
+    with pytest.raises(SetupError, match="not divisible"):
+        SearchSpace(plain, WORLD, 7)
+
+
+def test_signature_follows_the_space(gpt2) -> None:
+    a = SearchSpace(gpt2, WORLD, GLOBAL_BATCH)
+    assert a.signature() == SearchSpace(gpt2, WORLD, GLOBAL_BATCH).signature()
+    assert a.signature() != SearchSpace(gpt2, WORLD, 16).signature()
+    assert a.signature() != SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fsdp"]).signature()
