@@ -67,6 +67,8 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2+checkpoint": ("llama", [TP2, "tensor_parallel", "checkpoint"]),
         "gpt2/tp2+module_replace": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
         "vit/tp2[pairs]": ("vit", [TP2, "tensor_parallel"]),
+        "gpt2/tp2+amp_native[bf16]": ("gpt2", [TP2, "module_replace", ("amp_native", {"dtype": "bf16"}),
+                                               "tensor_parallel"]),
         "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
     },
@@ -87,13 +89,19 @@ def make(name: str) -> nn.Module:
     return MODELS[name].make()
 
 
+def _split_over_tensor(param: torch.Tensor) -> bool:
+    """A DTensor sharded along the 'tensor' mesh dimension (a row-parallel bias is replicated there)."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    return "tensor" in names and param.placements[names.index("tensor")].is_shard()
+
+
 def split_fraction(model: nn.Module) -> dict[str, Any]:
-    """Parameters held on this rank, from local tensors: the tensor-parallel (split) ones and all of them."""
+    """Parameters held on this rank, from local tensors: those split over the tensor dimension, and all."""
     split_local = split_global = local = whole = 0
     for param in model.parameters():
         here = param.to_local().numel() if isinstance(param, DTensor) else param.numel()
         local, whole = local + here, whole + param.numel()
-        if isinstance(param, DTensor) and "tensor" in (param.device_mesh.mesh_dim_names or ()):
+        if _split_over_tensor(param):
             split_local, split_global = split_local + here, split_global + param.numel()
     return {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
 
