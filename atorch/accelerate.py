@@ -273,6 +273,7 @@ def preflight(
     """Before anything is built: which methods are skipped here (with why), and every problem of
     the strategy with this machine and this model (the model is only read)."""
     probe = ModelContext(setup, env, layout)
+    probe.strategy = strategy  # model checks that depend on other methods (tensor_parallel: module_replace)
     skipped: dict[str, str] = {}
     problems: list[str] = meta_init.meta_problems(setup.model)  # a meta-device model must be initialisable
     for item in strategy.in_apply_order():

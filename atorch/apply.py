@@ -23,6 +23,7 @@ from atorch.opt_lib.fp8 import use_fp8_linears
 from atorch.opt_lib.module_replace import replace_registered
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
 from atorch.opt_lib.sharding import broadcast_from_first, shard_model
+from atorch.opt_lib.tensor_parallel import parallelize
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
@@ -55,7 +56,12 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
         use_fp8_linears(ctx, cfg["fp8"])
     if amp is not None:
         autocast_forward(ctx, amp)
-    # 4. Activation recompute wraps the plain blocks, so it ends up inside any sharding unit.
+    # 4a. Tensor parallel splits the plain layers (DTensor) before recompute wraps the blocks and before
+    #     FSDP2 shards over the data dimension (2-D: FSDP2 takes DTensor parameters). [communication, with
+    #     communicate=True] the tensor group first takes its first rank's weights.
+    if "tensor_parallel" in cfg:
+        parallelize(ctx, cfg["tensor_parallel"], communicate)
+    # 4b. Activation recompute wraps the plain blocks, so it ends up inside any sharding unit.
     if "checkpoint" in cfg:
         checkpoint_blocks(ctx, cfg["checkpoint"])
     # 5. [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its

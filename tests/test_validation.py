@@ -110,10 +110,10 @@ def test_batch_size_must_be_a_positive_int(batch):
 
 
 def test_excluded_and_included_unknown_names():
-    problems = accelerate_problems(load_strategy=["parallel_mode"], excluded=["fsdpp"], included=["tensor_parallel"])
+    problems = accelerate_problems(load_strategy=["parallel_mode"], excluded=["fsdpp"], included=["no_such_method"])
     assert len(problems) == 2, problems
     assert problems[0].startswith("excluded names unknown method 'fsdpp'; known: parallel_mode,")
-    assert problems[1].startswith("included names unknown method 'tensor_parallel'; known: parallel_mode,")
+    assert problems[1].startswith("included names unknown method 'no_such_method'; known: parallel_mode,")
 
 
 def test_method_in_load_strategy_and_excluded():

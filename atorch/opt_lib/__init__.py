@@ -7,6 +7,7 @@ from atorch.opt_lib import (  # noqa: F401  (imported to register)
     parallel_mode,
     precision,
     sharding,
+    tensor_parallel,
     zero1,
 )
 from atorch.opt_lib.base import Categorical, IntRange, Method, MethodConfig

@@ -62,6 +62,17 @@ def _permuted_data_groups(configs: Configs) -> bool:
     return not layout.groups_follow_coordinates(DATA)
 
 
+def _ddp_data_parallel(configs: Configs) -> bool:
+    """The data dimension (size > 1) would be replicated by DDP: no fsdp, and no zero2 over FSDP2."""
+    mode = configs.get("parallel_mode")
+    data = dict(mode.dims).get("data", 1) if mode is not None else 1
+    zero2 = configs.get("zero2")
+    sharded = "fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
+    return data > 1 and not sharded
+
+
+_TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
+
 RULES: tuple[Rule, ...] = (
     Rule(("zero1", "zero2"), "both shard optimizer state", "keep one ZeRO stage"),
     Rule(("zero1", "fsdp"), "fsdp already shards optimizer state", "drop 'zero1'"),
@@ -91,6 +102,27 @@ RULES: tuple[Rule, ...] = (
             example=(("parallel_mode", {"dims": [["data", 2]], "rank_order": [1, 0]}), sharding),
         )
         for sharding in ("fsdp", "zero2")
+    ),
+    # Tensor-parallel parameters are DTensors: torch's DDP and ZeroRedundancyOptimizer broadcast them with
+    # plain c10d collectives, which DTensor refuses ("c10d.broadcast_ does not have a sharding strategy").
+    Rule(
+        ("tensor_parallel", "parallel_mode"),
+        "DDP cannot replicate tensor-parallel (DTensor) parameters over the data dimension",
+        "add 'fsdp' to shard over the data dimension (2-D: FSDP2 over data, tensor parallel inside)",
+        when=_ddp_data_parallel, condition="data size > 1 without fsdp",
+        example=("tensor_parallel", ("parallel_mode", {"dims": [["data", 2], ["tensor", 1]]})),
+    ),
+    Rule(
+        ("tensor_parallel", "zero1"),
+        "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
+        "use 'fsdp' on the data dimension instead of 'zero1'",
+        example=("tensor_parallel", ("parallel_mode", _TP_DIMS), "zero1"),
+    ),
+    Rule(
+        ("tensor_parallel", "zero2"), "DeepSpeed's engine takes plain tensors, not tensor-parallel DTensors",
+        "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
+        when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
+        example=("tensor_parallel", ("parallel_mode", _TP_DIMS), ("zero2", {"implementation": "deepspeed"})),
     ),
 )
 

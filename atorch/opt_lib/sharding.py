@@ -169,10 +169,14 @@ def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
     """Make every rank of the mesh hold the first rank's parameters and buffers."""
     if mesh.size() == 1:
         return
+    from torch.distributed.tensor import DTensor
+
     group, src = mesh.get_group(), int(mesh.mesh.flatten()[0])
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=src, group=group)
+            # A tensor-parallel parameter: each data rank holds the same shard, broadcast that.
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
+            dist.broadcast(local, src=src, group=group)
 
 
 def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:

@@ -62,9 +62,14 @@ def _item(name: str) -> Any:
     return (name, CONFIG_FOR[name]) if name in CONFIG_FOR else name
 
 
+# Methods that need a layout dimension of their own (a 'tensor' dimension in parallel_mode): their
+# numerics, alone and with the methods they combine with, are in tests/test_tensor_parallel.py.
+OWN_LAYOUT = {"tensor_parallel"}
+
+
 def scenarios() -> dict[str, list[Any]]:
     """Scenario name -> load_strategy: every method alone, extra configs, every allowed pair."""
-    names = method_names()
+    names = [name for name in method_names() if name not in OWN_LAYOUT]
     found: dict[str, list[Any]] = {name: [_item(name)] for name in names}
     found.update(EXTRA_SINGLES)
     for first, second in allowed_pairs(names):

@@ -1,0 +1,149 @@
+"""Tensor parallel (and tensor × data with fsdp) on real processes, against plain single-process fp32.
+
+Usage: ``torchrun --nproc_per_node=N tp_worker.py GROUP`` where GROUP names the scenarios for N
+processes (see GROUPS). Rank 0 also trains each model in plain fp32 in one process on the whole global
+batch, and prints ``RESULT {"reference": {model: [...]}, "scenarios": {name: {...} or {"error": ...}}}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import shard_models as sm
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Subset
+from worker_common import losses_of, reference_losses, run_each
+
+import atorch
+
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
+
+
+def tiny_llama(heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=sm.VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=sm.SEQ_LEN, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class Setup:
+    make: Callable[[], nn.Module]
+    dataset: Callable[[], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    input_format: str
+
+
+MODELS = {
+    "llama": Setup(tiny_llama, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "llama_3heads": Setup(functools.partial(tiny_llama, heads=3, kv_heads=1, hidden=24), sm.TokenDataset, sm.hf_loss,
+                          "unpack_dict"),
+    "gpt2": Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "vit": Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+}
+TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
+# launch group -> scenario name -> (model, load_strategy)
+GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
+    "tp2": {
+        "llama/tp2": ("llama", [TP2, "tensor_parallel"]),
+        "llama/tp2+checkpoint": ("llama", [TP2, "tensor_parallel", "checkpoint"]),
+        "gpt2/tp2+module_replace": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
+        "vit/tp2[pairs]": ("vit", [TP2, "tensor_parallel"]),
+        "gpt2/tp2+amp_native[bf16]": ("gpt2", [TP2, "module_replace", ("amp_native", {"dtype": "bf16"}),
+                                               "tensor_parallel"]),
+        "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
+        "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
+    },
+    "tp2xdp2": {
+        "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
+        "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
+    },
+}
+
+
+def repeated_batch(dataset: Any) -> Subset:
+    """The first global batch, once per step: memorised, so the loss falls far more than the tolerance."""
+    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
+
+
+def make(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name].make()
+
+
+def _split_over_tensor(param: torch.Tensor) -> bool:
+    """A DTensor sharded along the 'tensor' mesh dimension (a row-parallel bias is replicated there)."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    return "tensor" in names and param.placements[names.index("tensor")].is_shard()
+
+
+def split_fraction(model: nn.Module) -> dict[str, Any]:
+    """Parameters held on this rank, from local tensors: those split over the tensor dimension, and all."""
+    split_local = split_global = local = whole = 0
+    for param in model.parameters():
+        here = param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+        local, whole = local + here, whole + param.numel()
+        if _split_over_tensor(param):
+            split_local, split_global = split_local + here, split_global + param.numel()
+    return {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
+
+
+def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    setup = MODELS[model_name]
+    model, dataset = make(model_name), repeated_batch(setup.dataset())
+    try:
+        _, result, _ = atorch.auto_accelerate(
+            model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
+            optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False},
+            load_strategy=strategy,
+        )
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
+    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size}
+    first = next(iter(result.dataloader))
+    # The batch this rank sees, to show that the ranks of one tensor group see the same batch.
+    tokens = first["input_ids"] if isinstance(first, dict) else first[0]
+    seen = torch.tensor([float(tokens.double().sum())])
+    gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, seen)
+    entry["batch_sums"] = [g.item() for g in gathered]
+    entry["losses"] = losses_of(result, STEPS, setup.loss, setup.input_format)
+    result.close()
+    return entry
+
+
+def main() -> None:
+    scenarios = GROUPS[sys.argv[1]]
+    report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
+        name: functools.partial(run_scenario, model, strategy) for name, (model, strategy) in scenarios.items()
+    })}
+    if dist.get_rank() == 0:
+        for model_name in sorted({m for name, (m, _) in scenarios.items() if not name.startswith("refused/")}):
+            setup = MODELS[model_name]
+            report["reference"][model_name] = reference_losses(
+                make(model_name), repeated_batch(setup.dataset()), setup.loss, setup.input_format,
+                lambda p: torch.optim.SGD(p, lr=LR), STEPS, GLOBAL_BATCH,
+            )
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
