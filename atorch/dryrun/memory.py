@@ -132,6 +132,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline_bytes = torch.cuda.memory_allocated(self.device)
             return self
+        # Garbage that the cycle collector frees during the block would lower the live total below the
+        # baseline and hide the block's own allocations: collect it first.
+        gc.collect()
         tracker = _StorageTracker(self.device.type)
         for _nbytes, storage in _reachable_storages(self.device.type).values():
             tracker.track(storage)
