@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -83,15 +84,19 @@ def shutdown() -> None:
     """
     if not dist.is_initialized():
         return
+    from atorch.parallel_layout import forget_meshes
+
+    # Work that can take a while happens before the barrier, so that the ranks leave it and close
+    # their connections close together: cached meshes, and cyclic garbage (FSDP2 keeps module/state
+    # cycles) that still holds process groups, are released first.
+    forget_meshes()
+    gc.collect()
     try:
         if not _failed and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=timedelta(seconds=_EXIT_BARRIER_S))
     except RuntimeError as exc:  # a peer is gone: tear down alone
         logger.warning("exit barrier: %s", str(exc).splitlines()[0])
     finally:
-        from atorch.parallel_layout import forget_meshes
-
-        forget_meshes()
         dist.destroy_process_group()
 
 
