@@ -53,7 +53,9 @@ class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
         self.close()
 
 
-KNOWN_KWARGS = ("verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit")
+KNOWN_KWARGS = (
+    "verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit", "search",
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class AccelerateArgs:
     memory_limit: int | None
     time_limit: float | None
     skipped: dict[str, str] = field(default_factory=dict)  # method -> reason it was not applied
+    # Micro-batches per optimizer step: the dataloader yields micro-batches of global_batch_size /
+    # gradient_accumulation_steps; pass that many to train_step (automatic search may choose > 1).
+    gradient_accumulation_steps: int = 1
+    search: dict[str, Any] | None = None  # how the strategy was found (automatic mode): source, study, dry-runs
     data_parallel_group: Any = field(default=None, repr=False)  # process group of the data-parallel ranks
 
     # ATorch hands these out as a dict: ``result.args["use_optim_backward"]`` works too.
@@ -93,8 +99,8 @@ class AccelerateArgs:
 
 
 def default_strategy(env: DistEnv) -> Strategy:
-    """Used when no load_strategy is given (until automatic search): data parallel over all
-    processes, plus bf16 autocast where the GPU computes bf16 natively."""
+    """Used when no load_strategy is given and there is no dataset to search with: data parallel over
+    all processes, plus bf16 autocast where the GPU computes bf16 natively."""
     names: list[Any] = ["parallel_mode"]
     if env.device.type == "cuda" and torch.cuda.is_bf16_supported():
         names.append(("amp_native", {"dtype": "bf16"}))
@@ -140,7 +146,9 @@ def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> 
     except StrategyError as exc:  # the source as a whole is unreadable (bad JSON, pickled, ...)
         return None, exc.problems
     problems += strategy.problems(env.world_size)
-    problems += [f"'{n}' is in load_strategy and in excluded; remove it from one" for n in excluded if n in strategy]
+    if load_strategy is not None:
+        problems += [f"'{n}' is in load_strategy and in excluded; remove it from one"
+                     for n in excluded if n in strategy]
     return strategy.adjusted(env.world_size), problems
 
 
@@ -190,11 +198,11 @@ def auto_accelerate(
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
                                    or time_limit <= 0):
         problems.append(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    if finetune_strategy:
-        problems.append(
-            "finetune_strategy=True needs automatic strategy search, which this version does not have yet; "
-            "pass finetune_strategy=False to apply load_strategy as given"
-        )
+    search_options, search_problems = _search_options(kargs.get("search"))
+    problems += search_problems
+    if finetune_strategy and load_strategy is None:
+        problems.append("finetune_strategy=True searches around load_strategy: give load_strategy too, "
+                        "or drop finetune_strategy for a full search")
     setup = UserSetup(
         model=model, optim_func=optim_func if optim_func is not None else torch.optim.AdamW,
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
@@ -235,22 +243,74 @@ def auto_accelerate(
     if problems:
         raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
-    if load_strategy is None:
-        logger.info("no load_strategy given: using default %s", strategy)
+    micro_batches, search_record = 1, None
+    if load_strategy is None and setup.dataset is None:
+        logger.warning("no load_strategy and no dataset: automatic search needs batches to measure; using %s",
+                       strategy)
+    elif load_strategy is None or finetune_strategy:
+        # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
+        strategy, setup, skipped, micro_batches, search_record = _search(
+            setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
+            search_options,
+        )
 
     ctx = build_context(setup, env, strategy, skipped)
     if save_strategy_to_file and env.is_main:
         strategy.save(save_strategy_to_file)
         logger.info("strategy saved to %s", save_strategy_to_file)
-    result = build_result(ctx, setup, memory_limit, time_limit)
+    result = build_result(ctx, setup, memory_limit, time_limit, micro_batches, search_record)
     logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
     return True, result, strategy
 
 
+def _search_options(value: Any) -> tuple[Any, list[str]]:
+    from pydantic import ValidationError
+
+    from atorch.strategy_search.automatic import SearchOptions
+
+    if value is None:
+        return SearchOptions(), []
+    if not isinstance(value, dict):
+        return SearchOptions(), [f"search must be a dict of options, got {type(value).__name__}"]
+    try:
+        return SearchOptions.model_validate(value), []
+    except ValidationError as exc:
+        return SearchOptions(), [
+            f"search option '{'.'.join(map(str, e['loc']))}': {e['msg']}"
+            + ("" if e["type"] != "extra_forbidden" else f"; known: {', '.join(SearchOptions.model_fields)}")
+            for e in exc.errors()
+        ]
+
+
+def _search(
+    setup: UserSetup, env: DistEnv, excluded: list[str], included: list[str], finetune: Strategy | None,
+    memory_limit: int | None, time_limit: float | None, options: Any,
+) -> tuple[Strategy, UserSetup, dict[str, str], int, dict[str, Any]]:
+    """Automatic mode: search, then check the pick like a loaded strategy (every rank agrees)."""
+    from dataclasses import replace
+
+    from atorch.strategy_search.automatic import search_strategy
+
+    outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
+                              memory_limit=memory_limit, time_limit=time_limit, options=options)
+    strategy = outcome.strategy
+    layout = ParallelLayout.of(strategy, env.world_size)
+    # The dataloader yields micro-batches; train_step takes outcome.micro_batches of them per step.
+    setup = replace(setup, dataloader_args={**setup.dataloader_args,
+                                            "batch_size": outcome.micro_batch_size * layout.data_size})
+    skipped, problems = preflight(setup, env, strategy, layout)
+    problems = agreed_problems(problems)
+    if problems:
+        raise StrategyError(problems, what=f"the searched strategy {strategy} cannot be applied")
+    return strategy, setup, skipped, outcome.micro_batches, outcome.to_json()
+
+
 def build_result(
-    ctx: ModelContext, setup: UserSetup, memory_limit: int | None = None, time_limit: float | None = None
+    ctx: ModelContext, setup: UserSetup, memory_limit: int | None = None, time_limit: float | None = None,
+    micro_batches: int = 1, search: dict[str, Any] | None = None,
 ) -> AccelerateResult:
-    """What auto_accelerate returns, from a built context (holding nothing of the build itself)."""
+    """What auto_accelerate returns, from a built context (holding nothing of the build itself).
+    ``micro_batches`` of the setup's batch make one optimizer step."""
     with_data = setup.dataset is not None
     return AccelerateResult(
         model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=setup.loss_func,
@@ -259,10 +319,11 @@ def build_result(
             use_optim_backward=ctx.grad_scaler is not None or ctx.engine is not None,
             requires_set_gradient_accumulation_boundary=ctx.gradient_sync is not None or ctx.engine is not None,
             device=ctx.env.device, data_parallel_size=ctx.dp_size, data_parallel_rank=ctx.dp_rank,
-            global_batch_size=setup.dataloader_args.get("batch_size") if with_data else None,
+            global_batch_size=setup.dataloader_args.get("batch_size", 1) * micro_batches if with_data else None,
             local_batch_size=ctx.local_batch_size() if with_data else None,
             model_input_format=setup.model_input_format, memory_limit=memory_limit, time_limit=time_limit,
-            skipped=dict(ctx.skipped), data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
+            skipped=dict(ctx.skipped), gradient_accumulation_steps=micro_batches, search=search,
+            data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
         ),
     )
 

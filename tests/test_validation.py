@@ -121,10 +121,16 @@ def test_method_in_load_strategy_and_excluded():
     assert problem == "'amp_native' is in load_strategy and in excluded; remove it from one"
 
 
-def test_finetune_strategy_is_not_available():
-    problem = only_problem(load_strategy=["parallel_mode"], finetune_strategy=True)
-    assert "finetune_strategy=True needs automatic strategy search" in problem
-    assert "pass finetune_strategy=False" in problem
+def test_finetune_strategy_needs_a_strategy_to_search_around():
+    problem = only_problem(finetune_strategy=True)
+    assert "finetune_strategy=True searches around load_strategy: give load_strategy too" in problem
+
+
+def test_search_options_are_checked_by_name():
+    problems = accelerate_problems(search={"max_trail": 3, "trial_timeout_s": -1})
+    assert any("search option 'max_trail'" in p and "known: max_trials" in p for p in problems), problems
+    assert any("search option 'trial_timeout_s'" in p and "greater than 0" in p for p in problems), problems
+    assert only_problem(search=[1]) == "search must be a dict of options, got list"
 
 
 def test_strategy_problems_reach_the_caller():
@@ -150,7 +156,6 @@ def test_several_problems_are_reported_together():
         "unknown keyword argument(s) ['bogus']",
         "memory_limit '6 parsecs' has unknown unit",
         "time_limit must be a positive number",
-        "finetune_strategy=True needs automatic strategy search",
         "model_input_format 'unpack_dcit'",
         "dataloader_args['batch_size'] must be a positive int",
         "excluded names unknown method 'zero3'",
@@ -197,22 +202,23 @@ def test_fsdp_classes_that_match_nothing():
 
 # ----- what a successful call returns ------------------------------------------------------
 def test_default_strategy_is_applied_and_returned(atorch_log, tmp_path):
-    """No load_strategy at world size 1 on CPU: plain data parallel over the one process; one
-    step equals a plain fp32 SGD step on a copy of the model."""
+    """No load_strategy and no dataset to search with, at world size 1 on CPU: plain data parallel over
+    the one process; one step equals a plain fp32 SGD step on a copy of the model."""
     model = mlp()
     reference = copy.deepcopy(model)
     path = tmp_path / "saved.json"
     status, result, strategy = atorch.auto_accelerate(model, torch.optim.SGD, save_strategy_to_file=str(path),
-                                                      **MLP_ARGS)
+                                                      **{**MLP_ARGS, "dataset": None})
     assert status is True
     assert strategy == Strategy.load([("parallel_mode", ([("data", 1)], None))])
-    assert any("no load_strategy given: using default [parallel_mode" in r.getMessage() for r in atorch_log.records)
+    assert any("no load_strategy and no dataset: automatic search needs batches to measure; using [parallel_mode"
+               in r.getMessage() for r in atorch_log.records)
     assert Strategy.load(path) == strategy
     assert json.loads(path.read_text(encoding="utf-8"))["methods"][0]["name"] == "parallel_mode"
-    assert result.args.data_parallel_size == 1 and result.args.local_batch_size == 8
+    assert result.args.data_parallel_size == 1 and result.dataloader is None
     assert result.args.use_optim_backward is False and result.args.skipped == {}
 
-    batch = next(iter(result.dataloader))
+    batch = next(iter(torch.utils.data.DataLoader(MLP_ARGS["dataset"], batch_size=8)))
     loss = train_step(result, [batch])
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
     ref_loss = mlp_loss(batch, reference(*batch))

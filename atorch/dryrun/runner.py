@@ -32,6 +32,8 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -102,32 +104,80 @@ def dry_run_many(
     rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how long ranks wait for one that
     overran a trial before giving it up.
     """
-    if warmup < 0 or steps < 1 or micro_batches < 1 or timeout_s <= 0:
-        raise SetupError("dry-run needs warmup >= 0, steps >= 1, micro_batches >= 1 and timeout_s > 0")
-    if setup.dataset is None:
-        raise SetupError("a dry-run needs a dataset to take batches from")
+    if micro_batches < 1 or timeout_s <= 0:
+        raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
+    session = DryRunSession(setup, env, warmup=warmup, steps=steps, memory_budget=memory_budget,
+                            rejoin_timeout_s=rejoin_timeout_s if rejoin_timeout_s is not None
+                            else max(60.0, 2 * timeout_s))
     lists = all_gather_json([_plain(c) for c in candidates], timeout_s)
     if any(other != lists[0] for other in lists):
         raise SetupError("the ranks were given different candidate lists; every rank must dry-run the same ones")
-    # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
-    import_off_the_stack("torch._dynamo")
-    rejoin = rejoin_timeout_s if rejoin_timeout_s is not None else max(60.0, 2 * timeout_s)
-    coordinator = Coordinator(env.rank, env.world_size)
-    results: list[TrialResult] = []
-    lost: str | None = None
-    for index, strategy in enumerate(candidates):
-        if lost is None:
-            verdict = coordinator.meet(f"{index}/meet", rejoin)
-            if verdict is not None:
-                lost = f"{verdict} (before candidate {index}); the ranks cannot go on without every rank"
-        if lost is not None:
-            results.append(TrialResult(strategy=_plain(strategy), status="failed", reason=lost))
-            continue
-        trial = _Trial(coordinator, index, setup, env, strategy, warmup, steps, timeout_s, micro_batches)
-        results.append(trial.run(memory_budget))
-    if lost is None:
-        coordinator.close(rejoin)
+    results = [session.run(strategy, timeout_s=timeout_s, micro_batches=micro_batches) for strategy in candidates]
+    session.close()
     return results
+
+
+class DryRunSession:
+    """A series of trials that every rank runs together, chosen one at a time.
+
+    Every rank calls ``run`` with the same arguments in the same order (a search carries the leader's
+    choice to the others with ``announce``/``hear``, through the store). ``rejoin_timeout_s`` is how
+    long ranks wait for one that overran a trial before giving it up; once a rank is lost, every later
+    trial is "failed" with that reason at once.
+    """
+
+    def __init__(self, setup: UserSetup, env: DistEnv, *, warmup: int = 2, steps: int = 5,
+                 memory_budget: int | None = None, rejoin_timeout_s: float = 600.0) -> None:
+        if warmup < 0 or steps < 1:
+            raise SetupError("dry-run needs warmup >= 0 and steps >= 1")
+        if setup.dataset is None:
+            raise SetupError("a dry-run needs a dataset to take batches from")
+        self.setup, self.env = setup, env
+        self.warmup, self.steps, self.memory_budget = warmup, steps, memory_budget
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self.coordinator = Coordinator(env.rank, env.world_size)
+        self.lost: str | None = None
+        self.trials = 0
+        # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
+        import_off_the_stack("torch._dynamo")
+
+    def announce(self, name: str, value: Any) -> None:
+        """The leader (rank 0) tells every rank ``value``; the others read it with ``hear``."""
+        self.coordinator.store.set(f"announce/{name}", json.dumps(value))
+
+    def hear(self, name: str, timeout_s: float) -> Any:
+        """What the leader announced under ``name``; SetupError if it says nothing within timeout_s."""
+        key = f"announce/{name}"
+        try:
+            self.coordinator.store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+        except RuntimeError as exc:  # a DistStoreError on time-out
+            raise SetupError(f"rank 0 said nothing about '{name}' within {timeout_s:.0f} s (did it fail?)") from exc
+        return json.loads(self.coordinator.store.get(key))
+
+    def run(self, strategy: Strategy, *, timeout_s: float = 300.0, micro_batches: int = 1,
+            batch_size: int | None = None) -> TrialResult:
+        """Dry-run one candidate on every rank. ``batch_size`` (the global batch of one micro-batch)
+        replaces the dataloader's; ``micro_batches`` batches make one step."""
+        if micro_batches < 1 or timeout_s <= 0:
+            raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
+        index = self.trials
+        self.trials += 1
+        if self.lost is None:
+            verdict = self.coordinator.meet(f"{index}/meet", self.rejoin_timeout_s)
+            if verdict is not None:
+                self.lost = f"{verdict} (before candidate {index}); the ranks cannot go on without every rank"
+        if self.lost is not None:
+            return TrialResult(strategy=_plain(strategy), status="failed", reason=self.lost)
+        setup = self.setup
+        if batch_size is not None:
+            setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
+        trial = _Trial(self.coordinator, index, setup, self.env, strategy, self.warmup, self.steps, timeout_s,
+                       micro_batches)
+        return trial.run(self.memory_budget)
+
+    def close(self) -> None:
+        if self.lost is None:
+            self.coordinator.close(self.rejoin_timeout_s)
 
 
 class _Trial:

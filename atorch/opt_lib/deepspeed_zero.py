@@ -13,6 +13,8 @@ from atorch.opt_lib.base import MethodConfig
 
 logger = get_logger(__name__)
 
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/all-gather bucket size
+
 
 def deepspeed_reason() -> str | None:
     """Why DeepSpeed cannot be used here, or None."""
@@ -41,12 +43,17 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     """Hand model and optimizer to a DeepSpeed engine, which then owns backward, step and sync."""
     if ctx.env.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(ctx.env.local_rank))  # a plain `python` run: DeepSpeed asserts on it
     import deepspeed
 
+    _forget_destroyed_groups()
+    bucket = int(min(DEEPSPEED_BUCKET_ELEMENTS, sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)))
     config = {
         "train_micro_batch_size_per_gpu": max(ctx.local_batch_size(), 1),
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        # DeepSpeed's buckets default to 5e8 elements each, allocated whole however small the model
+        # (2 GB of fp32 for a 1 MB model): no bucket needs to exceed the model itself.
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "steps_per_print": 2**31 - 1,
         # DeepSpeed clips gradients to norm 1.0 unless told otherwise; the user's optimizer
         # decides, as it does under every other method.
@@ -60,3 +67,20 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     ctx.model, ctx.optimizer, ctx.engine = engine, optimizer, engine
     ctx.sharded_gradients = True
     logger.info("DeepSpeed ZeRO-%d over %d processes", stage, ctx.env.world_size)
+
+
+def _forget_destroyed_groups() -> None:
+    """DeepSpeed caches process groups in module globals (its world and data-parallel groups) from its
+    first engine on. A group destroyed since (a search's trial group) would be handed to the next engine
+    and fail there, so cached groups that no longer exist are dropped and DeepSpeed makes them anew."""
+    from deepspeed.utils import groups
+    from torch.distributed import distributed_c10d as c10d
+
+    alive = c10d._world.pg_map
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, c10d.ProcessGroup) and value not in alive:
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(
+            isinstance(g, c10d.ProcessGroup) and g not in alive for g in value.values()
+        ):
+            value.clear()

@@ -52,11 +52,14 @@ def default_storage() -> str:
 
 
 def hardware_key(profile: Any) -> str:
-    """The parts of a hardware profile that change a plan (a HardwareProfile, or a string as is)."""
+    """The parts of a hardware profile that identify the machines (a HardwareProfile, or a string as is).
+
+    The memory budget is not part of it (free RAM differs from run to run): stored outcomes are judged
+    again under each search's budget, and a cached best is used only if it fits."""
     if isinstance(profile, str):
         return profile
     parts = [getattr(profile, k, None) for k in (
-        "device_type", "device_name", "world_size", "local_world_size", "backend", "torch_version", "memory_per_rank",
+        "device_type", "device_name", "world_size", "local_world_size", "backend", "torch_version",
     )]
     return json.dumps(parts)
 
@@ -303,6 +306,7 @@ class Planner:
             res = self.measure_fn(cand)
             measured = {"status": str(res.status).lower(), "samples_per_s": float(res.samples_per_s or 0.0),
                         "peak_memory_bytes": float(res.peak_memory_bytes or 0.0),
+                        "step_time_s": float(getattr(res, "step_time_s", 0.0) or 0.0),
                         "reason": str(getattr(res, "reason", "") or "")}
         except Exception as exc:  # a dry-run that raises is a failed trial; the search goes on
             measured = {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0,

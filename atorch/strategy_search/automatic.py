@@ -1,0 +1,293 @@
+"""Fully automatic mode across the ranks: rank 0 plans, every rank dry-runs the same candidate, all agree.
+
+1. Every rank: the hardware profile (measured once and cached, or read from a table) and the memory
+   budget per rank (``memory_limit``, else the device's memory or the host's RAM per local rank).
+2. Rank 0 (the leader): analyses the model on one sample batch (fake tensors), builds the search space
+   from the registry, predicts every candidate with the cost model and runs the planner (Optuna study,
+   cached by key). Each dry-run the planner asks for is announced to the other ranks through the job's
+   store; every rank runs it (atorch.dryrun: failures and hangs on one rank are agreed, never hang the
+   search) and every rank gets the same result.
+3. The leader announces the pick (or the problems) and every rank returns it: the same strategy and
+   micro-batching everywhere.
+
+The followers wait for the leader's next word with a bound, so a leader that died does not hang them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from atorch.distributed import DistEnv
+from atorch.dryrun.runner import DryRunSession, TrialResult
+from atorch.errors import SetupError, StrategyError
+from atorch.log import get_logger
+from atorch.model_context import InputPreparer, UserSetup
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy
+from atorch.strategy_search.progress import SearchProgress
+
+logger = get_logger(__name__)
+
+FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word, at least
+
+
+class SearchOptions(BaseModel):
+    """``auto_accelerate(..., search={...})``: how the automatic search runs (every key optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_trials: int = Field(default=8, ge=1, description="most dry-runs")
+    patience: int | None = Field(default=None, ge=1, description="stop after this many dry-runs without improvement")
+    warmup_steps: int = Field(default=2, ge=0, description="untimed steps of a dry-run (memory is measured here)")
+    measure_steps: int = Field(default=5, ge=1, description="timed steps of a dry-run (the median is kept)")
+    trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
+    sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
+    storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
+    force: bool = Field(default=False, description="search again even if a finished search has the same key")
+    dryrun: bool = Field(default=True, description="False: pick by the cost model alone, with no dry-run")
+    top_k: int = Field(default=3, ge=0, description="cost-model favourites enqueued first")
+    max_micro_batch_size: int | None = Field(default=None, ge=1, description="largest micro-batch per rank searched")
+    hardware_profile: str | None = Field(
+        default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
+    )
+    seed: int = 0
+
+
+@dataclass
+class SearchOutcome:
+    """The pick, the same on every rank."""
+
+    strategy: Strategy
+    micro_batch_size: int  # samples per rank per micro-batch
+    micro_batches: int  # micro-batches per optimizer step (gradient accumulation)
+    source: str  # "search", "cache" or "cost_model"
+    study_name: str = ""
+    storage: str = ""
+    dry_runs: int = 0
+    stop_reason: str = ""
+    trials: list[dict[str, Any]] = field(default_factory=list)  # rank 0 only
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy.to_list(), "micro_batch_size": self.micro_batch_size,
+            "micro_batches": self.micro_batches, "source": self.source, "study_name": self.study_name,
+            "storage": self.storage, "dry_runs": self.dry_runs, "stop_reason": self.stop_reason,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SearchOutcome:
+        return cls(**{**data, "strategy": Strategy.load(data["strategy"])})
+
+
+def search_strategy(
+    setup: UserSetup,
+    env: DistEnv,
+    *,
+    excluded: list[str],
+    included: list[str],
+    finetune: Strategy | None,
+    memory_limit: int | None,
+    time_limit: float | None,
+    options: SearchOptions,
+    planner_factory: Callable[..., Any] | None = None,
+) -> SearchOutcome:
+    """Find a strategy for this job; call on every rank. ``planner_factory`` (default: the local
+    Planner) takes the Planner's arguments (a remote planner, for a strategy server)."""
+    from atorch.strategy_search.hardware import load_profile, measure_profile
+
+    start = time.monotonic()
+    if options.hardware_profile is not None:
+        profile = load_profile(options.hardware_profile)
+        if memory_limit is not None:
+            profile = profile.model_copy(update={"memory_per_rank": memory_limit, "memory_source": "memory_limit"})
+    else:
+        profile = measure_profile(memory_limit=memory_limit)  # every rank: collectives; cached on disk
+    session = DryRunSession(setup, env, warmup=options.warmup_steps, steps=options.measure_steps,
+                            memory_budget=profile.memory_per_rank,
+                            rejoin_timeout_s=max(60.0, 2 * options.trial_timeout_s))
+    if env.rank != 0:
+        return _follow(session, time_limit)
+    try:
+        outcome = _Leader(setup, env, session, profile, excluded, included, finetune, time_limit, options,
+                          start, planner_factory).plan()
+    except BaseException as exc:
+        problems = exc.problems if isinstance(exc, (StrategyError, SetupError)) else [f"{type(exc).__name__}: {exc}"]
+        session.announce(f"next/{session.trials}", {"kind": "error", "problems": problems})
+        raise
+    session.announce(f"next/{session.trials}", {"kind": "done", "outcome": outcome.to_json()})
+    session.close()
+    return outcome
+
+
+def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
+    """A follower: run what the leader announces until it announces the pick (or its problems)."""
+    wait = max(FOLLOWER_WAIT_S, 2 * (time_limit or 0.0))
+    while True:
+        word = session.hear(f"next/{session.trials}", wait)
+        if word["kind"] == "trial":
+            session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
+                        micro_batches=word["micro_batches"], batch_size=word["batch_size"])
+        elif word["kind"] == "done":
+            session.close()
+            return SearchOutcome.from_json(word["outcome"])
+        else:
+            raise StrategyError(word["problems"], what="automatic strategy search failed (on rank 0)")
+
+
+class _Leader:
+    """Rank 0's part: analyse, build the space, plan; measuring runs on every rank."""
+
+    def __init__(self, setup: UserSetup, env: DistEnv, session: DryRunSession, profile: Any, excluded: list[str],
+                 included: list[str], finetune: Strategy | None, time_limit: float | None, options: SearchOptions,
+                 start: float, planner_factory: Callable[..., Any] | None) -> None:
+        self.setup, self.env, self.session, self.profile = setup, env, session, profile
+        self.excluded, self.included, self.finetune = excluded, included, finetune
+        self.time_limit, self.options, self.start = time_limit, options, start
+        self.planner_factory = planner_factory
+        self.global_batch = int(setup.dataloader_args.get("batch_size", 1))
+        self.progress = SearchProgress(profile.memory_per_rank)
+
+    def plan(self) -> SearchOutcome:
+        from atorch.strategy_search.analyser import analyse
+        from atorch.strategy_search.planner import Planner, default_storage, study_key
+        from atorch.strategy_search.space import SearchSpace
+
+        per_rank = self.global_batch // self.env.world_size
+        stats = analyse(self.setup.model, _sample_batch(self.setup, self.env, per_rank),
+                        self.setup.model_input_format, self.setup.loss_func)
+        supported = [d for d, name in (("bf16", "bfloat16"), ("fp16", "float16")) if name in self.profile.matmul_tflops]
+        space = SearchSpace(self.setup.model, self.env.world_size, self.global_batch, supported_dtypes=supported,
+                            excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
+                            max_micro_batch_size=self.options.max_micro_batch_size)
+        state_factor = optimizer_state_factor(self.setup)
+        self.predictions: dict[str, Any] = {}
+
+        def predict(cand: Any) -> Any:
+            from atorch.strategy_search.cost_model import predict as cost_model
+
+            pred = cost_model(stats, cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
+                              self.profile, self.global_batch, cand.micro_batches,
+                              optimizer_state_factor=state_factor)
+            return _Predicted(pred.memory.peak, pred.time.step)
+
+        storage = self.options.storage or default_storage()
+        key = study_key(space.model_fingerprint, self.env.world_size, self.profile, self.global_batch,
+                        space.signature())
+        remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
+        factory = self.planner_factory or Planner
+        planner = factory(
+            space, predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
+            storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
+            max_trials=self.options.max_trials, patience=self.options.patience, top_k=self.options.top_k,
+            seed=self.options.seed,
+        )
+        self.planner = planner
+        logger.info("automatic search: %d candidates, memory budget %.1f MiB per rank (%s), study %s",
+                    len(space), self.profile.memory_per_rank / 2**20, self.profile.memory_source, key)
+        with self.progress:
+            result = planner.search(force=self.options.force) if self.options.dryrun else \
+                planner.plan_without_dryrun()
+            if result.candidate is None and self.options.dryrun:
+                fallback = planner.plan_without_dryrun()
+                if fallback.candidate is not None and result.dry_runs == 0:
+                    # Nothing was measured (the time limit came first): the cost model's pick is all there is.
+                    logger.warning("automatic search: no dry-run finished (%s); using the cost model's pick",
+                                   result.stop_reason)
+                    result = fallback
+        self.progress.summary(result)
+        if result.candidate is None:
+            raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
+                                what="automatic strategy search found no strategy")
+        cand = result.candidate
+        logger.info("automatic search picked %s (%s; %s)", cand, result.source, result.stop_reason)
+        return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
+                             result.study_name, storage if "://" in storage else str(storage), result.dry_runs,
+                             result.stop_reason, result.trials)
+
+    def _measure(self, cand: Any) -> _Measured:
+        """Every rank dry-runs ``cand``: announce it, run it here too."""
+        timeout = self.options.trial_timeout_s
+        if self.time_limit is not None:  # a trial never runs past the job's time limit
+            timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
+        batch_size = cand.micro_batch_size * ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
+                "micro_batches": cand.micro_batches, "batch_size": batch_size}
+        prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
+        self.progress.started(cand, prediction)
+        self.session.announce(f"next/{self.session.trials}", word)
+        trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
+                                 batch_size=batch_size)
+        measured = _Measured.of(trial)
+        self.progress.finished(cand, prediction, measured)
+        return measured
+
+
+@dataclass(frozen=True)
+class _Predicted:
+    peak_memory_bytes: float
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class _Measured:
+    status: str
+    samples_per_s: float
+    peak_memory_bytes: float
+    reason: str
+    step_time_s: float
+
+    @classmethod
+    def of(cls, trial: TrialResult) -> _Measured:
+        return cls(trial.status, trial.samples_per_s or 0.0, float(trial.peak_bytes or 0), trial.reason or "",
+                   trial.step_time_s or 0.0)
+
+
+def _sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:
+    """One per-rank batch from the user's dataset, as the model receives it (for the analyser)."""
+    from atorch.data import build_dataloader
+
+    args = {**setup.dataloader_args, "batch_size": max(per_rank, 1), "shuffle": False, "num_workers": 0}
+    args.pop("sampler", None)
+    try:
+        batch = next(iter(build_dataloader(setup.dataset, args, 1, 0)))
+    except StopIteration:
+        raise SetupError(f"the dataset yields no batch of {per_rank} samples; automatic search needs one") from None
+    return InputPreparer(setup.prepare_input, env.device, None)(batch)
+
+
+def optimizer_state_factor(setup: UserSetup) -> float:
+    """Optimizer state elements per parameter element (AdamW 2, SGD with momentum 1, plain SGD 0),
+    found by stepping the user's optimizer once on a small parameter."""
+    param = torch.nn.Parameter(torch.zeros(64))
+    try:
+        opt = setup.optim_func([param], **setup.optim_args)
+        param.grad = torch.ones_like(param)
+        opt.step()
+        numel = sum(t.numel() for s in opt.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor) and t.numel() > 1)
+        return numel / param.numel()
+    except Exception as exc:  # noqa: BLE001  (an exotic optimizer: assume Adam's two states)
+        logger.debug("could not measure the optimizer's state size (%s); assuming 2 states", exc)
+        return 2.0
+
+
+def _no_pick_problems(result: Any, budget: int) -> list[str]:
+    problems = [f"no candidate fitted and ran ({result.stop_reason}); memory budget {budget / 2**20:.1f} MiB per rank"]
+    seen: set[str] = set()
+    for trial in result.trials:
+        status, reason = trial.get("status"), trial.get("reason", "")
+        if status in (None, "ok", "duplicate") or reason in seen:
+            continue
+        seen.add(reason)
+        problems.append(f"{status}: {trial.get('candidate', {}).get('strategy')} - {reason}")
+        if len(problems) > 6:
+            break
+    problems.append("fixes: raise memory_limit, allow more methods (excluded/included), lower the global batch, "
+                    "or raise search={'max_trials': ..., 'trial_timeout_s': ...} or time_limit")
+    return problems

@@ -1,0 +1,94 @@
+"""Fully automatic mode (no load_strategy): search on real ranks, cache, memory limit, faults.
+
+The 2-rank scenarios run tests/workers/search_worker.py under torchrun (gloo); each launch is one
+scenario. The one-process tests run here, in this process.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from launcher import run_json
+from toy_models import mlp, mlp_dataset, mlp_loss
+
+import atorch
+
+WORKER = Path(__file__).resolve().parent / "workers" / "search_worker.py"
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_json(WORKER, "auto", str(tmp_path_factory.mktemp("auto")), timeout=600)
+
+
+def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[str, Any]) -> None:
+    first = auto["first"]
+    assert first["search"]["source"] == "search"
+    assert first["seconds"] < 240, "the search ran past time_limit"
+    assert 1 <= first["search"]["dry_runs"] <= 8
+    # Every dry-run of this model works on 2 CPU ranks: a failed trial here is a defect (DeepSpeed
+    # engines after the first, once, failed on a destroyed group).
+    assert [t for t in first["trials"] if t["status"] not in ("ok", "duplicate", "predicted_oom")] == []
+    losses = first["losses"]
+    assert all(math.isfinite(x) for x in losses) and min(losses[1:]) < losses[0], losses
+    assert first["global_batch"] == 8  # the user's global batch, whatever the micro-batching
+    assert first["unchanged"], "the search changed the user's model"
+
+
+def test_second_run_with_the_same_key_uses_the_cache(auto: dict[str, Any]) -> None:
+    first, second = auto["first"], auto["second"]
+    assert second["search"]["source"] == "cache" and second["search"]["dry_runs"] == 0
+    assert second["strategy"] == first["strategy"]
+    assert second["search"]["micro_batch_size"] == first["search"]["micro_batch_size"]
+    assert second["seconds"] < 0.25 * first["seconds"], (second["seconds"], first["seconds"])
+    assert second["losses"] == first["losses"][:2]  # same strategy, same data: the same training
+
+
+def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> None:
+    out = run_json(WORKER, "budget", str(tmp_path), timeout=600)
+    assert out["limit"] < out["ddp_peak"]
+    assert out["strategy"] != [["parallel_mode", {"dims": [["data", -1]], "rank_order": None}]]
+    assert out["picked_peak"] is not None and out["picked_peak"] <= out["limit"]
+    assert out["statuses"].count("oom") <= 1, out["statuses"]  # the cost model keeps OOM runs away
+    assert "predicted_oom" in out["statuses"]  # ... by telling them to the sampler without running them
+    assert all(math.isfinite(x) for x in out["losses"])
+
+
+def test_a_failing_and_a_hanging_candidate_are_recorded_and_the_search_completes(tmp_path) -> None:
+    out = run_json(WORKER, "faults", str(tmp_path), timeout=600)
+    by_status: dict[str, list[dict[str, Any]]] = {}
+    for trial in out["trials"]:
+        by_status.setdefault(trial["status"], []).append(trial)
+    assert any("injected failure under autocast" in t["reason"] and "rank 1" in t["reason"]
+               for t in by_status.get("failed", [])), out["trials"]
+    assert any("not done within 6 s" in t["reason"] for t in by_status.get("timeout", [])), out["trials"]
+    assert not any(t["point"]["precision"].startswith("amp") for t in by_status.get("ok", []))
+    picked = out["strategy"]
+    assert not any(name == "amp_native" for name, *_ in picked), picked
+    assert all(math.isfinite(x) for x in out["losses"])
+
+
+def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    storage = f"sqlite:///{tmp_path}/s.db"
+    args = dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
+                optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8})
+    _, result, strategy = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **args, search={"storage": storage, "max_trials": 2, "warmup_steps": 1,
+                                               "measure_steps": 1})
+    assert result.args.search["source"] == "search" and 1 <= result.args.search["dry_runs"] <= 2
+    result.close()
+    _, result, picked = atorch.auto_accelerate(mlp(), torch.optim.SGD, **args,
+                                               search={"storage": storage, "dryrun": False})
+    assert result.args.search["source"] == "cost_model" and result.args.search["dry_runs"] == 0
+    result.close()
+
+
+def test_no_dataset_means_the_default_strategy(caplog) -> None:
+    _, result, strategy = atorch.auto_accelerate(mlp(), torch.optim.SGD)
+    assert strategy.names() == ["parallel_mode"] and result.args.search is None
+    result.close()

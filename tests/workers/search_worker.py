@@ -1,0 +1,142 @@
+"""Fully automatic auto_accelerate on 2 real ranks (launched by tests/test_search.py); rank 0 prints ``RESULT {json}``.
+
+argv: scenario, a scratch directory (the search's SQLite storage and the hardware-profile cache).
+
+- ``auto``: tiny GPT-2, no load_strategy, a time limit; the pick trains; the user's model is unchanged.
+  Then the same call again: the cached pick, with no dry-run.
+- ``budget``: plain DDP's peak is measured first (a dry-run); then a memory_limit of 70% of it: the
+  pick fits (its measured peak is under the limit) and is not plain DDP.
+- ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
+  in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
+  their reasons and the search picks a working fp32 candidate.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ["ATORCH_CACHE_DIR"] = sys.argv[2]
+
+import json
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import toy_models
+
+import atorch
+from atorch.distributed import init_distributed
+from atorch.dryrun import dry_run
+from atorch.model_context import UserSetup
+from atorch.strategy import Strategy
+from atorch.training import train_step
+
+SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
+STORAGE = f"sqlite:///{SCRATCH}/search.db"
+QUICK = {"warmup_steps": 1, "measure_steps": 2, "storage": STORAGE}
+
+
+def gpt2_setup(**extra: Any) -> dict[str, Any]:
+    return dict(
+        model=toy_models.tiny_gpt2(), optim_func=torch.optim.AdamW, dataset=toy_models.TokenDataset(samples=64),
+        loss_func=toy_models.gpt2_loss, model_input_format="unpack_dict", optim_args={"lr": 1e-3},
+        dataloader_args={"batch_size": 8}, **extra,
+    )
+
+
+def train(result: Any, steps: int) -> list[float]:
+    batches = iter(result.dataloader)
+    k = result.args.gradient_accumulation_steps
+    return [float(train_step(result, [next(batches) for _ in range(k)])) for _ in range(steps)]
+
+
+def trials_of(result: Any) -> list[dict[str, Any]]:
+    import optuna
+
+    study = optuna.load_study(study_name=result.args.search["study_name"], storage=STORAGE)
+    return [{"number": t.number, **t.user_attrs} for t in study.get_trials(deepcopy=False)]
+
+
+def auto() -> dict[str, Any]:
+    setup = gpt2_setup()
+    before = {k: v.clone() for k, v in setup["model"].state_dict().items()}
+    start = time.monotonic()
+    _, result, strategy = atorch.auto_accelerate(**setup, time_limit=240, search=QUICK)
+    first_s = time.monotonic() - start
+    losses = train(result, 4)
+    first = {"strategy": strategy.to_list(), "search": result.args.search, "seconds": first_s, "losses": losses,
+             "accumulation": result.args.gradient_accumulation_steps, "global_batch": result.args.global_batch_size,
+             "unchanged": all(torch.equal(before[k], v) for k, v in setup["model"].state_dict().items()),
+             "trials": [{k: t.get(k) for k in ("status", "reason")} for t in trials_of(result)]}
+    result.close()
+    start = time.monotonic()
+    _, again, strategy2 = atorch.auto_accelerate(**gpt2_setup(), time_limit=240, search=QUICK)
+    second = {"strategy": strategy2.to_list(), "search": again.args.search, "seconds": time.monotonic() - start,
+              "losses": train(again, 2)}
+    again.close()
+    return {"first": first, "second": second}
+
+
+def budget() -> dict[str, Any]:
+    setup = gpt2_setup()
+    env = init_distributed()
+    user = UserSetup(**{k: v for k, v in setup.items()})
+    ddp = dry_run(user, env, Strategy.load(["parallel_mode"]), warmup=1, steps=1)
+    limit = int(0.7 * ddp.peak_bytes)
+    _, result, strategy = atorch.auto_accelerate(**setup, memory_limit=limit, search={**QUICK, "max_trials": 6})
+    trials = trials_of(result)
+    best = result.args.search
+    picked = [t for t in trials if t.get("status") == "ok" and t["candidate"]["strategy"] == json.loads(
+        strategy.to_json(indent=None))]
+    losses = train(result, 2)
+    result.close()
+    return {"ddp_peak": ddp.peak_bytes, "limit": limit, "strategy": strategy.to_list(), "search": best,
+            "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
+            "statuses": [t.get("status") for t in trials], "losses": losses}
+
+
+HUNG = {"done": False}
+
+
+class FaultyGPT2(torch.nn.Module):
+    """Tiny GPT-2 that raises on rank 1 under autocast, and sleeps once on rank 1 in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = toy_models.tiny_gpt2()
+
+    def forward(self, **batch: Any) -> Any:
+        rank = dist.get_rank()
+        if rank == 1 and torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("injected failure under autocast")
+        if rank == 1 and next(self.parameters()).dtype == torch.bfloat16 and not HUNG["done"]:
+            HUNG["done"] = True
+            time.sleep(12.0)
+        return self.inner(**batch)
+
+
+def faults() -> dict[str, Any]:
+    setup = gpt2_setup()
+    setup["model"] = FaultyGPT2()
+    setup["dataloader_args"] = {"batch_size": 4}
+    options = {**QUICK, "max_trials": 8, "trial_timeout_s": 6.0}
+    _, result, strategy = atorch.auto_accelerate(
+        **setup, excluded=["zero1", "zero2", "fsdp", "checkpoint", "module_replace"], search=options)
+    trials = trials_of(result)
+    losses = train(result, 2)
+    result.close()
+    return {"strategy": strategy.to_list(), "search": result.args.search, "losses": losses,
+            "trials": [{k: t.get(k) for k in ("status", "reason")} | {"point": t["candidate"]["point"]}
+                       for t in trials]}
+
+
+SCENARIOS = {"auto": auto, "budget": budget, "faults": faults}
+
+if __name__ == "__main__":
+    out = SCENARIOS[sys.argv[1]]()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(out), flush=True)
