@@ -1,4 +1,4 @@
-"""``atorch`` command line: list the methods, check a strategy file, show a strategy."""
+"""``atorch`` command line: list the methods, check a strategy, report on a strategy search."""
 
 from __future__ import annotations
 
@@ -64,6 +64,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_search_report(args: argparse.Namespace) -> int:
+    from atorch.errors import SetupError
+    from atorch.strategy_search.planner import default_storage
+    from atorch.strategy_search.report import write_report
+
+    try:
+        path = write_report(args.storage or default_storage(), args.out, args.study)
+    except SetupError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"report written to {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="atorch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("strategy")
     check.add_argument("--world-size", type=int, default=1)
     check.set_defaults(run=_cmd_check)
+    report = sub.add_parser("search-report", help="write an HTML report of a strategy search (trials and plots)")
+    report.add_argument("--storage", help="Optuna storage URL (default: the search cache's SQLite file)")
+    report.add_argument("--study", help="study name (default: the only atorch study in the storage)")
+    report.add_argument("--out", default="search-report.html", help="HTML file to write")
+    report.set_defaults(run=_cmd_search_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -10,12 +10,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import optuna
 import pytest
 import torch
 from launcher import run_json
 from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
+from atorch import cli
 
 WORKER = Path(__file__).resolve().parent / "workers" / "search_worker.py"
 
@@ -82,6 +84,16 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
                                                "measure_steps": 1})
     assert result.args.search["source"] == "search" and 1 <= result.args.search["dry_runs"] <= 2
     result.close()
+
+    # The report a person opens: every trial in the table, and three plots.
+    out = tmp_path / "report.html"
+    assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
+    page = out.read_text()
+    trials = optuna.load_study(study_name=result.args.search["study_name"], storage=storage).get_trials()
+    assert page.count("<tr>") == len(trials) + 1 and "samples/s" in page
+    assert page.count('class="plotly-graph-div"') == 3
+    assert cli.main(["search-report", "--storage", storage, "--study", "nope", "--out", str(out)]) == 1
+
     _, result, picked = atorch.auto_accelerate(mlp(), torch.optim.SGD, **args,
                                                search={"storage": storage, "dryrun": False})
     assert result.args.search["source"] == "cost_model" and result.args.search["dry_runs"] == 0
