@@ -153,6 +153,9 @@ def test_peak_above_the_budget_is_an_oom(report: dict[str, Any]) -> None:
         result = TrialResult.model_validate(view)
         assert result.status == "oom" and "above the budget of 1" in result.reason
         assert len(result.peak_bytes_per_rank) == 2 and result.peak_bytes == max(result.peak_bytes_per_rank)
+        # Known to be over the budget after warm-up: the timed steps are not run.
+        assert "timed steps skipped" in result.reason and result.step_time_s is None
+        assert all(len(rank["step_times_s"]) == 0 for rank in view["ranks"])
 
 
 @pytest.mark.distributed

@@ -192,6 +192,7 @@ class _Trial:
 
     # ----- what every rank does ----------------------------------------------------------------
     def run(self, memory_budget: int | None) -> TrialResult:
+        self.memory_budget = memory_budget
         start = time.monotonic()
         self.deadline = start + self.timeout_s
         watchdog = threading.Timer(self.timeout_s, self._on_deadline, args=(threading.get_ident(),))
@@ -266,6 +267,8 @@ class _Trial:
                     losses.append(self._step(result, batches))
                 if self.warmup > 0 and self.env.device.type != "cuda":
                     measuring.close()  # CPU tracking costs time per operation: timed steps run without it
+                if self.warmup > 0 and (over := self._over_budget(peak.increase)) is not None:
+                    return over
                 for step in range(self.steps):
                     self.phase = f"step {step}"
                     with collective_timeout(self._remaining()):
@@ -281,6 +284,21 @@ class _Trial:
             if self.env.device.type == "cuda":
                 torch.cuda.empty_cache()  # the next candidate starts from an empty cache, not this one's blocks
         return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses)
+
+    def _over_budget(self, mine: int) -> RankOutcome | None:
+        """After warm-up (the peak is in): if any rank is over the budget, an OOM on every rank now,
+        without the timed steps (an OOM costs its warm-up only)."""
+        if self.memory_budget is None:
+            return None
+        worst = torch.tensor([mine], dtype=torch.int64)
+        if dist.is_initialized() and self.env.world_size > 1:
+            with collective_timeout(self._remaining()):
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if int(worst) <= self.memory_budget:
+            return None
+        return RankOutcome(status="oom", root_cause=mine > self.memory_budget, peak_bytes=mine, reason=(
+            f"measured peak {mine} bytes is above the budget of {self.memory_budget} (timed steps skipped)"
+            if mine > self.memory_budget else "another rank is above the memory budget"))
 
     def _step(self, result: Any, batches: Iterator[Any]) -> float:
         with collective_timeout(self._remaining()):
@@ -350,7 +368,8 @@ def _agree(strategy: Strategy, ranks: list[RankOutcome | None], global_batch: in
         lines = [f"rank {r}: {o.reason}" for r, o in causes if o.status == status]
         if silent:
             lines.append(f"rank(s) {', '.join(map(str, silent))} did not report within the trial's time")
-        return TrialResult(status=status, reason="; ".join(lines), **base)
+        known = [p for p in peaks if p is not None]
+        return TrialResult(status=status, reason="; ".join(lines), peak_bytes=max(known) if known else None, **base)
     outcomes = [o for o in ranks if o is not None]
     step_time = max(statistics.median(o.step_times_s) for o in outcomes)
     peak = max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else None
