@@ -1,9 +1,14 @@
 """Train a small GPT-2 with atorch.auto_accelerate.
 
-    torchrun --nproc_per_node 2 examples/train_gpt2.py          # 2 processes (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc_per_node 2 examples/train_gpt2.py          # 2 processes, strategy found automatically
     python examples/train_gpt2.py                               # 1 process
+    torchrun --nproc_per_node 2 examples/train_gpt2.py --memory-limit 40MiB   # a budget DDP cannot meet
     torchrun --nproc_per_node 2 examples/train_gpt2.py --strategy '["parallel_mode", "amp_native"]'
     torchrun --nproc_per_node 2 examples/train_gpt2.py --strategy best.json --save-strategy used.json
+
+Without --strategy, atorch searches: it analyses the model, predicts every candidate strategy with its
+cost model, dry-runs the most promising few on all processes and trains with the fastest that fits
+(a second run finds the pick in its cache and starts at once).
 
 The model is a transformers GPT2LMHeadModel built from a small config with random weights, and the
 data is a generated "language" (words made of fixed token sequences), so nothing is downloaded.
@@ -29,8 +34,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import atorch
+from atorch.training import train_step
 
-DEFAULT_STRATEGY = ["parallel_mode", "module_replace", "checkpoint", "fsdp"]
 WARMUP_STEPS = 3  # left out of the step-time median: first steps allocate and build caches
 REQUIRED_DROP = 0.5  # the loss of the last steps must be below this fraction of the first step's
 
@@ -99,8 +104,11 @@ def loss_func(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
 # ----- command line -------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default=json.dumps(DEFAULT_STRATEGY),
-                        help="JSON list of methods or path of a strategy .json file (default: %(default)s)")
+    parser.add_argument("--strategy", default=None,
+                        help="JSON list of methods or path of a strategy .json file (default: search for one)")
+    parser.add_argument("--time-limit", type=float, default=600, help="seconds the search may take")
+    parser.add_argument("--memory-limit", help="memory budget per process for the search, e.g. 40MiB")
+    parser.add_argument("--max-trials", type=int, default=8, help="most dry-runs the search makes")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch size (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: %(default)s)")
@@ -125,16 +133,6 @@ def batches(dataloader: DataLoader) -> Iterator[Any]:
         yield from dataloader
 
 
-def global_mean(value: torch.Tensor) -> float:
-    """Mean of a scalar over all processes (each process saw a different part of the batch)."""
-    value = value.detach().float().reshape(1)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value.item()
-
-
 def is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -155,10 +153,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         lr_scheduler_cls=torch.optim.lr_scheduler.LambdaLR,
         lr_scheduler_args={"lr_lambda": functools.partial(warmup_cosine, warmup=args.steps // 10, total=args.steps)},
         save_strategy_to_file=args.save_strategy,
+        time_limit=args.time_limit,
+        memory_limit=args.memory_limit,
+        search={"max_trials": args.max_trials},
     )
     assert status
-    device = result.args.device
-    model, optim, scheduler = result.model, result.optim, result.lr_scheduler
+    scheduler = result.lr_scheduler
+    accumulation = result.args.gradient_accumulation_steps  # the search may pick micro-batching
 
     losses: list[float] = []
     step_times: list[float] = []
@@ -166,24 +167,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     with progress(not args.no_progress, args.steps) as advance:
         for step in range(args.steps):
             start = time.perf_counter()
-            # The ATorch training loop (atorch.training.train_step does the same, with gradient accumulation):
-            batch = next(data_iter)
-            data = result.prepare_input(batch, device)
-            output = model(**data)  # model_input_format="unpack_dict"
-            loss = result.loss_func(data, output)
-            if result.args.use_optim_backward:  # e.g. loss scaling, or an engine that owns backward
-                optim.backward(loss)
-            else:
-                loss.backward()
-            optim.step()
-            optim.zero_grad()
-            scheduler.step()
+            # One optimizer step over the global batch: forward/backward on each micro-batch, then the
+            # step (README.md "Quick start" shows the same loop written out); the global mean loss.
+            loss = train_step(result, [next(data_iter) for _ in range(accumulation)])
             step_times.append(time.perf_counter() - start)
 
-            losses.append(global_mean(loss))
+            losses.append(float(loss))
             lr = scheduler.get_last_lr()[0]
             advance(step, losses[-1], lr)
-    return summarize(args, str(strategy), result, losses, step_times)
+    summary = summarize(args, str(strategy), result, losses, step_times)
+    summary["strategy_json"] = json.dumps(strategy.to_list())
+    summary["search"] = result.args.search
+    return summary
 
 
 @contextmanager

@@ -36,6 +36,21 @@ def test_demo_trains_gpt2_and_saves_its_strategy(tmp_path, strategy) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_demo_searches_its_strategy_when_given_none(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))  # a fresh search, its study kept in tmp_path
+    saved = tmp_path / "strategy.json"
+    summary = run_json(
+        ROOT / "examples" / "train_gpt2.py", *SMALL_GPT2, "--steps", "80", "--batch-size", "8", "--lr", "1e-2",
+        "--no-progress", "--max-trials", "4", "--save-strategy", str(saved), timeout=400,
+    )
+    assert summary["tail_mean_loss"] < 0.5 * summary["first_loss"], summary
+    assert atorch.Strategy.load(saved) == atorch.Strategy.load(json.loads(summary["strategy_json"]))
+    assert summary["search"]["source"] == "search" and 1 <= summary["search"]["dry_runs"] <= 4
+    assert (tmp_path / "search.db").exists()
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_overhead_benchmark_runs_and_both_loops_agree() -> None:
     report = run_json(ROOT / "bench" / "overhead.py", *SMALL_GPT2, "--repeats", "4", "--warmup", "1")
