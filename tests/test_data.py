@@ -30,7 +30,8 @@ def ids_of(loader) -> list[int]:
 
 
 def accelerate(**kwargs):
-    _, result, _ = atorch.auto_accelerate(mlp(), torch.optim.SGD, **dict(MLP_ARGS, **kwargs))
+    _, result, _ = atorch.auto_accelerate(mlp(), torch.optim.SGD, **dict(MLP_ARGS, load_strategy=["parallel_mode"],
+                                                                         **kwargs))
     return result
 
 
