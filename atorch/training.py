@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.model_context import call_model
+from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
 
 
 def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
@@ -19,6 +20,9 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     of micro-batches so the step equals one over their concatenation. Returns the global batch's
     loss: the mean over data-parallel ranks, the same value on every rank (detached).
     """
+    # [pipeline] Under pipeline_parallel a schedule runs the stages over micro-batches (pipeline_parallel.py).
+    if isinstance(result.model, PipelinedModel):
+        return pipeline_train_step(result, micro_batches)
     model, optim, args = result.model, result.optim, result.args
     count = len(micro_batches)
     if count == 0:

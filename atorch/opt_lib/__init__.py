@@ -5,6 +5,7 @@ from atorch.opt_lib import (  # noqa: F401  (imported to register)
     fp8,
     module_replace,
     parallel_mode,
+    pipeline_parallel,
     precision,
     sharding,
     tensor_parallel,
