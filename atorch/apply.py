@@ -21,7 +21,7 @@ from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
 from atorch.opt_lib.deepspeed_zero import start_deepspeed
 from atorch.opt_lib.fp8 import use_fp8_linears
 from atorch.opt_lib.module_replace import replace_registered
-from atorch.opt_lib.pipeline_parallel import build_schedule, shard_stages, split_into_stages, wrap_stages_ddp
+from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
 from atorch.opt_lib.sharding import broadcast_from_first, shard_model
 from atorch.opt_lib.tensor_parallel import parallelize
@@ -93,7 +93,7 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     if communicate and deepspeed_stage is not None:
         start_deepspeed(ctx, deepspeed_stage)
     elif communicate and sharding is None and ctx.dp_size > 1:
-        wrap_stages_ddp(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] DDP per stage
+        replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
     # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
     if amp is not None and ctx.engine is None:
         ctx.grad_scaler = grad_scaler_for(ctx, amp)

@@ -72,6 +72,11 @@ def _ddp_data_parallel(configs: Configs) -> bool:
 
 
 _TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
+_PP_DIMS = {"dims": [["pipeline", 1], ["data", 1]]}
+
+
+def _fp16(configs: Configs) -> bool:
+    return getattr(configs["amp_native"], "dtype", None) == "fp16"
 
 RULES: tuple[Rule, ...] = (
     Rule(("zero1", "zero2"), "both shard optimizer state", "keep one ZeRO stage"),
@@ -123,6 +128,23 @@ RULES: tuple[Rule, ...] = (
         "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
         when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
         example=("tensor_parallel", ("parallel_mode", _TP_DIMS), ("zero2", {"implementation": "deepspeed"})),
+    ),
+    # Pipeline parallel: the schedule runs forward and backward of every micro-batch itself.
+    Rule(
+        ("pipeline_parallel", "amp_native"),
+        "fp16 needs its loss scaled before backward, which the pipeline schedule runs without a GradScaler",
+        "use amp_native with dtype 'bf16' (no loss scaling needed)",
+        when=_fp16, condition="amp_native dtype='fp16'",
+        example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", ("amp_native", {"dtype": "fp16"})),
+    ),
+    *(
+        Rule(
+            ("pipeline_parallel", zero), "DeepSpeed's engine owns forward, backward and step, which the pipeline "
+            "schedule runs", f"use implementation 'fsdp2'/'torch' for '{zero}', or 'fsdp'",
+            when=_deepspeed(zero), condition=f"{zero} implementation='deepspeed'",
+            example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", (zero, {"implementation": "deepspeed"})),
+        )
+        for zero in ("zero1", "zero2")
     ),
 )
 

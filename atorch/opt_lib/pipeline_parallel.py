@@ -45,7 +45,7 @@ class PipelineParallelConfig(MethodConfig):
         default="1f1b", description="gpipe, 1f1b, interleaved_1f1b, interleaved_zb (zero bubble) or zbv (zero "
         "bubble, V order, 2 stages per rank)")
     micro_batches: int | None = Field(
-        default=None, ge=1, description="micro-batches per step (divides the per-rank batch); null: 2 × stages")
+        default=None, ge=1, description="micro-batches per step (divides the per-rank batch); null: 2 × pipeline size")
     virtual_stages: int | None = Field(
         default=None, ge=1, description="stages per rank; null: 1 for gpipe/1f1b, 2 for the others")
 
@@ -53,7 +53,7 @@ class PipelineParallelConfig(MethodConfig):
         return self.virtual_stages or (1 if self.schedule in SINGLE else 2)
 
     def micro_batch_count(self, pipeline: int) -> int:
-        return self.micro_batches or 2 * pipeline * self.stages_per_rank()
+        return self.micro_batches or 2 * pipeline
 
 
 # ----- the model under pipeline parallel ----------------------------------------------------------------
@@ -185,18 +185,48 @@ def _agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[li
 
 
 # ----- data parallel per stage ----------------------------------------------------------------------------
-def wrap_stages_ddp(ctx: Any) -> None:
-    """[communication] Each stage replicated with DDP over the data dimension (the schedule drives no_sync)."""
-    from torch.nn.parallel import DistributedDataParallel
+def replicate_stages(ctx: Any) -> None:
+    """Data parallel for the stages without FSDP: [communication] data rank 0's weights to every data rank
+    now, and the gradients averaged over the data group after each schedule (``average_gradients``).
 
-    cuda = ctx.env.device.type == "cuda"
-    pipelined: PipelinedModel = ctx.model
-    for i, stage in enumerate(list(pipelined.stages)):
-        pipelined.stages[i] = DistributedDataParallel(
-            stage, device_ids=[ctx.env.device.index] if cuda else None, process_group=ctx.data_mesh.get_group(),
-            find_unused_parameters=ctx.setup.find_unused_parameters,
-        )
-    logger.info("data parallel: DDP per pipeline stage over %d processes", ctx.dp_size)
+    Not torch's DDP: its reducer rebuilds its buckets from the first backward and asserts when a schedule
+    runs several backwards (micro-batches) before the first reduction.
+    """
+    from atorch.opt_lib.sharding import broadcast_from_first
+
+    broadcast_from_first(ctx.model, ctx.data_mesh)
+    ctx.model.data_group = ctx.data_mesh.get_group()
+    logger.info("data parallel: pipeline stages replicated over %d processes (gradients averaged per step)",
+                ctx.dp_size)
+
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def average_gradients(pipelined: PipelinedModel) -> None:
+    """[communication] Every gradient averaged over the data group, in buckets of about 25 MiB per dtype."""
+    group = getattr(pipelined, "data_group", None)
+    if group is None:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    size = dist.get_world_size(group)
+    grads = [p.grad for p in pipelined.parameters() if p.grad is not None]
+    buckets: dict[Any, list[list[torch.Tensor]]] = {}
+    for grad in grads:
+        key = (grad.dtype, grad.device)
+        lists = buckets.setdefault(key, [[]])
+        if lists[-1] and sum(g.numel() * g.element_size() for g in lists[-1]) >= BUCKET_BYTES:
+            lists.append([])
+        lists[-1].append(grad)
+    with torch.no_grad():
+        for lists in buckets.values():
+            for bucket in lists:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                flat /= size
+                for grad, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    grad.copy_(value)
 
 
 def shard_stages(ctx: Any, shard: Any, *args: Any, **kwargs: Any) -> None:
@@ -336,6 +366,7 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     assert runner is not None
     data = result.prepare_input(_concatenated(micro_batches), result.args.device)
     loss = runner.step(data)
+    average_gradients(model)
     sync_tied(model, grads=True)
     result.optim.step()
     result.optim.zero_grad(set_to_none=True)

@@ -198,10 +198,13 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.autocast_dtype is None:
-            return self._run(args, kwargs)
-        device = next(self.module.parameters()).device.type
-        with torch.autocast(device, dtype=self.autocast_dtype):
-            return self._run(args, kwargs)
+            out = self._run(args, kwargs)
+        else:
+            with torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast_dtype):
+                out = self._run(args, kwargs)
+        # The zero-bubble schedules detach a stage's output in place, which a view (a head replaced by
+        # Identity returns a slice of the hidden states) does not allow.
+        return out.clone() if out._is_view() else out
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         if self.transformers:
