@@ -58,7 +58,7 @@ def find_blocks(model: nn.Module) -> tuple[BlockList | None, str | None]:
     pre: list[str] = []
     post: list[str] = []
     path = container.split(".") if container else []
-    for depth in range(len(path)):
+    for depth in reversed(range(len(path))):  # innermost first
         parent = ".".join(path[:depth])
         on_path = path[depth]
         children = list((model.get_submodule(parent) if parent else model)._modules)
