@@ -78,6 +78,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/pp2[1f1b]": ("gpt2", [PP2, pp("1f1b")]),
         "llama/pp2[gpipe]": ("llama", [PP2, pp("gpipe")]),
         "gpt2/pp2[interleaved_1f1b]+checkpoint": ("gpt2", [PP2, pp("interleaved_1f1b"), "checkpoint"]),
+        "gpt2/pp2+amp_native[bf16]": ("gpt2", [PP2, pp("1f1b"), ("amp_native", {"dtype": "bf16"})]),
         "forward/pp2": ("gpt2", [PP2, pp("1f1b")]),
         "refused/too few blocks": ("gpt2_2layers", [PP2, pp("interleaved_1f1b")]),
         "refused/micro-batches": ("gpt2", [PP2, pp("1f1b", micro_batches=3)]),
@@ -88,6 +89,13 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/pp2xdp2+fsdp[1f1b]": ("gpt2", [PP2, pp("1f1b"), "fsdp"]),
         "gpt2/tp2xpp2": ("gpt2", [TPxPP, "module_replace", "tensor_parallel", pp("1f1b")]),
         "llama/tp2xpp2": ("llama", [TPxPP, "tensor_parallel", pp("1f1b")]),
+    },
+    # 8 processes, ATorch's mixed-parallel order (tensor first): tensor 2 × pipeline 2 × data 2 with fsdp.
+    "tp2xpp2xdp2": {
+        "gpt2/tp2xpp2xdp2+fsdp": ("gpt2", [mode(("tensor", 2), ("pipeline", 2), ("data", 2)), "module_replace",
+                                           "tensor_parallel", pp("interleaved_1f1b"), "fsdp"]),
+        "llama/tp2xpp2xdp2+fsdp": ("llama", [mode(("tensor", 2), ("pipeline", 2), ("data", 2)), "tensor_parallel",
+                                             pp("1f1b"), "fsdp"]),
     },
 }
 
@@ -144,6 +152,7 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
         result.close()
         return entry
     entry["local"] = _gathered(local_param_count(result.model))
+    entry["first_stage"] = _gathered(min(result.model.indices))  # the first stage each rank holds
     batches = iter(result.dataloader)
     entry["losses"] = [train_step(result, [next(batches)]).item() for _ in range(STEPS)]
     entry["loss_on_ranks"] = _gathered(entry["losses"][-1])
