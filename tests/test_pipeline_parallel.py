@@ -155,3 +155,23 @@ def test_strategy_checks() -> None:
     assert any("add 'fsdp'" in p for p in problems), problems
     problems = Strategy.load([PP, "pipeline_parallel", ("amp_native", {"dtype": "fp16"})]).problems(2)
     assert any("use amp_native with dtype 'bf16'" in p for p in problems), problems
+
+
+def test_stages_are_built_without_a_process_group() -> None:
+    """With communicate=False (the cost model's fake or meta models) a rank's stages come from the layout."""
+    from atorch.apply import apply_strategy
+    from atorch.distributed import DistEnv
+    from atorch.model_context import ModelContext, UserSetup
+    from atorch.parallel_layout import ParallelLayout
+
+    strategy = Strategy.load([("parallel_mode", {"dims": [["pipeline", 2], ["data", 2]]}), "pipeline_parallel"])
+    model = sm.tiny_gpt2(layers=4)
+    held = {}
+    for rank in (0, 3):  # (pipeline 0, data 0) and (pipeline 1, data 1)
+        env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        setup = UserSetup(model=model, optim_func=torch.optim.SGD, loss_func=sm.hf_loss)
+        ctx = ModelContext(setup, env, ParallelLayout((("pipeline", 2), ("data", 2)))).fresh()
+        apply_strategy(ctx, strategy, communicate=False)
+        held[rank] = (ctx.model.indices, sum(p.numel() for p in ctx.model.parameters()))
+    assert held[0][0] == [0] and held[3][0] == [1]
+    assert held[0][1] + held[3][1] == sum(p.numel() for p in model.parameters()) + sm.VOCAB * 32  # tied: twice

@@ -100,8 +100,12 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     blocks, why = find_blocks(model)
     if blocks is None:  # checked before building; seen here only if the model changed in between
         raise SetupError(f"pipeline_parallel: {why}")
-    group = _pipeline_mesh(ctx).get_group()
-    size, rank = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    # With communicate=False (a fake or meta model for the cost model) no process group is needed: the
+    # position comes from the layout. Otherwise from the group, which numbers its ranks in ascending order.
+    group = _pipeline_mesh(ctx).get_group() if communicate else None
+    size = ctx.layout.size(PIPELINE)
+    rank = dist.get_group_rank(group, dist.get_rank()) if communicate else \
+        ctx.layout.coordinate(ctx.env.rank).get(PIPELINE, 0)
     total = size * config.stages_per_rank()
     owned = plan_stages(model, blocks, total)
     indices = _stage_indices(config, rank, size)
