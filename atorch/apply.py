@@ -20,6 +20,7 @@ from atorch.names import user_param_groups
 from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
 from atorch.opt_lib.deepspeed_zero import start_deepspeed
 from atorch.opt_lib.fp8 import use_fp8_linears
+from atorch.opt_lib.mixed_parallel import expand_mixed
 from atorch.opt_lib.module_replace import replace_registered
 from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
@@ -33,6 +34,7 @@ logger = get_logger(__name__)
 def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True) -> None:
     """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it."""
     cfg = {item.name: item.config for item in strategy.methods if item.name not in ctx.skipped}
+    cfg = expand_mixed(cfg)  # [mixed_parallel] its tensor_parallel and pipeline_parallel, on their dimensions
     ctx.strategy = strategy
     half, amp = cfg.get("half"), cfg.get("amp_native")
     zero1, zero2, fsdp = cfg.get("zero1"), cfg.get("zero2"), cfg.get("fsdp")

@@ -175,3 +175,26 @@ def test_stages_are_built_without_a_process_group() -> None:
         held[rank] = (ctx.model.indices, sum(p.numel() for p in ctx.model.parameters()))
     assert held[0][0] == [0] and held[3][0] == [1]
     assert held[0][1] + held[3][1] == sum(p.numel() for p in model.parameters()) + sm.VOCAB * 32  # tied: twice
+
+
+def test_mixed_parallel_stands_for_tensor_and_pipeline_parallel() -> None:
+    from atorch.opt_lib.mixed_parallel import expand_mixed
+
+    three_d = ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["data", -1]]})
+    atorch_form = ("mixed_parallel", {"pipe_config": {"chunks": 4, "pipe_schedule": "Interleaved1F1B"}})
+    strategy = Strategy.load([three_d, "module_replace", atorch_form, "fsdp"])
+    assert strategy.problems(8) == []
+    configs = expand_mixed({item.name: item.config for item in strategy.methods})
+    assert "mixed_parallel" not in configs and configs["pipeline_parallel"].schedule == "interleaved_1f1b"
+    assert configs["pipeline_parallel"].micro_batches == 4 and "tensor_parallel" in configs
+    pipeline_only = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1]]})
+    assert "tensor_parallel" not in expand_mixed(
+        {i.name: i.config for i in Strategy.load([pipeline_only, "mixed_parallel"]).methods})
+    # Its limits are those of the methods it stands for: DDP cannot replicate DTensors, so a data
+    # dimension next to a tensor one needs fsdp; and it is not combined with the methods themselves.
+    problems = Strategy.load([three_d, "mixed_parallel"]).problems(8)
+    assert any("add 'fsdp'" in p for p in problems), problems
+    problems = Strategy.load([three_d, "mixed_parallel", "pipeline_parallel", "fsdp"]).problems(8)
+    assert any("drop 'pipeline_parallel'" in p for p in problems), problems
+    assert any("needs a 'tensor' and/or 'pipeline' dimension" in p
+               for p in Strategy.load(["mixed_parallel"]).problems(2))

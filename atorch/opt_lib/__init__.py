@@ -3,6 +3,7 @@
 from atorch.opt_lib import (  # noqa: F401  (imported to register)
     activation_checkpoint,
     fp8,
+    mixed_parallel,
     module_replace,
     parallel_mode,
     pipeline_parallel,

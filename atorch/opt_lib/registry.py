@@ -18,6 +18,7 @@ APPLY_ORDER: tuple[str, ...] = (
     "fp8",
     "amp_native",
     "tensor_parallel",
+    "mixed_parallel",
     "checkpoint",
     "fsdp",
     "zero2",
