@@ -90,14 +90,12 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/tp2xpp2": ("gpt2", [TPxPP, "module_replace", "tensor_parallel", pp("1f1b")]),
         "llama/tp2xpp2": ("llama", [TPxPP, "tensor_parallel", pp("1f1b")]),
     },
-    # 8 processes, ATorch's mixed-parallel order (tensor first): tensor 2 × pipeline 2 × data 2 with fsdp
-    # (as mixed_parallel in ATorch's config form, and as its two methods).
+    # 8 processes, ATorch's mixed-parallel order (tensor first): tensor 2 × pipeline 2 × data 2 with fsdp,
+    # as mixed_parallel in ATorch's config form (Llama's tensor 2 × pipeline 2 runs in the 4-process group).
     "tp2xpp2xdp2": {
         "gpt2/mixed_parallel[tp2xpp2xdp2]+fsdp": ("gpt2", [
             mode(("tensor", 2), ("pipeline", 2), ("data", 2)), "module_replace",
             ("mixed_parallel", {"pipe_config": {"pipe_schedule": "Interleaved1F1B"}}), "fsdp"]),
-        "llama/tp2xpp2xdp2+fsdp": ("llama", [mode(("tensor", 2), ("pipeline", 2), ("data", 2)), "tensor_parallel",
-                                             pp("1f1b"), "fsdp"]),
     },
 }
 
