@@ -18,7 +18,8 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     Gradients are synchronised only on the last micro-batch (the boundary is set before each
     forward, the order every strategy reads it in); each micro-batch loss is divided by the number
     of micro-batches so the step equals one over their concatenation. Returns the global batch's
-    loss: the mean over data-parallel ranks, the same value on every rank (detached).
+    loss: the mean over data-parallel ranks, the same value on every rank (detached). Under
+    pipeline_parallel a schedule runs the stages over the concatenated micro-batches instead.
     """
     # [pipeline] Under pipeline_parallel a schedule runs the stages over micro-batches (pipeline_parallel.py).
     if isinstance(result.model, PipelinedModel):
