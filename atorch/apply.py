@@ -20,7 +20,9 @@ from atorch.names import user_param_groups
 from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
 from atorch.opt_lib.deepspeed_zero import start_deepspeed
 from atorch.opt_lib.fp8 import use_fp8_linears
+from atorch.opt_lib.mixed_parallel import expand_mixed
 from atorch.opt_lib.module_replace import replace_registered
+from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
 from atorch.opt_lib.sharding import broadcast_from_first, shard_model
 from atorch.opt_lib.tensor_parallel import parallelize
@@ -32,6 +34,7 @@ logger = get_logger(__name__)
 def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True) -> None:
     """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it."""
     cfg = {item.name: item.config for item in strategy.methods if item.name not in ctx.skipped}
+    cfg = expand_mixed(cfg)  # [mixed_parallel] its tensor_parallel and pipeline_parallel, on their dimensions
     ctx.strategy = strategy
     half, amp = cfg.get("half"), cfg.get("amp_native")
     zero1, zero2, fsdp = cfg.get("zero1"), cfg.get("zero2"), cfg.get("fsdp")
@@ -48,6 +51,11 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     if "module_replace" in cfg:
         dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
         replace_registered(ctx, cfg["module_replace"], dtype)
+    # 1b. [pipeline] This rank's stages replace the model: every later step sees only them. [communication,
+    #     with communicate=True] tied weights across stages start equal.
+    pipeline = cfg.get("pipeline_parallel")
+    if pipeline is not None:
+        split_into_stages(ctx, pipeline, communicate)
     # 2. Whole-model dtype before anything captures parameters or their dtype.
     if half is not None:
         cast_to_half(ctx, half)
@@ -71,7 +79,10 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
             and not is_meta(ctx.model):
         broadcast_from_first(ctx.model, ctx.data_mesh)
     # 6. Data parallel: shard (fsdp, zero2) ...
-    if sharding is not None:
+    if sharding is not None and pipeline is not None:  # [pipeline] each stage its own FSDP2 root
+        shard_stages(ctx, shard_model, sharding, reshard_after_forward=fsdp is not None and fsdp.reshard_after_forward,
+                     label="fsdp" if fsdp is not None else "zero2")
+    elif sharding is not None:
         shard_model(ctx, sharding, reshard_after_forward=fsdp is not None and fsdp.reshard_after_forward,
                     label="fsdp" if fsdp is not None else "zero2")
     # 7. ... the optimizer over the parameters the model now trains (the user's groups, by name) ...
@@ -84,10 +95,13 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     if communicate and deepspeed_stage is not None:
         start_deepspeed(ctx, deepspeed_stage)
     elif communicate and sharding is None and ctx.dp_size > 1:
-        _wrap_ddp(ctx)
+        replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
     # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
     if amp is not None and ctx.engine is None:
         ctx.grad_scaler = grad_scaler_for(ctx, amp)
+    # 10. [pipeline] The schedule over this rank's (wrapped) stages; train_step runs it.
+    if pipeline is not None and communicate:
+        build_schedule(ctx, pipeline)
 
 
 def _optimizer_params(ctx: ModelContext) -> Any:

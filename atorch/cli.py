@@ -14,7 +14,10 @@ from atorch.strategy import Strategy
 
 
 def _default(field: Any) -> str:
-    return json.dumps(field.default) if not callable(field.default) else "…"
+    default = field.get_default(call_default_factory=True)
+    if hasattr(default, "model_dump"):  # a nested method config (mixed_parallel's)
+        return json.dumps(default.model_dump(mode="json", exclude_defaults=True))
+    return json.dumps(default) if not callable(default) else "…"
 
 
 def methods_markdown() -> str:

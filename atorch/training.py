@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.model_context import call_model
+from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
 
 
 def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
@@ -17,8 +18,12 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     Gradients are synchronised only on the last micro-batch (the boundary is set before each
     forward, the order every strategy reads it in); each micro-batch loss is divided by the number
     of micro-batches so the step equals one over their concatenation. Returns the global batch's
-    loss: the mean over data-parallel ranks, the same value on every rank (detached).
+    loss: the mean over data-parallel ranks, the same value on every rank (detached). Under
+    pipeline_parallel a schedule runs the stages over the concatenated micro-batches instead.
     """
+    # [pipeline] Under pipeline_parallel a schedule runs the stages over micro-batches (pipeline_parallel.py).
+    if isinstance(result.model, PipelinedModel):
+        return pipeline_train_step(result, micro_batches)
     model, optim, args = result.model, result.optim, result.args
     count = len(micro_batches)
     if count == 0:

@@ -3,8 +3,10 @@
 from atorch.opt_lib import (  # noqa: F401  (imported to register)
     activation_checkpoint,
     fp8,
+    mixed_parallel,
     module_replace,
     parallel_mode,
+    pipeline_parallel,
     precision,
     sharding,
     tensor_parallel,

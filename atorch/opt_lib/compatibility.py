@@ -72,6 +72,18 @@ def _ddp_data_parallel(configs: Configs) -> bool:
 
 
 _TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
+_PP_DIMS = {"dims": [["pipeline", 1], ["data", 1]]}
+
+
+def _fp16(configs: Configs) -> bool:
+    return getattr(configs["amp_native"], "dtype", None) == "fp16"
+
+
+def _has_dim(name: str) -> Callable[[Configs], bool]:
+    return lambda configs: configs.get("parallel_mode") is not None and name in dict(configs["parallel_mode"].dims)
+
+
+_3D_DIMS = {"dims": [["tensor", 1], ["pipeline", 1], ["data", 1]]}
 
 RULES: tuple[Rule, ...] = (
     Rule(("zero1", "zero2"), "both shard optimizer state", "keep one ZeRO stage"),
@@ -123,6 +135,60 @@ RULES: tuple[Rule, ...] = (
         "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
         when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
         example=("tensor_parallel", ("parallel_mode", _TP_DIMS), ("zero2", {"implementation": "deepspeed"})),
+    ),
+    # Pipeline parallel: the schedule runs forward and backward of every micro-batch itself.
+    Rule(
+        ("pipeline_parallel", "amp_native"),
+        "fp16 needs its loss scaled before backward, which the pipeline schedule runs without a GradScaler",
+        "use amp_native with dtype 'bf16' (no loss scaling needed)",
+        when=_fp16, condition="amp_native dtype='fp16'",
+        example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", ("amp_native", {"dtype": "fp16"})),
+    ),
+    *(
+        Rule(
+            ("pipeline_parallel", zero), "DeepSpeed's engine owns forward, backward and step, which the pipeline "
+            "schedule runs", f"use implementation 'fsdp2'/'torch' for '{zero}', or 'fsdp'",
+            when=_deepspeed(zero), condition=f"{zero} implementation='deepspeed'",
+            example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", (zero, {"implementation": "deepspeed"})),
+        )
+        for zero in ("zero1", "zero2")
+    ),
+    # mixed_parallel stands for tensor_parallel and pipeline_parallel on the dimensions the layout has: their
+    # limits hold for it too.
+    *(
+        Rule(("mixed_parallel", single), f"mixed_parallel already applies '{single}' on its dimension",
+             f"drop '{single}' (configure it inside mixed_parallel)",
+             example=(("parallel_mode", _3D_DIMS), "mixed_parallel", single))
+        for single in ("tensor_parallel", "pipeline_parallel")
+    ),
+    Rule(
+        ("mixed_parallel", "parallel_mode"),
+        "DDP cannot replicate tensor-parallel (DTensor) parameters over the data dimension",
+        "add 'fsdp' to shard over the data dimension",
+        when=lambda c: _has_dim("tensor")(c) and _ddp_data_parallel(c),
+        condition="a tensor dimension, data size > 1 without fsdp",
+        example=("mixed_parallel", ("parallel_mode", {"dims": [["tensor", 1], ["pipeline", 1], ["data", 2]]})),
+    ),
+    Rule(
+        ("mixed_parallel", "zero1"), "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
+        "use 'fsdp' on the data dimension instead of 'zero1'", when=_has_dim("tensor"),
+        condition="a tensor dimension", example=(("parallel_mode", _3D_DIMS), "mixed_parallel", "zero1"),
+    ),
+    Rule(
+        ("mixed_parallel", "amp_native"),
+        "fp16 needs its loss scaled before backward, which the pipeline schedule runs without a GradScaler",
+        "use amp_native with dtype 'bf16' (no loss scaling needed)",
+        when=lambda c: _has_dim("pipeline")(c) and _fp16(c), condition="a pipeline dimension, amp_native dtype='fp16'",
+        example=(("parallel_mode", _3D_DIMS), "mixed_parallel", ("amp_native", {"dtype": "fp16"})),
+    ),
+    *(
+        Rule(
+            ("mixed_parallel", zero), "DeepSpeed's engine takes neither tensor-parallel DTensors nor a pipeline "
+            "schedule", f"use implementation 'fsdp2'/'torch' for '{zero}', or 'fsdp'",
+            when=_deepspeed(zero), condition=f"{zero} implementation='deepspeed'",
+            example=(("parallel_mode", _3D_DIMS), "mixed_parallel", (zero, {"implementation": "deepspeed"})),
+        )
+        for zero in ("zero1", "zero2")
     ),
 )
 

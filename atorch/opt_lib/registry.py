@@ -5,17 +5,20 @@ from __future__ import annotations
 from atorch.opt_lib.base import Method
 
 # The order atorch.apply.apply_strategy applies methods in (the reasons are commented there):
-# layout first; module swaps and dtype changes before anything captures parameters; autocast wraps the
+# layout first; module swaps, then the pipeline split (every later method sees this rank's stages);
+# dtype changes before anything captures parameters; autocast wraps the
 # forward; tensor parallel splits the plain layers; activation checkpointing wraps the (split) blocks;
 # sharding wraps last; ZeRO-1 changes the optimizer.
 # Listings (the CLI, the README tables, Strategy.in_apply_order) follow it.
 APPLY_ORDER: tuple[str, ...] = (
     "parallel_mode",
     "module_replace",
+    "pipeline_parallel",
     "half",
     "fp8",
     "amp_native",
     "tensor_parallel",
+    "mixed_parallel",
     "checkpoint",
     "fsdp",
     "zero2",

@@ -1,0 +1,440 @@
+"""pipeline_parallel: the model split into stages over the 'pipeline' dimension (torch.distributed.pipelining).
+
+The split (pipeline_split.py) is automatic, at the repeated-block boundaries, balanced by cost. Rank r
+of the pipeline group holds stage r (GPipe, 1F1B), stages r, r+p, ... (interleaved schedules, loop
+order) or stages r and 2p-1-r (ZBV, V order). Training goes through ``atorch.train_step``, which
+runs the schedule: every rank of a pipeline group loads the same batch, the first stage takes its
+model inputs and the last stage runs the user's ``loss_func(data, output)`` per micro-batch.
+
+What the batch must be: tensors (in a dict, list/tuple or alone) whose first dimension is the batch;
+each micro-batch is a slice of it. For a transformers model the output given to loss_func is the
+model's output with ``.logits`` and, when the batch has ``labels``, ``.loss`` computed by the model's
+own loss function; other models give their output tensor.
+
+Weights used by two stages (GPT-2's tied ``wte``/``lm_head``) are kept in both; they start equal (the
+first stage's value) and their gradients are summed over the pipeline group before each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+
+from atorch.errors import SetupError
+from atorch.log import get_logger
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, is_transformers, plan_stages
+from atorch.opt_lib.registry import register
+
+logger = get_logger(__name__)
+
+PIPELINE = "pipeline"
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+SINGLE = ("gpipe", "1f1b")  # one stage per rank
+
+
+class PipelineParallelConfig(MethodConfig):
+    """Needs a 'pipeline' dimension in parallel_mode, e.g. ``([("pipeline", 2), ("data", -1)], None)``."""
+
+    schedule: Schedule = Field(
+        default="1f1b", description="gpipe, 1f1b, interleaved_1f1b, interleaved_zb (zero bubble) or zbv (zero "
+        "bubble, V order, 2 stages per rank)")
+    micro_batches: int | None = Field(
+        default=None, ge=1, description="micro-batches per step (divides the per-rank batch); null: 2 × pipeline size")
+    virtual_stages: int | None = Field(
+        default=None, ge=1, description="stages per rank; null: 1 for gpipe/1f1b, 2 for the others")
+
+    def stages_per_rank(self) -> int:
+        return self.virtual_stages or (1 if self.schedule in SINGLE else 2)
+
+    def micro_batch_count(self, pipeline: int) -> int:
+        return self.micro_batches or 2 * pipeline
+
+
+# ----- the model under pipeline parallel ----------------------------------------------------------------
+class PipelinedModel(nn.Module):
+    """``result.model`` under pipeline parallel: this rank's stages (their parameters are the optimizer's).
+    It cannot be called: the schedule runs the stages (``atorch.train_step``)."""
+
+    def __init__(self, stages: list[nn.Module], no_split: Any) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        if no_split:
+            self._no_split_modules = list(no_split)
+        self.runner: PipelineRunner | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise SetupError(
+            "under pipeline_parallel the model cannot be called directly (each rank holds only some layers, "
+            "and a schedule runs them over micro-batches); train with atorch.train_step(result, [batch]), "
+            "which runs the schedule and the optimizer step and returns the loss"
+        )
+
+
+def _stage_indices(config: PipelineParallelConfig, rank: int, size: int) -> list[int]:
+    if config.schedule == "zbv":
+        return [rank, 2 * size - 1 - rank]
+    return [rank + k * size for k in range(config.stages_per_rank())]
+
+
+def _tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Names that share one parameter (tied weights), in a fixed order on every rank."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return sorted(tuple(names) for names in by_id.values() if len(names) > 1)
+
+
+def _pipeline_mesh(ctx: Any) -> Any:
+    return ctx.layout.mesh(ctx.env.device.type)[PIPELINE]
+
+
+def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: bool) -> None:
+    """Replace ctx.model by this rank's stages (a PipelinedModel); [communication] tied copies start equal."""
+    model = ctx.model
+    blocks, why = find_blocks(model)
+    if blocks is None:  # checked before building; seen here only if the model changed in between
+        raise SetupError(f"pipeline_parallel: {why}")
+    # With communicate=False (a fake or meta model for the cost model) no process group is needed: the
+    # position comes from the layout. Otherwise from the group, which numbers its ranks in ascending order.
+    group = _pipeline_mesh(ctx).get_group() if communicate else None
+    size = ctx.layout.size(PIPELINE)
+    rank = dist.get_group_rank(group, dist.get_rank()) if communicate else \
+        ctx.layout.coordinate(ctx.env.rank).get(PIPELINE, 0)
+    total = size * config.stages_per_rank()
+    owned = plan_stages(model, blocks, total)
+    indices = _stage_indices(config, rank, size)
+    no_split = getattr(model, "_no_split_modules", None)
+    stages = [StageModule(build_stage(model, blocks, owned[i], i == 0, i == total - 1), i, i == 0, i == total - 1,
+                          no_split) for i in indices]
+    pipelined = PipelinedModel(stages, no_split)
+    pipelined.tied = _tied_groups(model)  # type: ignore[assignment]
+    pipelined.stage_count, pipelined.indices, pipelined.group = total, indices, group  # type: ignore[assignment]
+    if communicate:
+        sync_tied(pipelined, grads=False)
+    ctx.model = pipelined
+    logger.info("pipeline_parallel: %d stages over %d processes (blocks per stage %s), this rank holds %s",
+                total, size, [len(o) for o in owned], indices)
+
+
+def _tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:
+    """(stage index, parameter) for each copy of one tied parameter on this rank."""
+    copies = []
+    for stage in pipelined.stages:
+        inner = _stage_module(stage)
+        params = dict(inner.module.named_parameters(remove_duplicate=False))
+        found = next((params[n] for n in names if n in params), None)
+        if found is not None:
+            copies.append((inner.index, found))
+    return copies
+
+
+def _stage_module(module: nn.Module) -> StageModule:
+    return module.module if not isinstance(module, StageModule) else module  # type: ignore[return-value]
+
+
+def sync_tied(pipelined: PipelinedModel, grads: bool) -> None:
+    """Tied copies across stages: gradients summed (grads=True), or values set to the copy of the lowest stage.
+
+    [communication] per tied parameter, one small all-reduce of its metadata and one of its value over the
+    pipeline group (a rank without a copy adds zeros).
+    """
+    from atorch.optimizer import local_tensor
+
+    group = pipelined.group  # type: ignore[attr-defined]
+    for names in pipelined.tied:  # type: ignore[attr-defined]
+        copies = _tied_copies(pipelined, names)
+        shape, dtype, lowest = _agreed_meta(copies, group)
+        with torch.no_grad():
+            total = torch.zeros(shape, dtype=dtype, device=local_tensor(copies[0][1]).device if copies else None)
+            for index, param in copies:
+                if grads and param.grad is not None:
+                    total += local_tensor(param.grad)
+                elif not grads and index == lowest:
+                    total.copy_(local_tensor(param))
+            dist.all_reduce(total, group=group)
+            for _, param in copies:
+                if not grads:
+                    local_tensor(param).copy_(total)
+                elif param.grad is not None:
+                    local_tensor(param.grad).copy_(total)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[list[int], torch.dtype, int]:
+    """Local shape, dtype and lowest holding stage of a tied parameter, agreed over the pipeline group
+    (ranks without a copy learn them). Encoded as maxima: -index gives the lowest stage."""
+    from atorch.optimizer import local_tensor
+
+    meta = torch.full((7,), -(2**40), dtype=torch.int64)
+    if copies:
+        local = local_tensor(copies[0][1])
+        if local.dim() > 4:
+            raise SetupError("a tied parameter with more than 4 dimensions is not supported by pipeline_parallel")
+        meta[:4] = 0
+        meta[:local.dim()] = torch.tensor(list(local.shape))
+        meta[4] = local.dim()
+        meta[5] = _DTYPES.index(local.dtype)
+        meta[6] = -min(index for index, _ in copies)
+    dist.all_reduce(meta, op=dist.ReduceOp.MAX, group=group)
+    dims = int(meta[4])
+    return [int(d) for d in meta[:dims]], _DTYPES[int(meta[5])], -int(meta[6])
+
+
+# ----- data parallel per stage ----------------------------------------------------------------------------
+def replicate_stages(ctx: Any) -> None:
+    """Data parallel for the stages without FSDP: [communication] data rank 0's weights to every data rank
+    now, and the gradients averaged over the data group after each schedule (``average_gradients``).
+
+    Not torch's DDP: its reducer rebuilds its buckets from the first backward and asserts when a schedule
+    runs several backwards (micro-batches) before the first reduction.
+    """
+    from atorch.opt_lib.sharding import broadcast_from_first
+
+    broadcast_from_first(ctx.model, ctx.data_mesh)
+    ctx.model.data_group = ctx.data_mesh.get_group()
+    logger.info("data parallel: pipeline stages replicated over %d processes (gradients averaged per step)",
+                ctx.dp_size)
+
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def average_gradients(pipelined: PipelinedModel) -> None:
+    """[communication] Every gradient averaged over the data group, in buckets of about 25 MiB per dtype."""
+    group = getattr(pipelined, "data_group", None)
+    if group is None:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    size = dist.get_world_size(group)
+    grads = [p.grad for p in pipelined.parameters() if p.grad is not None]
+    buckets: dict[Any, list[list[torch.Tensor]]] = {}
+    for grad in grads:
+        key = (grad.dtype, grad.device)
+        lists = buckets.setdefault(key, [[]])
+        if lists[-1] and sum(g.numel() * g.element_size() for g in lists[-1]) >= BUCKET_BYTES:
+            lists.append([])
+        lists[-1].append(grad)
+    with torch.no_grad():
+        for lists in buckets.values():
+            for bucket in lists:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                flat /= size
+                for grad, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    grad.copy_(value)
+
+
+def shard_stages(ctx: Any, shard: Any, *args: Any, **kwargs: Any) -> None:
+    """FSDP2 per stage: each stage is its own root (the schedule calls the stages, never the whole)."""
+    pipelined: PipelinedModel = ctx.model
+    for stage in pipelined.stages:
+        ctx.model = stage
+        shard(ctx, *args, **kwargs)
+    ctx.model = pipelined
+    ctx.gradient_sync = None  # the schedule sets each stage's gradient sync per micro-batch
+
+
+# ----- the schedule ---------------------------------------------------------------------------------------
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+class PipelineRunner:
+    """The schedule over this rank's stages, and how a batch becomes its inputs, target and loss."""
+
+    def __init__(self, ctx: Any, config: PipelineParallelConfig) -> None:
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        pipelined: PipelinedModel = ctx.model
+        self.pipelined = pipelined
+        self.group = pipelined.group  # type: ignore[attr-defined]
+        self.input_format = ctx.setup.model_input_format
+        self.user_loss = ctx.setup.loss_func
+        self.micro_batches = config.micro_batch_count(dist.get_world_size(self.group))
+        self.data: Any = None  # the batch of the running step (the loss reads its micro-batches)
+        stages = []
+        for module in pipelined.stages:
+            inner = _stage_module(module)
+            inner.autocast_dtype = ctx.autocast_dtype
+            if inner.last:
+                self.last_model = inner.module
+            stages.append(PipelineStage(module, inner.index, pipelined.stage_count, ctx.env.device,  # type: ignore[attr-defined]
+                                        group=self.group))
+        self.has_last = any(_stage_module(m).last for m in pipelined.stages)
+        cls = getattr(schedules, _SCHEDULES[config.schedule])
+        if config.schedule in SINGLE:
+            self.schedule = cls(stages[0], self.micro_batches, loss_fn=self._loss)
+        else:
+            self.schedule = cls(stages, self.micro_batches, loss_fn=self._loss)
+
+    def _loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        data = _take(self.data, index)
+        if is_transformers(self.last_model):
+            output = _transformers_output(self.last_model, output, data)
+        return self.user_loss(data, output)
+
+    def step(self, data: Any) -> torch.Tensor:
+        """One schedule over the batch; returns its mean loss (on the last stage; zero elsewhere)."""
+        batch = _batch_size(data)
+        if batch % self.micro_batches:
+            raise SetupError(f"pipeline_parallel: the batch of {batch} samples on this rank does not split into "
+                             f"{self.micro_batches} micro-batches; use a per-rank batch that is a multiple of "
+                             f"{self.micro_batches}, or set micro_batches")
+        self.data = data
+        args, kwargs = (), {}
+        if self.input_format == "unpack_dict":
+            kwargs = dict(data)
+        elif self.input_format == "unpack_sequence":
+            args = tuple(data)
+        else:
+            args = (data,)
+        losses: list[torch.Tensor] = []
+        target = torch.arange(batch, device=_device_of(data))
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            self.data = None
+        if self.has_last and losses:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=target.device)
+
+
+def _device_of(data: Any) -> torch.device:
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(data) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _batch_size(data: Any) -> int:
+    from torch.utils._pytree import tree_leaves
+
+    sizes = {t.shape[0] for t in tree_leaves(data) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise SetupError("pipeline_parallel splits each batch into micro-batches along the first dimension, so "
+                         "every tensor of the batch must have the batch as its first dimension; got first "
+                         f"dimensions {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _take(data: Any, index: torch.Tensor) -> Any:
+    """The micro-batch ``index`` (sample positions) of a batch."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, data)
+
+
+def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:
+    """What the model would have returned: logits, and the loss from its own loss function given labels."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    labels = data.get("labels") if isinstance(data, dict) else None
+    loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+    return CausalLMOutput(loss=loss, logits=logits)
+
+
+def build_schedule(ctx: Any, config: PipelineParallelConfig) -> None:
+    ctx.model.runner = PipelineRunner(ctx, config)
+
+
+def _concatenated(batches: Sequence[Any]) -> Any:
+    """The micro-batches of train_step as one batch (the schedule splits it again)."""
+    if len(batches) == 1:
+        return batches[0]
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat = [tree_flatten(b) for b in batches]
+    leaves = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+              for parts in zip(*(f[0] for f in flat), strict=True)]
+    return tree_unflatten(leaves, flat[0][1])
+
+
+def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
+    """train_step under pipeline parallel: one schedule, tied gradients summed, the optimizer step;
+    returns the step's loss on every rank (from the last stage, averaged over data-parallel ranks)."""
+    model: PipelinedModel = result.model
+    runner = model.runner
+    assert runner is not None
+    data = result.prepare_input(_concatenated(micro_batches), result.args.device)
+    loss = runner.step(data)
+    average_gradients(model)
+    sync_tied(model, grads=True)
+    result.optim.step()
+    result.optim.zero_grad(set_to_none=True)
+    if result.lr_scheduler is not None:
+        result.lr_scheduler.step()
+    dist.all_reduce(loss, group=runner.group)  # [communication] the last stage's loss, to every stage
+    if result.args.data_parallel_size > 1:
+        dist.all_reduce(loss, group=result.args.data_parallel_group)
+        loss /= result.args.data_parallel_size
+    return loss
+
+
+# ----- the method -----------------------------------------------------------------------------------------
+@register
+class PipelineParallel(Method):
+    name = "pipeline_parallel"
+    group = "parallel"
+    summary = "Pipeline parallel (torch.distributed.pipelining) on the 'pipeline' dimension: automatic balanced split."
+    Config = PipelineParallelConfig
+    mesh_dims = (PIPELINE,)
+
+    def check(self, config: PipelineParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
+        problems = []
+        mode = check.configs.get("parallel_mode")
+        if mode is None or PIPELINE not in dict(mode.dims):
+            problems.append("needs a 'pipeline' dimension: add ('parallel_mode', ([('pipeline', 2), ('data', -1)], "
+                            "None))")
+        v = config.stages_per_rank()
+        if config.schedule in SINGLE and v != 1:
+            problems.append(f"schedule '{config.schedule}' runs one stage per rank, but virtual_stages is {v}; use "
+                            "schedule 'interleaved_1f1b' (or 'interleaved_zb') for several stages per rank")
+        if config.schedule == "zbv" and v != 2:
+            problems.append("schedule 'zbv' runs exactly 2 stages per rank (V order); set virtual_stages to 2")
+        if config.schedule not in SINGLE and v < 2:
+            problems.append(f"schedule '{config.schedule}' interleaves several stages per rank; set virtual_stages "
+                            "to 2 or more, or use 'gpipe' / '1f1b'")
+        return problems
+
+    def model_problems(self, ctx: Any, config: PipelineParallelConfig) -> list[str]:  # type: ignore[override]
+        from atorch.meta_init import is_meta
+
+        problems = []
+        if is_meta(ctx.model):
+            problems.append("a model on the meta device is not supported with pipeline_parallel yet; build it on CPU")
+        if ctx.setup.loss_func is None:
+            problems.append("pipeline_parallel runs loss_func on the last stage: give loss_func(data, output)")
+        if ctx.setup.optim_param_func is not None:
+            problems.append("optim_param_func is not supported with pipeline_parallel yet; leave it out")
+        blocks, why = find_blocks(ctx.model)
+        size = ctx.layout.size(PIPELINE)
+        stages = size * config.stages_per_rank()
+        if blocks is None:
+            problems.append(why)
+        elif len(blocks.names) < stages:
+            problems.append(f"the model has {len(blocks.names)} repeated blocks, too few for {stages} stages "
+                            f"(pipeline size {size} × {config.stages_per_rank()} per rank); use fewer stages")
+        local = ctx.local_batch_size()
+        micro = config.micro_batch_count(size)
+        if ctx.setup.dataset is not None and local % micro:
+            problems.append(f"the per-rank batch of {local} samples does not split into {micro} micro-batches; set "
+                            "micro_batches to a divisor of it, or change the batch size")
+        return problems
+
+    def search_space(self, ctx: Any) -> dict[str, Dimension]:
+        size = ctx.layout.size(PIPELINE)
+        return {"schedule": Categorical(("1f1b", "gpipe", "interleaved_1f1b")),
+                "micro_batches": Categorical((size, 2 * size, 4 * size))}

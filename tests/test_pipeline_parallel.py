@@ -1,0 +1,200 @@
+"""pipeline_parallel: the balanced split, stage building, refusals, and training on real processes.
+
+Three launches (gloo): pipeline 2 on 2 processes; pipeline 2 × data 2 (every schedule, and fsdp) and
+tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 × data 2 with fsdp on 8. Each scenario must train like
+plain single-process fp32 training from the same weights on the same global batches; a stage must hold
+only its layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import shard_models as sm
+import torch
+from launcher import HERE, run_json
+from torch import nn
+from workers.pp_worker import GROUPS
+
+from atorch.opt_lib.pipeline_split import ZeroEmbedding, balanced_split, build_stage, find_blocks, plan_stages
+from atorch.strategy import Strategy
+
+WORKER = HERE / "workers" / "pp_worker.py"
+# fp32: a pipeline computes the same operations as one process; only sums are taken in another order (the
+# batch mean of the loss and the weight gradients accumulate over micro-batches and are then scaled by
+# 1/m; data parallel adds the ranks' gradients; tensor parallel adds partial products). Each such sum
+# differs by a few ulps (2^-23 ~ 1.2e-7 relative); over a few layers and 4 SGD steps (SGD does not
+# amplify rounding as AdamW does near zero gradients) that stays near 1e-6 relative, so 1e-5 leaves margin.
+FP32_TOL = (1e-5, 1e-6)
+# bf16 autocast keeps 8 significant bits (2^-8 ~ 4e-3 per op), as in test_numerics.py.
+BF16_TOL = (3e-2, 1e-3)
+NPROC = {"pp2": 2, "pp2xdp2": 4, "tp2xpp2xdp2": 8}
+# GPT-2's tied wte/lm_head weight (vocabulary 128 × width 32) is held by the first and the last stage.
+TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0}
+REFUSED = {
+    "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
+    "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",
+}
+
+
+@pytest.fixture(scope="module", params=list(GROUPS))
+def launch(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    group = request.param
+    return group, run_json(WORKER, group, nproc=NPROC[group], timeout=420)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(480)
+def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) -> None:
+    group, report = launch
+    nproc = NPROC[group]
+    for scenario, (model_name, _) in GROUPS[group].items():
+        entry = report["scenarios"][scenario]
+        assert "error" not in entry, f"{scenario} failed: {entry['error']}"
+        if scenario in REFUSED:
+            assert any(REFUSED[scenario] in p for p in entry["refused"]), entry
+            continue
+        if scenario.startswith("forward/"):  # a hand-written forward points to train_step
+            assert entry["forward_error"] and "atorch.train_step(result, [batch])" in entry["forward_error"], entry
+            continue
+        reference = report["reference"][model_name]
+        rtol, atol = BF16_TOL if "bf16" in scenario else FP32_TOL
+        if "bf16" in scenario:  # bf16's tolerance is wider than 4 SGD steps move the loss: it must fall
+            assert all(b < a for a, b in zip(entry["losses"], entry["losses"][1:], strict=False)), entry["losses"]
+        else:  # the comparison can fail: training moves the loss by far more than the tolerance
+            assert abs(reference[0] - reference[-1]) > 5 * (atol + rtol * max(map(abs, reference))), reference
+        torch.testing.assert_close(
+            torch.tensor(entry["losses"]), torch.tensor(reference), rtol=rtol, atol=atol,
+            msg=lambda m, s=scenario, e=entry, r=reference: f"{s} losses {e['losses']} vs reference {r}: {m}",
+        )
+        # train_step returns the same loss on every rank.
+        assert len(set(entry["loss_on_ranks"])) == 1, entry["loss_on_ranks"]
+        # Tied copies stay equal on every rank holding one (data ranks may hold different fsdp shards).
+        if model_name == "gpt2" and "fsdp" not in scenario:
+            assert len({t for t in entry["tied"] if t}) == 1, entry["tied"]  # 0: a rank holding no copy
+        # Memory from local tensors: a stage holds only its layers (one rank of each pipeline position).
+        local, whole, stages = entry["local"], entry["whole"], entry["first_stage"]
+        assert len(local) == nproc and sorted(set(stages)) == [0, 1], stages
+        first, last = local[stages.index(0)], local[stages.index(1)]
+        assert max(local) < whole, (local, whole)
+        if "fsdp" in scenario or "tp2" in scenario:  # sharded further: less than a whole stage each
+            assert first + last < whole, (local, whole)
+        else:  # the stages add up to the model, with the tied weight held twice
+            assert first + last == whole + TIED_COPY[model_name], (local, whole)
+
+
+# ----- the split, in this process --------------------------------------------------------------------
+def test_balanced_split_weighs_cost_not_layer_count() -> None:
+    assert balanced_split([1, 1, 1, 1], 0, 0, 2) == [2, 2]
+    assert balanced_split([1, 1, 1, 1], 0, 2, 2) == [3, 1]  # an expensive head leaves the last stage fewer blocks
+    assert balanced_split([4, 1, 1, 1, 1], 0, 0, 2) == [1, 4]
+    assert balanced_split([1, 1, 1, 1], 0, 0, 4) == [1, 1, 1, 1]
+
+
+def test_plan_follows_parameter_cost() -> None:
+    blocks_only = sm.SequentialViT(depth=4, classes=8)
+    big_head = sm.SequentialViT(depth=4, classes=400)  # its head costs about 3 blocks
+    for model, counts in ((blocks_only, [2, 2]), (big_head, [3, 1])):
+        found, why = find_blocks(model)
+        assert found is not None, why
+        assert found.pre == ("embed",) and found.post == ("norm", "head")
+        assert [len(o) for o in plan_stages(model, found, 2)] == counts
+
+
+def test_gpt2_stages_keep_only_their_layers_and_the_users_names() -> None:
+    model = sm.tiny_gpt2(layers=4)
+    blocks, _ = find_blocks(model)
+    assert blocks.container == "transformer.h" and blocks.pre == ("transformer.wte", "transformer.wpe",
+                                                                   "transformer.drop")
+    assert blocks.post == ("transformer.ln_f", "lm_head")
+    first = build_stage(model, blocks, ("0", "1"), first=True, last=False)
+    last = build_stage(model, blocks, ("2", "3"), first=False, last=True)
+    whole = dict(model.named_parameters(remove_duplicate=False))
+    for stage in (first, last):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            assert torch.equal(param, whole[name]), name  # the user's names and values
+    names_first = {n for n, _ in first.named_parameters(remove_duplicate=False)}
+    assert any(n.startswith("transformer.h.1.") for n in names_first)
+    assert not any(n.startswith(("transformer.h.2.", "transformer.ln_f", "lm_head")) for n in names_first)
+    assert isinstance(last.transformer.wte, ZeroEmbedding) and isinstance(last.transformer.wpe, ZeroEmbedding)
+    assert isinstance(last.transformer.drop, nn.Identity)
+    assert last.lm_head.weight.shape == (sm.VOCAB, 32)  # the tied head keeps its weight on the last stage
+    # The stages run the model in two halves: the same logits as the whole model.
+    ids = torch.randint(0, sm.VOCAB, (2, sm.SEQ_LEN))
+    with torch.no_grad():
+        hidden = first(input_ids=ids).logits
+        assert torch.allclose(last(inputs_embeds=hidden).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_models_that_cannot_be_split_are_explained() -> None:
+    found, why = find_blocks(sm.tiny_t5())
+    assert found is None and "sit in" in why and "lists" in why
+    found, why = find_blocks(sm.FlatMLP())
+    assert found is None and "no repeated blocks" in why
+
+
+PP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1]]})
+
+
+def test_strategy_checks() -> None:
+    assert Strategy.load([PP, "pipeline_parallel"]).problems(4) == []
+    tp_pp = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
+    assert Strategy.load([tp_pp, "tensor_parallel", "pipeline_parallel", "fsdp"]).problems(8) == []
+    assert any("needs a 'pipeline' dimension" in p for p in Strategy.load(["pipeline_parallel"]).problems(2))
+    assert any("'pipeline' is not used" in p for p in Strategy.load([PP]).problems(2))
+    problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "gpipe", "virtual_stages": 2})]).problems(2)
+    assert any("use schedule 'interleaved_1f1b'" in p for p in problems), problems
+    problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "zbv", "virtual_stages": 3})]).problems(2)
+    assert any("set virtual_stages to 2" in p for p in problems), problems
+    problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "interleaved_1f1b", "virtual_stages": 1})]
+                             ).problems(2)
+    assert any("set virtual_stages to 2 or more" in p for p in problems), problems
+    # tensor × pipeline × data with DDP on the data dimension: refused (DTensor), with the fix.
+    problems = Strategy.load([tp_pp, "tensor_parallel", "pipeline_parallel"]).problems(8)
+    assert any("add 'fsdp'" in p for p in problems), problems
+    problems = Strategy.load([PP, "pipeline_parallel", ("amp_native", {"dtype": "fp16"})]).problems(2)
+    assert any("use amp_native with dtype 'bf16'" in p for p in problems), problems
+
+
+def test_stages_are_built_without_a_process_group() -> None:
+    """With communicate=False (the cost model's fake or meta models) a rank's stages come from the layout."""
+    from atorch.apply import apply_strategy
+    from atorch.distributed import DistEnv
+    from atorch.model_context import ModelContext, UserSetup
+    from atorch.parallel_layout import ParallelLayout
+
+    strategy = Strategy.load([("parallel_mode", {"dims": [["pipeline", 2], ["data", 2]]}), "pipeline_parallel"])
+    model = sm.tiny_gpt2(layers=4)
+    held = {}
+    for rank in (0, 3):  # (pipeline 0, data 0) and (pipeline 1, data 1)
+        env = DistEnv(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        setup = UserSetup(model=model, optim_func=torch.optim.SGD, loss_func=sm.hf_loss)
+        ctx = ModelContext(setup, env, ParallelLayout((("pipeline", 2), ("data", 2)))).fresh()
+        apply_strategy(ctx, strategy, communicate=False)
+        held[rank] = (ctx.model.indices, sum(p.numel() for p in ctx.model.parameters()))
+    assert held[0][0] == [0] and held[3][0] == [1]
+    assert held[0][1] + held[3][1] == sum(p.numel() for p in model.parameters()) + sm.VOCAB * 32  # tied: twice
+
+
+def test_mixed_parallel_stands_for_tensor_and_pipeline_parallel() -> None:
+    from atorch.opt_lib.mixed_parallel import expand_mixed
+
+    three_d = ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["data", -1]]})
+    atorch_form = ("mixed_parallel", {"pipe_config": {"chunks": 4, "pipe_schedule": "Interleaved1F1B"}})
+    strategy = Strategy.load([three_d, "module_replace", atorch_form, "fsdp"])
+    assert strategy.problems(8) == []
+    configs = expand_mixed({item.name: item.config for item in strategy.methods})
+    assert "mixed_parallel" not in configs and configs["pipeline_parallel"].schedule == "interleaved_1f1b"
+    assert configs["pipeline_parallel"].micro_batches == 4 and "tensor_parallel" in configs
+    pipeline_only = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1]]})
+    assert "tensor_parallel" not in expand_mixed(
+        {i.name: i.config for i in Strategy.load([pipeline_only, "mixed_parallel"]).methods})
+    # Its limits are those of the methods it stands for: DDP cannot replicate DTensors, so a data
+    # dimension next to a tensor one needs fsdp; and it is not combined with the methods themselves.
+    problems = Strategy.load([three_d, "mixed_parallel"]).problems(8)
+    assert any("add 'fsdp'" in p for p in problems), problems
+    problems = Strategy.load([three_d, "mixed_parallel", "pipeline_parallel", "fsdp"]).problems(8)
+    assert any("drop 'pipeline_parallel'" in p for p in problems), problems
+    assert any("needs a 'tensor' and/or 'pipeline' dimension" in p
+               for p in Strategy.load(["mixed_parallel"]).problems(2))
