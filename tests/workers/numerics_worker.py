@@ -31,7 +31,7 @@ from torch.utils.data import Subset
 from worker_common import losses_of, reference_losses, run_each
 
 import atorch
-from atorch.opt_lib import allowed_pairs, method_names
+from atorch.opt_lib import allowed_pairs, get_method, method_names
 
 STEPS = 4  # optimizer steps; one more forward-only loss checks the last update
 GLOBAL_BATCH = 8
@@ -62,9 +62,10 @@ def _item(name: str) -> Any:
     return (name, CONFIG_FOR[name]) if name in CONFIG_FOR else name
 
 
-# Methods that need a layout dimension of their own (a 'tensor' dimension in parallel_mode): their
-# numerics, alone and with the methods they combine with, are in tests/test_tensor_parallel.py.
-OWN_LAYOUT = {"tensor_parallel"}
+# Methods that need a layout dimension of their own ('tensor', 'pipeline' in parallel_mode): their
+# numerics, alone and with the methods they combine with, are in tests/test_tensor_parallel.py and
+# tests/test_pipeline_parallel.py.
+OWN_LAYOUT = {name for name in method_names() if set(get_method(name).mesh_dims) - {"data"}}
 
 
 def scenarios() -> dict[str, list[Any]]:
