@@ -170,16 +170,14 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     if dashboard:
         from atorch.server.dashboard import mount
 
-        mount(app, studies, token)
-
         @app.get("/ui/login", include_in_schema=False)
         def login(token_: str = Query(alias="token")) -> Any:
             if token is not None and not secrets.compare_digest(token_.encode(), token.encode()):
                 raise HTTPException(401, "missing or wrong bearer token")
-            response = RedirectResponse("/ui", status_code=303)
+            response = RedirectResponse("/ui/", status_code=303)
             response.set_cookie(COOKIE, token_, httponly=True, samesite="strict")
             return response
 
-        app.mount("/", app.state.dashboard_mount)
+        mount(app, studies, token)  # after the routes above: its mounts take the paths they leave
 
     return BodyLimit(app, max_body)

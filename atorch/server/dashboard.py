@@ -54,7 +54,9 @@ def study_html(study: Any) -> str:
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     head = ("trial", "state", "status", "strategy", "predicted step s", "measured step s", "predicted samples/s",
             "measured samples/s", "predicted peak MiB", "measured peak MiB", "reason")
-    best_of = _strategy({"candidate": {"strategy": best.get("strategy"), "point": best.get("point")}}) if best else ""
+    best_of = _strategy({"candidate": {"strategy": best.get("strategy"), "point": best.get("point"),
+                                       "micro_batch_size": (best.get("point") or {}).get("micro_batch_size")}}
+                        ) if best else ""
     best_text = (f"{html.escape(best_of)}"
                  f" &mdash; {_num(best.get('samples_per_s'))} samples/s, peak "
                  f"{_num(best.get('peak_memory_bytes'), MiB, '{:.1f}')} MiB (trial {best.get('trial')})"
@@ -89,4 +91,4 @@ def mount(app: FastAPI, studies: Studies, token: str | None) -> None:
 
     app.mount("/ui", TokenGate(ui, token))
     # Last: optuna-dashboard takes every path the API does not (/dashboard, /api, /static, /csv).
-    app.state.dashboard_mount = TokenGate(WSGIMiddleware(wsgi(studies.storage)), token)
+    app.mount("/", TokenGate(WSGIMiddleware(wsgi(studies.storage)), token))
