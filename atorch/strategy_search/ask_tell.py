@@ -118,7 +118,8 @@ class SearchState:
     """Ask/tell on one study. ``on_trial(record)`` is called after every told trial."""
 
     def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *,
-                 on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50) -> None:
+                 on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
+                 trials: list[Any] | None = None) -> None:
         from optuna.trial import TrialState
 
         if memory_budget <= 0:
@@ -132,8 +133,11 @@ class SearchState:
         self.done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
         self.best_value: float | None = None
         self.best_key: str | None = None
-        for old in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if "measured" in old.user_attrs and old.user_attrs.get("status") != "duplicate":
+        if trials is None:  # ``trials``: the study's trials when the caller has just read them
+            trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        for old in trials:
+            attrs = old.user_attrs
+            if old.state == TrialState.COMPLETE and "measured" in attrs and attrs.get("status") != "duplicate":
                 self._remember(old.user_attrs["key"], old.number, old.user_attrs["measured"])
 
     def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:

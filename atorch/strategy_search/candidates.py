@@ -39,6 +39,7 @@ class CandidateTable:
     details: list[dict[str, Any]] | None = None  # optional, per point: what a person reads (the strategy)
     _prefixes: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
     _values: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
+    _names: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.points) != len(self.predictions):
@@ -101,12 +102,14 @@ class CandidateTable:
     def _index(self) -> None:
         # prefix (walk-ordered items) -> the JSON values taken next; dimension -> all its values, in a
         # global order (first appearance) so every prefix lists its choices consistently.
-        self._prefixes, self._values = {}, {}
+        self._prefixes, self._values, self._names = {}, {}, {}
         for point in self.points:
             items = list(point.items())
             for i, (name, value) in enumerate(items):
                 text = json.dumps(value)
-                seen = self._prefixes.setdefault(json.dumps(items[:i]), [])
+                prefix = json.dumps(items[:i])
+                self._names.setdefault(prefix, name)  # the tree: one next dimension per prefix
+                seen = self._prefixes.setdefault(prefix, [])
                 if text not in seen:
                     seen.append(text)
                 values = self._values.setdefault(name, [])
@@ -117,17 +120,11 @@ class CandidateTable:
         """The next dimension after ``partial`` and its choices (None once the point is complete)."""
         if self._prefixes is None:
             self._index()
-        items = list(partial.items())
-        taken = self._prefixes.get(json.dumps(items))  # type: ignore[union-attr]
+        prefix = json.dumps(list(partial.items()))
+        taken = self._prefixes.get(prefix)  # type: ignore[union-attr]
         if taken is None:
             return None
-        # The next key: the key at this depth in the first point extending the prefix.
-        for point in self.points:
-            if list(point.items())[: len(items)] == items and len(point) > len(items):
-                name = list(point)[len(items)]
-                break
-        else:
-            return None
+        name = self._names[prefix]  # type: ignore[index]
         order = self._values[name]  # type: ignore[index]
         return name, tuple(json.loads(v) for v in order if v in taken)
 
