@@ -45,14 +45,14 @@ def pct(values: list[float], q: float) -> float:
 
 def run(url: str, clients: int, pairs: int, tbl: dict) -> dict:
     key = f"bench-{uuid.uuid4().hex[:8]}"
-    StrategyClient(url).create_study(key, tbl, 1e9, max_trials=10_000, top_k=0)
+    StrategyClient(url, timeout_s=300).create_study(key, tbl, 1e9, max_trials=10_000, top_k=0)
     asks: list[float] = []
     tells: list[float] = []
     left = iter(range(pairs))
     lock = threading.Lock()
 
     def client() -> None:
-        c = StrategyClient(url)
+        c = StrategyClient(url, timeout_s=300)  # a queue of 32 clients on 2 cores takes seconds
         while True:
             with lock:
                 if next(left, None) is None:

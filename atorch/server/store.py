@@ -60,7 +60,7 @@ def open_storage(url: str) -> Any:
         return rdb
     if url.startswith("postgresql"):
         return optuna.storages.RDBStorage(
-            url, engine_kwargs={"connect_args": {"options": "-c synchronous_commit=off"}, "pool_pre_ping": True})
+            url, engine_kwargs={"connect_args": {"options": "-c synchronous_commit=off"}})
     return optuna.storages.get_storage(url)
 
 

@@ -89,6 +89,28 @@ def make_sampler(sampler: Any, max_trials: int, seed: int) -> Any:
     raise ValueError(f"sampler must be 'tpe', 'gp' or an Optuna sampler, got {sampler!r}")
 
 
+def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
+    """Set a running trial's user attributes in one transaction on an RDB storage (one commit instead of
+    one per attribute, each with its own read of the trial: most of a server request's time), else one by one."""
+    storage = study._storage
+    rdb = getattr(storage, "_backend", storage)
+    try:
+        from optuna.storages import RDBStorage
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        batched = isinstance(rdb, RDBStorage) and hasattr(rdb, "_set_trial_attr_without_commit")
+    except ImportError:  # another Optuna layout: the public path below is always right
+        batched = False
+    if not batched:
+        for k, v in attrs.items():
+            storage.set_trial_user_attr(trial_id, k, v)
+        return
+    with _create_scoped_session(rdb.scoped_session, True) as session:
+        for k, v in attrs.items():
+            rdb._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, k, v)
+
+
 class StopRules:
     """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
 
@@ -207,8 +229,7 @@ class SearchState:
                 self._tell(trial, pred["samples_per_s"], constraints, attrs)
                 self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
                 continue
-            for k, v in {**attrs, "status": "running", **(lease_attrs or {})}.items():
-                trial.set_user_attr(k, v)
+            set_user_attrs(self.study, trial._trial_id, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
 
     def tell(self, number: int, measured: dict[str, Any]) -> dict[str, Any]:
@@ -245,8 +266,7 @@ class SearchState:
               state: Any = None) -> dict[str, Any]:
         for k, v in (constraints or {}).items():
             trial.set_constraint(k, float(v))
-        for k, v in attrs.items():
-            trial.set_user_attr(k, v)
+        set_user_attrs(self.study, trial._trial_id, attrs)
         tell = {"state": state} if state is not None else {"values": float(value)}  # type: ignore[arg-type]
         frozen = self.study.tell(trial, **tell)
         record = trial_record(frozen)
