@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,12 +74,14 @@ class ProcessServer:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if self.token:
             env["ATORCH_SERVER_TOKEN"] = self.token
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # The log goes to a file: a pipe nobody reads would block the server once it fills.
+        self.log = tempfile.NamedTemporaryFile(prefix="atorch-serve-", suffix=".log", delete=False)  # noqa: SIM115 (open while the server runs)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(self.url)
-        except TimeoutError:
+        except TimeoutError as exc:
             self.kill()
-            raise
+            raise TimeoutError(f"{exc}; server log: {Path(self.log.name).read_text()[-3000:]}") from exc
         return self
 
     def kill(self) -> None:

@@ -20,6 +20,7 @@ import toy_models
 from server_harness import ProcessServer, ThreadServer
 from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, predict, true_memory, true_speed
 
+from atorch.cli import main
 from atorch.errors import SetupError
 from atorch.server.client import RemotePlanner, StrategyClient
 from atorch.server.serve import check_bind
@@ -184,6 +185,7 @@ def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:
             StrategyClient(server.url, "wrong").trials("secret-study")
     with pytest.raises(SetupError, match="without a token"):
         check_bind("0.0.0.0", None)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2  # refused before binding anything
     check_bind("127.0.0.1", None)
     check_bind("0.0.0.0", TOKEN)
 
