@@ -164,6 +164,21 @@ def test_an_expired_lease_is_marked_failed_and_the_search_goes_on(table, tmp_pat
             client.tell("l", dead["number"], run_of(dead["point"]))
         alive = client.ask("l", lease_s=60)
         assert client.tell("l", alive["number"], run_of(alive["point"]))["record"]["status"] == "ok"
+        # A RemotePlanner whose dry-runs outlive the lease while another job lists the study (which marks
+        # overdue trials failed; until then a late result is still taken): each tell is refused (409) and
+        # the search goes on.
+        space = SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+
+        def slow_measure(cand):
+            time.sleep(0.3)
+            client.trials("l2")
+            return Measure()(cand)
+
+        slow = RemotePlanner(space, server_url=server.url, study_key="l2", predict=predict,
+                             measure=slow_measure, memory_budget=BUDGET, max_trials=2, lease_s=0.1)
+        result = slow.search()
+        assert result.dry_runs == 2 and result.candidate is None
+        assert {t["user_attrs"]["status"] for t in client.trials("l2") if t["state"] == "FAIL"} == {"expired"}
 
 
 def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:

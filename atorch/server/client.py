@@ -24,6 +24,14 @@ logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
 
 
+class ServerError(SetupError):
+    """The server answered with an error status (``status_code``)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 class StrategyClient:
     """The /v1 API. Every failure is a SetupError naming the URL and the fix."""
 
@@ -55,8 +63,9 @@ class StrategyClient:
                 detail = response.json().get("detail")
             except ValueError:
                 detail = response.text[:500]
-            raise SetupError(f"strategy server {self.url} answered {response.status_code} to {method} {path}: "
-                             f"{detail}; check that server and client run the same atorch version")
+            raise ServerError(f"strategy server {self.url} answered {response.status_code} to {method} {path}: "
+                              f"{detail}; check that server and client run the same atorch version",
+                              response.status_code)
         return response.json() if response.content else None
 
     def health(self) -> dict[str, Any]:
@@ -171,7 +180,16 @@ class RemotePlanner(Planner):
                 stop = proposal["stop"]
                 break
             cand = self.space.from_point(proposal["point"])
-            told = self.client.tell(self.study_name, proposal["number"], measure_safely(self.measure_fn, cand))
+            measured = measure_safely(self.measure_fn, cand)
+            try:
+                told = self.client.tell(self.study_name, proposal["number"], measured)
+            except ServerError as exc:
+                if exc.status_code != 409:
+                    raise
+                # The dry-run outlived its lease: the server marked the trial failed; the search goes on.
+                logger.warning("trial %d: %s (raise lease_s above the longest dry-run)", proposal["number"], exc)
+                rules.record(False)
+                continue
             self._seen(told["record"])
             logger.info("trial %d: %s -> %s %s", proposal["number"], cand, told["record"].get("status"),
                         told["record"].get("reason", ""))
@@ -190,4 +208,4 @@ class RemotePlanner(Planner):
             self.on_trial(record)
 
 
-__all__ = ["CandidateTable", "RemotePlanner", "StrategyClient"]
+__all__ = ["CandidateTable", "RemotePlanner", "ServerError", "StrategyClient"]

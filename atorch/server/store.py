@@ -4,7 +4,7 @@ Nothing lives only in memory, so a restarted server (or a second server on the s
 every search where it stood. A per-study lock serialises ask/tell inside one process (SQLite allows one
 writer; the in-flight check must see the trial just asked). An asked trial carries a lease (unix time in
 its user attrs); a lease past due is marked FAILED before the study is asked or listed, so the candidate
-can be asked again and the search continues.
+can be asked again and the search continues (until then a late result is still taken; after, it is a 409).
 """
 
 from __future__ import annotations
