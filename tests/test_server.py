@@ -242,7 +242,7 @@ def test_schemathesis_finds_no_server_error(table, tmp_path) -> None:
             ["schemathesis", "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
              "--max-examples", "15", "--seed", "1", "-H", f"Authorization: Bearer {TOKEN}",
              "--request-timeout", "30", "--phases", "examples,coverage,fuzzing"],
-            capture_output=True, text=True, timeout=240,
+            capture_output=True, text=True, timeout=240, cwd=tmp_path,  # its cache stays out of the tree
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert json.dumps(StrategyClient(server.url, TOKEN).health()) == '{"status": "ok"}'
