@@ -1,4 +1,4 @@
-"""``atorch`` command line: list the methods, check a strategy, report on a strategy search."""
+"""``atorch`` command line: list the methods, check a strategy, report on a search, run the strategy server."""
 
 from __future__ import annotations
 
@@ -81,6 +81,12 @@ def _cmd_search_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from atorch.server.serve import serve
+
+    return serve(args.host, args.port, args.storage, args.token, args.max_body)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="atorch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--study", help="study name (default: the only atorch study in the storage)")
     report.add_argument("--out", default="search-report.html", help="HTML file to write")
     report.set_defaults(run=_cmd_search_report)
+    serve = sub.add_parser("serve", help="run the strategy server (HTTP + JSON, Optuna storage)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--storage", default=None, help="Optuna/SQLAlchemy URL (default: SQLite in the cache dir)")
+    serve.add_argument("--token", default=None, help="bearer token (default: $ATORCH_SERVER_TOKEN)")
+    serve.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes")
+    serve.set_defaults(run=_cmd_serve)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -33,12 +32,20 @@ from pathlib import Path
 from typing import Any
 
 from atorch.log import get_logger
+from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
+    DEFAULT_TOP_K,
+    OK_STATUSES,
+    SearchState,
+    StopRules,
+    cached_best,
+    make_sampler,
+    measure_safely,
+    trial_record,
+)
+from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
-
-OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
-DEFAULT_TOP_K = 3
 
 
 def cache_dir() -> Path:
@@ -113,6 +120,7 @@ class Planner:
         top_k: int = DEFAULT_TOP_K,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        on_trial: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -131,7 +139,9 @@ class Planner:
         self.top_k = top_k
         self.seed = seed
         self.clock = clock
+        self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self._predictions: dict[str, Predicted | str] | None = None
+        self._table: CandidateTable | None = None
 
     # ----- the cost model ----------------------------------------------------------------------
     def _predict(self, cand: Candidate) -> Predicted | str:
@@ -152,11 +162,19 @@ class Planner:
     def _fits(self, pred: Predicted | str) -> bool:
         return isinstance(pred, Predicted) and pred.peak_memory_bytes <= self.memory_budget
 
+    def table(self) -> CandidateTable:
+        """The space's valid points with the cost model's predictions (what ask/tell works from)."""
+        if self._table is None:
+            preds = self.predictions()
+            self._table = CandidateTable.from_space(self.space, lambda c: _pred_json(preds[c.key]))
+        return self._table
+
+    def _candidate(self, key: str) -> Candidate:
+        return self.space.enumerate()[self.table().by_key[key]]
+
     def ranked_by_cost_model(self) -> list[Candidate]:
         """Predicted-feasible candidates, highest predicted samples/s first."""
-        preds = self.predictions()
-        feasible = [c for c in self.space.enumerate() if self._fits(preds[c.key])]
-        return sorted(feasible, key=lambda c: -preds[c.key].samples_per_s)  # type: ignore[union-attr]
+        return [self._candidate(k) for k in self.table().ranked(self.memory_budget)]
 
     def plan_without_dryrun(self) -> PlanResult:
         """The cost model's pick: no study, no dry-run."""
@@ -170,29 +188,12 @@ class Planner:
 
     def baseline(self) -> Candidate | None:
         """Plain DDP (fp32, no checkpointing, no replacement) at the micro-batch the cost model likes best."""
-        ddp = [c for c in self.space.enumerate() if dict(c.point).get("sharding") == "ddp"
-               and dict(c.point).get("precision") == "fp32" and not dict(c.point).get("checkpoint")
-               and not dict(c.point).get("module_replace")]
-        if not ddp:
-            return None
-        preds = self.predictions()
-        fitting = [c for c in ddp if self._fits(preds[c.key])]
-        if fitting:
-            return max(fitting, key=lambda c: preds[c.key].samples_per_s)  # type: ignore[union-attr]
-        return min(ddp, key=lambda c: c.micro_batch_size)
+        key = self.table().baseline(self.memory_budget)
+        return self._candidate(key) if key is not None else None
 
     # ----- the study ---------------------------------------------------------------------------
     def _make_sampler(self) -> Any:
-        import optuna
-
-        if not isinstance(self.sampler, str):
-            return self.sampler
-        startup = max(1, self.max_trials // 2)
-        if self.sampler == "tpe":
-            return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=startup)
-        if self.sampler == "gp":
-            return optuna.samplers.GPSampler(seed=self.seed, n_startup_trials=startup)
-        raise ValueError(f"sampler must be 'tpe', 'gp' or an Optuna sampler, got {self.sampler!r}")
+        return make_sampler(self.sampler, self.max_trials, self.seed)
 
     def study(self) -> Any:
         import optuna
@@ -205,141 +206,39 @@ class Planner:
     def cached(self) -> PlanResult | None:
         """The stored best of a finished search with this key, if it fits the memory budget."""
         study = self.study()
-        best = study.user_attrs.get("best")
-        if not best or best.get("peak_memory_bytes", math.inf) > self.memory_budget:
+        best = cached_best(study, self.memory_budget)
+        if best is None:
             return None
         cand = self.space.from_point(best["point"])
         return PlanResult(cand, best["samples_per_s"], "cache", self.study_name, stop_reason="cached",
                           trials=_trial_records(study))
 
     def search(self, force: bool = False) -> PlanResult:
-        start = self.clock()
+        """The local loop over SearchState (ask/tell shared with the strategy server)."""
+        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock)
         if not force and (hit := self.cached()) is not None:
             logger.info("strategy search: cached best %s (%.3g samples/s)", hit.candidate, hit.samples_per_s)
             return hit
-        from optuna.trial import TrialState
-
         study = self.study()
-        preds = self.predictions()
-        seeds = self.ranked_by_cost_model()[: self.top_k]
-        base = self.baseline()
-        order = seeds
-        if base is not None and base not in seeds:
-            # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler
-            # where the infeasible region is; one that fits is measured after the cost model's picks.
-            order = [base, *seeds] if not self._fits(preds[base.key]) else [*seeds, base]
-        for cand in order:
-            study.enqueue_trial(self.space.to_params(dict(cand.point)), skip_if_exists=True)
-
-        # Measured outcomes already in the study (an earlier or interrupted search): never measured again,
-        # judged under this budget. Predicted OOMs are not reused: the budget may have changed.
-        done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
-        for old in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if "measured" in old.user_attrs and old.user_attrs.get("status") != "duplicate":
-                key = old.user_attrs["key"]
-                verdict: dict[str, Any] = {"number": old.number, "measured": old.user_attrs["measured"]}
-                value, constraints = self._judge(old.user_attrs["measured"], preds.get(key, ""), verdict)
-                done[key] = (value, constraints, verdict)
-        best_value, best_key = None, None
-        for key, (value, _, verdict) in done.items():
-            if verdict["status"] == "ok" and (best_value is None or value > best_value):
-                best_value, best_key = value, key
-        dry_runs, since_best, asks = 0, 0, 0
-        max_asks = max(50, 10 * self.max_trials)
-        stop = ""
+        state = SearchState(study, self.table(), self.memory_budget, on_trial=self.on_trial,
+                            max_asks=max(50, 10 * self.max_trials))
+        state.seed(self.top_k)
         while True:
-            elapsed = self.clock() - start
-            if self.time_limit_s is not None and elapsed >= self.time_limit_s:
-                stop = f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
-            elif dry_runs >= self.max_trials:
-                stop = f"{dry_runs} dry-runs (max_trials)"
-            elif self.patience is not None and since_best >= self.patience:
-                stop = f"no improvement in {since_best} dry-runs (patience)"
-            elif asks >= max_asks or len(done) >= len(self.space.enumerate()):
-                stop = "every candidate the sampler proposes is already known"
-            if stop:
+            proposal = state.ask(stop=rules.reason)
+            if proposal.number is None:
+                stop = proposal.stop
                 break
-            asks += 1
-            trial = study.ask()
-            cand = self.space.suggest(trial)
-            pred = preds[cand.key]
-            attrs: dict[str, Any] = {"key": cand.key, "candidate": cand.to_json(), "predicted": _pred_json(pred)}
-            if cand.key in done:  # asked again: reuse the stored outcome, no dry-run
-                value, constraints, verdict = done[cand.key]
-                attrs.update(status="duplicate", duplicate_of=verdict["number"], outcome=verdict["status"])
-                self._tell(study, trial, value, constraints, attrs)
-                continue
-            if isinstance(pred, Predicted) and not self._fits(pred):
-                attrs.update(status="predicted_oom", reason=(
-                    f"predicted peak {pred.peak_memory_bytes / 2**20:.1f} MiB > budget "
-                    f"{self.memory_budget / 2**20:.1f} MiB"
-                ))
-                over = (pred.peak_memory_bytes - self.memory_budget) / self.memory_budget
-                constraints = {"memory_over": over, "failed": 0.0}
-                self._tell(study, trial, pred.samples_per_s, constraints, attrs)
-                done[cand.key] = (pred.samples_per_s, constraints, {"number": trial.number, **attrs})
-                continue
-            dry_runs += 1
-            value, constraints = self._measure(cand, pred, attrs)
-            self._tell(study, trial, value, constraints, attrs)
-            done[cand.key] = (value, constraints, {"number": trial.number, **attrs})
-            logger.info("trial %d: %s -> %s %s", trial.number, cand, attrs["status"], attrs.get("reason", ""))
-            if attrs["status"] == "ok" and (best_value is None or value > best_value):
-                best_value, best_key, since_best = value, cand.key, 0
-            else:
-                since_best += 1
-
+            cand = self.space.from_point(proposal.point)
+            record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
+            logger.info("trial %d: %s -> %s %s", proposal.number, cand, record["status"], record.get("reason", ""))
+            rules.record(record["improved"])
         best_cand = None
-        if best_key is not None:
-            _, _, verdict = done[best_key]
-            best_cand = self.space.from_point(json.loads(best_key))
-            study.set_user_attr("best", {
-                "point": dict(best_cand.point), "samples_per_s": best_value, "trial": verdict["number"],
-                "peak_memory_bytes": verdict["measured"]["peak_memory_bytes"],
-                "strategy": json.loads(best_cand.strategy.to_json(indent=None)),
-            })
+        if (best := state.best()) is not None:
+            best_cand = self.space.from_point(best["point"])
+            state.store_best({"strategy": json.loads(best_cand.strategy.to_json(indent=None))})
         logger.info("strategy search: %s; best %s", stop, best_cand)
-        return PlanResult(best_cand, best_value, "search", self.study_name, dry_runs, stop, _trial_records(study))
-
-    def _measure(self, cand: Candidate, pred: Predicted | str, attrs: dict[str, Any]) -> tuple[float, dict[str, float]]:
-        try:
-            res = self.measure_fn(cand)
-            measured = {"status": str(res.status).lower(), "samples_per_s": float(res.samples_per_s or 0.0),
-                        "peak_memory_bytes": float(res.peak_memory_bytes or 0.0),
-                        "step_time_s": float(getattr(res, "step_time_s", 0.0) or 0.0),
-                        "reason": str(getattr(res, "reason", "") or "")}
-        except Exception as exc:  # a dry-run that raises is a failed trial; the search goes on
-            measured = {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0,
-                        "reason": f"{type(exc).__name__}: {exc}"}
-        attrs["measured"] = measured
-        return self._judge(measured, pred, attrs)
-
-    def _judge(
-        self, measured: dict[str, Any], pred: Predicted | str, attrs: dict[str, Any]
-    ) -> tuple[float, dict[str, float]]:
-        """Value and constraints of a measured outcome under this planner's budget (stored outcomes too:
-        a budget that changed since they were measured re-judges them)."""
-        fallback = pred.samples_per_s if isinstance(pred, Predicted) else 0.0
-        status, peak, sps, reason = (measured[k] for k in ("status", "peak_memory_bytes", "samples_per_s", "reason"))
-        over = (peak - self.memory_budget) / self.memory_budget
-        if status in OK_STATUSES and over > 0:
-            status = "oom"
-            reason = f"measured peak {peak / 2**20:.1f} MiB > budget {self.memory_budget / 2**20:.1f} MiB"
-        if status in OK_STATUSES and sps > 0:
-            attrs["status"] = "ok"
-            return sps, {"memory_over": over, "failed": 0.0}
-        attrs.update(status=status if status not in OK_STATUSES else "failed", reason=reason or status)
-        if status == "oom":  # over budget by the measured amount (by the whole budget when not measured)
-            return fallback, {"memory_over": over if over > 0 else 1.0, "failed": 0.0}
-        return fallback, {"memory_over": over if peak > 0 else 0.0, "failed": 1.0}
-
-    @staticmethod
-    def _tell(study: Any, trial: Any, value: float, constraints: dict[str, float], attrs: dict[str, Any]) -> Any:
-        for k, v in constraints.items():
-            trial.set_constraint(k, float(v))
-        for k, v in attrs.items():
-            trial.set_user_attr(k, v)
-        return study.tell(trial, float(value))
+        return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
+                          _trial_records(study))
 
 
 def _pred_json(pred: Predicted | str) -> dict[str, Any]:
@@ -350,5 +249,4 @@ def _pred_json(pred: Predicted | str) -> dict[str, Any]:
 
 
 def _trial_records(study: Any) -> list[dict[str, Any]]:
-    return [{"number": t.number, "value": t.value, "constraints": dict(t.constraints), **t.user_attrs}
-            for t in study.get_trials(deepcopy=False)]
+    return [trial_record(t) for t in study.get_trials(deepcopy=False)]

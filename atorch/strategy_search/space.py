@@ -297,6 +297,11 @@ class SearchSpace:
                 raise SetupError([f"the search space has no valid strategy (excluded/included/finetune): {why}"])
         return list(self._candidates)
 
+    def valid_points(self) -> list[Point]:
+        """The valid points in walk order, each keyed in walk order (what a CandidateTable is built from)."""
+        self.enumerate()
+        return [dict(p) for p in self._valid_points]
+
     def invalid_points(self) -> list[tuple[Point, list[str]]]:
         """Points the rules refused, with why (for reports and tests)."""
         self.enumerate()

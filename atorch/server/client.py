@@ -1,0 +1,211 @@
+"""The strategy server's client (httpx) and RemotePlanner: the local planner's search, asked and told remotely.
+
+RemotePlanner measures on this side (the ``measure`` callback: a dry-run on the job's ranks) and keeps the
+search's own stop rules (time limit, dry-run budget, patience); the server keeps the study, decides what to
+run next, and answers a later job with the same key from its stored best, with no dry-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from atorch.errors import SetupError
+from atorch.log import get_logger
+from atorch.strategy_search.ask_tell import DEFAULT_TOP_K, StopRules, measure_safely
+from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.planner import Planner, PlanResult
+from atorch.strategy_search.space import Candidate, SearchSpace
+
+logger = get_logger(__name__)
+SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
+
+
+class ServerError(SetupError):
+    """The server answered with an error status (``status_code``)."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class StrategyClient:
+    """The /v1 API. Every failure is a SetupError naming the URL and the fix."""
+
+    def __init__(self, server_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        import httpx
+
+        self.url = server_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
+        import httpx
+
+        try:
+            response = self.http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise SetupError(
+                f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); start it with "
+                f"`atorch serve --host 127.0.0.1 --port 8765` or fix the URL (strategy_server= / ${SERVER_ENV})"
+            ) from exc
+        if response.status_code == 401:
+            raise SetupError(f"strategy server {self.url} refused the token (401): set ${TOKEN_ENV} to the "
+                             "token the server was started with (atorch serve --token)")
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail")
+            except ValueError:
+                detail = response.text[:500]
+            raise ServerError(f"strategy server {self.url} answered {response.status_code} to {method} {path}: "
+                              f"{detail}; check that server and client run the same atorch version",
+                              response.status_code)
+        return response.json() if response.content else None
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/healthz")
+
+    def create_study(self, key: str, table: dict[str, Any], memory_budget: float, **config: Any) -> dict[str, Any]:
+        return self._call("PUT", f"/v1/studies/{key}", {"table": table, "memory_budget": memory_budget, **config})
+
+    def study(self, key: str, memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("GET", f"/v1/studies/{key}",
+                          params={"memory_budget": memory_budget} if memory_budget else None)
+
+    def ask(self, key: str, lease_s: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/ask", {"lease_s": lease_s})
+
+    def tell(self, key: str, number: int, measured: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell", {"measured": measured})
+
+    def best(self, key: str, memory_budget: float | None = None) -> dict[str, Any] | None:
+        params = {"memory_budget": memory_budget} if memory_budget else None
+        return self._call("GET", f"/v1/studies/{key}/best", params=params)["best"]
+
+    def store_best(self, key: str, strategy: dict[str, Any] | None) -> dict[str, Any] | None:
+        return self._call("PUT", f"/v1/studies/{key}/best", {"strategy": strategy})["best"]
+
+    def trials(self, key: str) -> list[dict[str, Any]]:
+        return self._call("GET", f"/v1/studies/{key}/trials")
+
+    def delete(self, key: str) -> None:
+        self._call("DELETE", f"/v1/studies/{key}")
+
+
+def _record(trial: dict[str, Any]) -> dict[str, Any]:
+    """A listed trial in the shape of Planner's trial records."""
+    return {"number": trial["number"], "value": trial["value"], "constraints": trial["constraints"],
+            **trial["user_attrs"]}
+
+
+class RemotePlanner(Planner):
+    """Planner whose study lives on a strategy server: same arguments (``storage`` is unused: the server's
+    storage holds the study), plus ``server_url`` (default $ATORCH_STRATEGY_SERVER) and ``token`` (default
+    $ATORCH_SERVER_TOKEN). ``lease_s``: how long the server waits for a result before marking a trial failed."""
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        *,
+        predict: Callable[[Candidate], Any],
+        measure: Callable[[Candidate], Any],
+        memory_budget: int,
+        storage: Any = None,
+        study_key: str | None = None,
+        sampler: Any = "tpe",
+        time_limit_s: float | None = None,
+        max_trials: int = 8,
+        patience: int | None = None,
+        top_k: int = DEFAULT_TOP_K,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        on_trial: Callable[[dict[str, Any]], None] | None = None,
+        server_url: str | None = None,
+        token: str | None = None,
+        lease_s: float = 600.0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if not isinstance(sampler, str):
+            raise SetupError("a strategy server runs its own sampler: pass sampler='tpe' or 'gp', not an object")
+        super().__init__(space, predict=predict, measure=measure, memory_budget=memory_budget,
+                         storage=storage if storage is not None else "server", study_key=study_key,
+                         sampler=sampler, time_limit_s=time_limit_s, max_trials=max_trials, patience=patience,
+                         top_k=top_k, seed=seed, clock=clock, on_trial=on_trial)
+        url = server_url or os.environ.get(SERVER_ENV)
+        if not url:
+            raise SetupError(f"no strategy server given: pass server_url= or set ${SERVER_ENV}")
+        self.server_url = url
+        self.lease_s = lease_s
+        self.client = StrategyClient(url, token if token is not None else os.environ.get(TOKEN_ENV), timeout_s)
+
+    def _create(self) -> dict[str, Any]:
+        return self.client.create_study(
+            self.study_name, self.table().to_json(), self.memory_budget, sampler=self.sampler,
+            max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s)
+
+    def study(self) -> Any:
+        raise SetupError(f"the study {self.study_name} lives on {self.server_url}: use trials() or the server's API")
+
+    def trials(self) -> list[dict[str, Any]]:
+        return [_record(t) for t in self.client.trials(self.study_name)]
+
+    def cached(self) -> PlanResult | None:
+        best = self._create()["cached"]
+        if best is None:
+            return None
+        return PlanResult(self.space.from_point(best["point"]), best["samples_per_s"], "cache", self.study_name,
+                          stop_reason="cached", trials=self.trials())
+
+    def search(self, force: bool = False) -> PlanResult:
+        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock)
+        info = self._create()
+        if not force and info["cached"] is not None:
+            best = info["cached"]
+            logger.info("strategy search: cached best on %s (%.3g samples/s)", self.server_url, best["samples_per_s"])
+            return PlanResult(self.space.from_point(best["point"]), best["samples_per_s"], "cache", self.study_name,
+                              stop_reason="cached", trials=self.trials())
+        while True:
+            if stop := rules.reason():
+                break
+            proposal = self.client.ask(self.study_name, self.lease_s)
+            for record in proposal["told"]:
+                self._seen(record)
+            if proposal["number"] is None:
+                stop = proposal["stop"]
+                break
+            cand = self.space.from_point(proposal["point"])
+            measured = measure_safely(self.measure_fn, cand)
+            try:
+                told = self.client.tell(self.study_name, proposal["number"], measured)
+            except ServerError as exc:
+                if exc.status_code != 409:
+                    raise
+                # The dry-run outlived its lease: the server marked the trial failed; the search goes on.
+                logger.warning("trial %d: %s (raise lease_s above the longest dry-run)", proposal["number"], exc)
+                rules.record(False)
+                continue
+            self._seen(told["record"])
+            logger.info("trial %d: %s -> %s %s", proposal["number"], cand, told["record"].get("status"),
+                        told["record"].get("reason", ""))
+            rules.record(told["improved"])
+        best_cand, best_value = None, None
+        stored = self.client.store_best(self.study_name, None)
+        if stored is not None:
+            best_cand = self.space.from_point(stored["point"])
+            stored = self.client.store_best(self.study_name, json.loads(best_cand.strategy.to_json(indent=None)))
+            best_value = stored["samples_per_s"]
+        logger.info("strategy search on %s: %s; best %s", self.server_url, stop, best_cand)
+        return PlanResult(best_cand, best_value, "search", self.study_name, rules.dry_runs, stop, self.trials())
+
+    def _seen(self, record: dict[str, Any]) -> None:
+        if self.on_trial is not None:
+            self.on_trial(record)
+
+
+__all__ = ["CandidateTable", "RemotePlanner", "ServerError", "StrategyClient"]

@@ -1,0 +1,119 @@
+"""The /v1 API's request and response bodies (pydantic: a malformed field is a 422 that names it)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Scalar = str | bool | int | float
+STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
+MAX_POINTS = 100_000
+
+
+class Prediction(BaseModel):
+    """The cost model's answer for one point, or why it could not predict."""
+
+    model_config = ConfigDict(extra="forbid")
+    peak_memory_bytes: float | None = Field(None, ge=0)
+    step_time_s: float | None = Field(None, ge=0)
+    samples_per_s: float | None = Field(None, ge=0)
+    error: str | None = Field(None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Prediction:
+        numbers = (self.peak_memory_bytes, self.step_time_s, self.samples_per_s)
+        if self.error is None and any(v is None for v in numbers):
+            raise ValueError("give peak_memory_bytes, step_time_s and samples_per_s, or error")
+        return self
+
+    def as_json(self) -> dict[str, Any]:
+        return {"error": self.error} if self.error is not None else self.model_dump(exclude={"error"})
+
+
+class Table(BaseModel):
+    """The candidate table: valid points in walk order, one prediction each (and optional details)."""
+
+    points: list[dict[str, Scalar]] = Field(min_length=1, max_length=MAX_POINTS)
+    predictions: list[Prediction] = Field(min_length=1, max_length=MAX_POINTS)
+    global_batch: int = Field(gt=0)
+    details: list[dict[str, Any]] | None = Field(None, max_length=MAX_POINTS)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Table:
+        if len(self.predictions) != len(self.points):
+            raise ValueError(f"predictions: {len(self.predictions)} given for {len(self.points)} points")
+        if self.details is not None and len(self.details) != len(self.points):
+            raise ValueError(f"details: {len(self.details)} given for {len(self.points)} points")
+        return self
+
+    def as_json(self) -> dict[str, Any]:
+        out = {"points": self.points, "predictions": [p.as_json() for p in self.predictions],
+               "global_batch": self.global_batch}
+        return {**out, "details": self.details} if self.details is not None else out
+
+
+class CreateStudy(BaseModel):
+    table: Table
+    memory_budget: float = Field(gt=0, description="bytes per rank; outcomes are judged under it")
+    sampler: Literal["tpe", "gp"] = "tpe"
+    max_trials: int = Field(8, ge=1, le=10_000)
+    top_k: int = Field(3, ge=0, le=1000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    lease_s: float = Field(600.0, gt=0, le=7 * 86400, description="how long an asked trial may go untold")
+
+
+class StudyInfo(BaseModel):
+    study_key: str
+    n_trials: int
+    memory_budget: float
+    cached: dict[str, Any] | None = Field(None, description="the stored best, if it fits this memory budget")
+
+
+class AskRequest(BaseModel):
+    lease_s: float | None = Field(None, gt=0, le=7 * 86400)
+
+
+class AskResponse(BaseModel):
+    number: int | None = Field(None, description="the trial to measure and tell; null: stop")
+    point: dict[str, Scalar] | None = None
+    key: str = ""
+    predicted: dict[str, Any] = Field(default_factory=dict)
+    lease_expires: float | None = Field(None, description="unix time after which the trial is marked failed")
+    stop: str = ""
+    told: list[dict[str, Any]] = Field(default_factory=list, description="trials told on the way (no dry-run)")
+
+
+class Measured(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")
+    samples_per_s: float = Field(0.0, ge=0)
+    peak_memory_bytes: float = Field(0.0, ge=0)
+    step_time_s: float = Field(0.0, ge=0)
+    reason: str = Field("", max_length=10_000)
+
+
+class TellRequest(BaseModel):
+    measured: Measured
+
+
+class TellResponse(BaseModel):
+    record: dict[str, Any]
+    improved: bool
+    already_told: bool = False
+
+
+class StoreBest(BaseModel):
+    strategy: dict[str, Any] | None = None
+
+
+class Best(BaseModel):
+    best: dict[str, Any] | None
+
+
+class Trial(BaseModel):
+    number: int
+    state: str
+    value: float | None
+    constraints: dict[str, float]
+    user_attrs: dict[str, Any]

@@ -1,0 +1,43 @@
+"""``atorch serve``: checks the address and token, then runs the app under uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+
+from atorch.errors import SetupError
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def check_bind(host: str, token: str | None) -> None:
+    if token is None and not is_loopback(host):
+        raise SetupError(
+            f"refusing to serve on {host!r} without a token: anyone who can reach it could read and change "
+            "the searches. Pass --token (or set ATORCH_SERVER_TOKEN), or bind 127.0.0.1."
+        )
+
+
+def serve(host: str, port: int, storage: str | None, token: str | None, max_body: int) -> int:
+    import uvicorn
+
+    from atorch.server.app import create_app
+    from atorch.strategy_search.planner import default_storage
+
+    token = token or os.environ.get("ATORCH_SERVER_TOKEN") or None
+    try:
+        check_bind(host, token)
+    except SetupError as exc:
+        print(f"atorch serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(storage or default_storage(), token=token, max_body=max_body)
+    uvicorn.run(app, host=host, port=port, log_level="info")
+    return 0

@@ -1,0 +1,300 @@
+"""Ask/tell over an Optuna study and a candidate table: the one place where a search decides what to run.
+
+Both the local planner (``Planner.search``) and the strategy server use it. ``ask()`` returns the next
+candidate to measure (a trial number and a point) or a stop reason; on the way it tells, without a dry-run,
+candidates the study already knows (``duplicate``) and candidates the cost model predicts above the memory
+budget (``predicted_oom``, a COMPLETED trial with a violated constraint). ``tell(number, measured)``
+judges a measured outcome under the budget and tells it; telling a finished trial again changes nothing.
+
+Everything this object knows is in the study (user attributes, JSON only), so it can be rebuilt from the
+storage at any time: after a restart, or in another server process.
+
+The stop rules that belong to one search (time limit, dry-run budget, patience) live in ``StopRules``,
+kept by whoever runs the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atorch.strategy_search.candidates import CandidateTable, Point, point_key
+
+OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
+DEFAULT_TOP_K = 3
+
+
+@dataclass(frozen=True)
+class Proposal:
+    number: int | None  # the trial to measure and tell; None when the search should stop
+    point: Point | None = None
+    key: str = ""
+    predicted: dict[str, Any] = field(default_factory=dict)
+    stop: str = ""
+
+
+def measured_json(result: Any) -> dict[str, Any]:
+    """A dry-run's result (``.status``, ``.samples_per_s``, ``.peak_memory_bytes``, ``.reason``) as JSON."""
+    return {"status": str(result.status).lower(), "samples_per_s": float(result.samples_per_s or 0.0),
+            "peak_memory_bytes": float(result.peak_memory_bytes or 0.0),
+            "step_time_s": float(getattr(result, "step_time_s", 0.0) or 0.0),
+            "reason": str(getattr(result, "reason", "") or "")}
+
+
+def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> dict[str, Any]:
+    """Run ``measure``; one that raises is a failed trial with its reason, and the search goes on."""
+    try:
+        return measured_json(measure(candidate))
+    except Exception as exc:
+        return {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0, "step_time_s": 0.0,
+                "reason": f"{type(exc).__name__}: {exc}"}
+
+
+def judge(
+    measured: dict[str, Any], pred: dict[str, Any], budget: float
+) -> tuple[float, dict[str, float], dict[str, Any]]:
+    """Value, constraints and status attributes of a measured outcome under ``budget`` (stored outcomes too:
+    a budget that changed since they were measured re-judges them)."""
+    fallback = pred.get("samples_per_s", 0.0) if "error" not in pred else 0.0
+    status, peak, sps, reason = (measured[k] for k in ("status", "peak_memory_bytes", "samples_per_s", "reason"))
+    over = (peak - budget) / budget
+    if status in OK_STATUSES and over > 0:
+        status = "oom"
+        reason = f"measured peak {peak / 2**20:.1f} MiB > budget {budget / 2**20:.1f} MiB"
+    if status in OK_STATUSES and sps > 0:
+        return sps, {"memory_over": over, "failed": 0.0}, {"status": "ok"}
+    attrs = {"status": status if status not in OK_STATUSES else "failed", "reason": reason or status}
+    if status == "oom":  # over budget by the measured amount (by the whole budget when not measured)
+        return fallback, {"memory_over": over if over > 0 else 1.0, "failed": 0.0}, attrs
+    return fallback, {"memory_over": over if peak > 0 else 0.0, "failed": 1.0}, attrs
+
+
+def trial_record(t: Any) -> dict[str, Any]:
+    return {"number": t.number, "value": t.value, "constraints": dict(t.constraints), **t.user_attrs}
+
+
+def make_sampler(sampler: Any, max_trials: int, seed: int) -> Any:
+    import optuna
+
+    if not isinstance(sampler, str):
+        return sampler
+    startup = max(1, max_trials // 2)
+    if sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup)
+    if sampler == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup)
+    raise ValueError(f"sampler must be 'tpe', 'gp' or an Optuna sampler, got {sampler!r}")
+
+
+def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
+    """Set a running trial's user attributes in one transaction on an RDB storage (one commit instead of
+    one per attribute, each with its own read of the trial: most of a server request's time), else one by one."""
+    storage = study._storage
+    rdb = getattr(storage, "_backend", storage)
+    try:
+        from optuna.storages import RDBStorage
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        batched = isinstance(rdb, RDBStorage) and hasattr(rdb, "_set_trial_attr_without_commit")
+    except ImportError:  # another Optuna layout: the public path below is always right
+        batched = False
+    if not batched:
+        for k, v in attrs.items():
+            storage.set_trial_user_attr(trial_id, k, v)
+        return
+    with _create_scoped_session(rdb.scoped_session, True) as session:
+        for k, v in attrs.items():
+            rdb._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, k, v)
+
+
+class StopRules:
+    """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
+
+    def __init__(self, time_limit_s: float | None, max_trials: int, patience: int | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.time_limit_s, self.max_trials, self.patience, self.clock = time_limit_s, max_trials, patience, clock
+        self.start = clock()
+        self.dry_runs = 0
+        self.since_best = 0
+
+    def reason(self) -> str:
+        elapsed = self.clock() - self.start
+        if self.time_limit_s is not None and elapsed >= self.time_limit_s:
+            return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
+        if self.dry_runs >= self.max_trials:
+            return f"{self.dry_runs} dry-runs (max_trials)"
+        if self.patience is not None and self.since_best >= self.patience:
+            return f"no improvement in {self.since_best} dry-runs (patience)"
+        return ""
+
+    def record(self, improved: bool) -> None:
+        self.dry_runs += 1
+        self.since_best = 0 if improved else self.since_best + 1
+
+
+class SearchState:
+    """Ask/tell on one study. ``on_trial(record)`` is called after every told trial."""
+
+    def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *,
+                 on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
+                 trials: list[Any] | None = None) -> None:
+        from optuna.trial import TrialState
+
+        if memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
+        self.study, self.table, self.budget = study, table, float(memory_budget)
+        self.on_trial = on_trial
+        self.max_asks = max_asks
+        self.asks = 0
+        # Measured outcomes already in the study (an earlier or interrupted search): never measured again,
+        # judged under this budget. Predicted OOMs are not reused: the budget may have changed.
+        self.done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
+        self.best_value: float | None = None
+        self.best_key: str | None = None
+        if trials is None:  # ``trials``: the study's trials when the caller has just read them
+            trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        for old in trials:
+            attrs = old.user_attrs
+            if old.state == TrialState.COMPLETE and "measured" in attrs and attrs.get("status") != "duplicate":
+                self._remember(old.user_attrs["key"], old.number, old.user_attrs["measured"])
+
+    def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:
+        value, constraints, attrs = judge(measured, self.table.prediction(key), self.budget)
+        verdict = {"number": number, "measured": measured, **attrs}
+        self.done[key] = (value, constraints, verdict)
+        improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
+        if improved:
+            self.best_value, self.best_key = value, key
+        return value, constraints, {**attrs, "improved": improved}
+
+    # ----- seeding -----------------------------------------------------------------------------
+    def seed(self, top_k: int = DEFAULT_TOP_K) -> list[str]:
+        """Enqueue the cost model's top-k predicted-feasible candidates and the DDP baseline."""
+        seeds = self.table.ranked(self.budget)[:top_k]
+        base = self.table.baseline(self.budget)
+        order = seeds
+        if base is not None and base not in seeds:
+            # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler
+            # where the infeasible region is; one that fits is measured after the cost model's picks.
+            fits = self.table.fits(self.table.prediction(base), self.budget)
+            order = [*seeds, base] if fits else [base, *seeds]
+        for key in order:
+            self.study.enqueue_trial(self.table.to_params(self.table.points[self.table.by_key[key]]),
+                                     skip_if_exists=True)
+        return order
+
+    # ----- ask / tell --------------------------------------------------------------------------
+    def exhausted(self) -> bool:
+        return self.asks >= self.max_asks or len(self.done) >= len(self.table.points)
+
+    def ask(self, stop: Callable[[], str] | None = None, in_flight: Callable[[], set[str]] | None = None,
+            lease_attrs: dict[str, Any] | None = None) -> Proposal:
+        """The next candidate to measure. Known candidates and predicted OOMs are told on the way.
+        ``stop()``: a search's stop rules, checked before each ask of the study (a reason stops it).
+        ``in_flight()``: keys being measured elsewhere (a server's other clients); one proposed again is
+        marked failed (never measured twice at once)."""
+        from optuna.trial import TrialState
+
+        while True:
+            if stop is not None and (reason := stop()):
+                return Proposal(None, stop=reason)
+            if self.exhausted():
+                return Proposal(None, stop="every candidate the sampler proposes is already known")
+            self.asks += 1
+            trial = self.study.ask()
+            point = self.table.suggest(trial)
+            key = point_key(point)
+            pred = self.table.prediction(key)
+            attrs: dict[str, Any] = {"key": key, "candidate": self.table.describe(key), "predicted": pred}
+            if key in self.done:  # asked again: reuse the stored outcome, no dry-run
+                value, constraints, verdict = self.done[key]
+                attrs.update(status="duplicate", duplicate_of=verdict["number"], outcome=verdict["status"])
+                self._tell(trial, value, constraints, attrs)
+                continue
+            if in_flight is not None and key in in_flight():
+                attrs.update(status="in_flight", reason="being measured by another client")
+                self._tell(trial, None, None, attrs, state=TrialState.FAIL)
+                continue
+            if not self.table.fits(pred, self.budget) and "error" not in pred:
+                attrs.update(status="predicted_oom", reason=(
+                    f"predicted peak {pred['peak_memory_bytes'] / 2**20:.1f} MiB > budget "
+                    f"{self.budget / 2**20:.1f} MiB"
+                ))
+                over = (pred["peak_memory_bytes"] - self.budget) / self.budget
+                constraints = {"memory_over": over, "failed": 0.0}
+                self._tell(trial, pred["samples_per_s"], constraints, attrs)
+                self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
+                continue
+            set_user_attrs(self.study, trial._trial_id, {**attrs, "status": "running", **(lease_attrs or {})})
+            return Proposal(trial.number, point, key, pred)
+
+    def tell(self, number: int, measured: dict[str, Any]) -> dict[str, Any]:
+        """Judge and tell a measured outcome; returns the trial's record plus ``improved``. Telling a
+        finished trial again returns its record and changes nothing."""
+        import optuna
+        from optuna.trial import TrialState
+
+        frozen = self.study._storage.get_trial(self._trial_id(number))
+        if frozen.state != TrialState.RUNNING:
+            return {**trial_record(frozen), "improved": False, "already_told": True}
+        key = frozen.user_attrs["key"]
+        value, constraints, attrs = self._remember(key, number, measured)
+        improved = attrs.pop("improved")
+        trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        record = self._tell(trial, value, constraints, {"measured": measured, **attrs})
+        return {**record, "improved": improved}
+
+    def fail(self, number: int, reason: str, status: str = "expired") -> dict[str, Any] | None:
+        """Mark a running trial FAILED (its lease expired): the candidate may be asked again."""
+        import optuna
+        from optuna.trial import TrialState
+
+        frozen = self.study._storage.get_trial(self._trial_id(number))
+        if frozen.state != TrialState.RUNNING:
+            return None
+        trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        return self._tell(trial, None, None, {"status": status, "reason": reason}, state=TrialState.FAIL)
+
+    def _trial_id(self, number: int) -> int:
+        return self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+
+    def _tell(self, trial: Any, value: float | None, constraints: dict[str, float] | None, attrs: dict[str, Any],
+              state: Any = None) -> dict[str, Any]:
+        for k, v in (constraints or {}).items():
+            trial.set_constraint(k, float(v))
+        set_user_attrs(self.study, trial._trial_id, attrs)
+        tell = {"state": state} if state is not None else {"values": float(value)}  # type: ignore[arg-type]
+        frozen = self.study.tell(trial, **tell)
+        record = trial_record(frozen)
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return record
+
+    # ----- the result --------------------------------------------------------------------------
+    def best(self) -> dict[str, Any] | None:
+        """The best measured feasible outcome of this study under this budget."""
+        if self.best_key is None:
+            return None
+        verdict = self.done[self.best_key][2]
+        return {"key": self.best_key, "point": json.loads(self.best_key), "samples_per_s": self.best_value,
+                "trial": verdict["number"], "peak_memory_bytes": verdict["measured"]["peak_memory_bytes"]}
+
+    def store_best(self, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        best = self.best()
+        if best is not None:
+            stored = {k: best[k] for k in ("point", "samples_per_s", "trial", "peak_memory_bytes")}
+            self.study.set_user_attr("best", {**stored, **(extra or {})})
+        return best
+
+
+def cached_best(study: Any, memory_budget: float) -> dict[str, Any] | None:
+    """The stored best of a finished search, if it fits ``memory_budget``."""
+    best = study.user_attrs.get("best")
+    if not best or best.get("peak_memory_bytes", math.inf) > memory_budget:
+        return None
+    return best

@@ -1,0 +1,155 @@
+"""The candidate table: the valid points of a search space in walk order, with the cost model's predictions.
+
+It is everything a study needs to ask and tell, as plain JSON, so a server can run the same search as the
+local planner without the model or the registry. The Optuna view (``suggest`` / ``to_params``) works from
+the points alone: the dimension that follows a prefix is the next key of the points extending it, and the
+choices there are the values those points take next (so an invalid combination is never proposed).
+
+A parameter's Optuna name is the dimension's name when every value of the dimension is offered, else
+``name|a,b`` (Optuna needs one distribution per parameter name), as ``SearchSpace`` names them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Point = dict[str, Any]
+
+
+def point_key(point: Point) -> str:
+    """A stable JSON text of a point (identifies a candidate in a study; equals ``Candidate.key``)."""
+    return json.dumps(point, sort_keys=True)
+
+
+def predicted_json(raw: Any, global_batch: int) -> dict[str, Any]:
+    """The cost model's answer as JSON: peak memory, step time and samples/s, or why it could not predict."""
+    step = float(raw.step_time_s)
+    return {"peak_memory_bytes": float(raw.peak_memory_bytes), "step_time_s": step,
+            "samples_per_s": global_batch / step if step > 0 else 0.0}
+
+
+@dataclass
+class CandidateTable:
+    points: list[Point]  # valid points, in the space's walk order
+    predictions: list[dict[str, Any]]  # one per point: predicted_json(...) or {"error": reason}
+    global_batch: int
+    details: list[dict[str, Any]] | None = None  # optional, per point: what a person reads (the strategy)
+    _prefixes: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
+    _values: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
+    _names: dict[str, str] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.points) != len(self.predictions):
+            raise ValueError(f"{len(self.points)} points but {len(self.predictions)} predictions")
+        if not self.points:
+            raise ValueError("a candidate table needs at least one point")
+        self.keys = [point_key(p) for p in self.points]
+        self.by_key = {k: i for i, k in enumerate(self.keys)}
+        if self.details is not None and len(self.details) != len(self.points):
+            raise ValueError(f"{len(self.points)} points but {len(self.details)} details")
+
+    # ----- JSON ------------------------------------------------------------------------------
+    @classmethod
+    def from_space(cls, space: Any, predict: Callable[[Any], dict[str, Any]]) -> CandidateTable:
+        """The table of a SearchSpace: ``predict(candidate)`` gives predicted_json(...) or {"error": ...}."""
+        cands, points = space.enumerate(), space.valid_points()  # the same order
+        return cls(points, [predict(c) for c in cands], space.global_batch,
+                   [{k: v for k, v in c.to_json().items() if k != "point"} for c in cands])
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"points": self.points, "predictions": self.predictions, "global_batch": self.global_batch}
+        return {**out, "details": self.details} if self.details is not None else out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CandidateTable:
+        details = data.get("details")
+        return cls([dict(p) for p in data["points"]], [dict(p) for p in data["predictions"]],
+                   int(data["global_batch"]), [dict(d) for d in details] if details is not None else None)
+
+    def describe(self, key: str) -> dict[str, Any]:
+        """The point, and its details when the table has them (stored with each trial)."""
+        i = self.by_key[key]
+        return {"point": self.points[i], **(self.details[i] if self.details is not None else {})}
+
+    # ----- the cost model's view -------------------------------------------------------------
+    def prediction(self, key: str) -> dict[str, Any]:
+        return self.predictions[self.by_key[key]] if key in self.by_key else {"error": "not in the table"}
+
+    @staticmethod
+    def fits(pred: dict[str, Any], budget: float) -> bool:
+        return "error" not in pred and pred["peak_memory_bytes"] <= budget
+
+    def ranked(self, budget: float) -> list[str]:
+        """Keys of predicted-feasible points, highest predicted samples/s first (walk order breaks ties)."""
+        fitting = [i for i, pred in enumerate(self.predictions) if self.fits(pred, budget)]
+        return [self.keys[i] for i in sorted(fitting, key=lambda i: -self.predictions[i]["samples_per_s"])]
+
+    def baseline(self, budget: float) -> str | None:
+        """Plain DDP (fp32, no checkpointing, no replacement) at the micro-batch the cost model likes best."""
+        ddp = [i for i, p in enumerate(self.points) if p.get("sharding") == "ddp" and p.get("precision") == "fp32"
+               and not p.get("checkpoint") and not p.get("module_replace")]
+        if not ddp:
+            return None
+        fitting = [i for i in ddp if self.fits(self.predictions[i], budget)]
+        if fitting:
+            return self.keys[max(fitting, key=lambda i: self.predictions[i]["samples_per_s"])]
+        return self.keys[min(ddp, key=lambda i: self.points[i].get("micro_batch_size", 0))]
+
+    # ----- the Optuna view -------------------------------------------------------------------
+    def _index(self) -> None:
+        # prefix (walk-ordered items) -> the JSON values taken next; dimension -> all its values, in a
+        # global order (first appearance) so every prefix lists its choices consistently.
+        self._prefixes, self._values, self._names = {}, {}, {}
+        for point in self.points:
+            items = list(point.items())
+            for i, (name, value) in enumerate(items):
+                text = json.dumps(value)
+                prefix = json.dumps(items[:i])
+                self._names.setdefault(prefix, name)  # the tree: one next dimension per prefix
+                seen = self._prefixes.setdefault(prefix, [])
+                if text not in seen:
+                    seen.append(text)
+                values = self._values.setdefault(name, [])
+                if text not in values:
+                    values.append(text)
+
+    def _next(self, partial: Point) -> tuple[str, tuple[Any, ...]] | None:
+        """The next dimension after ``partial`` and its choices (None once the point is complete)."""
+        if self._prefixes is None:
+            self._index()
+        prefix = json.dumps(list(partial.items()))
+        taken = self._prefixes.get(prefix)  # type: ignore[union-attr]
+        if taken is None:
+            return None
+        name = self._names[prefix]  # type: ignore[index]
+        order = self._values[name]  # type: ignore[index]
+        return name, tuple(json.loads(v) for v in order if v in taken)
+
+    def _param_name(self, name: str, choices: tuple[Any, ...]) -> str:
+        full = self._values[name]  # type: ignore[index]
+        return name if len(choices) == len(full) else f"{name}|{','.join(map(str, choices))}"
+
+    def _walk(self, choose: Callable[[str, tuple[Any, ...]], Any]) -> Point:
+        point: Point = {}
+        while (nxt := self._next(point)) is not None:
+            name, choices = nxt
+            point[name] = choose(self._param_name(name, choices), choices)
+        return point
+
+    def suggest(self, trial: Any) -> Point:
+        """Ask an Optuna trial for a valid point (define-by-run over the tree)."""
+        return self._walk(lambda name, choices: trial.suggest_categorical(name, list(choices)))
+
+    def to_params(self, point: Point) -> dict[str, Any]:
+        """Optuna params of a point (for enqueue_trial)."""
+        params: dict[str, Any] = {}
+
+        def take(name: str, choices: tuple[Any, ...]) -> Any:
+            params[name] = point[name.split("|", 1)[0]]
+            return params[name]
+
+        self._walk(take)
+        return params

@@ -1,0 +1,248 @@
+"""The strategy server against a real uvicorn on 127.0.0.1 (free port), real Optuna storages, no mocks.
+
+The landscape is test_planner's synthetic predict/measure: a RemotePlanner must find what a local
+Planner finds, and a second job with the same key gets the stored best with no dry-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import toy_models
+from server_harness import ProcessServer, ThreadServer
+from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, predict, true_memory, true_speed
+
+from atorch.cli import main
+from atorch.errors import SetupError
+from atorch.server.client import RemotePlanner, StrategyClient
+from atorch.server.serve import check_bind
+from atorch.strategy_search.candidates import CandidateTable, predicted_json
+from atorch.strategy_search.planner import Planner
+from atorch.strategy_search.space import SearchSpace
+
+TOKEN = "s3cret-token"
+POSTGRES = os.environ.get("ATORCH_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(scope="module")
+def space() -> SearchSpace:
+    return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+
+
+@pytest.fixture(scope="module")
+def table(space) -> dict:
+    return CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH)).to_json()
+
+
+def sqlite(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'server.db'}"
+
+
+def run_of(point: dict) -> dict:
+    return {"status": "ok", "samples_per_s": true_speed(point), "peak_memory_bytes": true_memory(point), "reason": ""}
+
+
+def postgres_or_skip() -> str:
+    if not POSTGRES:
+        pytest.skip("no PostgreSQL: set ATORCH_TEST_POSTGRES_URL (scripts/postgres.sh starts one and prints it)")
+    try:
+        import sqlalchemy
+
+        sqlalchemy.create_engine(POSTGRES).connect().close()
+    except Exception as exc:  # a URL that no server answers
+        pytest.skip(f"PostgreSQL at ATORCH_TEST_POSTGRES_URL is not reachable: {exc}")
+    return POSTGRES
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_concurrent_clients_asking_and_telling_n_trials_leave_exactly_n(backend, table, tmp_path) -> None:
+    storage = sqlite(tmp_path) if backend == "sqlite" else postgres_or_skip()
+    key, n, k = f"conc-{uuid.uuid4().hex[:8]}", 16, 4
+    tickets = iter(range(n))
+    ticket_lock = threading.Lock()
+    numbers: list[int] = []
+    errors: list[BaseException] = []
+    with ThreadServer(storage) as server:
+        StrategyClient(server.url).create_study(key, table, 10 * BUDGET, max_trials=n)  # everything fits
+
+        def job() -> None:
+            client = StrategyClient(server.url)
+            try:
+                while True:
+                    with ticket_lock:
+                        if next(tickets, None) is None:
+                            return
+                    proposal = client.ask(key)
+                    assert proposal["number"] is not None, proposal
+                    told = client.tell(key, proposal["number"], run_of(proposal["point"]))
+                    again = client.tell(key, proposal["number"], run_of(proposal["point"]))  # harmless
+                    assert again["already_told"] and again["record"] == told["record"]
+                    numbers.append(proposal["number"])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=job) for _ in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        trials = StrategyClient(server.url).trials(key)
+        if backend == "postgresql":
+            StrategyClient(server.url).delete(key)
+    measured = [t for t in trials if "measured" in t["user_attrs"] and t["user_attrs"]["status"] != "duplicate"]
+    assert len(measured) == n and sorted(numbers) == sorted(t["number"] for t in measured)
+    assert len({t["user_attrs"]["key"] for t in measured}) == n  # no candidate measured twice
+    assert all(t["state"] != "RUNNING" for t in trials)  # every asked trial was told
+
+
+def test_remote_search_matches_local_and_a_second_job_gets_the_cached_best(space, tmp_path) -> None:
+    local = Planner(space, storage=f"sqlite:///{tmp_path / 'local.db'}", study_key="k", predict=predict,
+                    measure=Measure(), memory_budget=BUDGET, max_trials=8).search()
+    with ThreadServer(sqlite(tmp_path), token=TOKEN) as server:
+        seen: list[dict] = []
+        remote_measure = Measure()
+        remote = RemotePlanner(space, server_url=server.url, token=TOKEN, study_key="k", predict=predict,
+                               measure=remote_measure, memory_budget=BUDGET, max_trials=8, on_trial=seen.append)
+        first = remote.search()
+        assert first.source == "search" and first.candidate == local.candidate
+        assert first.samples_per_s == pytest.approx(local.samples_per_s)
+        assert 1 <= first.dry_runs == len(remote_measure.calls) <= 8
+        assert {r["number"] for r in seen} == {r["number"] for r in first.trials if "status" in r}
+        assert all(true_memory(dict(c.point)) <= BUDGET for c in remote_measure.calls)  # no dry-run on an OOM
+        second_measure = Measure()
+        second = RemotePlanner(space, server_url=server.url, token=TOKEN, study_key="k", predict=predict,
+                               measure=second_measure, memory_budget=BUDGET).search()
+        assert second.source == "cache" and second.candidate == first.candidate and not second_measure.calls
+        assert RemotePlanner(space, server_url=server.url, token=TOKEN, study_key="k", predict=predict,
+                             measure=second_measure, memory_budget=BUDGET).plan_without_dryrun().candidate
+
+
+def test_restart_mid_search_loses_nothing(table, tmp_path) -> None:
+    server = ProcessServer(sqlite(tmp_path)).start()
+    try:
+        client = StrategyClient(server.url)
+        client.create_study("r", table, BUDGET, max_trials=8)
+        for _ in range(3):
+            p = client.ask("r")
+            client.tell("r", p["number"], run_of(p["point"]))
+        pending = client.ask("r")  # asked, then the server dies before the result comes
+        before = client.trials("r")
+        server.kill()
+        with pytest.raises(SetupError, match=server.url):
+            client.trials("r")
+        server.start()  # same port, same storage
+        after = client.trials("r")
+        assert after == before
+        told = client.tell("r", pending["number"], run_of(pending["point"]))
+        assert told["record"]["status"] == "ok" and not told["already_told"]
+        nxt = client.ask("r")  # the search continues
+        assert nxt["number"] is not None and nxt["key"] not in {t["user_attrs"].get("key") for t in after
+                                                                 if t["state"] == "COMPLETE"}
+    finally:
+        server.kill()
+
+
+def test_an_expired_lease_is_marked_failed_and_the_search_goes_on(table, tmp_path) -> None:
+    with ThreadServer(sqlite(tmp_path)) as server:
+        client = StrategyClient(server.url)
+        client.create_study("l", table, BUDGET, lease_s=0.5)
+        dead = client.ask("l")  # its job dies: never told
+        time.sleep(1.0)
+        trial = next(t for t in client.trials("l") if t["number"] == dead["number"])
+        assert trial["state"] == "FAIL" and trial["user_attrs"]["status"] == "expired"
+        assert "lease expired" in trial["user_attrs"]["reason"]
+        with pytest.raises(SetupError, match="409"):
+            client.tell("l", dead["number"], run_of(dead["point"]))
+        alive = client.ask("l", lease_s=60)
+        assert client.tell("l", alive["number"], run_of(alive["point"]))["record"]["status"] == "ok"
+        # A RemotePlanner whose dry-runs outlive the lease while another job lists the study (which marks
+        # overdue trials failed; until then a late result is still taken): each tell is refused (409) and
+        # the search goes on.
+        space = SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+
+        def slow_measure(cand):
+            time.sleep(0.3)
+            client.trials("l2")
+            return Measure()(cand)
+
+        slow = RemotePlanner(space, server_url=server.url, study_key="l2", predict=predict,
+                             measure=slow_measure, memory_budget=BUDGET, max_trials=2, lease_s=0.1)
+        result = slow.search()
+        assert result.dry_runs == 2 and result.candidate is None
+        assert {t["user_attrs"]["status"] for t in client.trials("l2") if t["state"] == "FAIL"} == {"expired"}
+
+
+def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:
+    with ThreadServer(sqlite(tmp_path), token=TOKEN) as server:
+        good = StrategyClient(server.url, TOKEN)
+        good.create_study("secret-study", table, BUDGET)
+        routes = [("GET", "/v1/studies"), ("GET", "/v1/studies/secret-study"),
+                  ("GET", "/v1/studies/secret-study/trials"), ("GET", "/v1/studies/secret-study/best"),
+                  ("POST", "/v1/studies/secret-study/ask"), ("DELETE", "/v1/studies/secret-study"),
+                  ("GET", "/ui/"), ("GET", "/dashboard"), ("GET", "/api/studies")]
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for method, path in routes:
+                r = httpx.request(method, server.url + path, headers=headers, json={})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+                assert r.json() == {"detail": "missing or wrong bearer token"} and "secret" not in r.text
+        assert httpx.get(server.url + "/healthz").status_code == 200
+        assert good.study("secret-study")["study_key"] == "secret-study"
+        with pytest.raises(SetupError, match="ATORCH_SERVER_TOKEN"):
+            StrategyClient(server.url, "wrong").trials("secret-study")
+    with pytest.raises(SetupError, match="without a token"):
+        check_bind("0.0.0.0", None)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2  # refused before binding anything
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", TOKEN)
+
+
+def test_malformed_payloads_are_422_naming_the_field_and_big_ones_413(table, tmp_path) -> None:
+    limit = len(json.dumps({"table": table, "memory_budget": BUDGET})) + 1000
+    with ThreadServer(sqlite(tmp_path), max_body=limit) as server:
+        url = server.url
+        r = httpx.put(f"{url}/v1/studies/m", json={"table": {**table, "predictions": table["predictions"][:-1]},
+                                                    "memory_budget": BUDGET})
+        assert r.status_code == 422 and "predictions" in r.text
+        r = httpx.put(f"{url}/v1/studies/m", json={"table": table, "memory_budget": -1})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "memory_budget"]
+        assert httpx.put(f"{url}/v1/studies/m", json={"table": table, "memory_budget": BUDGET}).status_code == 200
+        p = httpx.post(f"{url}/v1/studies/m/ask", json={}).json()
+        r = httpx.post(f"{url}/v1/studies/m/trials/{p['number']}/tell", json={"measured": {"status": "ok",
+                       "samples_per_s": "fast"}})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "measured", "samples_per_s"]
+        r = httpx.post(f"{url}/v1/studies/bad key!/ask", json={})
+        assert r.status_code == 422 and "study_key" in r.text
+        assert httpx.post(f"{url}/v1/studies/nope/ask", json={}).status_code == 404
+        big = {"table": table, "memory_budget": BUDGET, "pad": "x" * limit}
+        assert httpx.put(f"{url}/v1/studies/m", json=big).status_code == 413
+
+
+def test_unreachable_server_is_a_clear_setup_error(space) -> None:
+    from server_harness import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SetupError, match=rf"{url} is unreachable.*atorch serve"):
+        RemotePlanner(space, server_url=url, predict=predict, measure=Measure(), memory_budget=BUDGET).search()
+
+
+@pytest.mark.skipif(shutil.which("schemathesis") is None, reason="schemathesis is not installed")
+def test_schemathesis_finds_no_server_error(table, tmp_path) -> None:
+    with ThreadServer(sqlite(tmp_path), token=TOKEN) as server:
+        StrategyClient(server.url, TOKEN).create_study("s", table, BUDGET)
+        out = subprocess.run(
+            ["schemathesis", "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
+             "--max-examples", "15", "--seed", "1", "-H", f"Authorization: Bearer {TOKEN}",
+             "--request-timeout", "30", "--phases", "examples,coverage,fuzzing"],
+            capture_output=True, text=True, timeout=240, cwd=tmp_path,  # its cache stays out of the tree
+        )
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+        assert json.dumps(StrategyClient(server.url, TOKEN).health()) == '{"status": "ok"}'
