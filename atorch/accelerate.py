@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -55,6 +56,7 @@ class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
 
 KNOWN_KWARGS = (
     "verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit", "search",
+    "strategy_server",
 )
 
 
@@ -200,6 +202,10 @@ def auto_accelerate(
         problems.append(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     search_options, search_problems = _search_options(kargs.get("search"))
     problems += search_problems
+    strategy_server = kargs.get("strategy_server") or os.environ.get("ATORCH_STRATEGY_SERVER") or None
+    if strategy_server is not None and not (isinstance(strategy_server, str) and strategy_server.startswith(
+            ("http://", "https://"))):
+        problems.append(f"strategy_server must be an http(s) URL such as 'http://host:8765', got {strategy_server!r}")
     if finetune_strategy and load_strategy is None:
         problems.append("finetune_strategy=True searches around load_strategy: give load_strategy too, "
                         "or drop finetune_strategy for a full search")
@@ -251,7 +257,7 @@ def auto_accelerate(
         # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
         strategy, setup, skipped, micro_batches, search_record = _search(
             setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
-            search_options,
+            search_options, strategy_server,
         )
 
     ctx = build_context(setup, env, strategy, skipped)
@@ -284,7 +290,7 @@ def _search_options(value: Any) -> tuple[Any, list[str]]:
 
 def _search(
     setup: UserSetup, env: DistEnv, excluded: list[str], included: list[str], finetune: Strategy | None,
-    memory_limit: int | None, time_limit: float | None, options: Any,
+    memory_limit: int | None, time_limit: float | None, options: Any, strategy_server: str | None,
 ) -> tuple[Strategy, UserSetup, dict[str, str], int, dict[str, Any]]:
     """Automatic mode: search, then check the pick like a loaded strategy (every rank agrees)."""
     from dataclasses import replace
@@ -292,7 +298,8 @@ def _search(
     from atorch.strategy_search.automatic import search_strategy
 
     outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
-                              memory_limit=memory_limit, time_limit=time_limit, options=options)
+                              memory_limit=memory_limit, time_limit=time_limit, options=options,
+                              strategy_server=strategy_server)
     strategy = outcome.strategy
     layout = ParallelLayout.of(strategy, env.world_size)
     # The dataloader yields micro-batches; train_step takes outcome.micro_batches of them per step.

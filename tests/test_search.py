@@ -6,10 +6,12 @@ scenario. The one-process tests run here, in this process.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+import httpx
 import optuna
 import pytest
 import torch
@@ -72,6 +74,25 @@ def test_a_failing_and_a_hanging_candidate_are_recorded_and_the_search_completes
     picked = out["strategy"]
     assert not any(name == "amp_native" for name, *_ in picked), picked
     assert all(math.isfinite(x) for x in out["losses"])
+
+
+def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:
+    from server_harness import ThreadServer
+
+    with ThreadServer(f"sqlite:///{tmp_path}/server.db", token="s3cret") as server:
+        monkeypatch.setenv("ATORCH_STRATEGY_SERVER", server.url)
+        monkeypatch.setenv("ATORCH_SERVER_TOKEN", "s3cret")
+        out = run_json(WORKER, "remote", str(tmp_path), timeout=600)
+        studies = httpx.get(f"{server.url}/v1/studies", headers={"Authorization": "Bearer s3cret"}).json()
+    first, second = out["first"], out["second"]
+    assert first["search"]["source"] == "search" and 1 <= first["search"]["dry_runs"] <= 3
+    assert first["search"]["storage"] == server.url  # the study is on the server, not in a local file
+    assert not (tmp_path / "search.db").exists()
+    assert second["search"]["source"] == "cache" and second["search"]["dry_runs"] == 0
+    assert second["strategy"] == first["strategy"] and second["losses"] == first["losses"]
+    assert first["search"]["study_name"] in json.dumps(studies)
+    assert out["unreachable_everywhere"], out["unreachable"]
+    assert out["fallback"]["source"] == "search" and out["fallback"]["storage"].startswith("sqlite:")
 
 
 def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> None:

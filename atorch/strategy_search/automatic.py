@@ -16,7 +16,6 @@ The followers wait for the leader's next word with a bound, so a leader that die
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +56,9 @@ class SearchOptions(BaseModel):
         default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
     )
     seed: int = 0
+    server_fallback: bool = Field(
+        default=False, description="if the strategy server cannot be reached or fails: log it and search locally"
+    )
 
 
 @dataclass
@@ -95,10 +97,10 @@ def search_strategy(
     memory_limit: int | None,
     time_limit: float | None,
     options: SearchOptions,
-    planner_factory: Callable[..., Any] | None = None,
+    strategy_server: str | None = None,
 ) -> SearchOutcome:
-    """Find a strategy for this job; call on every rank. ``planner_factory`` (default: the local
-    Planner) takes the Planner's arguments (a remote planner, for a strategy server)."""
+    """Find a strategy for this job; call on every rank. With ``strategy_server`` (a URL; the token
+    from $ATORCH_SERVER_TOKEN) the study lives on that server (atorch serve) instead of local storage."""
     from atorch.strategy_search.hardware import load_profile, measure_profile
 
     start = time.monotonic()
@@ -115,9 +117,9 @@ def search_strategy(
         return _follow(session, time_limit)
     try:
         outcome = _Leader(setup, env, session, profile, excluded, included, finetune, time_limit, options,
-                          start, planner_factory).plan()
+                          start, strategy_server).plan()
     except BaseException as exc:
-        problems = exc.problems if isinstance(exc, (StrategyError, SetupError)) else [f"{type(exc).__name__}: {exc}"]
+        problems = list(getattr(exc, "problems", None) or [f"{type(exc).__name__}: {exc}"])
         session.announce(f"next/{session.trials}", {"kind": "error", "problems": problems})
         raise
     session.announce(f"next/{session.trials}", {"kind": "done", "outcome": outcome.to_json()})
@@ -145,11 +147,11 @@ class _Leader:
 
     def __init__(self, setup: UserSetup, env: DistEnv, session: DryRunSession, profile: Any, excluded: list[str],
                  included: list[str], finetune: Strategy | None, time_limit: float | None, options: SearchOptions,
-                 start: float, planner_factory: Callable[..., Any] | None) -> None:
+                 start: float, strategy_server: str | None) -> None:
         self.setup, self.env, self.session, self.profile = setup, env, session, profile
         self.excluded, self.included, self.finetune = excluded, included, finetune
         self.time_limit, self.options, self.start = time_limit, options, start
-        self.planner_factory = planner_factory
+        self.strategy_server = strategy_server
         self.global_batch = int(setup.dataloader_args.get("batch_size", 1))
         self.progress = SearchProgress(profile.memory_per_rank)
 
@@ -166,7 +168,6 @@ class _Leader:
                             excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
                             max_micro_batch_size=self.options.max_micro_batch_size)
         state_factor = optimizer_state_factor(self.setup)
-        self.predictions: dict[str, Any] = {}
 
         def predict(cand: Any) -> Any:
             from atorch.strategy_search.cost_model import predict as cost_model
@@ -179,36 +180,55 @@ class _Leader:
         storage = self.options.storage or default_storage()
         key = study_key(space.model_fingerprint, self.env.world_size, self.profile, self.global_batch,
                         space.signature())
-        remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
-        factory = self.planner_factory or Planner
-        planner = factory(
-            space, predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
-            storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
-            max_trials=self.options.max_trials, patience=self.options.patience, top_k=self.options.top_k,
-            seed=self.options.seed,
-        )
-        self.planner = planner
-        logger.info("automatic search: %d candidates, memory budget %.1f MiB per rank (%s), study %s",
-                    len(space), self.profile.memory_per_rank / 2**20, self.profile.memory_source, key)
+
+        def make_planner(remote: bool) -> Any:
+            remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
+            args = dict(predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
+                        storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
+                        max_trials=self.options.max_trials, patience=self.options.patience,
+                        top_k=self.options.top_k, seed=self.options.seed)
+            if not remote:
+                return Planner(space, **args)
+            from atorch.server.client import RemotePlanner
+
+            return RemotePlanner(space, **args, server_url=self.strategy_server)
+
+        logger.info("automatic search: %d candidates, memory budget %.1f MiB per rank (%s), study %s%s",
+                    len(space), self.profile.memory_per_rank / 2**20, self.profile.memory_source, key,
+                    f" on {self.strategy_server}" if self.strategy_server else "")
         with self.progress:
-            result = planner.search(force=self.options.force) if self.options.dryrun else \
-                planner.plan_without_dryrun()
-            if result.candidate is None and self.options.dryrun:
-                fallback = planner.plan_without_dryrun()
-                if fallback.candidate is not None and result.dry_runs == 0:
-                    # Nothing was measured (the time limit came first): the cost model's pick is all there is.
-                    logger.warning("automatic search: no dry-run finished (%s); using the cost model's pick",
-                                   result.stop_reason)
-                    result = fallback
+            self.local = self.strategy_server is None
+            self.planner = make_planner(remote=not self.local)
+            try:
+                result = self._plan(self.planner)
+            except SetupError as exc:  # the strategy server is unreachable or failing
+                if self.strategy_server is None or not self.options.server_fallback:
+                    raise
+                logger.warning("strategy server %s failed (%s); searching locally (server_fallback)",
+                               self.strategy_server, exc)
+                self.local = True
+                self.planner = make_planner(remote=False)
+                result = self._plan(self.planner)
         self.progress.summary(result)
         if result.candidate is None:
             raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
                                 what="automatic strategy search found no strategy")
         cand = result.candidate
         logger.info("automatic search picked %s (%s; %s)", cand, result.source, result.stop_reason)
+        where = storage if self.local else str(self.strategy_server)
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
-                             result.study_name, storage if "://" in storage else str(storage), result.dry_runs,
-                             result.stop_reason, result.trials)
+                             result.study_name, where, result.dry_runs, result.stop_reason, result.trials)
+
+    def _plan(self, planner: Any) -> Any:
+        result = planner.search(force=self.options.force) if self.options.dryrun else planner.plan_without_dryrun()
+        if result.candidate is None and self.options.dryrun:
+            fallback = planner.plan_without_dryrun()
+            if fallback.candidate is not None and result.dry_runs == 0:
+                # Nothing was measured (the time limit came first): the cost model's pick is all there is.
+                logger.warning("automatic search: no dry-run finished (%s); using the cost model's pick",
+                               result.stop_reason)
+                result = fallback
+        return result
 
     def _measure(self, cand: Any) -> _Measured:
         """Every rank dry-runs ``cand``: announce it, run it here too."""

@@ -6,6 +6,9 @@ argv: scenario, a scratch directory (the search's SQLite storage and the hardwar
   Then the same call again: the cached pick, with no dry-run.
 - ``budget``: plain DDP's peak is measured first (a dry-run); then a memory_limit of 70% of it: the
   pick fits (its measured peak is under the limit) and is not plain DDP.
+- ``remote``: the same against a strategy server (``atorch serve``, started by the test): a search, then
+  the cached pick with no dry-run; an unreachable server is an error on every rank, or, with
+  ``server_fallback``, a local search.
 - ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
   in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
   their reasons and the search picks a working fp32 candidate.
@@ -29,7 +32,7 @@ import torch.distributed as dist
 import toy_models
 
 import atorch
-from atorch.distributed import init_distributed
+from atorch.distributed import all_gather_json, init_distributed
 from atorch.dryrun import dry_run
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
@@ -134,7 +137,31 @@ def faults() -> dict[str, Any]:
                        for t in trials]}
 
 
-SCENARIOS = {"auto": auto, "budget": budget, "faults": faults}
+def remote() -> dict[str, Any]:
+    """Against the strategy server in $ATORCH_STRATEGY_SERVER: a search, then the same job again."""
+    out: dict[str, Any] = {}
+    for label in ("first", "second"):
+        _, result, strategy = atorch.auto_accelerate(**gpt2_setup(), search={**QUICK, "max_trials": 3})
+        out[label] = {"strategy": strategy.to_list(), "search": result.args.search, "losses": train(result, 2)}
+        result.close()
+    # A server nobody listens on: a clear error on every rank; with server_fallback, a local search.
+    try:
+        atorch.auto_accelerate(**gpt2_setup(), strategy_server="http://127.0.0.1:9", search=QUICK)
+        out["unreachable"] = "no error"
+    except atorch.StrategyError as exc:  # rank 1: rank 0's problems
+        out["unreachable"] = str(exc)
+    except Exception as exc:  # noqa: BLE001  (rank 0: the client's own error)
+        out["unreachable"] = f"{type(exc).__name__}: {exc}"
+    everyone = all_gather_json(out["unreachable"])
+    out["unreachable_everywhere"] = all("127.0.0.1:9" in text for text in everyone)
+    _, result, _ = atorch.auto_accelerate(**gpt2_setup(), strategy_server="http://127.0.0.1:9",
+                                          search={**QUICK, "max_trials": 1, "server_fallback": True})
+    out["fallback"] = result.args.search
+    result.close()
+    return out
+
+
+SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote}
 
 if __name__ == "__main__":
     out = SCENARIOS[sys.argv[1]]()
