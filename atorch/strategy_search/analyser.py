@@ -15,6 +15,10 @@ model on the meta device. From that one step it reads:
   alive between its forward and its backward at the measured batch;
 * the repeated block classes (``opt_lib.blocks.block_classes``), their count and size, the layer with
   the most parameter bytes and the largest single saved activation;
+* aten operations dispatched in forward and in backward (``fwd_ops``, ``bwd_ops``: every operation a
+  ``TorchDispatchMode`` sees, views and in-place ones included, whatever the batch size), and how many
+  of the forward's were run inside the repeated blocks (``block_fwd_ops``: what recompute runs again);
+  the cost model charges each a fixed latency (per-operation overhead dominates small models);
 * a fingerprint of the module tree (class names, parameter and buffer names, shapes, dtypes, trainable
   flags; not values) that identifies "the same model" across runs: the search's study key.
 
@@ -37,6 +41,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.class_ref import class_path
@@ -95,6 +100,10 @@ class ModelStats(_Frozen):
     buffer_bytes: int
     fwd_flops_per_sample: float
     fwd_bwd_flops_per_sample: float
+    fwd_ops: int = 0  # aten operations dispatched by one forward (loss included)
+    bwd_ops: int = 0  # ... by one backward
+    block_fwd_ops: int = 0  # forward operations run inside the repeated blocks (recompute runs them again)
+    param_tensors: int = 0  # trainable parameter tensors (the optimizer's per-tensor work)
     activation_bytes: int  # all tensors saved for backward in one step at the measured batch
     activation_bytes_outside_blocks: int
     blocks: tuple[BlockStats, ...]
@@ -197,6 +206,26 @@ _EXTRA_FLOPS = {
 }
 
 
+# ----- operation counting ------------------------------------------------------------------------------
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active (and those inside the repeated blocks)."""
+
+    def __init__(self, saved: _SavedTensors | None = None) -> None:
+        super().__init__()
+        self.saved = saved
+        self.count = 0
+        self.in_blocks = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace != "aten":  # fake tensors' own queries (prim.device) are no kernel of the real step
+            return func(*args, **(kwargs or {}))
+        self.count += 1
+        if self.saved is not None and any(name in self.saved.blocks for name in self.saved.stack):
+            self.in_blocks += 1
+        return func(*args, **(kwargs or {}))
+
+
 # ----- saved-tensor accounting -------------------------------------------------------------------------
 
 class _SavedTensors:
@@ -255,19 +284,21 @@ def _block_instances(model: nn.Module) -> dict[str, str]:
 # ----- the analysis ------------------------------------------------------------------------------------
 
 def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func: Callable[..., Any] | None,
-          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int]:
-    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch."""
+          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int, _OpCounter, _OpCounter]:
+    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch and
+    the operation counters of the two."""
+    fwd_ops, bwd_ops = _OpCounter(saved), _OpCounter()
     with ExitStack() as hooks:
         saved.track(work, hooks)
-        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, \
+        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, fwd_ops, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             output = call_model(work, batch, model_input_format)
             loss = _loss_of(output, batch, loss_func)
     if loss is None:
-        return fwd.get_total_flops(), 0
-    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd:
+        return fwd.get_total_flops(), 0, fwd_ops, bwd_ops
+    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd, bwd_ops:
         loss.backward()
-    return fwd.get_total_flops(), bwd.get_total_flops()
+    return fwd.get_total_flops(), bwd.get_total_flops(), fwd_ops, bwd_ops
 
 
 def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
@@ -292,7 +323,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
             t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
     saved = _SavedTensors(work, blocks)
     try:
-        fwd_flops, bwd_flops = _step(work, batch, model_input_format, loss_func, mode, saved)
+        fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode, saved)
     except Exception as exc:
         raise SetupError(
             f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "
@@ -333,6 +364,10 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
         fwd_flops_per_sample=fwd_flops / batch_size,
         fwd_bwd_flops_per_sample=(fwd_flops + bwd_flops) / batch_size,
+        fwd_ops=fwd_ops.count,
+        bwd_ops=bwd_ops.count,
+        block_fwd_ops=fwd_ops.in_blocks,
+        param_tensors=len(trainable),
         activation_bytes=saved.total,
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
         blocks=block_stats,
