@@ -6,7 +6,8 @@
 For a small GPT-2 (bench/search.py's ``small``), the MLP of tests/toy_models.py and a small ResNet
 (bench/search.py's ``cnn``), every candidate of the search space (sharding with each implementation and
 CPU offload, checkpoint, precision fp32 / amp bf16 / amp fp16, micro-batch size; ``--every K`` keeps
-every K-th) is measured with the dry-run the search itself uses (``atorch.dryrun.runner.DryRunSession``):
+every K-th from ``--first``) is measured with the dry-run the search itself uses
+(``atorch.dryrun.runner.DryRunSession``):
 
 * peak memory = ``TrialResult.peak_bytes``: the peak increase of live tensor bytes over the baseline taken
   before the candidate is built, over build and warm-up, the maximum over ranks (``PeakMemory``);
@@ -57,10 +58,23 @@ def mlp() -> dict[str, Any]:
             "model_input_format": "unpack_sequence"}
 
 
+def cnn() -> dict[str, Any]:
+    """bench/search.py's small ResNet, called with (images, labels) unpacked."""
+    import search
+
+    class ResNet(search.SmallResNet):
+        def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return super().forward(images)
+
+    parts = search.cnn()
+    torch.manual_seed(0)
+    return {**parts, "model": ResNet(), "model_input_format": "unpack_sequence"}
+
+
 def builders() -> dict[str, Any]:
     import search
 
-    return {"gpt2": search.SCENARIOS["small"]["build"], "mlp": mlp, "cnn": search.cnn}
+    return {"gpt2": search.SCENARIOS["small"]["build"], "mlp": mlp, "cnn": cnn}
 
 
 # ----- measuring ---------------------------------------------------------------------------------------
@@ -79,7 +93,7 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     stats = analyse(parts["model"], _sample_batch(setup, env, args.global_batch // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
     cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED).enumerate()
-    cands = cands[:: args.every]
+    cands = cands[args.first:: args.every]
     session = DryRunSession(setup, env, warmup=args.warmup, steps=args.steps, rejoin_timeout_s=1200)
     rows = []
     for cand in cands:
@@ -148,6 +162,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,mlp,cnn")
     parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--every", type=int, default=1, help="measure every K-th candidate of the space")
+    parser.add_argument("--first", type=int, default=0, help="with --every: the index of the first candidate measured")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", default="", help="save statistics, profile and measurements here")
@@ -168,10 +183,10 @@ def main() -> None:
                               "profile": profile.model_dump(mode="json"), "models": {}}
     for name in args.models.split(","):
         report["models"][name] = measure(name, args, env, profile)
+        if env.rank == 0 and args.json:  # after each model: a later failure keeps what was measured
+            Path(args.json).write_text(json.dumps(report, indent=1))
     if env.rank == 0:
         evaluate(report)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
 
 

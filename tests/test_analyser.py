@@ -264,3 +264,37 @@ def test_gpt2_on_meta_device_and_frozen_embeddings() -> None:
     stats = analyse(frozen, tokens(), "unpack_dict")
     assert stats.frozen_param_bytes == VOCAB * D * F32
     assert stats.fingerprint != real.fingerprint
+
+
+def test_op_counts_match_a_real_step() -> None:
+    """The analyser's operation counts (fake tensors) equal those of a real step of the same model,
+    counted independently; forward ones do not depend on the batch size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            if func.namespace == "aten" and func.overloadpacket is not torch.ops.aten.detach:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = toy_models.MLP(dim=8, depth=2, classes=4)
+    x = torch.randn(BATCH, 16)
+    stats = analyse(model, (x,), "unpack_sequence", lambda data, output: output.sum())
+    with Count() as fwd:
+        loss = model(x).sum()
+    with Count() as bwd:
+        loss.backward()
+    # Forward: per Linear a transpose and an addmm (4 Linears), per block a GELU and the residual add (2),
+    # and the sum: 4 x 2 + 2 x 2 + 1 = 13.
+    assert stats.fwd_ops == len(fwd.ops) == 13
+    assert stats.bwd_ops == len(bwd.ops)
+    assert stats.fwd_lowp_ops == fwd.ops.count("addmm") == 4  # what autocast would cast inputs for
+    assert stats.block_fwd_ops == 2 * 3  # per block: t, addmm, gelu (the residual add is outside the block)
+    assert stats.param_tensors == 8
+    wider = analyse(model, (torch.randn(3 * BATCH, 16),), "unpack_sequence", lambda data, output: output.sum())
+    assert (wider.fwd_ops, wider.bwd_ops) == (stats.fwd_ops, stats.bwd_ops)
