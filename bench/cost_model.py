@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--every", type=int, default=1, help="measure every K-th candidate of the space")
     parser.add_argument("--first", type=int, default=0, help="with --every: the index of the first candidate measured")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=2, help="as the search: step 2 is the first with optimizer state")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", default="", help="save statistics, profile and measurements here")
     parser.add_argument("--replay", default="", help="predict the measurements saved by --json (no run)")

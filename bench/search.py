@@ -52,7 +52,9 @@ from atorch.strategy_search.automatic import SearchOptions, optimizer_state_fact
 from atorch.strategy_search.progress import describe  # noqa: E402
 from atorch.strategy_search.space import SearchSpace  # noqa: E402
 
-WARMUP, STEPS = 1, 3
+# Two warm-up steps, as the search (SearchOptions.warmup_steps): the first step runs its forward before any
+# optimizer state exists, so only the second reaches the peak training keeps reaching.
+WARMUP, STEPS = 2, 3
 EXCLUDED = ["half", "module_replace"]  # keeps each space at 50-110 candidates: sweepable on 2 cores
 
 

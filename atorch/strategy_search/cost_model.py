@@ -4,8 +4,10 @@
 model's statistics (``analyser.ModelStats``), the strategy, the parallel layout and a hardware profile
 (measured here or read from a table for another cluster) are all it reads, so a plan for a 1,000-GPU
 job can be made on a laptop. Every term is analytical and listed here; the constants marked
-"calibrated" were fitted against ``bench/cost_model.py`` (peak live tensor bytes and median step times
-of real runs at 2 ranks, see bench/README.md).
+"calibrated" were fitted against ``bench/cost_model.py``, which measures each candidate with the
+dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor bytes over a baseline taken
+before the candidate is built, over build and warm-up, max over ranks; median step time after
+warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
 Notation: ``dp`` = data-parallel size, ``P`` = trainable parameter bytes (fp32 as built), ``F`` = frozen
 parameter bytes, ``B`` = buffer bytes, ``k`` = ``optimizer_state_factor`` (states per parameter: AdamW 2,
@@ -20,36 +22,51 @@ wrappers' persistent buffers — plus the largest of three phases:
   gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor; with
   recompute, part of them is freed before the largest block is recomputed, so the factor is smaller),
   plus the gathered parameters that exist then;
-* backward: the gradients plus the gathered parameters and unsharded gradients that exist then;
+* backward: the gradients plus the activations (gradients grow while saved activations are still held:
+  the model takes the sum, as measured) plus the gathered parameters and unsharded gradients that exist then;
 * optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
   ``OPTIMIZER_TEMP_PER_STATE`` × ``k`` × the parameters a rank updates).
 
 ``peak_phase`` says which phase won; ``temporary`` is the persistent buffers plus that phase's
 temporaries (so parameters + optimizer_state + temporary + that phase's activations or gradients = peak).
 Gradients are set to None after each step (``train_step``), so they do not coexist with the forward's
-activations. Per method:
+activations; in steady state (the second step on) the optimizer state exists during forward and backward. Per method:
 
 * plain / DDP: ``P + F + B`` parameters, ``P`` gradients, ``k·P`` optimizer state (in the parameter
-  dtype). DDP (dp > 1) keeps persistent gradient-sized buffers: measured 2 × ``P`` with gloo (the
-  reducer's buckets and a second copy; calibrated ``DDP_FSDP_PERSISTENT[0]``).
-* zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds the
-  other ranks' updated parameters, ``P (dp−1)/dp``; the rest as DDP.
+  dtype). DDP (dp > 1) keeps its reducer's buckets, one gradient-sized copy, from construction on
+  (``DDP_FSDP_PERSISTENT[0]`` = 1 × ``P``, measured).
+* zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds part of
+  the other ranks' updated parameters as they are broadcast (calibrated ``ZERO1_BROADCAST_FRACTION`` ×
+  ``P (dp−1)/dp``: ZeroRedundancyOptimizer broadcasts per parameter, so how many coexist with the step's
+  temporaries depends on the partition); the rest as DDP.
+* zero1 / zero2 with ``implementation: deepspeed``: DeepSpeed's ZeRO-1/2 keep every parameter in the
+  module (``P + F + B``), an fp32 master copy of the rank's partition (``P / dp``) and one reduce bucket
+  (``DEEPSPEED_BUCKETS`` × ``P``: opt_lib/deepspeed_zero.py caps it at the model's parameter count);
+  state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1).
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; in forward and backward
   the root unit's parameters (everything outside the repeated blocks, gathered for the whole step) + two
   blocks' gathered parameters (the one running and the one prefetched) + one block's unsharded gradient.
-  FSDP2 keeps one persistent gradient-sized buffer at dp > 1 (measured; ``DDP_FSDP_PERSISTENT[1]``).
+  FSDP2 keeps one sharded-gradient-sized buffer at dp > 1 (``DDP_FSDP_PERSISTENT[1]`` × ``P / dp``,
+  measured).
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
-  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak); in
-  backward they are freed as the sharded gradients grow (``P + F + one block − grads/2``).
-* cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: the
-  device figure leaves them out (``host_bytes`` holds them).
+  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak);
+  backward frees them unit by unit, so its peak is fsdp's.
+* cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
+  a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
+  memory is the device's, and nothing changes.
 * amp_native: parameters stay fp32; under FSDP the gathered copies are in the autocast dtype (half);
   without FSDP autocast caches a 16-bit cast of every weight until the forward ends (``(P + F) / 2``);
-  activations: matmul outputs are saved in 16 bits, the rest in 32 (calibrated ``AMP_ACTIVATION_FACTOR``).
+  activations: matmul / convolution outputs are saved in 16 bits, the rest in 32 (calibrated
+  ``AMP_ACTIVATION_FACTOR``: 0.5 of the fp32 bytes).
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
-* checkpoint (every repeated block): a block keeps only its input (calibrated
-  ``CHECKPOINT_INPUT_FRACTION`` of its saved bytes) and one block's activations exist again during its
-  recompute: ``A_outside + fraction × Σ blocks + the largest block``.
+* checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
+  for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
+  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``.
+
+Known limits of the memory model against the dry-run (bench/README.md): with amp fp16 the warm-up's
+first step may be skipped by the loss scaler (an inf at the initial scale), so no optimizer state exists
+yet and the dry-run's peak is lower than training's; FSDP2's forward peak under amp is over-predicted by
+up to ~10%.
 
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
@@ -242,7 +259,7 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
     phases = {
         "forward": activations + fwd_temp,
-        "backward": grads + bwd_temp,
+        "backward": activations + grads + bwd_temp,  # gradients grow while saved activations are still held
         "optimizer": grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
