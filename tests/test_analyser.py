@@ -48,6 +48,7 @@ def test_mlp_figures_match_hand_computation() -> None:
     loss_saved = stats.activation_bytes_outside_blocks - BATCH * 16 * F32 - BATCH * 32 * F32
     assert BATCH * 8 * F32 + BATCH * 8 <= loss_saved <= BATCH * 8 * F32 + BATCH * 8 + 8
     assert block.activation_bytes_total == 3 * block.activation_bytes
+    assert block.input_bytes_total == 3 * BATCH * 32 * F32  # what recompute keeps: each block's input
     assert block.param_bytes_total == 3 * block.param_bytes
     assert stats.activation_bytes == stats.activation_bytes_outside_blocks + block.activation_bytes_total
     assert stats.largest_layer is not None and stats.largest_layer.name == "blocks.0.0"
