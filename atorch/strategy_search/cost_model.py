@@ -252,7 +252,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
     host = 0.0
-    offloaded = offload and sharding and profile.device_type != "cpu"  # on a CPU device, host memory is the device's
+    # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
+    offloaded = offload and sharding and profile.device_type != "cpu" and not deepspeed
     if offloaded:
         host = params - buffers + grads + state
         params, grads, state = buffers, 0.0, 0.0
