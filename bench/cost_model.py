@@ -134,6 +134,9 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
             lines.append(f"{row['candidate'][:44]:<45}{row['micro_batch_size']:>4}{pred.memory.peak / 2**20:>9.2f}"
                          f"{row['peak'] / 2**20:>9.2f}{100 * err:>7.1f}%{pred.time.step:>9.4f}{row['step_s']:>9.4f}"
                          f"  {pred.memory.peak_phase}")
+        if not errors:
+            print(f"\n{name}: no candidate ran")
+            continue
         rho = spearman(pred_s, meas_s)
         ratio = [p / m for p, m in zip(pred_s, meas_s, strict=True)]
         summary[name] = {"candidates": len(errors), "mem_err_median": statistics.median(errors),
