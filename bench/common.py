@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_gpt2 import SyntheticLanguage, build_gpt2, loss_func  # noqa: E402
 
-__all__ = ["SyntheticLanguage", "Stats", "build_gpt2", "is_main", "loss_func", "machine", "stats"]
+__all__ = ["SyntheticLanguage", "Stats", "build_gpt2", "is_main", "loss_func", "machine", "spearman", "stats"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,30 @@ def stats(values: list[float]) -> Stats:
         count=len(ordered), median=statistics.median(ordered), mean=statistics.fmean(ordered),
         minimum=ordered[0], maximum=ordered[-1], q1=q1, q3=q3,
     )
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks; tied values share the average of their ranks."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged); 0 if either is constant."""
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
 
 
 def is_main() -> bool:

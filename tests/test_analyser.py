@@ -48,6 +48,7 @@ def test_mlp_figures_match_hand_computation() -> None:
     loss_saved = stats.activation_bytes_outside_blocks - BATCH * 16 * F32 - BATCH * 32 * F32
     assert BATCH * 8 * F32 + BATCH * 8 <= loss_saved <= BATCH * 8 * F32 + BATCH * 8 + 8
     assert block.activation_bytes_total == 3 * block.activation_bytes
+    assert block.input_bytes_total == 3 * BATCH * 32 * F32  # what recompute keeps: each block's input
     assert block.param_bytes_total == 3 * block.param_bytes
     assert stats.activation_bytes == stats.activation_bytes_outside_blocks + block.activation_bytes_total
     assert stats.largest_layer is not None and stats.largest_layer.name == "blocks.0.0"
@@ -264,3 +265,37 @@ def test_gpt2_on_meta_device_and_frozen_embeddings() -> None:
     stats = analyse(frozen, tokens(), "unpack_dict")
     assert stats.frozen_param_bytes == VOCAB * D * F32
     assert stats.fingerprint != real.fingerprint
+
+
+def test_op_counts_match_a_real_step() -> None:
+    """The analyser's operation counts (fake tensors) equal those of a real step of the same model,
+    counted independently; forward ones do not depend on the batch size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            if func.namespace == "aten" and func.overloadpacket is not torch.ops.aten.detach:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = toy_models.MLP(dim=8, depth=2, classes=4)
+    x = torch.randn(BATCH, 16)
+    stats = analyse(model, (x,), "unpack_sequence", lambda data, output: output.sum())
+    with Count() as fwd:
+        loss = model(x).sum()
+    with Count() as bwd:
+        loss.backward()
+    # Forward: per Linear a transpose and an addmm (4 Linears), per block a GELU and the residual add (2),
+    # and the sum: 4 x 2 + 2 x 2 + 1 = 13.
+    assert stats.fwd_ops == len(fwd.ops) == 13
+    assert stats.bwd_ops == len(bwd.ops)
+    assert stats.fwd_lowp_ops == fwd.ops.count("addmm") == 4  # what autocast would cast inputs for
+    assert stats.block_fwd_ops == 2 * 3  # per block: t, addmm, gelu (the residual add is outside the block)
+    assert stats.param_tensors == 8
+    wider = analyse(model, (torch.randn(3 * BATCH, 16),), "unpack_sequence", lambda data, output: output.sum())
+    assert (wider.fwd_ops, wider.bwd_ops) == (stats.fwd_ops, stats.bwd_ops)

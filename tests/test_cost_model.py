@@ -16,7 +16,8 @@ def _stats() -> ModelStats:
     return ModelStats(
         fingerprint="x", batch_size=4, seq_len=None, param_count=1000, trainable_param_count=1000,
         param_bytes=4000, trainable_param_bytes=4000, frozen_param_bytes=0, grad_bytes=4000, buffer_bytes=0,
-        fwd_flops_per_sample=1e6, fwd_bwd_flops_per_sample=3e6, activation_bytes=1600,
+        fwd_flops_per_sample=1e6, fwd_bwd_flops_per_sample=3e6, fwd_ops=100, bwd_ops=200, block_fwd_ops=60,
+        fwd_lowp_ops=10, param_tensors=6, activation_bytes=1600,
         activation_bytes_outside_blocks=600,
         blocks=(BlockStats(class_path="m.Block", count=2, param_bytes=1000, activation_bytes=500,
                            param_bytes_total=2000, activation_bytes_total=1000),),
@@ -31,7 +32,7 @@ def _profile(world: int = 2) -> HardwareProfile:
         "device_type": "cpu", "device_name": "test", "world_size": world, "local_world_size": world,
         "backend": "gloo", "torch_version": "any", "matmul_tflops": {"float32": 1.0, "bfloat16": 0.5},
         "collectives": {"all_reduce": link, "all_gather": link, "reduce_scatter": link},
-        "memory_per_rank": 1 << 30,
+        "op_latency_s": 1e-5, "memory_bytes_per_s": 4e9, "memory_per_rank": 1 << 30,
     })
 
 
@@ -43,16 +44,17 @@ def _predict(items: list, dp: int = 2, global_batch: int = 8, micro_batches: int
 def test_hand_computed_ddp_case() -> None:
     p = _predict(["parallel_mode"])
     m = p.memory
-    # params 4000, grads 4000, AdamW state 2 x 4000, DDP buffers 2 x 4000 (calibrated), activations at
-    # 4 samples/rank = 1600 + 2.5 x 200 = 2100; the optimizer step's phase wins: grads 4000 + foreach
-    # temporaries 0.25 x 2 x 4000 = 2000 -> peak = 4000 + 8000 + 8000 + 6000.
+    # params 4000, grads 4000, AdamW state 2 x 4000, DDP's buckets 1 x 4000 (calibrated), activations at
+    # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases: forward 2100; backward: the activations still held
+    # + the gradients = 6100; optimizer: grads 4000 + foreach temporaries 0.25 x 2 x 4000 = 6000. The
+    # backward wins: peak = 4000 + 8000 + 4000 + 6100.
     assert (m.parameters, m.gradients, m.optimizer_state, m.activations) == (4000, 4000, 8000, 2100)
-    assert (m.temporary, m.peak, m.peak_phase) == (10000, 26000, "optimizer")
+    assert (m.temporary, m.peak, m.peak_phase) == (4000, 22100, "backward")
     t = p.time
     assert t.compute == pytest.approx(3e6 * 4 / 1e12)  # FLOPs/sample x samples per rank / 1 TFLOP/s
-    assert t.communication == pytest.approx(4000 * 1.0 / 1e9 + 1e-4)  # all-reduce: 2(n-1)/n = 1 at n=2, 1 bucket
-    assert t.optimizer == pytest.approx(6 * 4000 / 5e9)
-    assert t.step == pytest.approx(t.compute + t.communication + t.optimizer)
+    # all-reduce of the gradients (2(n-1)/n = 1 at n=2, 1 bucket) and of the loss (4 bytes)
+    assert t.communication == pytest.approx(4000 * 1.0 / 1e9 + 1e-4 + 4 / 1e9 + 1e-4)
+    assert t.step == pytest.approx(t.compute + t.overhead + t.communication + t.optimizer)
 
 
 def test_sharding_checkpoint_zero1_and_batch_move_memory_the_right_way() -> None:
@@ -78,7 +80,10 @@ def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> No
     fsdp, zero2 = _predict(["parallel_mode", "fsdp"]), _predict(["parallel_mode", "zero2"])
     assert zero2.memory.parameters == fsdp.memory.parameters
     assert zero2.time.communication < fsdp.time.communication  # one all-gather per step, not two
-    offload = _predict(["parallel_mode", ("fsdp", {"cpu_offload": True})])
+    cuda = _profile(2).model_copy(update={"device_type": "cuda"})
+    fsdp = predict(_stats(), Strategy.load(["parallel_mode", "fsdp"]), ParallelLayout.data_parallel(2), cuda, 8)
+    offload = predict(_stats(), Strategy.load(["parallel_mode", ("fsdp", {"cpu_offload": True})]),
+                      ParallelLayout.data_parallel(2), cuda, 8)
     assert offload.memory.peak < fsdp.memory.peak
     assert offload.memory.host_bytes == fsdp.memory.parameters + fsdp.memory.gradients + fsdp.memory.optimizer_state
 
@@ -102,7 +107,8 @@ def test_cluster_table_uses_the_same_formulas() -> None:
     gathered = 4000 * 0.5 * 2  # 16-bit parameters, gathered in forward and again in backward
     link = profile.collectives
     expected = (gathered * 7 / 8 / link["all_gather"].bus_bandwidth + 2 * 3 * link["all_gather"].latency_s
-                + 4000 * 7 / 8 / link["reduce_scatter"].bus_bandwidth + 3 * link["reduce_scatter"].latency_s)
+                + 4000 * 7 / 8 / link["reduce_scatter"].bus_bandwidth + 3 * link["reduce_scatter"].latency_s
+                + 4 * 2 * 7 / 8 / link["all_reduce"].bus_bandwidth + link["all_reduce"].latency_s)  # the loss
     assert p.time.communication == pytest.approx(expected)
     assert p.memory.parameters == 4000 / 8
 
@@ -116,27 +122,54 @@ def test_prediction_json_round_trip_and_bad_input() -> None:
         _predict(["parallel_mode"], overlap=2.0)
 
 
-def test_benchmark_live_bytes_counts_known_tensors() -> None:
-    """bench/cost_model.py's LiveBytes: views count once, freed and resized storages leave the total."""
-    import importlib.util
-    from pathlib import Path
+def test_per_operation_overhead() -> None:
+    """Operations x the profile's latency: per micro-batch (whatever its size), recompute adds the blocks'
+    forward operations, autocast adds casts, FSDP adds operations per unit and collective."""
+    from atorch.strategy_search import cost_model as cm
 
-    import torch
+    ddp = _predict(["parallel_mode"])
+    optimizer_ops = cm.OPTIMIZER_OPS[0] + cm.OPTIMIZER_OPS[1] * 2  # AdamW: 2 states
+    assert ddp.time.ops == 100 + 200 + optimizer_ops
+    assert ddp.time.overhead == pytest.approx(ddp.time.ops * 1e-5)
+    assert _predict(["parallel_mode"], global_batch=16).time.overhead == pytest.approx(ddp.time.overhead)
+    accumulated = _predict(["parallel_mode"], global_batch=16, micro_batches=2)
+    assert accumulated.time.ops == 2 * (100 + 200) + optimizer_ops
+    assert _predict(["parallel_mode", "checkpoint"]).time.ops == ddp.time.ops + 60
+    amp = _predict(["parallel_mode", ("amp_native", {"dtype": "bf16"})])
+    assert amp.time.ops == ddp.time.ops + cm.AMP_CAST_OPS * 10
+    fsdp = _predict(["parallel_mode", "fsdp"])  # 2 block units + the root, gathered twice, reduced once
+    assert fsdp.time.ops == ddp.time.ops + 3 * (cm.FSDP_UNIT_OPS * 3 + cm.FSDP_PARAM_OPS * 6)
+    assert ddp.time.step == pytest.approx(ddp.time.compute + ddp.time.overhead + ddp.time.communication
+                                          + ddp.time.optimizer)
+    # The update's passes over the owned parameter bytes at the profile's memory bandwidth, plus DDP's
+    # copies of the gradients into and out of its buckets.
+    passes = cm.OPTIMIZER_PASSES[0] + cm.OPTIMIZER_PASSES[1] * 2
+    assert ddp.time.optimizer == pytest.approx((passes * 4000 + 2 * 4000) / 4e9)
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "cost_model.py"
-    spec = importlib.util.spec_from_file_location("bench_cost_model", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    tracker = bench.LiveBytes()
-    with tracker:
-        a = torch.zeros(1000)  # 4000 bytes
-        view = a[10:20]  # no new storage
-        b = torch.ones(500, dtype=torch.float64)  # 4000 bytes
-        assert tracker.current() == 8000
-        del b
-        c = a + 1  # 4000 bytes; peak stays 8000
-        c.untyped_storage().resize_(0)  # how FSDP2 frees a gathered parameter
-        d = torch.empty(250)  # 1000 bytes
-    assert tracker.peak == 8000
-    assert tracker.current() == 5000
-    assert view.numel() == 10 and d.numel() == 250
+
+def test_checkpoint_keeps_the_blocks_inputs_and_cpu_offload_stays_on_a_cpu_device() -> None:
+    """With the analyser's block inputs, recompute keeps exactly them (plus what is outside the blocks and
+    one block's activations during its recompute); on a CPU device, offloaded state is still device memory."""
+    from atorch.strategy_search.analyser import BlockStats
+
+    stats = _stats()
+    with_inputs = stats.model_copy(update={"blocks": (BlockStats(
+        class_path="m.Block", count=2, param_bytes=1000, activation_bytes=500, param_bytes_total=2000,
+        activation_bytes_total=1000, input_bytes_total=160),)})
+    strategy = Strategy.load(["parallel_mode", "checkpoint"])
+    p = predict(with_inputs, strategy, ParallelLayout.data_parallel(2), _profile(2), 8)
+    assert p.memory.activations == 600 + 160 + 500 + round(1.5 * 200)  # outside + inputs + one block + loss
+    cuda = _profile(2).model_copy(update={"device_type": "cuda"})
+    offload = Strategy.load(["parallel_mode", ("fsdp", {"cpu_offload": True})])
+    on_cpu = predict(stats, offload, ParallelLayout.data_parallel(2), _profile(2), 8)
+    on_cuda = predict(stats, offload, ParallelLayout.data_parallel(2), cuda, 8)
+    assert on_cpu.memory.host_bytes == 0 and on_cuda.memory.host_bytes > 0
+    plain = predict(stats, Strategy.load(["parallel_mode", "fsdp"]), ParallelLayout.data_parallel(2), _profile(2), 8)
+    assert on_cpu.memory == plain.memory and on_cuda.memory.peak < on_cpu.memory.peak
+
+
+def test_deepspeed_keeps_whole_parameters_a_master_shard_and_a_bucket() -> None:
+    ds = _predict(["parallel_mode", ("zero2", {"implementation": "deepspeed"})])
+    fsdp2 = _predict(["parallel_mode", ("zero2", {"implementation": "fsdp2"})])
+    assert ds.memory.parameters == 4000 and fsdp2.memory.parameters == 2000
+    assert ds.memory.optimizer_state == fsdp2.memory.optimizer_state == 4000

@@ -8,7 +8,15 @@ import pytest
 import torch.distributed as dist
 from launcher import HERE, run_json
 
-from atorch.strategy_search.hardware import COLLECTIVES, PROFILES_DIR, HardwareProfile, load_profile, measure_profile
+from atorch.strategy_search import hardware
+from atorch.strategy_search.hardware import (
+    COLLECTIVES,
+    PROFILES_DIR,
+    HardwareProfile,
+    cache_path,
+    load_profile,
+    measure_profile,
+)
 
 WORKER = HERE / "workers" / "hardware_worker.py"
 
@@ -32,6 +40,9 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
     for stats in first.collectives.values():
         assert 1e6 < stats.bus_bandwidth < 1e12 and 1e-7 < stats.latency_s < 1 and stats.size_bytes > 0
     assert first.memory_per_rank > 0
+    # One small operation dispatched from Python: between 100 ns and 10 ms on any machine; elementwise
+    # bandwidth between 100 MB/s and 10 TB/s.
+    assert 1e-7 < first.op_latency_s < 1e-2 and 1e8 < first.memory_bytes_per_s < 1e13
     assert first.measure_s < 15, "the micro-benchmarks must stay short"
 
     # The second call reads the cache: the same profile, no measuring (available RAM, the budget, moves).
@@ -70,3 +81,25 @@ def test_one_process_without_a_process_group(tmp_path: Path, monkeypatch: pytest
         == profile
     assert measure_profile(memory_limit=12345) == profile  # from the cache
     assert measure_profile().memory_source == "ram"
+    assert profile.op_latency_s > 0 and profile.memory_bytes_per_s > 0
+
+
+def test_a_new_profile_format_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache written before the profile gained fields (older format) is not read: the new fields are measured."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    name = hardware._device_name(hardware._device())
+    old = load_profile("a100_80gb_8x_nvlink").model_copy(update={
+        "source": "measured", "world_size": 1, "backend": backend, "collectives": {}, "op_latency_s": 0.0,
+        "memory_bytes_per_s": 0.0})
+    monkeypatch.setattr(hardware, "PROFILE_FORMAT", hardware.PROFILE_FORMAT - 1)
+    stale = cache_path(name, 1, backend)
+    stale.parent.mkdir(parents=True)
+    old.save(stale)
+    assert measure_profile(memory_limit=1).op_latency_s == 0.0  # the same format reads its cache
+    monkeypatch.undo()
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    assert cache_path(name, 1, backend) != stale
+    fresh = measure_profile(memory_limit=1)
+    assert fresh.op_latency_s > 0 and fresh.matmul_tflops != old.matmul_tflops

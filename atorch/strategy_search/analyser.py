@@ -13,8 +13,15 @@ model on the meta device. From that one step it reads:
   counted once, parameters and buffers left out; attributed to the innermost repeated block (transformer
   layer, residual block) running when the tensor was saved, so a block's figure is what that block keeps
   alive between its forward and its backward at the measured batch;
-* the repeated block classes (``opt_lib.blocks.block_classes``), their count and size, the layer with
+* the repeated block classes (``opt_lib.blocks.block_classes``), their count and size, the bytes of
+  floating-point tensors passed into them (what activation checkpointing keeps of a block), the layer with
   the most parameter bytes and the largest single saved activation;
+* aten operations dispatched in forward and in backward (``fwd_ops``, ``bwd_ops``: every operation a
+  ``TorchDispatchMode`` sees, views and in-place ones included, detaches not; the same whatever the
+  batch size), and how many of the forward's were run inside the repeated blocks (``block_fwd_ops``:
+  what recompute runs again) or were matmuls, convolutions or attention (``fwd_lowp_ops``: what
+  autocast casts inputs for);
+  the cost model charges each a fixed latency (per-operation overhead dominates small models);
 * a fingerprint of the module tree (class names, parameter and buffer names, shapes, dtypes, trainable
   flags; not values) that identifies "the same model" across runs: the search's study key.
 
@@ -37,6 +44,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.class_ref import class_path
@@ -61,6 +69,7 @@ class BlockStats(_Frozen):
     activation_bytes: int  # bytes saved for backward by one block at the measured batch (largest instance)
     param_bytes_total: int
     activation_bytes_total: int
+    input_bytes_total: int = 0  # the tensors passed into the blocks at the measured batch (what recompute keeps)
 
 
 class LayerStats(_Frozen):
@@ -95,6 +104,11 @@ class ModelStats(_Frozen):
     buffer_bytes: int
     fwd_flops_per_sample: float
     fwd_bwd_flops_per_sample: float
+    fwd_ops: int = 0  # aten operations dispatched by one forward (loss included)
+    bwd_ops: int = 0  # ... by one backward
+    block_fwd_ops: int = 0  # forward operations run inside the repeated blocks (recompute runs them again)
+    fwd_lowp_ops: int = 0  # forward matmuls / convolutions / attention: what autocast runs in 16 bits
+    param_tensors: int = 0  # trainable parameter tensors (the optimizer's per-tensor work)
     activation_bytes: int  # all tensors saved for backward in one step at the measured batch
     activation_bytes_outside_blocks: int
     blocks: tuple[BlockStats, ...]
@@ -197,6 +211,40 @@ _EXTRA_FLOPS = {
 }
 
 
+# ----- operation counting ------------------------------------------------------------------------------
+
+# The operations autocast runs in 16 bits (casting their inputs): matmuls, convolutions, attention.
+_AUTOCAST_LOWP = {
+    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.matmul,
+    torch.ops.aten.linear, torch.ops.aten.convolution, torch.ops.aten.addbmm,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten.scaled_dot_product_attention,
+}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active (and those inside the repeated blocks)."""
+
+    def __init__(self, saved: _SavedTensors | None = None) -> None:
+        super().__init__()
+        self.saved = saved
+        self.count = 0
+        self.in_blocks = 0
+        self.lowp = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Not counted: fake tensors' own queries (prim.device), and autograd's detaches (the analyser's
+        # saved-tensor hooks add some that the real step does not run).
+        if func.namespace != "aten" or func.overloadpacket is torch.ops.aten.detach:
+            return func(*args, **(kwargs or {}))
+        self.count += 1
+        if func.overloadpacket in _AUTOCAST_LOWP:
+            self.lowp += 1
+        if self.saved is not None and any(name in self.saved.blocks for name in self.saved.stack):
+            self.in_blocks += 1
+        return func(*args, **(kwargs or {}))
+
+
 # ----- saved-tensor accounting -------------------------------------------------------------------------
 
 class _SavedTensors:
@@ -209,6 +257,7 @@ class _SavedTensors:
         self.stack: list[str] = []
         self.total = 0
         self.by_block: dict[str, int] = {name: 0 for name in blocks}
+        self.inputs: dict[str, int] = {name: 0 for name in blocks}
         self.largest: ActivationStats | None = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -230,10 +279,17 @@ class _SavedTensors:
     def track(self, model: nn.Module, stack: ExitStack) -> None:
         """Keep ``self.stack`` = the names of the modules running now (hooks on the copy only)."""
         for name, module in model.named_modules():
-            pre = module.register_forward_pre_hook(lambda *_, n=name: self.stack.append(n))
+            pre = module.register_forward_pre_hook(lambda _, args, kwargs, n=name: self._enter(n, args, kwargs),
+                                                   with_kwargs=True)
             post = module.register_forward_hook(lambda *_, n=name: self._leave(n), always_call=True)
             stack.callback(pre.remove)
             stack.callback(post.remove)
+
+    def _enter(self, name: str, args: Any, kwargs: Any) -> None:
+        self.stack.append(name)
+        if name in self.inputs:  # the first call's inputs (a block run twice is counted once)
+            self.inputs[name] = self.inputs[name] or sum(
+                _nbytes(t) for t in _leaves([args, list(kwargs.values())]) if t.is_floating_point())
 
     def _leave(self, name: str) -> None:
         if self.stack and self.stack[-1] == name:
@@ -255,19 +311,21 @@ def _block_instances(model: nn.Module) -> dict[str, str]:
 # ----- the analysis ------------------------------------------------------------------------------------
 
 def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func: Callable[..., Any] | None,
-          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int]:
-    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch."""
+          mode: FakeTensorMode, saved: _SavedTensors) -> tuple[int, int, _OpCounter, _OpCounter]:
+    """One forward and backward on fake tensors: (forward FLOPs, backward FLOPs) of the whole batch and
+    the operation counters of the two."""
+    fwd_ops, bwd_ops = _OpCounter(saved), _OpCounter()
     with ExitStack() as hooks:
         saved.track(work, hooks)
-        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, \
+        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, fwd_ops, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             output = call_model(work, batch, model_input_format)
             loss = _loss_of(output, batch, loss_func)
     if loss is None:
-        return fwd.get_total_flops(), 0
-    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd:
+        return fwd.get_total_flops(), 0, fwd_ops, bwd_ops
+    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd, bwd_ops:
         loss.backward()
-    return fwd.get_total_flops(), bwd.get_total_flops()
+    return fwd.get_total_flops(), bwd.get_total_flops(), fwd_ops, bwd_ops
 
 
 def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
@@ -292,7 +350,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
             t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
     saved = _SavedTensors(work, blocks)
     try:
-        fwd_flops, bwd_flops = _step(work, batch, model_input_format, loss_func, mode, saved)
+        fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode, saved)
     except Exception as exc:
         raise SetupError(
             f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "
@@ -301,15 +359,15 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
             "analysed; check that model_input_format and loss_func match the sample batch"
         ) from exc
 
-    by_class: dict[str, list[tuple[int, int]]] = {}
+    by_class: dict[str, list[tuple[int, int, int]]] = {}
     instances = dict(model.named_modules())
     for name, path in blocks.items():
         block_params = sum(_nbytes(p) for p in instances[name].parameters())
-        by_class.setdefault(path, []).append((block_params, saved.by_block[name]))
+        by_class.setdefault(path, []).append((block_params, saved.by_block[name], saved.inputs[name]))
     block_stats = tuple(
         BlockStats(class_path=path, count=len(sizes), param_bytes=max(s[0] for s in sizes),
                    activation_bytes=max(s[1] for s in sizes), param_bytes_total=sum(s[0] for s in sizes),
-                   activation_bytes_total=sum(s[1] for s in sizes))
+                   activation_bytes_total=sum(s[1] for s in sizes), input_bytes_total=sum(s[2] for s in sizes))
         for path, sizes in sorted(by_class.items()))
 
     largest_layer = None
@@ -333,6 +391,11 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         buffer_bytes=sum(_nbytes(b) for b in model.buffers()),
         fwd_flops_per_sample=fwd_flops / batch_size,
         fwd_bwd_flops_per_sample=(fwd_flops + bwd_flops) / batch_size,
+        fwd_ops=fwd_ops.count,
+        bwd_ops=bwd_ops.count,
+        block_fwd_ops=fwd_ops.in_blocks,
+        fwd_lowp_ops=fwd_ops.lowp,
+        param_tensors=len(trainable),
         activation_bytes=saved.total,
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
         blocks=block_stats,

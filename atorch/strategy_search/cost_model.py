@@ -4,8 +4,10 @@
 model's statistics (``analyser.ModelStats``), the strategy, the parallel layout and a hardware profile
 (measured here or read from a table for another cluster) are all it reads, so a plan for a 1,000-GPU
 job can be made on a laptop. Every term is analytical and listed here; the constants marked
-"calibrated" were fitted against ``bench/cost_model.py`` (peak live tensor bytes and median step times
-of real runs at 2 ranks, see bench/README.md).
+"calibrated" were fitted against ``bench/cost_model.py``, which measures each candidate with the
+dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor bytes over a baseline taken
+before the candidate is built, over build and warm-up, max over ranks; median step time after
+warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
 Notation: ``dp`` = data-parallel size, ``P`` = trainable parameter bytes (fp32 as built), ``F`` = frozen
 parameter bytes, ``B`` = buffer bytes, ``k`` = ``optimizer_state_factor`` (states per parameter: AdamW 2,
@@ -20,53 +22,78 @@ wrappers' persistent buffers — plus the largest of three phases:
   gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor; with
   recompute, part of them is freed before the largest block is recomputed, so the factor is smaller),
   plus the gathered parameters that exist then;
-* backward: the gradients plus the gathered parameters and unsharded gradients that exist then;
+* backward: the gradients plus the activations (gradients grow while saved activations are still held:
+  the model takes the sum, as measured) plus the gathered parameters and unsharded gradients that exist then;
 * optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
   ``OPTIMIZER_TEMP_PER_STATE`` × ``k`` × the parameters a rank updates).
 
 ``peak_phase`` says which phase won; ``temporary`` is the persistent buffers plus that phase's
 temporaries (so parameters + optimizer_state + temporary + that phase's activations or gradients = peak).
 Gradients are set to None after each step (``train_step``), so they do not coexist with the forward's
-activations. Per method:
+activations; in steady state (the second step on) the optimizer state exists during forward and backward. Per method:
 
 * plain / DDP: ``P + F + B`` parameters, ``P`` gradients, ``k·P`` optimizer state (in the parameter
-  dtype). DDP (dp > 1) keeps persistent gradient-sized buffers: measured 2 × ``P`` with gloo (the
-  reducer's buckets and a second copy; calibrated ``DDP_FSDP_PERSISTENT[0]``).
-* zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds the
-  other ranks' updated parameters, ``P (dp−1)/dp``; the rest as DDP.
+  dtype). DDP (dp > 1) keeps its reducer's buckets, one gradient-sized copy, from construction on
+  (``DDP_FSDP_PERSISTENT[0]`` = 1 × ``P``, measured).
+* zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds part of
+  the other ranks' updated parameters as they are broadcast (calibrated ``ZERO1_BROADCAST_FRACTION`` ×
+  ``P (dp−1)/dp``: ZeroRedundancyOptimizer broadcasts per parameter, so how many coexist with the step's
+  temporaries depends on the partition); the rest as DDP.
+* zero1 / zero2 with ``implementation: deepspeed``: DeepSpeed's ZeRO-1/2 keep every parameter in the
+  module (``P + F + B``), an fp32 master copy of the rank's partition (``P / dp``) and one reduce bucket
+  (``DEEPSPEED_BUCKETS`` × ``P``: opt_lib/deepspeed_zero.py caps it at the model's parameter count);
+  state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1).
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; in forward and backward
   the root unit's parameters (everything outside the repeated blocks, gathered for the whole step) + two
   blocks' gathered parameters (the one running and the one prefetched) + one block's unsharded gradient.
-  FSDP2 keeps one persistent gradient-sized buffer at dp > 1 (measured; ``DDP_FSDP_PERSISTENT[1]``).
+  FSDP2 keeps one sharded-gradient-sized buffer at dp > 1 (``DDP_FSDP_PERSISTENT[1]`` × ``P / dp``,
+  measured).
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
-  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak); in
-  backward they are freed as the sharded gradients grow (``P + F + one block − grads/2``).
-* cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: the
-  device figure leaves them out (``host_bytes`` holds them).
+  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak);
+  backward frees them unit by unit, so its peak is fsdp's.
+* cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
+  a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
+  memory is the device's, and nothing changes.
 * amp_native: parameters stay fp32; under FSDP the gathered copies are in the autocast dtype (half);
   without FSDP autocast caches a 16-bit cast of every weight until the forward ends (``(P + F) / 2``);
-  activations: matmul outputs are saved in 16 bits, the rest in 32 (calibrated ``AMP_ACTIVATION_FACTOR``).
+  activations: matmul / convolution outputs are saved in 16 bits, the rest in 32 (calibrated
+  ``AMP_ACTIVATION_FACTOR``: 0.5 of the fp32 bytes).
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
-* checkpoint (every repeated block): a block keeps only its input (calibrated
-  ``CHECKPOINT_INPUT_FRACTION`` of its saved bytes) and one block's activations exist again during its
-  recompute: ``A_outside + fraction × Σ blocks + the largest block``.
+* checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
+  for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
+  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``.
 
-Step time (seconds): compute + exposed communication + optimizer.
+Known limits of the memory model against the dry-run (bench/README.md): with amp fp16 the warm-up's
+first step may be skipped by the loss scaler (an inf at the initial scale), so no optimizer state exists
+yet and the dry-run's peak is lower than training's; FSDP2's forward peak under amp is over-predicted by
+up to ~10%.
+
+Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
 * compute = FLOPs per sample (forward+backward) × samples per rank per step / matmul throughput of the
   compute dtype (fp32; bf16/fp16 under amp_native or half); checkpoint adds one more forward of the blocks.
+* overhead = operations × the profile's per-operation latency (``op_latency_s``: Python, the dispatcher,
+  a kernel launch), which dominates small models. Operations per micro-batch are the analyser's counts
+  of aten operations in forward and backward (independent of the batch size); checkpoint adds the
+  blocks' forward operations (recompute); amp_native adds ``AMP_CAST_OPS`` per matmul / convolution /
+  attention of the forward (two input casts and their backward); the optimizer step runs
+  ``OPTIMIZER_OPS`` foreach operations (2 + 4 per state: AdamW's lerp, mul, addcmul, sqrt, div, add,
+  addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit around each all-gather and reduce-scatter.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + all-gather of the updated parameters; zero2: one all-gather
   of the parameters per micro-batch + reduce-scatter of the gradients; fsdp: all-gather in forward and
-  again in backward (reshard after forward) + reduce-scatter, one collective per unit. Gathers move
-  16-bit parameters under amp_native; gradients are reduced in fp32. With gradient accumulation only the
-  last micro-batch reduces under DDP; FSDP gathers on every micro-batch. Exposed communication =
-  ``(1 − overlap) ×`` that: ``overlap = 0`` (the default) assumes nothing overlaps (right for gloo on CPU,
-  where the collectives run on the same cores); on GPUs pass the fraction hidden behind compute.
-* optimizer: the update reads and writes parameters, gradients and states of the shard a rank owns,
-  ``(2 + 2k)`` passes over its bytes, at ``optimizer_bytes_per_s`` (a memory-bandwidth figure; default
-  ``DEFAULT_OPTIMIZER_BYTES_PER_S``).
+  again in backward (reshard after forward) + reduce-scatter, one collective per unit; every step
+  all-reduces its loss (one latency). Gathers move 16-bit parameters under amp_native; gradients are
+  reduced in fp32. With gradient accumulation only the last micro-batch reduces under DDP; FSDP gathers
+  on every micro-batch. Exposed communication = ``(1 − overlap) ×`` that: ``overlap = 0`` (the default)
+  assumes nothing overlaps (right for gloo on CPU, where the collectives run on the same cores); on
+  GPUs pass the fraction hidden behind compute.
+* optimizer (elementwise traffic at the profile's ``memory_bytes_per_s``): the update makes
+  ``OPTIMIZER_PASSES`` = 4 + 8k passes over the parameter bytes a rank owns (AdamW: 20, counted from its
+  foreach operations: reads and writes of parameters, gradients and the two states, and the temporary
+  denominator); DDP copies gradients into and out of its buckets (2 × ``P``) and FSDP its gathered
+  parameters and reduce-scatter inputs (2 × the bytes gathered and reduced).
 """
 
 from __future__ import annotations
@@ -81,12 +108,19 @@ from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.hardware import HardwareProfile
 
 # Calibrated against bench/cost_model.py (see bench/README.md "Cost model").
-AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
-CHECKPOINT_INPUT_FRACTION = 0.03  # a checkpointed block's saved input, as a share of its saved activations
+AMP_ACTIVATION_FACTOR = 0.5  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
+CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
+ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
+DEEPSPEED_BUCKETS = 1.0  # DeepSpeed's reduce bucket, x P (its size is capped at the model's parameter count)
 OPTIMIZER_TEMP_PER_STATE = 0.25  # foreach AdamW's temporaries (sqrt of the second moment), per state and parameter
-DDP_FSDP_PERSISTENT = (2.0, 1.0)  # persistent gradient-sized buffers: DDP reducer (buckets), FSDP2 (dp > 1)
-DEFAULT_OPTIMIZER_BYTES_PER_S = 5e9
+DDP_FSDP_PERSISTENT = (1.0, 1.0)  # persistent buffers: DDP reducer's buckets (x P), FSDP2 (x P / dp, dp > 1)
+DEFAULT_MEMORY_BYTES_PER_S = 5e9  # a profile without memory_bytes_per_s (an older table)
+AMP_CAST_OPS = 4  # per autocast matmul: its two inputs cast in forward, and those casts' backward
+OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per state (AdamW: 10)
+OPTIMIZER_PASSES = (4, 8)  # passes over the parameter bytes of an update: 4 + 8 per state (AdamW: 20)
+FSDP_UNIT_OPS = 6  # operations FSDP2 runs per unit around each collective (copy-in, split, copy-out, hooks)
+FSDP_PARAM_OPS = 2  # ... and per parameter (its view into the gathered buffer, its sharded gradient)
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 SHARDED = ("fsdp", "zero2")
 
@@ -111,10 +145,12 @@ class MemoryPrediction(_Frozen):
 class TimePrediction(_Frozen):
     """Seconds per optimizer step and what they are made of (the terms add up to ``step``)."""
 
-    compute: float
+    compute: float  # matmul FLOPs / throughput
+    overhead: float = 0.0  # operations x the profile's per-operation latency
     communication: float  # exposed: (1 - overlap) x all collectives
-    optimizer: float
+    optimizer: float  # elementwise traffic: the update and the copies into / out of communication buffers
     step: float
+    ops: int = 0  # operations per step counted in overhead
 
 
 class Prediction(_Frozen):
@@ -145,7 +181,7 @@ def _compute_dtype(strategy: Strategy) -> str:
 
 def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profile: HardwareProfile,
             global_batch: int, micro_batches: int = 1, *, optimizer_state_factor: float = 2.0,
-            overlap: float = 0.0, optimizer_bytes_per_s: float = DEFAULT_OPTIMIZER_BYTES_PER_S) -> Prediction:
+            overlap: float = 0.0, optimizer_bytes_per_s: float | None = None) -> Prediction:
     """Peak memory per rank and step time of ``strategy`` (see the module docstring for every term)."""
     dp = layout.data_size
     if global_batch % (dp * micro_batches):
@@ -158,8 +194,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
 
     sharding = next((name for name in SHARDED if name in strategy), None)
     config = strategy.get(sharding) if sharding else None
-    if sharding == "zero2" and getattr(config, "implementation", "fsdp2") == "deepspeed":
-        notes.append("zero2 deepspeed modelled as FSDP2 without resharding")
+    deepspeed = getattr(config, "implementation", None) == "deepspeed" or getattr(
+        strategy.get("zero1"), "implementation", None) == "deepspeed"
     reshard = sharding == "fsdp" and bool(getattr(config, "reshard_after_forward", True))
     offload = bool(getattr(config, "cpu_offload", False))
     zero1 = "zero1" in strategy and sharding is None
@@ -185,42 +221,47 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     unit = biggest_block if stats.blocks else stats.param_bytes * scale  # FSDP's largest unit
     persistent = 0.0  # buffers that live across steps
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
-    if sharding and dp > 1:
-        persistent = DDP_FSDP_PERSISTENT[1] * trainable
-        if reshard:
-            root = root_params if stats.blocks else 0.0
-            fwd_temp = bwd_temp = (root + 2 * unit) * gather + unit
-        else:
+    if deepspeed:
+        # ZeRO-1/2 in DeepSpeed: the module keeps every parameter; each rank keeps an fp32 master copy of
+        # its partition and one reduce bucket (capped at the model's size: opt_lib/deepspeed_zero.py).
+        params = trainable + frozen + buffers
+        persistent = trainable / dp + DEEPSPEED_BUCKETS * trainable
+    elif sharding and dp > 1:
+        persistent = DDP_FSDP_PERSISTENT[1] * trainable / dp
+        root = root_params if stats.blocks else 0.0
+        fwd_temp = bwd_temp = (root + 2 * unit) * gather + unit
+        if not reshard:  # every unit stays gathered from forward to backward; backward frees them as it goes
             fwd_temp = stats.param_bytes * scale * gather
-            bwd_temp = fwd_temp + unit - grads / 2  # gathered copies are freed as sharded grads grow
     elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
         fwd_temp = bwd_temp = stats.param_bytes * 0.5
     elif dp > 1:
         persistent = DDP_FSDP_PERSISTENT[0] * trainable
-    if amp and not sharding:
+    if amp and (deepspeed or not sharding):
         fwd_temp += stats.param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
-    if zero1 and dp > 1:
-        step_temp += trainable * (dp - 1) / dp  # the other ranks' updated parameters, gathered after the step
+    if zero1 and dp > 1 and not deepspeed:  # the other ranks' updated parameters, broadcast after the step
+        step_temp += ZERO1_BROADCAST_FRACTION * trainable * (dp - 1) / dp
 
     act_scale = micro / stats.batch_size * scale * (AMP_ACTIVATION_FACTOR if amp and not half else 1.0)
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
     if checkpoint and stats.blocks:
-        kept = stats.activation_bytes_outside_blocks + CHECKPOINT_INPUT_FRACTION * block_act
-        kept += max(b.activation_bytes for b in stats.blocks)
+        inputs = sum(b.input_bytes_total for b in stats.blocks) or CHECKPOINT_INPUT_FRACTION * block_act
+        kept = stats.activation_bytes_outside_blocks + inputs + max(b.activation_bytes for b in stats.blocks)
     else:
         kept = stats.activation_bytes
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
     host = 0.0
-    if offload and sharding:
+    # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
+    offloaded = offload and sharding and profile.device_type != "cpu" and not deepspeed
+    if offloaded:
         host = params - buffers + grads + state
         params, grads, state = buffers, 0.0, 0.0
         notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
     phases = {
         "forward": activations + fwd_temp,
-        "backward": grads + bwd_temp,
-        "optimizer": grads + (0.0 if offload and sharding else step_temp),
+        "backward": activations + grads + bwd_temp,  # gradients grow while saved activations are still held
+        "optimizer": grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
     temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp}[phase]
@@ -237,11 +278,22 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     compute = flops / (tflops * 1e12)
 
     units = sum(b.count for b in stats.blocks) + 1
+    gathers = micro_batches * (2 if reshard else 1) if sharding else 0
+    ops = stats.fwd_ops + stats.bwd_ops  # per micro-batch, whatever its size
+    if checkpoint and stats.blocks:
+        ops += stats.block_fwd_ops  # the blocks' forward runs again in backward
+    if amp and not half:
+        ops += AMP_CAST_OPS * stats.fwd_lowp_ops
+    ops *= micro_batches
+    ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
+    if sharding and not deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
+        ops += (gathers + 1) * (FSDP_UNIT_OPS * units + FSDP_PARAM_OPS * stats.param_tensors)
+    overhead = ops * profile.op_latency_s
+
     comm = 0.0
     full_grads = stats.trainable_param_bytes * scale
     gathered = stats.param_bytes * scale * gather
     if sharding:
-        gathers = micro_batches * (2 if reshard else 1)
         comm += _collective_s(profile, "all_gather", gathered * gathers, dp, units * gathers)
         comm += _collective_s(profile, "reduce_scatter", full_grads, dp, units)
     elif dp > 1:
@@ -249,8 +301,15 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         comm += _collective_s(profile, "all_reduce", full_grads, dp, buckets)
         if zero1:
             comm += _collective_s(profile, "all_gather", stats.trainable_param_bytes * scale, dp, 1)
+    comm += _collective_s(profile, "all_reduce", 4, dp, 1)  # the step's loss, averaged over the ranks
     communication = comm * (1.0 - overlap)
-    optimizer = (2 + 2 * optimizer_state_factor) * owned / optimizer_bytes_per_s
+    bandwidth = optimizer_bytes_per_s or profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
+    passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor
+    optimizer = passes * owned / bandwidth
+    # Gradients copied into and out of the communication buffers (DDP buckets, FSDP's reduce-scatter
+    # input, gathered parameters copied out) once per step / gather: read and written.
+    copies = 2 * (full_grads + gathered * gathers) if sharding else 2 * full_grads if dp > 1 else 0.0
+    optimizer += copies / bandwidth
 
     return Prediction(
         memory=MemoryPrediction(
@@ -258,8 +317,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
             activations=round(activations), temporary=round(temporary), peak=round(peak), peak_phase=phase,
             host_bytes=round(host),
         ),
-        time=TimePrediction(compute=compute, communication=communication, optimizer=optimizer,
-                            step=compute + communication + optimizer),
+        time=TimePrediction(compute=compute, overhead=overhead, communication=communication, optimizer=optimizer,
+                            step=compute + overhead + communication + optimizer, ops=round(ops)),
         samples_per_rank=micro,
         notes=tuple(notes),
     )

@@ -6,6 +6,13 @@
 * matmul throughput per dtype (fp32, bf16, fp16 where the device has them): square matmuls of growing
   size, the median of a few timed calls per size, the best size's TFLOP/s (large enough to be sustained,
   capped in time so a slow dtype, e.g. bf16 on a CPU without bf16 units, costs about a second);
+* per-operation latency (``op_latency_s``): the time of one small operation as a training step runs it
+  (a chain of multiplications of a 64-element tensor that requires grad, forward and backward, divided
+  by the operations run; median of a few rounds): the fixed cost of an operation (Python, the
+  dispatcher, autograd's bookkeeping, a kernel launch on CUDA), which dominates the step of a small model;
+* memory bandwidth (``memory_bytes_per_s``): bytes read and written per second by a large elementwise
+  operation (``torch.add(a, b, out=c)`` on 16 MiB tensors: 3 x 16 MiB moved), the best of a few: what
+  elementwise work (the optimizer's update, casts, gradient copies) runs at;
 * all-reduce / all-gather / reduce-scatter on the group: latency = median time of a one-element
   operation, bandwidth = the best bus bandwidth over a few message sizes, as nccl-tests define it
   (algbw = bytes / time, where bytes is the full tensor for all-reduce and the gathered output for the
@@ -16,7 +23,8 @@
 
 Rank 0's measurements are what every rank returns (sent as JSON, never pickled), so all ranks plan with
 the same numbers. The measured part is cached as JSON in ``$ATORCH_CACHE_DIR/profiles`` (default
-``~/.cache/atorch/profiles``), keyed by device name, world size, backend and torch version; the memory
+``~/.cache/atorch/profiles``), keyed by device name, world size, backend, torch version and
+``PROFILE_FORMAT`` (bumped when the measured fields change, so older caches are measured again); the memory
 budget is taken afresh on each call. ``load_profile`` / ``HardwareProfile.from_table`` read a profile
 for a cluster that is not here (see ``profiles/``).
 """
@@ -50,6 +58,11 @@ _MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 _MATMUL_BUDGET_S = 1.0  # per dtype: stop growing the matmul once this much time is spent
 _MATMUL_REPEATS = 3
 _LATENCY_REPEATS = 15
+_OP_REPEATS = 2000  # small operations per timed round (~10-20 ms on a CPU)
+_OP_ROUNDS = 5
+_BANDWIDTH_ELEMENTS = 1 << 22  # fp32 elements per operand of the memory-bandwidth benchmark
+_BANDWIDTH_ROUNDS = 5
+PROFILE_FORMAT = 2  # 2: op_latency_s and memory_bytes_per_s
 _BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
 _BANDWIDTH_REPEATS = 5
 _COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
@@ -77,6 +90,8 @@ class HardwareProfile(_Frozen):
     torch_version: str
     matmul_tflops: dict[str, float]  # dtype name ("float32", "bfloat16", "float16") -> TFLOP/s
     collectives: dict[str, CollectiveStats]  # by name in COLLECTIVES; empty at world size 1
+    op_latency_s: float = 0.0  # fixed cost of one small operation (0: unknown, e.g. an older table)
+    memory_bytes_per_s: float = 0.0  # elementwise bytes moved per second (0: unknown)
     memory_per_rank: int  # bytes a rank may use
     memory_source: Literal["memory_limit", "cuda", "ram", "table"]
     measure_s: float = 0.0  # how long the micro-benchmarks took
@@ -109,7 +124,7 @@ def cache_dir() -> Path:
 
 
 def cache_path(device_name: str, world_size: int, backend: str) -> Path:
-    key = f"{device_name}|{world_size}|{backend}|{torch.__version__}"
+    key = f"{device_name}|{world_size}|{backend}|{torch.__version__}|format {PROFILE_FORMAT}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{device_name}_{world_size}x_{backend}").strip("_")[:80]
     return cache_dir() / f"{slug}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
@@ -210,6 +225,30 @@ def _matmul_tflops(device: torch.device) -> dict[str, float]:
     return found
 
 
+def _op_latency(device: torch.device) -> float:
+    """Seconds per small operation of a training step: a chain of ``_OP_REPEATS`` multiplications of a
+    64-element tensor that requires grad, forward and backward (autograd records each and runs its
+    backward: 2 operations per link), median over rounds."""
+    leaf = torch.zeros(64, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = leaf
+        for _ in range(_OP_REPEATS // 2):
+            y = y * 1.0
+        y.sum().backward()
+
+    chain()  # warm-up
+    return statistics.median(_timed(chain, device) for _ in range(_OP_ROUNDS)) / _OP_REPEATS
+
+
+def _memory_bandwidth(device: torch.device) -> float:
+    """Bytes read and written per second by a large elementwise add (best of a few rounds)."""
+    a, b, c = (torch.ones(_BANDWIDTH_ELEMENTS, device=device) for _ in range(3))
+    torch.add(a, b, out=c)  # warm-up (pages touched)
+    best = min(_timed(lambda: torch.add(a, b, out=c), device) for _ in range(_BANDWIDTH_ROUNDS))
+    return 3 * 4 * _BANDWIDTH_ELEMENTS / best
+
+
 def _collective(name: str, numel: int, world: int, group: Any, device: torch.device) -> Callable[[], Any]:
     """The operation on ``numel`` elements in all (the gathered output for all-gather and reduce-scatter)."""
     chunk = max(1, numel // world)
@@ -285,6 +324,8 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
         "source": "measured", "device_type": device.type, "device_name": name, "world_size": world,
         "local_world_size": local_world, "backend": backend, "torch_version": torch.__version__,
         "matmul_tflops": _matmul_tflops(device),
+        "op_latency_s": _op_latency(device),
+        "memory_bytes_per_s": _memory_bandwidth(device),
         "collectives": _collective_stats(group, world, device),
     }
     measured["measure_s"] = time.perf_counter() - start
