@@ -58,23 +58,10 @@ def mlp() -> dict[str, Any]:
             "model_input_format": "unpack_sequence"}
 
 
-def cnn() -> dict[str, Any]:
-    """bench/search.py's small ResNet, called with (images, labels) unpacked."""
-    import search
-
-    class ResNet(search.SmallResNet):
-        def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-            return super().forward(images)
-
-    parts = search.cnn()
-    torch.manual_seed(0)
-    return {**parts, "model": ResNet(), "model_input_format": "unpack_sequence"}
-
-
 def builders() -> dict[str, Any]:
     import search
 
-    return {"gpt2": search.SCENARIOS["small"]["build"], "mlp": mlp, "cnn": cnn}
+    return {"gpt2": search.SCENARIOS["small"]["build"], "mlp": mlp, "cnn": search.cnn}
 
 
 # ----- measuring ---------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ class SmallResNet(nn.Module):
         self.blocks = nn.Sequential(*[BasicBlock(channels) for _ in range(blocks)])
         self.head = nn.Linear(channels, classes)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.blocks(torch.relu(self.stem(images)))
         return self.head(x.mean(dim=(2, 3)))
 
@@ -104,7 +104,7 @@ def cnn() -> dict[str, Any]:
     labels = torch.randint(0, 10, (64,), generator=g)
     return {"model": SmallResNet(), "dataset": list(zip(images, labels, strict=True)),
             "loss_func": lambda data, output: nn.functional.cross_entropy(output, data[1]),
-            "model_input_format": None, "prepare_input": lambda data, device: (data[0].to(device), data[1].to(device))}
+            "model_input_format": "unpack_sequence"}  # model(images, labels): labels are the loss's
 
 
 SCENARIOS: dict[str, dict[str, Any]] = {

@@ -51,6 +51,7 @@ from atorch.strategy import Strategy
 
 Status = Literal["ok", "oom", "failed", "timeout"]
 AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
+MAX_EXTRA_WARMUP = 4  # warm-up steps added while fp16 loss scaling skips every step
 
 
 class RankOutcome(BaseModel):
@@ -265,6 +266,14 @@ class _Trial:
                 for step in range(self.warmup):
                     self.phase = f"warm-up step {step}"
                     losses.append(self._step(result, batches))
+                # fp16 loss scaling skips steps until its scale fits the gradients: warm up until a step
+                # was taken, so the optimizer's state (and the peak it brings) is in before timing.
+                extra = 0
+                while self.warmup > 0 and extra < MAX_EXTRA_WARMUP and \
+                        getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:
+                    self.phase = f"extra warm-up step {extra} (fp16 steps skipped so far)"
+                    losses.append(self._step(result, batches))
+                    extra += 1
                 if self.warmup > 0 and self.env.device.type != "cuda":
                     measuring.close()  # CPU tracking costs time per operation: timed steps run without it
                 if self.warmup > 0 and (over := self._over_budget(peak.increase)) is not None:
