@@ -69,3 +69,36 @@ def test_no_units_is_warned_with_the_fix(launch: dict[str, Any]) -> None:
     warned = [w for w in launch["scenarios"]["flat/fsdp"]["warnings"] if "no units" in w]
     assert warned and "atorch_wrap_cls" in warned[0] and "wrap_min_num_params" in warned[0], warned
     assert not any("no units" in w for w in launch["scenarios"]["vit/fsdp"]["warnings"])
+
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                         torch.nn.ReLU())
+        self.head = torch.nn.Linear(8 * 8 * 8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x).flatten(1))
+
+
+def test_batch_norm_under_fsdp_mixed_precision_keeps_fp32_parameters():
+    """CPU batch_norm refuses 16-bit weights next to its fp32 running statistics ("expected scalar type
+    BFloat16 but found Float" before): norms become fp32 units of their own; the rest computes in bf16."""
+    import atorch
+    from atorch.training import train_step
+
+    torch.manual_seed(0)
+    data = [(torch.randn(3, 8, 8), torch.tensor(i % 4)) for i in range(8)]
+    _, result, _ = atorch.auto_accelerate(
+        _NormNet(), torch.optim.SGD, data, lambda batch, out: torch.nn.functional.cross_entropy(out, batch[1]),
+        model_input_format="unpack_sequence", dataloader_args={"batch_size": 4}, optim_args={"lr": 0.1},
+        load_strategy=["fsdp", ("amp_native", {"dtype": "bf16"})],
+    )
+    batches = iter(result.dataloader)
+    losses = [float(train_step(result, [next(batches)])) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert result.model.block[1].weight.to_local().dtype == torch.float32
+    assert result.model.block[0].weight.to_local().dtype == torch.float32  # sharded master copy; gathered in bf16
+    result.close()

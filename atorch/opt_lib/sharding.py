@@ -212,10 +212,16 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
         offload_policy=offload, ignored_params=ignored or None,
     )
-    for module in [*targets, model]:
+    # Batch norm keeps fp32 parameters under mixed precision: its running statistics are fp32 buffers,
+    # and CPU batch_norm refuses 16-bit weights with them (autocast runs it on 16-bit inputs as is).
+    # Each norm is a small unit of its own, without the cast, sharded first (deepest first).
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and any(p.requires_grad for p in m.parameters(recurse=False))] if ctx.autocast_dtype is not None else []
+    fp32 = {**options, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    for module in [*norms, *targets, model]:
         if materialiser is not None:
             materialiser.before_shard(module)
-        fully_shard(module, **options)
+        fully_shard(module, **(fp32 if module in norms else options))
     if materialiser is not None:
         materialiser.finish()
 
