@@ -192,15 +192,19 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     picks = {}
     for label, extra in (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False})):
         start = time.monotonic()
-        _, result, _ = atorch.auto_accelerate(**call, search={**options, **extra})
+        try:
+            _, result, _ = atorch.auto_accelerate(**call, search={**options, **extra})
+            picks[label] = result.args.search
+            result.close()
+        except atorch.StrategyError as exc:  # no pick: a finding of its own, reported in the table
+            picks[label] = {"error": str(exc).splitlines()[1][:300] if "\n" in str(exc) else str(exc)}
         timings[label] = time.monotonic() - start
-        picks[label] = result.args.search
-        result.close()
-    search_key = _key(space, picks["search"])
-    cost_key = _key(space, picks["cost_model"])
+    search_key = _key(space, picks["search"]) if "error" not in picks["search"] else None
+    cost_key = _key(space, picks["cost_model"]) if "error" not in picks["cost_model"] else None
     import optuna
 
-    trials = optuna.load_study(study_name=picks["search"]["study_name"], storage=storage).get_trials()
+    studies = optuna.get_all_study_summaries(storage=storage)
+    trials = optuna.load_study(study_name=studies[0].study_name, storage=storage).get_trials()
     measured = [t.user_attrs for t in trials
                 if "measured" in t.user_attrs and t.user_attrs.get("status") != "duplicate"]
     bad = [t for t in measured if t.get("status") in ("oom", "failed", "timeout")]
@@ -252,17 +256,18 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         return None if key is None or not median[best_key] else median.get(key, 0.0) / median[best_key]
 
     def against(key: str | None) -> float | None:
-        return None if key is None or not median.get(key) else median[search_key] / median[key]
+        return None if key is None or search_key is None or not median.get(key) else median[search_key] / median[key]
 
     return {
         "scenario": name, "params_M": sum(p.numel() for p in parts["model"].parameters()) / 1e6,
         "candidates": len(cands), "budget_MiB": budget / 2**20 if budget else None,
-        "pick": describe(by_key[search_key].to_json()["point"]) + f" mbs {by_key[search_key].micro_batch_size}",
+        "pick": describe(by_key[search_key].to_json()["point"]) + f" mbs {by_key[search_key].micro_batch_size}"
+        if search_key else f"none: {picks['search']['error']}",
         "best": describe(by_key[best_key].to_json()["point"]) + f" mbs {by_key[best_key].micro_batch_size}",
         "pick_over_best": ratio(search_key), "cost_model_over_best": ratio(cost_key),
         "pick_over_ddp": against(ddp), "pick_over_size_rule": against(size_rule),
         "pick_over_stage_scan": against(stage_scan),
-        "dry_runs": picks["search"]["dry_runs"], "bad_dry_runs": len(bad),
+        "dry_runs": len(measured), "bad_dry_runs": len(bad),
         "search_s": timings["search"], "sweep_s": sweep_s, "search_over_sweep": timings["search"] / sweep_s,
         "cached_s": timings["cached"], "cached_over_search": timings["cached"] / timings["search"],
         "memory_error_median": statistics.median(mem_err), "memory_error_max": max(mem_err),

@@ -284,3 +284,34 @@ def test_default_storage_is_sqlite_in_the_cache_dir(space, tmp_path, monkeypatch
     assert planner.storage == f"sqlite:///{tmp_path / 'cache' / 'search.db'}"
     planner.search()
     assert (tmp_path / "cache" / "search.db").exists()
+
+
+def test_patience_counts_only_after_something_fits_and_runs(space, tmp_path) -> None:
+    # The cost model's five favourites all fail when measured: patience 2 must not end the search
+    # before a candidate has run (it would return nothing).
+    favourites = Planner(space, storage=storage(tmp_path), study_key="probe", predict=predict, measure=Measure(),
+                         memory_budget=BUDGET).ranked_by_cost_model()[:5]
+    measure = Measure(fail_keys={c.key for c in favourites})
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=12, patience=2, top_k=5)
+    result = planner.search()
+    assert result.candidate is not None, result.stop_reason
+    assert len(measure.calls) > 5
+
+
+def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_path) -> None:
+    # A cost model that under-predicts memory by 15% everywhere: after the first measured OOM the
+    # planner scales its predictions by measured / predicted, so it does not run the next look-alike.
+    def low(cand: Candidate) -> Pred:
+        p = dict(cand.point)
+        return Pred(0.85 * true_memory(p), GLOBAL_BATCH / true_speed(p))
+
+    measure = Measure()
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=low, measure=measure,
+                      memory_budget=BUDGET, max_trials=8, top_k=5)
+    result = planner.search()
+    over = [c for c in measure.calls if true_memory(dict(c.point)) > BUDGET]
+    assert len(over) <= 1, [str(c) for c in over]
+    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= BUDGET
+    study = optuna.load_study(study_name="k", storage=storage(tmp_path))
+    assert any("the largest measured / predicted so far" in t.user_attrs.get("reason", "") for t in study.trials)

@@ -112,6 +112,9 @@ def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
             rdb._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, k, v)
 
 
+MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out the whole space
+
+
 class StopRules:
     """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
 
@@ -121,6 +124,7 @@ class StopRules:
         self.start = clock()
         self.dry_runs = 0
         self.since_best = 0
+        self.found = False  # patience counts only once something fits and runs
 
     def reason(self) -> str:
         elapsed = self.clock() - self.start
@@ -128,12 +132,13 @@ class StopRules:
             return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
         if self.dry_runs >= self.max_trials:
             return f"{self.dry_runs} dry-runs (max_trials)"
-        if self.patience is not None and self.since_best >= self.patience:
+        if self.patience is not None and self.found and self.since_best >= self.patience:
             return f"no improvement in {self.since_best} dry-runs (patience)"
         return ""
 
     def record(self, improved: bool) -> None:
         self.dry_runs += 1
+        self.found = self.found or improved
         self.since_best = 0 if improved else self.since_best + 1
 
 
@@ -156,6 +161,9 @@ class SearchState:
         self.done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
         self.best_value: float | None = None
         self.best_key: str | None = None
+        # Measured / predicted peak memory, the largest seen (at least 1): the cost model's memory is scaled
+        # by it before a candidate is judged to fit, so after one OOM its look-alikes are not run too.
+        self.memory_correction = 1.0
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -164,7 +172,11 @@ class SearchState:
                 self._remember(old.user_attrs["key"], old.number, old.user_attrs["measured"])
 
     def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:
-        value, constraints, attrs = judge(measured, self.table.prediction(key), self.budget)
+        pred = self.table.prediction(key)
+        value, constraints, attrs = judge(measured, pred, self.budget)
+        if measured.get("peak_memory_bytes") and pred.get("peak_memory_bytes"):
+            ratio = measured["peak_memory_bytes"] / pred["peak_memory_bytes"]
+            self.memory_correction = min(MAX_MEMORY_CORRECTION, max(self.memory_correction, ratio))
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -172,16 +184,21 @@ class SearchState:
             self.best_value, self.best_key = value, key
         return value, constraints, {**attrs, "improved": improved}
 
+    @property
+    def corrected_budget(self) -> float:
+        """The budget the cost model's (uncorrected) peaks are compared with."""
+        return self.budget / self.memory_correction
+
     # ----- seeding -----------------------------------------------------------------------------
     def seed(self, top_k: int = DEFAULT_TOP_K) -> list[str]:
         """Enqueue the cost model's top-k predicted-feasible candidates and the DDP baseline."""
-        seeds = self.table.ranked(self.budget)[:top_k]
-        base = self.table.baseline(self.budget)
+        seeds = self.table.ranked(self.corrected_budget)[:top_k]
+        base = self.table.baseline(self.corrected_budget)
         order = seeds
         if base is not None and base not in seeds:
             # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler
             # where the infeasible region is; one that fits is measured after the cost model's picks.
-            fits = self.table.fits(self.table.prediction(base), self.budget)
+            fits = self.table.fits(self.table.prediction(base), self.corrected_budget)
             order = [*seeds, base] if fits else [base, *seeds]
         for key in order:
             self.study.enqueue_trial(self.table.to_params(self.table.points[self.table.by_key[key]]),
@@ -220,12 +237,14 @@ class SearchState:
                 attrs.update(status="in_flight", reason="being measured by another client")
                 self._tell(trial, None, None, attrs, state=TrialState.FAIL)
                 continue
-            if not self.table.fits(pred, self.budget) and "error" not in pred:
+            if not self.table.fits(pred, self.corrected_budget) and "error" not in pred:
+                corrected = "" if self.memory_correction == 1.0 else (
+                    f" (x{self.memory_correction:.2f}, the largest measured / predicted so far)")
                 attrs.update(status="predicted_oom", reason=(
-                    f"predicted peak {pred['peak_memory_bytes'] / 2**20:.1f} MiB > budget "
-                    f"{self.budget / 2**20:.1f} MiB"
+                    f"predicted peak {pred['peak_memory_bytes'] * self.memory_correction / 2**20:.1f} MiB{corrected} "
+                    f"> budget {self.budget / 2**20:.1f} MiB"
                 ))
-                over = (pred["peak_memory_bytes"] - self.budget) / self.budget
+                over = (pred["peak_memory_bytes"] * self.memory_correction - self.budget) / self.budget
                 constraints = {"memory_over": over, "failed": 0.0}
                 self._tell(trial, pred["samples_per_s"], constraints, attrs)
                 self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
