@@ -75,7 +75,10 @@ def test_closing_frees_every_tensor_each_cycle(report: dict[str, Any]) -> None:
 
 def test_a_dropped_result_is_freed_without_the_cycle_collector(report: dict[str, Any]) -> None:
     entry = _entry(report, "dropped")
-    assert entry["after_drop"] == [entry["baseline"]] * 3, entry
+    # A leaked result would keep its model copy (kilobytes and more each time). A scalar or two may still
+    # be held for a moment by gloo's work object of the loss all-reduce, freed by its own thread (seen
+    # under load: +4 bytes): allow 64 bytes.
+    assert all(abs(after - entry["baseline"]) <= 64 for after in entry["after_drop"]), entry
 
 
 def test_meshes_and_groups_are_reused(report: dict[str, Any]) -> None:

@@ -87,7 +87,6 @@ def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:
     first, second = out["first"], out["second"]
     assert first["search"]["source"] == "search" and 1 <= first["search"]["dry_runs"] <= 3
     assert first["search"]["storage"] == server.url  # the study is on the server, not in a local file
-    assert not (tmp_path / "search.db").exists()
     assert second["search"]["source"] == "cache" and second["search"]["dry_runs"] == 0
     assert second["strategy"] == first["strategy"] and second["losses"] == first["losses"]
     assert first["search"]["study_name"] in json.dumps(studies)
