@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -164,3 +168,24 @@ class FlatMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         return self.layers(x)
+
+
+def tiny_llama(layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
+    """A randomly initialised transformers Llama (head_dim 8, grouped KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=SEQ_LEN, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How a worker builds a model, its data and its loss, and calls the model."""
+
+    make: Callable[[], nn.Module]
+    dataset: Callable[[], Any]
+    loss: Callable[[Any, Any], torch.Tensor]
+    input_format: str

@@ -15,7 +15,7 @@ import shard_models as sm
 import torch
 from launcher import HERE, run_json
 from torch import nn
-from workers.tp_worker import GROUPS, tiny_llama
+from workers.tp_worker import GROUPS
 
 from atorch.opt_lib.tensor_parallel import TensorParallelConfig, _permute_fused_qkv, derive_plan
 from atorch.strategy import Strategy
@@ -82,7 +82,7 @@ def _auto() -> TensorParallelConfig:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_llama_family_plan(family: str) -> None:
     if family == "llama":
-        model = tiny_llama()
+        model = sm.tiny_llama()
     else:
         import transformers
 

@@ -15,8 +15,6 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 import functools
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import shard_models as sm
@@ -35,28 +33,10 @@ GLOBAL_BATCH = 8
 LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 
-def tiny_llama(layers: int = 4) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=sm.SEQ_LEN, use_cache=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-@dataclass(frozen=True)
-class Setup:
-    make: Callable[[], nn.Module]
-    dataset: Callable[[], Any]
-    loss: Callable[[Any, Any], torch.Tensor]
-    input_format: str
-
-
 MODELS = {
-    "gpt2": Setup(functools.partial(sm.tiny_gpt2, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
-    "llama": Setup(tiny_llama, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
-    "gpt2_2layers": Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "gpt2": sm.Setup(functools.partial(sm.tiny_gpt2, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "llama": sm.Setup(functools.partial(sm.tiny_llama, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "gpt2_2layers": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
 
 

@@ -15,8 +15,6 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 import functools
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import shard_models as sm
@@ -33,21 +31,13 @@ GLOBAL_BATCH = 8
 LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 
-@dataclass(frozen=True)
-class Setup:
-    make: Callable[[], torch.nn.Module]
-    dataset: Callable[[], Any]
-    loss: Callable[[Any, Any], torch.Tensor]
-    input_format: str
-
-
 MODELS = {
-    "vit": Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
-    "cnn": Setup(sm.StagedCNN, sm.image_dataset, sm.class_loss, "unpack_sequence"),
-    "staged": Setup(sm.StagedMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
-    "flat": Setup(sm.FlatMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
-    "bert": Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
-    "t5": Setup(sm.tiny_t5, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "cnn": sm.Setup(sm.StagedCNN, sm.image_dataset, sm.class_loss, "unpack_sequence"),
+    "staged": sm.Setup(sm.StagedMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "flat": sm.Setup(sm.FlatMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "bert": sm.Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "t5": sm.Setup(sm.tiny_t5, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
 MIXER, STAGE = "shard_models.MixerBlock", "shard_models.Stage"
 # scenario name -> (model, load_strategy)

@@ -15,8 +15,6 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 import functools
 import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import shard_models as sm
@@ -34,30 +32,12 @@ GLOBAL_BATCH = 8
 LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 
-def tiny_llama(heads: int = 4, kv_heads: int = 2, hidden: int = 32) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=sm.VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=sm.SEQ_LEN, use_cache=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-@dataclass(frozen=True)
-class Setup:
-    make: Callable[[], nn.Module]
-    dataset: Callable[[], Any]
-    loss: Callable[[Any, Any], torch.Tensor]
-    input_format: str
-
-
 MODELS = {
-    "llama": Setup(tiny_llama, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
-    "llama_3heads": Setup(functools.partial(tiny_llama, heads=3, kv_heads=1, hidden=24), sm.TokenDataset, sm.hf_loss,
-                          "unpack_dict"),
-    "gpt2": Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
-    "vit": Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "llama": sm.Setup(sm.tiny_llama, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "llama_3heads": sm.Setup(functools.partial(sm.tiny_llama, heads=3, kv_heads=1, hidden=24), sm.TokenDataset,
+                             sm.hf_loss, "unpack_dict"),
+    "gpt2": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
 # launch group -> scenario name -> (model, load_strategy)
