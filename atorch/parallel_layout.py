@@ -143,5 +143,22 @@ _MESHES: dict[tuple[ParallelLayout, str], tuple[Any, Any]] = {}
 
 
 def forget_meshes() -> None:
-    """Drop every cached mesh (called when atorch tears its process group down)."""
+    """Drop every cached mesh (called when atorch tears its process group down or swaps it).
+
+    DTensor's sharding-propagation caches key on DeviceMesh equality, which compares ranks and names
+    but not process groups: after a swap they would hand out output specs on the old mesh, whose
+    group no longer resolves ("Could not resolve the process group registered under the name N",
+    seen in fp16 unscaling of FSDP2 gradients in the second dry-run of a search). They go too.
+    """
     _MESHES.clear()
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:  # nothing cached if DTensor was never used
+        return
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python caches and the C++ fast path's
