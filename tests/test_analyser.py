@@ -66,6 +66,18 @@ class Attention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, q, q).sum()
 
 
+def test_autocast_activation_bytes_leave_the_weight_casts_out() -> None:
+    """One Linear(64, 64) on an 8 x 64 fp32 input: backward needs its input and weight. In fp32 the input
+    (8 x 64 x 4 = 2048 bytes) is saved and the weight is model state; under bf16 autocast the saved input
+    is its 16-bit cast (1024 bytes) and the weight's 16-bit cast is left out (it does not grow with the
+    batch; the cost model counts it apart)."""
+    stats = analyse(nn.Linear(64, 64), torch.randn(8, 64))
+    assert (stats.activation_bytes, stats.amp_activation_bytes) == (2048, 1024)
+    gpt2 = analyse(toy_models.tiny_gpt2(), {"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                                             "labels": torch.zeros(2, 16, dtype=torch.long)}, "unpack_dict")
+    assert 0.3 < gpt2.amp_activation_bytes / gpt2.activation_bytes < 0.9  # matmul outputs halve, norms do not
+
+
 def test_attention_is_counted_on_cpu() -> None:
     stats = analyse(Attention(), torch.randn(2, 4, 8), None)
     linear = 4 * 2 * 8 * 8  # per sample: 4 tokens x 2·in·out

@@ -45,11 +45,15 @@ def test_hand_computed_ddp_case() -> None:
     p = _predict(["parallel_mode"])
     m = p.memory
     # params 4000, grads 4000, AdamW state 2 x 4000, DDP's buckets 1 x 4000 (calibrated), activations at
-    # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases: forward 2100; backward: the activations still held
-    # + the gradients = 6100; optimizer: grads 4000 + foreach temporaries 0.25 x 2 x 4000 = 6000. The
-    # backward wins: peak = 4000 + 8000 + 4000 + 6100.
+    # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases at one micro-batch: forward 2100; backward 2100 (its
+    # saved activations are freed as the gradients appear); optimizer: grads 4000 + foreach temporaries
+    # 0.25 x 2 x 4000 = 6000. The step wins: peak = 4000 + 8000 + 4000 + 6000.
     assert (m.parameters, m.gradients, m.optimizer_state, m.activations) == (4000, 4000, 8000, 2100)
-    assert (m.temporary, m.peak, m.peak_phase) == (4000, 22100, "backward")
+    assert (m.temporary, m.peak, m.peak_phase) == (6000, 22000, "optimizer")
+    # Two micro-batches of the same size: the second runs forward and backward with every gradient of the
+    # first held, so forward / backward are 2100 + 4000 = 6100 and win: peak = 4000 + 8000 + 4000 + 6100.
+    acc = _predict(["parallel_mode"], global_batch=16, micro_batches=2).memory
+    assert (acc.activations, acc.temporary, acc.peak, acc.peak_phase) == (2100, 4000, 22100, "forward")
     t = p.time
     assert t.compute == pytest.approx(3e6 * 4 / 1e12)  # FLOPs/sample x samples per rank / 1 TFLOP/s
     # all-reduce of the gradients (2(n-1)/n = 1 at n=2, 1 bucket) and of the loss (4 bytes)

@@ -113,19 +113,22 @@ def test_dry_run_in_one_process_measures_and_leaves_the_model_alone() -> None:
 
 
 def test_fp16_warm_up_goes_on_while_loss_scaling_skips_steps() -> None:
-    """A model whose scaled gradients overflow fp16: every step is skipped while the scale comes down,
-    so warm-up goes on (at most MAX_EXTRA_WARMUP more steps) until the optimizer has stepped once;
-    otherwise the measured peak would miss the optimizer's state."""
+    """A loss whose scaled gradients overflow fp16 until the scale is far below its start (2^16): warm-up
+    goes on (at most MAX_EXTRA_WARMUP more steps, each dividing the trial's scale by LOSS_SCALE_DROP) until
+    the optimizer has stepped, so the measured peak holds AdamW's state. With the scaler's own backoff
+    (halving per skipped step) no step landed within the warm-up and the peak was ~2.1 x the parameters."""
     from atorch.dryrun.runner import MAX_EXTRA_WARMUP
 
     model = mlp()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(300.0)  # outputs, loss and gradients far beyond fp16 at a scale of 65536
-    result = dry_run(_setup(model), init_distributed(), Strategy.load([("amp_native", {"dtype": "fp16"})]),
-                     warmup=1, steps=1)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    setup = UserSetup(model=model, optim_func=torch.optim.AdamW, dataset=mlp_dataset(),
+                      loss_func=lambda data, output: 1e4 * mlp_loss(data, output),
+                      model_input_format="unpack_sequence", optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8})
+    result = dry_run(setup, init_distributed(), Strategy.load([("amp_native", {"dtype": "fp16"})]), warmup=1, steps=1)
     assert result.status == "ok", result.reason
     assert 2 < len(result.losses) <= 1 + MAX_EXTRA_WARMUP + 1, result.losses
+    # the trial's model (P), its gradients (P) and AdamW's two states (2P) are all live at the step
+    assert result.peak_bytes >= 4 * param_bytes, (result.peak_bytes, param_bytes)
 
 
 # ----- two real ranks ---------------------------------------------------------------------------

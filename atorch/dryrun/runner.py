@@ -52,6 +52,7 @@ from atorch.strategy import Strategy
 Status = Literal["ok", "oom", "failed", "timeout"]
 AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
 MAX_EXTRA_WARMUP = 4  # warm-up steps added while fp16 loss scaling skips every step
+LOSS_SCALE_DROP = 2.0**6  # ... each with the scale divided by this: 2^16 reaches 2^-8 within them
 
 
 class RankOutcome(BaseModel):
@@ -272,6 +273,7 @@ class _Trial:
                 while self.warmup > 0 and extra < MAX_EXTRA_WARMUP and \
                         getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:
                     self.phase = f"extra warm-up step {extra} (fp16 steps skipped so far)"
+                    _lower_loss_scale(result.optim)
                     losses.append(self._step(result, batches))
                     extra += 1
                 if self.warmup > 0 and self.env.device.type != "cuda":
@@ -315,6 +317,15 @@ class _Trial:
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
             return float(loss.item())
+
+
+def _lower_loss_scale(optim: Any) -> None:
+    """Bring an fp16 loss scale that keeps overflowing down fast (the trial's scaler only): training lowers
+    it by its backoff factor per skipped step, which can take more steps than a dry-run warms up for, and
+    the step that lands is what brings the optimizer's state (and its peak) in."""
+    scaler = getattr(optim, "grad_scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        scaler.update(scaler.get_scale() / LOSS_SCALE_DROP)
 
 
 def _train_step(result: Any, micro_batches: list[Any]) -> torch.Tensor:

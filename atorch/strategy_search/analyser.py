@@ -111,6 +111,9 @@ class ModelStats(_Frozen):
     param_tensors: int = 0  # trainable parameter tensors (the optimizer's per-tensor work)
     activation_bytes: int  # all tensors saved for backward in one step at the measured batch
     activation_bytes_outside_blocks: int
+    # saved for backward by the same step's forward under bf16 autocast, 16-bit weight casts left out (the
+    # cost model counts those apart: they do not grow with the batch); None where it could not run
+    amp_activation_bytes: int | None = None
     blocks: tuple[BlockStats, ...]
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
@@ -328,6 +331,34 @@ def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func
     return fwd.get_total_flops(), bwd.get_total_flops(), fwd_ops, bwd_ops
 
 
+class _WeightCasts(TorchDispatchMode):
+    """Marks autocast's 16-bit copies of parameters as model state, so ``_SavedTensors`` leaves them out."""
+
+    def __init__(self, saved: _SavedTensors) -> None:
+        super().__init__()
+        self.saved = saved
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and \
+                args[0].untyped_storage()._cdata in self.saved.state:
+            self.saved.state.add(out.untyped_storage()._cdata)
+        return out
+
+
+def _amp_saved_bytes(work: nn.Module, batch: Any, model_input_format: str | None,
+                     loss_func: Callable[..., Any] | None, mode: FakeTensorMode, device: torch.device) -> int | None:
+    """Bytes one forward saves for backward under bf16 autocast (weight casts left out), or None."""
+    saved = _SavedTensors(work, {})
+    try:
+        with mode, _WeightCasts(saved), torch.autocast(device.type, dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            _loss_of(call_model(work, batch, model_input_format), batch, loss_func)
+    except Exception:  # noqa: BLE001  (a model autocast cannot run: the cost model's calibrated factor is used)
+        return None
+    return saved.total
+
+
 def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
             loss_func: Callable[..., Any] | None = None) -> ModelStats:
     """Measure ``model`` on one ``sample_batch`` (called as ``model_input_format`` says) with fake tensors.
@@ -358,6 +389,9 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
             "A forward that reads tensor values (.item(), `if tensor:`, shapes that depend on data) cannot be "
             "analysed; check that model_input_format and loss_func match the sample batch"
         ) from exc
+
+    work.zero_grad(set_to_none=True)
+    amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
 
     by_class: dict[str, list[tuple[int, int, int]]] = {}
     instances = dict(model.named_modules())
@@ -398,6 +432,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         param_tensors=len(trainable),
         activation_bytes=saved.total,
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
+        amp_activation_bytes=amp_saved,
         blocks=block_stats,
         largest_layer=largest_layer,
         largest_activation=saved.largest,

@@ -22,8 +22,12 @@ wrappers' persistent buffers — plus the largest of three phases:
   gradient and the loss's temporaries (calibrated: ``LOSS_TEMP_FACTOR`` × the largest saved tensor; with
   recompute, part of them is freed before the largest block is recomputed, so the factor is smaller),
   plus the gathered parameters that exist then;
-* backward: the gradients plus the activations (gradients grow while saved activations are still held:
-  the model takes the sum, as measured) plus the gathered parameters and unsharded gradients that exist then;
+* backward: the activations plus the gathered parameters and unsharded gradients that exist then. At one
+  micro-batch per step the saved activations are freed as the gradients appear (gradients are None at
+  the start of a step), so the two are not added; with gradient accumulation the micro-batches after the
+  first run forward and backward with every gradient already there, so both phases add the gradients
+  (FSDP2's unsharded ones in the compute dtype: atorch turns its gradient sync off for all micro-batches
+  but the last, and FSDP2 then accumulates unsharded gradients);
 * optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
   ``OPTIMIZER_TEMP_PER_STATE`` × ``k`` × the parameters a rank updates).
 
@@ -56,8 +60,9 @@ activations; in steady state (the second step on) the optimizer state exists dur
   memory is the device's, and nothing changes.
 * amp_native: parameters stay fp32; under FSDP the gathered copies are in the autocast dtype (half);
   without FSDP autocast caches a 16-bit cast of every weight until the forward ends (``(P + F) / 2``);
-  activations: matmul / convolution outputs are saved in 16 bits, the rest in 32 (calibrated
-  ``AMP_ACTIVATION_FACTOR``: 0.5 of the fp32 bytes).
+  activations: matmul / convolution outputs are saved in 16 bits, the rest in 32: the share is the
+  analyser's (the same forward run under bf16 autocast on fake tensors, weight casts left out: 0.57 for
+  the small GPT-2, 0.50 for the ResNet), or the calibrated ``AMP_ACTIVATION_FACTOR`` (0.6) without it.
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
 * checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
   for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
@@ -108,7 +113,7 @@ from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.hardware import HardwareProfile
 
 # Calibrated against bench/cost_model.py (see bench/README.md "Cost model").
-AMP_ACTIVATION_FACTOR = 0.5  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
+AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
 ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
@@ -242,7 +247,9 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     if zero1 and dp > 1 and not deepspeed:  # the other ranks' updated parameters, broadcast after the step
         step_temp += ZERO1_BROADCAST_FRACTION * trainable * (dp - 1) / dp
 
-    act_scale = micro / stats.batch_size * scale * (AMP_ACTIVATION_FACTOR if amp and not half else 1.0)
+    amp_factor = (stats.amp_activation_bytes / stats.activation_bytes if stats.amp_activation_bytes
+                  and stats.activation_bytes else AMP_ACTIVATION_FACTOR)
+    act_scale = micro / stats.batch_size * scale * (amp_factor if amp and not half else 1.0)
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
     if checkpoint and stats.blocks:
         inputs = sum(b.input_bytes_total for b in stats.blocks) or CHECKPOINT_INPUT_FRACTION * block_act
@@ -258,9 +265,14 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         host = params - buffers + grads + state
         params, grads, state = buffers, 0.0, 0.0
         notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
+    # With gradient accumulation the micro-batches after the first run forward and backward with every
+    # gradient already there; a single micro-batch frees its saved activations as its gradients appear.
+    # FSDP2 accumulates unsharded gradients (in the compute dtype) while its gradient sync is off (atorch
+    # turns it off for all micro-batches but the last), so those are held whole.
+    held_grads = (trainable * gather if sharding and not deepspeed else grads) if micro_batches > 1 else 0.0
     phases = {
-        "forward": activations + fwd_temp,
-        "backward": activations + grads + bwd_temp,  # gradients grow while saved activations are still held
+        "forward": activations + fwd_temp + held_grads,
+        "backward": activations + held_grads + bwd_temp,
         "optimizer": grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
