@@ -24,7 +24,7 @@ wrappers' persistent buffers — plus the largest of three phases:
   plus the gathered parameters that exist then;
 * backward: the activations plus the gathered parameters and unsharded gradients that exist then. At one
   micro-batch per step the saved activations are freed as the gradients appear (gradients are None at
-  the start of a step), so the two are not added; with gradient accumulation the micro-batches after the
+  the start of a step), so it holds the larger of the two, not their sum; with gradient accumulation the micro-batches after the
   first run forward and backward with every gradient already there, so both phases add the gradients
   (FSDP2's unsharded ones in the compute dtype: atorch turns its gradient sync off for all micro-batches
   but the last, and FSDP2 then accumulates unsharded gradients);
@@ -266,13 +266,14 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         params, grads, state = buffers, 0.0, 0.0
         notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
     # With gradient accumulation the micro-batches after the first run forward and backward with every
-    # gradient already there; a single micro-batch frees its saved activations as its gradients appear.
+    # gradient already there. A single micro-batch frees its saved activations as its gradients appear:
+    # its backward holds the larger of the two (at its start or at its end) besides the gathered state.
     # FSDP2 accumulates unsharded gradients (in the compute dtype) while its gradient sync is off (atorch
     # turns it off for all micro-batches but the last), so those are held whole.
     held_grads = (trainable * gather if sharding and not deepspeed else grads) if micro_batches > 1 else 0.0
     phases = {
         "forward": activations + fwd_temp + held_grads,
-        "backward": activations + held_grads + bwd_temp,
+        "backward": (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp,
         "optimizer": grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
