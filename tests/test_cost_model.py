@@ -177,3 +177,30 @@ def test_deepspeed_keeps_whole_parameters_a_master_shard_and_a_bucket() -> None:
     fsdp2 = _predict(["parallel_mode", ("zero2", {"implementation": "fsdp2"})])
     assert ds.memory.parameters == 4000 and fsdp2.memory.parameters == 2000
     assert ds.memory.optimizer_state == fsdp2.memory.optimizer_state == 4000
+
+
+def _layout_predict(dims: list, items: list, micro_batches: int = 1) -> Prediction:
+    strategy = Strategy.load([("parallel_mode", {"dims": dims}), *items])
+    return predict(_stats(), strategy, ParallelLayout.of(strategy, 2), _profile(2), 8, micro_batches)
+
+
+def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
+    ddp = _layout_predict([("data", -1)], [])
+    # 2000 block bytes split 2 ways, the 2000 outside them (embedding, head) kept whole: 3000 per rank.
+    tp = _layout_predict([("tensor", 2), ("data", -1)], ["tensor_parallel"])
+    assert (ddp.memory.parameters, tp.memory.parameters) == (4000, 3000)
+    # 8 samples on the one model replica; block activations (1000 at 4 samples) keep 10/34 whole and split
+    # the rest: 1000 x 2 x (10/34 + 24/34 / 2) = 1294.1; plus outside 600 x 2 and the loss's 2.5 x 200 x 2.
+    assert tp.memory.activations == round(2 * 1000 * (10 / 34 + 12 / 34) + 1200 + 1000)
+    assert tp.time.communication > 0  # data size 1: only the blocks' all-reduces over the tensor group
+    # pipeline 2 with 4 schedule micro-batches of 2: 1f1b holds 2 in flight of each stage's half of the blocks
+    # (= the whole blocks at one micro-batch), gpipe all 4; filling and draining idles a stage (4 + 2 - 1) / 4.
+    pp = _layout_predict([("pipeline", 2), ("data", -1)], [("pipeline_parallel", {"micro_batches": 4})])
+    gpipe = _layout_predict([("pipeline", 2), ("data", -1)],
+                            [("pipeline_parallel", {"micro_batches": 4, "schedule": "gpipe"})])
+    assert pp.memory.parameters == 3000
+    assert pp.samples_per_rank == 2
+    assert pp.memory.activations == round((1000 / 2 + 600 / 2 + 2.5 * 200 / 2))  # micro-batch of 2 samples
+    assert gpipe.memory.activations - pp.memory.activations == round(2 * 1000 / 2 / 2)  # 2 more in flight
+    no_bubble = 3e6 * 8 * 3000 / 4000 / 1e12  # FLOPs of this rank's share, 1 TFLOP/s
+    assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)

@@ -31,7 +31,14 @@ def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(spac
     for cand in cands:
         assert cand.strategy.problems(WORLD) == []
         Strategy.load(cand.strategy.to_json(), world_size=WORLD)  # what a user could load back
-        assert cand.micro_batch_size * cand.micro_batches * WORLD == GLOBAL_BATCH
+        point = dict(cand.point)
+        dp = space.data_size(point)
+        assert dp * point.get("tensor", 1) * point.get("pipeline", 1) == WORLD
+        assert cand.micro_batch_size * cand.micro_batches * dp == GLOBAL_BATCH
+        if point.get("pipeline", 1) > 1:  # one batch per step, split by the schedule into micro-batches
+            schedule = (cand.strategy.get("pipeline_parallel") or cand.strategy.get("mixed_parallel").pipeline)
+            assert schedule.micro_batches * point["micro_batch_size"] == cand.micro_batch_size
+            assert schedule.micro_batches >= point["pipeline"]
     assert len({c.key for c in cands}) == len(cands)
     # Every family of the issue is there: each sharding method and implementation, offload, reshard,
     # checkpointing, each precision, module_replace, and every micro-batch size.
@@ -42,8 +49,13 @@ def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(spac
     assert {p.get("fsdp.cpu_offload") for p in points} >= {True, False}
     assert {p.get("fsdp.reshard_after_forward") for p in points} >= {True, False}
     assert {p["precision"] for p in points} == {"fp32", "amp_bf16", "amp_fp16", "half_bf16"}
-    assert {p["checkpoint"] for p in points} == {p["module_replace"] for p in points} == {False, True}
-    assert {p["micro_batch_size"] for p in points} == {1, 2, 4}
+    assert {p["checkpoint"] for p in points} == {p["module_replace"] for p in points if "module_replace" in p} == {
+        False, True}
+    assert {p["micro_batch_size"] for p in points if space.data_size(p) == WORLD} == {1, 2, 4}
+    assert {p["micro_batch_size"] for p in points if space.data_size(p) == 1} == {1, 2, 4, 8}  # 8 samples a rank
+    # the model-parallel layouts join (#7): tensor 2 (GPT-2's Conv1D swapped by module_replace), pipeline 2
+    assert {p.get("tensor", 1) for p in points} == {p.get("pipeline", 1) for p in points} == {1, 2}
+    assert all(c.strategy.get("module_replace") is not None for c in cands if dict(c.point).get("tensor", 1) > 1)
 
 
 def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpace) -> None:
@@ -52,7 +64,8 @@ def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpac
     keys = {c.key for c in space.enumerate()}
     for point, problems in invalid:
         assert problems and conflicts_in(space.strategy_of(point).adjusted(WORLD).configs())
-        assert "deepspeed" in (point.get("zero1.implementation"), point.get("zero2.implementation"))
+        assert "deepspeed" in (point.get("zero1.implementation"), point.get("zero2.implementation")) or (
+            point.get("pipeline", 1) > 1 or point.get("tensor", 1) > 1)  # e.g. fp16 under a pipeline schedule
         with pytest.raises(SetupError, match="not a valid strategy"):
             space.from_point(point)
         assert Strategy(methods=()).to_json() not in keys

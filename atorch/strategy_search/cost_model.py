@@ -24,8 +24,9 @@ wrappers' persistent buffers — plus the largest of three phases:
   plus the gathered parameters that exist then;
 * backward: the activations plus the gathered parameters and unsharded gradients that exist then. At one
   micro-batch per step the saved activations are freed as the gradients appear (gradients are None at
-  the start of a step), so it holds the larger of the two, not their sum; with gradient accumulation the micro-batches after the
-  first run forward and backward with every gradient already there, so both phases add the gradients
+  the start of a step), so it holds the larger of the two, not their sum; with gradient accumulation
+  the micro-batches after the first run forward and backward with every gradient already there, so both
+  phases add the gradients
   (FSDP2's unsharded ones in the compute dtype: atorch turns its gradient sync off for all micro-batches
   but the last, and FSDP2 then accumulates unsharded gradients);
 * optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
@@ -55,6 +56,13 @@ activations; in steady state (the second step on) the optimizer state exists dur
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
   every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak);
   backward frees them unit by unit, so its peak is fsdp's.
+* tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
+  gradients and state are split ``t·p`` ways; the rest (embeddings, head: the vocabulary is kept whole)
+  stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
+  block's saved activations shrink to ``TP_REPLICATED_ACTIVATIONS + (1 − that) / t`` (norms and residuals
+  are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
+  under 1f1b and the interleaved schedules, all under gpipe. The schedule's micro-batches accumulate
+  into the stage's gradients like gradient accumulation.
 * cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
   a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
   memory is the device's, and nothing changes.
@@ -84,6 +92,11 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   attention of the forward (two input casts and their backward); the optimizer step runs
   ``OPTIMIZER_OPS`` foreach operations (2 + 4 per state: AdamW's lerp, mul, addcmul, sqrt, div, add,
   addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit around each all-gather and reduce-scatter.
+* tensor / pipeline parallel: a rank computes its share of the matmuls (the blocks' FLOPs split
+  ``t·p`` ways, parameter bytes as the proxy for FLOPs), a stage runs ``1/p`` of the operations, and the
+  pipeline's fill and drain idle each stage: × ``(n + p − 1) / n`` for ``n`` micro-batches. Tensor
+  parallel adds ``TP_BLOCK_OPS`` all-reduces of a block's hidden states per block and micro-batch;
+  pipeline parallel sends each micro-batch's hidden states forward and their gradient back.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + all-gather of the updated parameters; zero2: one all-gather
@@ -104,6 +117,7 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -128,6 +142,8 @@ FSDP_UNIT_OPS = 6  # operations FSDP2 runs per unit around each collective (copy
 FSDP_PARAM_OPS = 2  # ... and per parameter (its view into the gathered buffer, its sharded gradient)
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 SHARDED = ("fsdp", "zero2")
+TP_REPLICATED_ACTIVATIONS = 10 / 34  # share of a block's saved bytes tensor parallel does not split (Megatron)
+TP_BLOCK_OPS = 4  # collectives per block and micro-batch under tensor parallel (2 in forward, 2 in backward)
 
 
 class _Frozen(BaseModel):
@@ -176,6 +192,29 @@ def _collective_s(profile: HardwareProfile, name: str, nbytes: float, dp: int, c
     return nbytes * factor / stats.bus_bandwidth + stats.latency_s * count
 
 
+def _p2p_s(profile: HardwareProfile, nbytes: float, count: int) -> float:
+    """Time of ``count`` point-to-point transfers moving ``nbytes`` in all (the all-gather link's figures)."""
+    stats = profile.collectives.get("all_gather")
+    if stats is None or nbytes <= 0:
+        return 0.0
+    return nbytes / stats.bus_bandwidth + stats.latency_s * count
+
+
+def _pipeline_config(strategy: Strategy) -> Any:
+    config = strategy.get("pipeline_parallel")
+    mixed = strategy.get("mixed_parallel")
+    return mixed.pipeline if config is None and mixed is not None else config
+
+
+def _schedule(strategy: Strategy) -> str:
+    return str(getattr(_pipeline_config(strategy), "schedule", "1f1b"))
+
+
+def _schedule_micro_batches(strategy: Strategy, pipeline: int) -> int:
+    config = _pipeline_config(strategy)
+    return config.micro_batch_count(pipeline) if config is not None and pipeline > 1 else 1
+
+
 def _compute_dtype(strategy: Strategy) -> str:
     for name in ("half", "amp_native"):
         config = strategy.get(name)
@@ -194,6 +233,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     samples = global_batch / dp  # per rank per step
+    # under pipeline parallel the schedule splits each batch it is given into its own micro-batches
+    micro_batches *= _schedule_micro_batches(strategy, layout.size("pipeline"))
     micro = samples / micro_batches
     notes: list[str] = []
 
@@ -216,6 +257,18 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     block_params = sum(b.param_bytes_total for b in stats.blocks) * scale
     biggest_block = max((b.param_bytes for b in stats.blocks), default=0) * scale
     root_params = (stats.param_bytes * scale) - block_params
+    # Tensor and pipeline parallel split the repeated blocks (tensor: each block's matmuls; pipeline: the blocks
+    # over the stages); what is outside them (embeddings, head: the vocabulary is kept whole) stays whole, on
+    # the first / last stage under pipeline parallel: the stage holding it is the one counted.
+    tp, pp = layout.size("tensor"), layout.size("pipeline")
+    split = tp * pp
+    share = 1.0  # the share of the model's parameters (and, as a proxy, of its matmul FLOPs) on this rank
+    if split > 1 and stats.param_bytes:
+        share = (root_params + block_params / split) / (stats.param_bytes * scale)
+        trainable, frozen = trainable * share, frozen * share
+        block_params, biggest_block = block_params / split, biggest_block / tp
+    rank_param_bytes = stats.param_bytes * share
+    rank_trainable_bytes = stats.trainable_param_bytes * share
 
     # ----- memory -----------------------------------------------------------------------------------
     params = (trainable + frozen) / shard + buffers
@@ -223,7 +276,7 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     owned = trainable / (dp if (sharding or zero1) else 1)  # the parameters whose state this rank keeps
     state = optimizer_state_factor * owned
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
-    unit = biggest_block if stats.blocks else stats.param_bytes * scale  # FSDP's largest unit
+    unit = biggest_block if stats.blocks else rank_param_bytes * scale  # FSDP's largest unit
     persistent = 0.0  # buffers that live across steps
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
     if deepspeed:
@@ -236,13 +289,13 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         root = root_params if stats.blocks else 0.0
         fwd_temp = bwd_temp = (root + 2 * unit) * gather + unit
         if not reshard:  # every unit stays gathered from forward to backward; backward frees them as it goes
-            fwd_temp = stats.param_bytes * scale * gather
+            fwd_temp = rank_param_bytes * scale * gather
     elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
-        fwd_temp = bwd_temp = stats.param_bytes * 0.5
+        fwd_temp = bwd_temp = rank_param_bytes * 0.5
     elif dp > 1:
         persistent = DDP_FSDP_PERSISTENT[0] * trainable
     if amp and (deepspeed or not sharding):
-        fwd_temp += stats.param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
+        fwd_temp += rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
     if zero1 and dp > 1 and not deepspeed:  # the other ranks' updated parameters, broadcast after the step
         step_temp += ZERO1_BROADCAST_FRACTION * trainable * (dp - 1) / dp
@@ -256,6 +309,16 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         kept = stats.activation_bytes_outside_blocks + inputs + max(b.activation_bytes for b in stats.blocks)
     else:
         kept = stats.activation_bytes
+    if split > 1 and stats.blocks:
+        # tensor parallel: a block's matmul outputs are split, its norms' and residuals' inputs are not
+        # (TP_REPLICATED_ACTIVATIONS of a block's saved bytes, Megatron's 10 of 34 bytes per token and hidden);
+        # pipeline parallel: a stage holds 1/pp of the blocks for each micro-batch in flight: pp of them
+        # under 1f1b and the interleaved schedules (so the first stage matches the whole model's blocks at one
+        # micro-batch), every micro-batch under gpipe.
+        in_blocks = kept - stats.activation_bytes_outside_blocks
+        in_blocks *= TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
+        in_flight = micro_batches if _schedule(strategy) == "gpipe" else min(micro_batches, pp)
+        kept = stats.activation_bytes_outside_blocks + in_blocks / pp * in_flight
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
     host = 0.0
@@ -288,7 +351,9 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     flops = stats.fwd_bwd_flops_per_sample * samples
     if checkpoint and stats.blocks:
         flops += stats.fwd_flops_per_sample * samples  # one more forward (of the blocks: most of it)
-    compute = flops / (tflops * 1e12)
+    flops *= share
+    bubble = (micro_batches + pp - 1) / micro_batches if pp > 1 else 1.0  # stages idle while the pipe fills
+    compute = flops / (tflops * 1e12) * bubble
 
     units = sum(b.count for b in stats.blocks) + 1
     gathers = micro_batches * (2 if reshard else 1) if sharding else 0
@@ -297,6 +362,10 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         ops += stats.block_fwd_ops  # the blocks' forward runs again in backward
     if amp and not half:
         ops += AMP_CAST_OPS * stats.fwd_lowp_ops
+    if pp > 1:
+        ops = ops / pp * bubble  # a stage runs its share of the operations
+    if tp > 1:
+        ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / pp
     ops *= micro_batches
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
     if sharding and not deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
@@ -304,8 +373,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     overhead = ops * profile.op_latency_s
 
     comm = 0.0
-    full_grads = stats.trainable_param_bytes * scale
-    gathered = stats.param_bytes * scale * gather
+    full_grads = rank_trainable_bytes * scale
+    gathered = rank_param_bytes * scale * gather
     if sharding:
         comm += _collective_s(profile, "all_gather", gathered * gathers, dp, units * gathers)
         comm += _collective_s(profile, "reduce_scatter", full_grads, dp, units)
@@ -313,8 +382,19 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         buckets = max(1, math.ceil(full_grads / DDP_BUCKET_BYTES))
         comm += _collective_s(profile, "all_reduce", full_grads, dp, buckets)
         if zero1:
-            comm += _collective_s(profile, "all_gather", stats.trainable_param_bytes * scale, dp, 1)
+            comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
     comm += _collective_s(profile, "all_reduce", 4, dp, 1)  # the step's loss, averaged over the ranks
+    if split > 1 and stats.blocks:
+        # a block's input (its hidden states) at one micro-batch, in the compute dtype
+        hidden = sum(b.input_bytes_total for b in stats.blocks) / sum(b.count for b in stats.blocks) * (
+            micro / stats.batch_size) * (0.5 if amp or half else 1.0)
+        blocks_here = sum(b.count for b in stats.blocks) / pp
+        if tp > 1:  # two all-reduces of the hidden states per block in forward, two in backward
+            count = TP_BLOCK_OPS * blocks_here * micro_batches
+            comm += _collective_s(profile, "all_reduce", hidden * count, tp, count)
+        if pp > 1:  # a stage sends its output forward and receives its gradient back, per micro-batch
+            comm += _p2p_s(profile, hidden * 2 * micro_batches, 2 * micro_batches)
+        comm += _collective_s(profile, "all_reduce", 4, split, 1)  # the loss, from the last stage to every rank
     communication = comm * (1.0 - overlap)
     bandwidth = optimizer_bytes_per_s or profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
     passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor

@@ -11,6 +11,13 @@ method checks and the compatibility RULES) decides. ``enumerate()`` keeps only v
 the Optuna view (``suggest``) offers at each dimension only the choices that some valid candidate
 extends, so an invalid combination is never proposed to a trial.
 
+The tree starts with the model-parallel layout: ``tensor`` and ``pipeline`` sizes (products dividing the
+world size; the data size is what is left). A size above 1 is offered only where its method is allowed
+and fits the model (tensor_parallel: a plan derives from it, and GPT-2's Conv1D is swapped by
+module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). Under
+pipeline parallel a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
+at least one per stage.
+
 Activation checkpointing searches off / every repeated block. A subset of blocks (a fraction) is not
 searched: ``checkpoint``'s config chooses blocks by class only and has no field for a subset.
 """
@@ -126,21 +133,61 @@ class SearchSpace:
         self.replaceable = any(
             matches(m, (pair.source,)) for pair in replace_pairs().values() for m in model.modules()
         )
-        # Only data parallelism exists so far: every rank is a data-parallel rank.
-        self.dp = world_size
+        self.max_micro_batch_size = max_micro_batch_size
+        self.dp = world_size  # the data size of the all-data-parallel layout
         if global_batch % self.dp:
             raise SetupError(
                 [f"global batch {global_batch} is not divisible by the {self.dp} data-parallel ranks; "
                  "choose a multiple of the world size"]
             )
-        per_rank = global_batch // self.dp
-        self.micro_batch_sizes = tuple(
-            d for d in _divisors(per_rank) if max_micro_batch_size is None or d <= max_micro_batch_size
-        )
+        self.micro_batch_sizes = self._micro_batch_sizes(1, 1)
+        self.conv1d = False
+        self.tensor_sizes, self.pipeline_sizes = self._model_parallel_sizes(model)
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
         self._valid_points: list[Point] = []  # in walk order
         self._prefixes: dict[str, set[str]] | None = None
+
+    # ----- model-parallel layouts --------------------------------------------------------------
+    def _model_parallel_sizes(self, model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Tensor and pipeline sizes above 1 that the model and the allowed methods admit (1 always)."""
+        if self.finetune is not None:
+            return (1,), (1,)
+        sizes = [d for d in _divisors(self.world_size) if d > 1 and self.global_batch % (self.world_size // d) == 0]
+        tensor: list[int] = [1]
+        if self._allowed("tensor_parallel") and self.included.isdisjoint({"pipeline_parallel"}):
+            from atorch.opt_lib.tensor_parallel import TensorParallelConfig, _has_conv1d, derive_plan
+
+            self.conv1d = _has_conv1d(model)
+            if not self.conv1d or self._allowed("module_replace"):
+                tensor += [t for t in sizes if not derive_plan(model, TensorParallelConfig(), t).problems]
+        pipeline: list[int] = [1]
+        if self._allowed("pipeline_parallel") and self.included.isdisjoint({"tensor_parallel"}):
+            from atorch.opt_lib.pipeline_split import find_blocks
+
+            blocks, _ = find_blocks(model)
+            pipeline += [p for p in sizes if blocks is not None and len(blocks.names) >= p]
+        return tuple(tensor), tuple(pipeline)
+
+    def _micro_batch_sizes(self, tensor: int, pipeline: int) -> tuple[int, ...]:
+        dp = self.world_size // (tensor * pipeline)
+        if self.global_batch % dp:
+            return ()
+        per_rank = self.global_batch // dp
+        # under pipeline parallel every stage needs a micro-batch in flight: at least `pipeline` of them
+        return tuple(d for d in _divisors(per_rank) if (self.max_micro_batch_size is None or
+                                                         d <= self.max_micro_batch_size) and per_rank // d >= pipeline)
+
+    def data_size(self, point: Point) -> int:
+        return self.world_size // (int(point.get("tensor", 1)) * int(point.get("pipeline", 1)))
+
+    def _layout_dims(self, partial: Point) -> Iterator[Dim]:
+        if len(self.tensor_sizes) > 1:
+            yield Dim("tensor", self.tensor_sizes)
+        t = int(partial.get("tensor", 1))
+        pipeline = tuple(p for p in self.pipeline_sizes if self.world_size % (t * p) == 0)
+        if len(pipeline) > 1:
+            yield Dim("pipeline", pipeline)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
@@ -193,6 +240,7 @@ class SearchSpace:
                     yield from self._method_dims(item.name)
             yield Dim("micro_batch_size", self.micro_batch_sizes)
             return
+        yield from self._layout_dims(partial)
         yield Dim("sharding", self._sharding_choices())
         if partial.get("sharding", "ddp") != "ddp":
             yield from self._method_dims(partial["sharding"])
@@ -201,9 +249,10 @@ class SearchSpace:
             if partial.get("checkpoint"):
                 yield from self._method_dims("checkpoint")
         yield Dim("precision", self._precision_choices())
-        if self.replaceable:
+        if self.replaceable and not (self.conv1d and int(partial.get("tensor", 1)) > 1):
             yield Dim("module_replace", self._on_off("module_replace"))
-        yield Dim("micro_batch_size", self.micro_batch_sizes)
+        yield Dim("micro_batch_size", self._micro_batch_sizes(int(partial.get("tensor", 1)),
+                                                              int(partial.get("pipeline", 1))))
 
     def _points(self, partial: Point) -> Iterator[Point]:
         dim = self.next_dim(partial)
@@ -230,6 +279,21 @@ class SearchSpace:
             ]
             return Strategy(methods=tuple(items))
         names = {"parallel_mode"}
+        tensor, pipeline = int(point.get("tensor", 1)), int(point.get("pipeline", 1))
+        if tensor > 1 or pipeline > 1:
+            dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline)) if size > 1]
+            configs["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
+            schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
+            if tensor > 1 and pipeline > 1:
+                names.add("mixed_parallel")
+                configs["mixed_parallel"] = {"pipeline": schedule}
+            elif tensor > 1:
+                names.add("tensor_parallel")
+            else:
+                names.add("pipeline_parallel")
+                configs["pipeline_parallel"] = schedule
+            if tensor > 1 and self.conv1d:
+                names.add("module_replace")  # DTensor cannot split transformers' Conv1D: swapped for nn.Linear
         if point["sharding"] != "ddp":
             names.add(point["sharding"])
         if point.get("checkpoint"):
@@ -259,10 +323,13 @@ class SearchSpace:
         problems = strategy.problems(self.world_size)
         if problems:
             raise SetupError([f"point {point} is not a valid strategy: {p}" for p in problems])
+        return self._candidate(strategy, point)
+
+    def _candidate(self, strategy: Strategy, point: Point) -> Candidate:
         mbs = int(point["micro_batch_size"])
-        per_rank = self.global_batch // self.dp
-        if mbs not in self.micro_batch_sizes:
-            raise SetupError([f"micro_batch_size {mbs} is not one of {list(self.micro_batch_sizes)}"])
+        per_rank = self.global_batch // self.data_size(point)
+        if int(point.get("pipeline", 1)) > 1:  # one batch per step: the schedule splits it into its micro-batches
+            return Candidate(strategy, per_rank, 1, tuple(sorted(point.items())))
         return Candidate(strategy, mbs, per_rank // mbs, tuple(sorted(point.items())))
 
     def to_point(self, candidate: Candidate) -> Point:
@@ -288,10 +355,7 @@ class SearchSpace:
                     self._invalid.append((point, problems))
                     continue
                 self._valid_points.append(point)
-                mbs = int(point["micro_batch_size"])
-                self._candidates.append(
-                    Candidate(strategy, mbs, self.global_batch // self.dp // mbs, tuple(sorted(point.items())))
-                )
+                self._candidates.append(self._candidate(strategy, point))
             if not self._candidates:
                 why = sorted({p for _, ps in self._invalid for p in ps})[:5]
                 raise SetupError([f"the search space has no valid strategy (excluded/included/finetune): {why}"])
@@ -334,7 +398,8 @@ class SearchSpace:
     def _param_name(self, dim: Dim, choices: tuple[Any, ...]) -> str:
         # Optuna needs one distribution per parameter name: a dimension narrowed by the rules
         # (e.g. precision under DeepSpeed) gets its own name.
-        return dim.name if choices == dim.choices else f"{dim.name}|{','.join(map(str, choices))}"
+        canonical = self.micro_batch_sizes if dim.name == "micro_batch_size" else dim.choices
+        return dim.name if choices == canonical else f"{dim.name}|{','.join(map(str, choices))}"
 
     def _walk(self, choose: Any) -> Point:
         point: Point = {}
