@@ -200,7 +200,7 @@ def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
                             [("pipeline_parallel", {"micro_batches": 4, "schedule": "gpipe"})])
     assert pp.memory.parameters == 3000
     assert pp.samples_per_rank == 2
-    assert pp.memory.activations == round((1000 / 2 + 600 / 2 + 2.5 * 200 / 2))  # micro-batch of 2 samples
+    assert pp.memory.activations == round(1000 / 2 + 600 / 2 + 2.5 * 200 / 2)  # micro-batch of 2 samples
     assert gpipe.memory.activations - pp.memory.activations == round(2 * 1000 / 2 / 2)  # 2 more in flight
     no_bubble = 3e6 * 8 * 3000 / 4000 / 1e12  # FLOPs of this rank's share, 1 TFLOP/s
     assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)
