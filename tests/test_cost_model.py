@@ -45,9 +45,9 @@ def test_hand_computed_ddp_case() -> None:
     p = _predict(["parallel_mode"])
     m = p.memory
     # params 4000, grads 4000, AdamW state 2 x 4000, DDP's buckets 1 x 4000 (calibrated), activations at
-    # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases at one micro-batch: forward 2100; backward 2100 (its
-    # saved activations are freed as the gradients appear: the larger, 4000); optimizer: grads 4000 + foreach temporaries
-    # 0.25 x 2 x 4000 = 6000. The step wins: peak = 4000 + 8000 + 4000 + 6000.
+    # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases at one micro-batch: forward 2100; backward 4000 (its
+    # saved activations are freed as the gradients appear: the larger of the two); optimizer: grads 4000 +
+    # foreach temporaries 0.25 x 2 x 4000 = 6000. The step wins: peak = 4000 + 8000 + 4000 + 6000.
     assert (m.parameters, m.gradients, m.optimizer_state, m.activations) == (4000, 4000, 8000, 2100)
     assert (m.temporary, m.peak, m.peak_phase) == (6000, 22000, "optimizer")
     # Two micro-batches of the same size: the second runs forward and backward with every gradient of the
