@@ -1,6 +1,6 @@
 """The Booster (Colossal-AI API) on atorch's engine.
 
-Two launches of tests/workers/booster_worker.py (2 gloo processes): Colossal-AI's documented Booster loop under
+One launch of tests/workers/booster_worker.py (2 gloo processes): Colossal-AI's documented Booster loop under
 every plugin against ``auto_accelerate`` with the strategy the plugin translated into; execute_pipeline at pp2
 against one process; no_sync accumulation; parameter groups and a scheduler across boost; AutoPlugin. The
 argument checks and the plugin=None path run here, in one process.
@@ -41,13 +41,18 @@ PIPELINE_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def plugins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_json(WORKER, "plugins", str(tmp_path_factory.mktemp("cache")), timeout=400)
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_json(WORKER, "all", str(tmp_path_factory.mktemp("cache")), timeout=400)
 
 
 @pytest.fixture(scope="module")
-def accumulate(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_json(WORKER, "accumulate", str(tmp_path_factory.mktemp("cache")), timeout=400)
+def plugins(report: dict[str, Any]) -> dict[str, Any]:
+    return report
+
+
+@pytest.fixture(scope="module")
+def accumulate(report: dict[str, Any]) -> dict[str, Any]:
+    return report
 
 
 def ok(report: dict[str, Any], name: str) -> dict[str, Any]:
@@ -121,7 +126,7 @@ def test_prepare_dataloader_samples_over_the_data_parallel_ranks(plugins: dict[s
 def test_no_sync_accumulation_equals_one_batch(accumulate: dict[str, Any], plugin: str) -> None:
     entry = ok(accumulate, f"no_sync/{plugin}")
     # d/dw mean over 8 samples = (mean over 4 + mean over 4) / 2: equal up to summation order (a few ulps)
-    assert entry["accumulated"] == pytest.approx(entry["whole"], rel=SAME_PROGRAM, abs=1e-7)
+    assert entry["weights"] == pytest.approx(entry["whole"], rel=SAME_PROGRAM, abs=1e-7)
     assert "inside booster.no_sync()" in entry["step_refused"]
     if plugin == "TorchDDPPlugin":  # DDP's gradients are visible: inside no_sync they are each rank's own
         assert entry["unsynced"] > 1e-3
