@@ -248,3 +248,26 @@ def test_plugin_defaults_translate_into_valid_strategies() -> None:
         assert plugin.strategy() is not None
     assert AutoPlugin().strategy() is None
     assert mlp_dataset() is not None
+
+
+def test_mixed_precision_without_plugin_means_ddp_with_autocast() -> None:
+    booster = Booster(mixed_precision="bf16")
+    model = mlp()
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert booster.strategy.names() == ["parallel_mode", "amp_native"]
+    assert booster.strategy.get("amp_native").dtype == "bf16"
+    booster.backward(boosted(torch.randn(2, 16)).pow(2).mean(), optimizer)
+    optimizer.step()
+    boosted.result.close()
+
+
+def test_translations_that_need_the_world_size_or_the_model() -> None:
+    with pytest.raises(StrategyError, match="needs zero_stage=2"):
+        HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32").layout(4)
+    assert HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zero_stage=2).layout(4).data_size == 2
+    with pytest.raises(StrategyError, match="does not divide the 4 processes"):
+        HybridParallelPlugin(tp_size=3, pp_size=1).layout(4)
+    model = mlp()
+    plugin = TorchFSDPPlugin(ignored_modules=[model.head])  # torch FSDP's instances become atorch's names
+    plugin.prepare_model(model)
+    assert list(plugin.strategy().get("fsdp").ignored_modules) == ["head"]

@@ -48,6 +48,9 @@ class Booster:
             raise SetupError(f"device={device!r}: use 'cpu', 'cuda' or None")
         if device == "cuda" and not torch.cuda.is_available():
             raise SetupError("device='cuda' but no CUDA GPU is visible; leave device out (the CPU is used)")
+        if device == "cpu" and torch.cuda.is_available():
+            raise SetupError("device='cpu' but atorch places the model on this process's GPU; hide the GPUs "
+                             "(CUDA_VISIBLE_DEVICES='') to train on the CPU, or leave device out")
         self.precision_methods = mixed_precision_methods(mixed_precision)
         if plugin is not None and plugin.control_precision() and mixed_precision is not None:
             raise SetupError(f"{type(plugin).__name__} sets the precision itself: pass precision={mixed_precision!r} "
@@ -77,9 +80,7 @@ class Booster:
         resolve = getattr(plugin, "resolve_micro_batches", None)
         if resolve is not None:
             resolve(per_rank)
-        prepare_model = getattr(plugin, "prepare_model", None)
-        if prepare_model is not None:
-            model = prepare_model(model)
+        model = plugin.prepare_model(model)
         criterion_box = {"criterion": criterion}
         kwargs: dict[str, Any] = dict(plugin.accelerate_kwargs)
         kwargs["loss_func"] = criterion_as_loss_func(lambda: criterion_box["criterion"])
@@ -109,6 +110,10 @@ class Booster:
         lr_scheduler = retarget(lr_scheduler, optimizer, result.optim)
         if strategy is None:
             dataloader = result.dataloader  # split for the layout the search picked
+            if self.gradient_accumulation_steps > 1:
+                logger.warning("the search picked %d micro-batches per optimizer step: the dataloader yields "
+                               "micro-batches; accumulate them with booster.no_sync before each step",
+                               self.gradient_accumulation_steps)
         return boosted_model, boosted_optimizer, criterion, dataloader, lr_scheduler
 
     @staticmethod
@@ -210,6 +215,13 @@ class Booster:
         if self.plugin is None and not self.precision_methods:
             return None
         raise SetupError("no_sync needs the boosted model or optimizer (what booster.boost returned)")
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step that the last boost's strategy expects (AutoPlugin's search may pick
+        more than 1: the returned dataloader then yields micro-batches; run all but the last of each step
+        inside ``booster.no_sync``)."""
+        return self.result.args.gradient_accumulation_steps if self.result is not None else 1
 
     @property
     def skipped(self) -> dict[str, str]:

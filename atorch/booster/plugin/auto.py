@@ -21,7 +21,9 @@ class AutoPlugin(Plugin):
     - ``memory_limit``, ``time_limit``, ``excluded``, ``included``, ``search`` -> the same ``auto_accelerate``
       arguments
 
-    The picked strategy is ``booster.strategy`` after ``boost``.
+    The picked strategy is ``booster.strategy`` after ``boost``. Where the search picks several micro-batches per
+    step (``booster.gradient_accumulation_steps`` > 1), the dataloader yields micro-batches: run all but the last
+    of each step inside ``booster.no_sync``.
     """
 
     control_precision_flag = True

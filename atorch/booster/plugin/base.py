@@ -11,6 +11,7 @@ import random
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -107,13 +108,21 @@ class Plugin:
         strategy = self.strategy()
         if strategy is None:
             return ParallelLayout.data_parallel(world_size)
-        problems = strategy.problems(world_size)
+        problems = self.world_problems(world_size) or strategy.problems(world_size)
         if problems:
             raise StrategyError(problems, what=f"{type(self).__name__} does not fit {world_size} process(es)")
         return ParallelLayout.of(strategy.adjusted(world_size), world_size)
 
     def is_pipeline(self) -> bool:
         return False
+
+    def world_problems(self, world_size: int) -> list[str]:
+        """Problems of these arguments at this world size, said in the plugin's terms."""
+        return []
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model handed to the engine (called by boost before the strategy is read)."""
+        return model
 
     def prepare_dataloader(
         self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024, drop_last: bool = False,

@@ -116,6 +116,18 @@ class HybridParallelPlugin(Plugin):
                     "to execute_pipeline (or raise num_microbatches) instead of no_sync")
         return None
 
+    def world_problems(self, world_size: int) -> list[str]:
+        model_parallel = self.tp_size * self.pp_size
+        if world_size % model_parallel:
+            return [f"tp_size × pp_size = {model_parallel} does not divide the {world_size} processes; use sizes "
+                    "whose product divides the world size"]
+        data = world_size // model_parallel
+        if self.tp_size > 1 and data > 1 and self.zero_stage != 2:
+            return [f"tp_size={self.tp_size} with {data} data-parallel ranks needs zero_stage=2 (FSDP2 over the data "
+                    "dimension): DDP and ZeRO-1 cannot hold tensor-parallel (DTensor) parameters; set zero_stage=2, "
+                    f"or tp_size={world_size // self.pp_size}"]
+        return []
+
     def resolve_micro_batches(self, per_rank_batch: int | None) -> None:
         """``microbatch_size`` becomes a micro-batch count once the per-rank batch is known (boost)."""
         from atorch.errors import SetupError

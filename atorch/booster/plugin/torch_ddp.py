@@ -47,7 +47,8 @@ class TorchDDPPlugin(Plugin):
         return ["parallel_mode"]
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model handed to the engine: with sync_bn, a copy whose BatchNorms are SyncBatchNorms."""
+        """With sync_bn, the model's BatchNorms become SyncBatchNorms, in place as in Colossal-AI (the parameters stay
+        the same objects, so the optimizer built on them still matches)."""
         if not self.sync_bn or not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             return model
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

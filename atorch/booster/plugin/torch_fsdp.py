@@ -62,6 +62,19 @@ class TorchFSDPPlugin(Plugin):
                             "cpu_offload / ignored_modules / auto_wrap_policy need sharding; use FULL_SHARD")
         self._check()
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """torch FSDP takes ignored module instances; atorch takes names (or classes), the same on every rank."""
+        ignored = self.config.get("ignored_modules")
+        if ignored and any(isinstance(m, torch.nn.Module) for m in ignored):
+            names = {id(module): name for name, module in model.named_modules()}
+            missing = [m for m in ignored if isinstance(m, torch.nn.Module) and id(m) not in names]
+            if missing:
+                from atorch.errors import SetupError
+
+                raise SetupError(f"ignored_modules holds {len(missing)} module(s) that are not in the boosted model")
+            self.config["ignored_modules"] = [names[id(m)] if isinstance(m, torch.nn.Module) else m for m in ignored]
+        return model
+
     def _wrap_policy(self, policy: Any) -> dict[str, Any]:
         if policy is None:
             return {}
