@@ -271,3 +271,24 @@ def test_translations_that_need_the_world_size_or_the_model() -> None:
     plugin = TorchFSDPPlugin(ignored_modules=[model.head])  # torch FSDP's instances become atorch's names
     plugin.prepare_model(model)
     assert list(plugin.strategy().get("fsdp").ignored_modules) == ["head"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_syncbatchnorm_fp16_scaling_and_fp8() -> None:
+    booster = Booster(plugin=TorchDDPPlugin(), mixed_precision="fp16")
+    model = BNNet()
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in boosted.modules())  # Colossal-AI's conversion on CUDA
+    assert optimizer.optim.grad_scaler is not None  # fp16: booster.backward scales the loss
+    loss = boosted(torch.randn(4, 16)).float().pow(2).mean()
+    booster.backward(loss, optimizer)
+    assert torch.isfinite(optimizer.clip_grad_by_norm(1.0))
+    optimizer.step()
+    boosted.result.close()
+    HybridParallelPlugin(tp_size=1, pp_size=1, enable_flash_attention=True)  # accepted where CUDA runs it
+    booster = Booster(plugin=TorchDDPPlugin(), mixed_precision="fp8")
+    model = mlp()
+    boosted, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    names = {type(m).__module__ for m in boosted.modules()}
+    assert booster.skipped.get("fp8") or any("transformer_engine" in n for n in names), (booster.skipped, names)
+    boosted.result.close()
