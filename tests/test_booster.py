@@ -256,8 +256,11 @@ def test_mixed_precision_without_plugin_means_ddp_with_autocast() -> None:
     boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert booster.strategy.names() == ["parallel_mode", "amp_native"]
     assert booster.strategy.get("amp_native").dtype == "bf16"
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # also after boost
     booster.backward(boosted(torch.randn(2, 16)).pow(2).mean(), optimizer)
     optimizer.step()
+    scheduler.step()
+    assert optimizer.optim.param_groups[0]["lr"] == pytest.approx(0.05)
     boosted.result.close()
 
 

@@ -43,8 +43,11 @@ class BoostedModel(nn.Module):
         return unwrapped(self.module)
 
 
-class BoostedOptimizer:
+class BoostedOptimizer(torch.optim.Optimizer):
     """Colossal-AI's OptimizerWrapper over atorch's optimizer (``.optim``, an AcceleratedOptimizer).
+
+    It subclasses torch's Optimizer (without its __init__; the data is ``.optim``'s), so that an LR scheduler
+    can also be built on it after ``boost``.
 
     ``clip_grad_by_norm`` / ``clip_grad_by_value`` use atorch's clipping (right for sharded gradients and
     under loss scaling; over pipeline stages too). ``max_norm`` > 0 (a plugin argument) clips in ``step()``.
@@ -58,18 +61,25 @@ class BoostedOptimizer:
 
     # ----- torch.optim.Optimizer's data --------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optim.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
     @property
-    def defaults(self) -> dict[str, Any]:
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optim.defaults
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         return self.optim.state
 
-    def parameters(self) -> list[torch.Tensor]:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def parameters(self) -> list[torch.Tensor]:  # Colossal-AI's OptimizerWrapper.parameters
         return [p for group in self.param_groups for p in group["params"]]
 
     # ----- the step ----------------------------------------------------------------------------------
@@ -91,7 +101,7 @@ class BoostedOptimizer:
             raise SetupError("backward_by_grad cannot scale a given gradient: use booster.backward(loss, optimizer)")
         torch.autograd.backward(tensor, grad, inputs=inputs, retain_graph=retain_graph)
 
-    def step(self, *args: Any, **kwargs: Any) -> Any:
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         if self.accumulating:
             raise SetupError("optimizer.step() inside booster.no_sync(): the gradients are not synchronised yet; "
                              "run the last micro-batch's forward and backward outside no_sync, then step")
@@ -124,10 +134,10 @@ class BoostedOptimizer:
         return self.clip_grad_by_norm(float("inf"), norm_type)
 
     # ----- state -------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optim.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         self.optim.load_state_dict(state_dict)
 
     def unwrap(self) -> torch.optim.Optimizer:
