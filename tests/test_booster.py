@@ -122,13 +122,14 @@ def test_prepare_dataloader_samples_over_the_data_parallel_ranks(plugins: dict[s
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("plugin", ["TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin[stage2]"])
+@pytest.mark.parametrize("plugin", ["TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin[stage1]",
+                                    "LowLevelZeroPlugin[stage2]"])
 def test_no_sync_accumulation_equals_one_batch(accumulate: dict[str, Any], plugin: str) -> None:
     entry = ok(accumulate, f"no_sync/{plugin}")
     # d/dw mean over 8 samples = (mean over 4 + mean over 4) / 2: equal up to summation order (a few ulps)
     assert entry["weights"] == pytest.approx(entry["whole"], rel=SAME_PROGRAM, abs=1e-7)
     assert "inside booster.no_sync()" in entry["step_refused"]
-    if plugin == "TorchDDPPlugin":  # DDP's gradients are visible: inside no_sync they are each rank's own
+    if plugin in ("TorchDDPPlugin", "LowLevelZeroPlugin[stage1]"):  # DDP: inside no_sync each rank's own gradient
         assert entry["unsynced"] > 1e-3
 
 
@@ -294,4 +295,16 @@ def test_on_gpu_syncbatchnorm_fp16_scaling_and_fp8() -> None:
     boosted, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     names = {type(m).__module__ for m in boosted.modules()}
     assert booster.skipped.get("fp8") or any("transformer_engine" in n for n in names), (booster.skipped, names)
+    boosted.result.close()
+
+
+def test_low_level_zero_defaults_are_fp16_autocast_with_colossal_ai_loss_scale() -> None:
+    booster = Booster(plugin=LowLevelZeroPlugin())  # stage 1, precision 'fp16', initial_scale 2**32
+    model = mlp()
+    boosted, optimizer, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert booster.strategy.names() == ["parallel_mode", "amp_native", "zero1"]
+    assert booster.strategy.get("amp_native").dtype == "fp16"
+    assert optimizer.optim.grad_scaler._init_scale == 2.0**32
+    booster.backward(boosted(torch.randn(4, 16)).float().pow(2).mean(), optimizer)  # the loss is scaled
+    assert float(optimizer.optim.grad_scaler.get_scale()) == 2.0**32
     boosted.result.close()

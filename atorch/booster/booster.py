@@ -142,8 +142,9 @@ class Booster:
                                 "shuffle": bool(getattr(sampler, "shuffle", False)),
                                 "drop_last": dataloader.drop_last, "num_workers": dataloader.num_workers,
                                 "pin_memory": dataloader.pin_memory, "collate_fn": dataloader.collate_fn}
-        dataset = dataloader.dataset
-        return {"dataset": dataset, "dataloader_args": args, "model_input_format": input_format_of(dataset[0])}
+        # how the dry-runs call the model: from one collated batch (also for an IterableDataset)
+        batch_format = input_format_of(next(iter(dataloader)))
+        return {"dataset": dataloader.dataset, "dataloader_args": args, "model_input_format": batch_format}
 
     @staticmethod
     def _set_scaler(result: Any, plugin: Plugin) -> None:

@@ -322,6 +322,7 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
     "accumulate": {
         "no_sync/TorchDDPPlugin": P(no_sync, TorchDDPPlugin),
         "no_sync/TorchFSDPPlugin": P(no_sync, TorchFSDPPlugin),
+        "no_sync/LowLevelZeroPlugin[stage1]": P(no_sync, P(LowLevelZeroPlugin, stage=1, precision="fp32")),
         "no_sync/LowLevelZeroPlugin[stage2]": P(no_sync, P(LowLevelZeroPlugin, stage=2, precision="fp32")),
         "groups/LowLevelZeroPlugin[stage1]": P(param_groups, P(LowLevelZeroPlugin, stage=1, precision="fp32")),
         "groups/TorchFSDPPlugin": P(param_groups, TorchFSDPPlugin),
