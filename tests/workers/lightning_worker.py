@@ -1,0 +1,191 @@
+"""ATorchStrategy under Lightning on 2 real ranks (launched by tests/test_lightning.py).
+
+argv: a scratch directory (checkpoints, the search's storage and hardware-profile cache).
+Rank 0 prints ``RESULT {json}``; each scenario fits with Lightning's own "ddp" or with ATorchStrategy
+on the same data and records the global (mean over ranks) loss of every training pass.
+
+- ``ddp`` / ``ddp_accum``: Lightning's DDPStrategy, the reference (accumulate_grad_batches 1 and 2).
+- ``<strategy>`` / ``<strategy>_accum``: ATorchStrategy with that atorch strategy.
+- ``search``: no load_strategy: atorch's automatic search (3 trials) on the train dataset and training_step.
+- ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
+  resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
+- ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss.
+- ``bf16``: precision="bf16-mixed" becomes amp_native bf16 (the strategy in effect); losses finite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ["ATORCH_CACHE_DIR"] = sys.argv[1]
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+from toy_models import MLP, mlp_dataset
+from worker_common import run_each
+
+from atorch.lightning import ATorchStrategy
+
+SCRATCH = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+SAMPLES, BATCH = 16, 4  # per epoch: 16 samples / (4 per rank x 2 ranks) = 2 training passes
+LR = 0.1
+QUICK_SEARCH = {"max_trials": 3, "warmup_steps": 1, "measure_steps": 1, "top_k": 2,
+                "storage": f"sqlite:///{SCRATCH}/search.db"}
+# name -> atorch strategy
+STRATEGIES = {
+    "fsdp": ["fsdp"],
+    "parallel_mode": ["parallel_mode"],
+    "zero1": ["zero1"],
+    "zero2_checkpoint": ["zero2", "checkpoint"],
+}
+
+
+class Module(pl.LightningModule):
+    """The toy MLP built in configure_model (idempotent), SGD with momentum and a StepLR schedule."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.seed = seed
+        self.net: nn.Module | None = None
+        self.passes: list[torch.Tensor] = []
+        self.configured = 0
+
+    def configure_model(self) -> None:
+        self.configured += 1
+        if self.net is not None:
+            return
+        torch.manual_seed(self.seed)
+        self.net = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        self.passes.append(loss.detach().float().clone())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x).float(), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x).float(), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(mlp_dataset(SAMPLES), batch_size=BATCH)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(mlp_dataset(SAMPLES, seed=5), batch_size=BATCH)
+
+    test_dataloader = val_dataloader
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(mlp_dataset(SAMPLES, seed=6), batch_size=BATCH)
+
+
+def trainer(strategy: Any, epochs: int, accumulate: int = 1, **extra: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
+                      accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, **extra)
+
+
+def global_losses(module: Module) -> list[float]:
+    """The mean over ranks of each training pass's loss (the loss of the global batch)."""
+    local = torch.stack(module.passes)
+    dist.all_reduce(local)
+    return (local / dist.get_world_size()).tolist()
+
+
+def fit(strategy: Any, epochs: int = 3, accumulate: int = 1, seed: int = 0, **extra: Any) -> dict[str, Any]:
+    module = Module(seed)
+    t = trainer(strategy, epochs, accumulate, **extra)
+    t.fit(module)
+    in_effect = getattr(t.strategy, "strategy_in_effect", None)
+    return {"losses": global_losses(module), "strategy": in_effect.to_list() if in_effect else None,
+            "global_step": t.global_step, "configured": module.configured,
+            "optimizer": type(getattr(t.optimizers[0], "optimizer", t.optimizers[0])).__name__,
+            "lr": t.optimizers[0].param_groups[0]["lr"]}
+
+
+def resume() -> dict[str, Any]:
+    path = SCRATCH / "resume.ckpt"
+    first = Module(0)
+    t = trainer(ATorchStrategy(load_strategy=["fsdp"]), 2)
+    t.fit(first)
+    t.save_checkpoint(path)
+    saved = sorted(p.name for p in path.iterdir())
+    resumed = Module(seed=7)  # other weights: the checkpoint must bring them back
+    t2 = trainer(ATorchStrategy(load_strategy=["fsdp"]), 3)
+    t2.fit(resumed, ckpt_path=path)
+    meta = json.loads((path / "lightning.json").read_text())
+    return {"losses": global_losses(resumed), "files": saved, "global_step": t2.global_step,
+            "saved_epoch": meta["epoch"], "saved_step": meta["global_step"],
+            "lr": t2.optimizers[0].param_groups[0]["lr"]}
+
+
+def evaluate() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, strategy in (("ddp", "ddp"), ("atorch", ATorchStrategy(load_strategy=["fsdp"]))):
+        module = Module(0)
+        t = trainer(strategy, 2, limit_val_batches=None)
+        t.fit(module)
+        out[name] = {"validate": t.validate(module, verbose=False)[0]["val_loss"],
+                     "test": t.test(module, verbose=False)[0]["test_loss"]}
+        if name == "atorch":
+            predictions = t.predict(module)
+            out[name]["predict"] = [int(p.numel()) for p in predictions]
+            out[name]["configured"] = module.configured
+    return out
+
+
+def bf16() -> dict[str, Any]:
+    out = fit(ATorchStrategy(load_strategy=["fsdp"]), epochs=1, precision="bf16-mixed")
+    out["finite"] = all(math.isfinite(v) for v in out["losses"])
+    return out
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    scenarios: dict[str, Any] = {
+        "ddp": lambda: fit("ddp"),
+        "ddp_accum": lambda: fit("ddp", epochs=4, accumulate=2),
+    }
+    for name, strategy in STRATEGIES.items():
+        scenarios[name] = lambda s=strategy: fit(ATorchStrategy(load_strategy=s))
+        scenarios[f"{name}_accum"] = lambda s=strategy: fit(ATorchStrategy(load_strategy=s), epochs=4, accumulate=2)
+    scenarios["search"] = lambda: fit(ATorchStrategy(search=QUICK_SEARCH, time_limit=120))
+    scenarios["resume"] = resume
+    scenarios["evaluate"] = evaluate
+    scenarios["bf16"] = bf16
+    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
+    report = run_each({k: v for k, v in scenarios.items() if only is None or k in only})
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
