@@ -35,7 +35,8 @@ def _register() -> dict[str, type]:
 
 STRATEGIES: dict[str, type] = _register()
 if not STRATEGIES:
-    raise SetupError("atorch.lightning needs Lightning: pip install 'atorch[lightning]' (lightning or pytorch_lightning)")
+    raise SetupError("atorch.lightning needs Lightning: pip install 'atorch[lightning]' "
+                     "(lightning or pytorch_lightning)")
 ATorchStrategy: Any = next(iter(STRATEGIES.values()))
 
 __all__ = ["ATorchStrategy", "STRATEGIES"]

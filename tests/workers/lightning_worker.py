@@ -6,6 +6,7 @@ on the same data and records the global (mean over ranks) loss of every training
 
 - ``ddp`` / ``ddp_accum``: Lightning's DDPStrategy, the reference (accumulate_grad_batches 1 and 2).
 - ``<strategy>`` / ``<strategy>_accum``: ATorchStrategy with that atorch strategy.
+- ``ddp_clip`` / ``fsdp_clip``: gradient_clip_val (by norm) with Lightning's ddp, and through atorch's clipping.
 - ``search``: no load_strategy: atorch's automatic search (3 trials) on the train dataset and training_step.
 - ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
   resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
@@ -41,6 +42,7 @@ from atorch.lightning import ATorchStrategy
 SCRATCH = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 SAMPLES, BATCH = 16, 4  # per epoch: 16 samples / (4 per rank x 2 ranks) = 2 training passes
 LR = 0.1
+CLIP = 0.2
 QUICK_SEARCH = {"max_trials": 3, "warmup_steps": 1, "measure_steps": 1, "top_k": 2,
                 "storage": f"sqlite:///{SCRATCH}/search.db"}
 # name -> atorch strategy
@@ -107,10 +109,10 @@ class Module(pl.LightningModule):
 
 
 def trainer(strategy: Any, epochs: int, accumulate: int = 1, **extra: Any) -> pl.Trainer:
+    options = {"limit_val_batches": 0, **extra}
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
                       accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, **extra)
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **options)
 
 
 def global_losses(module: Module) -> list[float]:
@@ -177,6 +179,10 @@ def main() -> None:
     for name, strategy in STRATEGIES.items():
         scenarios[name] = lambda s=strategy: fit(ATorchStrategy(load_strategy=s))
         scenarios[f"{name}_accum"] = lambda s=strategy: fit(ATorchStrategy(load_strategy=s), epochs=4, accumulate=2)
+    # A clip small enough to bind (the test checks the losses differ from unclipped ones): Lightning's torch
+    # clip of whole gradients against atorch's global norm over fsdp's shards.
+    scenarios["ddp_clip"] = lambda: fit("ddp", gradient_clip_val=CLIP)
+    scenarios["fsdp_clip"] = lambda: fit(ATorchStrategy(load_strategy=["fsdp"]), gradient_clip_val=CLIP)
     scenarios["search"] = lambda: fit(ATorchStrategy(search=QUICK_SEARCH, time_limit=120))
     scenarios["resume"] = resume
     scenarios["evaluate"] = evaluate
