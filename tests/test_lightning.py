@@ -57,7 +57,7 @@ def _close(a: list[float], b: list[float]) -> bool:
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_losses_match_lightning_ddp(report: dict[str, Any], name: str) -> None:
     ddp, ours = _entry(report, "ddp"), _entry(report, name)
-    assert ours["strategy"] is not None and ours["strategy"][0][0] == name.split("_")[0]
+    assert ours["strategy"] is not None and name.startswith(ours["strategy"][0][0])
     assert _close(ours["losses"], ddp["losses"]), (ours["losses"], ddp["losses"])
     assert ours["global_step"] == ddp["global_step"] == 6
     # the StepLR (per epoch) from configure_optimizers drives the rebuilt optimizer

@@ -118,9 +118,17 @@ def broadcast_json(obj: Any, src: int = 0) -> Any:
         tensor = obj.detach().clone().to(device)
         dist.broadcast(tensor, src)
         return tensor.to(obj.device)
-    data = json.dumps(to_json(obj, "broadcast value")).encode() if _rank() == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    data, error = b"", None
+    if _rank() == src:
+        try:
+            data = json.dumps(to_json(obj, "broadcast value")).encode()
+        except CheckpointError as exc:  # told to every rank, so none waits for the bytes
+            error = exc
+    size = torch.tensor([len(data) if error is None else -1], dtype=torch.int64, device=device)
     dist.broadcast(size, src)
+    if int(size.item()) < 0:
+        raise error if error is not None else CheckpointError("cannot broadcast", [
+            f"rank {src} broadcast a value that is not JSON (see its error); ATorchStrategy never pickles"])
     buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if _rank() == src:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

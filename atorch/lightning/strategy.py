@@ -46,6 +46,10 @@ class StrategyMixin:
                              f"{', '.join(OPTIONS)}")
         if load_strategy is not None:
             Strategy.load(load_strategy)  # an unreadable or invalid strategy is refused here, before any launch
+        if options.get("verbose"):
+            from atorch.log import set_verbose
+
+            set_verbose(True)
         self._load_strategy = load_strategy
         self._options = options
         self.engine: engine_lib.Engine | None = None
