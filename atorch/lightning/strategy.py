@@ -277,8 +277,7 @@ class StrategyMixin:
         return state.load_weights(checkpoint_path, self.lightning_module)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        state.remove(filepath)
-        self.barrier("remove_checkpoint")
+        state.remove(filepath)  # rank 0 removes the directory (callers may call on rank 0 only)
 
     def teardown(self) -> None:
         # The engine stays (module transformed in place, optimizer state): a later validate/test/fit reuses it.
