@@ -91,6 +91,20 @@ def test_automatic_search_fits_like_ddp(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.distributed
+def test_strategy_by_name_takes_the_cached_search(report: dict[str, Any]) -> None:
+    searched, by_name, ddp = _entry(report, "search"), _entry(report, "by_name"), _entry(report, "ddp")
+    assert searched["search_source"] == "search" and by_name["search_source"] == "cache"
+    assert by_name["strategy"] == searched["strategy"] and _close(by_name["losses"], ddp["losses"])
+
+
+@pytest.mark.distributed
+def test_manual_optimisation_matches_lightning_ddp(report: dict[str, Any]) -> None:
+    ddp, ours = _entry(report, "ddp_manual"), _entry(report, "parallel_mode_manual")
+    assert _close(ours["losses"], ddp["losses"]) and len(ours["losses"]) == 6, (ours["losses"], ddp["losses"])
+    assert ours["lr"] == ddp["lr"] == pytest.approx(LR * GAMMA**3)
+
+
+@pytest.mark.distributed
 def test_checkpoint_resumes_to_identical_losses(report: dict[str, Any]) -> None:
     # The resumed run executes the same operations in the same processes as the uninterrupted one from the
     # restored weights, momentum and schedule, so its losses agree bit for bit.
@@ -119,6 +133,14 @@ def test_bf16_mixed_is_amp_native_bf16(report: dict[str, Any]) -> None:
     assert result["finite"]
     # bf16 keeps 8 bits of mantissa (relative rounding 2^-8 ~ 4e-3); after one step the loss stays within 2%.
     assert all(math.isclose(a, b, rel_tol=2e-2) for a, b in zip(result["losses"], fp32["losses"][:2], strict=True))
+
+
+@pytest.mark.distributed
+def test_bf16_true_is_half_bf16(report: dict[str, Any]) -> None:
+    result, fp32 = _entry(report, "bf16_true"), _entry(report, "parallel_mode")
+    assert ["half", {"dtype": "bf16"}] in result["strategy"]
+    # bf16 weights and inputs: 8 mantissa bits; the first loss (before any step) within 2% of fp32's.
+    assert math.isclose(result["losses"][0], fp32["losses"][0], rel_tol=2e-2) and math.isfinite(result["losses"][1])
 
 
 # ----- this process -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from atorch.errors import SetupError
 from atorch.lightning import engine as engine_lib
@@ -217,16 +218,25 @@ class StrategyMixin:
             else:
                 module.forward = own
 
+        # Manual optimisation runs backward inside DDP's forward: as DDPStrategy does, DDPStrategy.pre_backward
+        # prepares the reduction, and DDP's post-forward must then not prepare it again.
+        manual_ddp = isinstance(model, DistributedDataParallel) and not module.automatic_optimization
+
         def step(*a: Any, **k: Any) -> Any:
             restore()  # the step itself may call self(...)
             with self._autocast():
-                return getattr(module, name)(*a, **k)
+                out = getattr(module, name)(*a, **k)
+            if manual_ddp:
+                model.require_backward_grad_sync = False
+            return out
 
         module.forward = step
         try:
             return model(*args, **kwargs)
         finally:
             restore()
+            if manual_ddp:
+                model.require_backward_grad_sync = True
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():

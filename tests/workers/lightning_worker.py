@@ -8,10 +8,13 @@ on the same data and records the global (mean over ranks) loss of every training
 - ``<strategy>`` / ``<strategy>_accum``: ATorchStrategy with that atorch strategy.
 - ``ddp_clip`` / ``fsdp_clip``: gradient_clip_val (by norm) with Lightning's ddp, and through atorch's clipping.
 - ``search``: no load_strategy: atorch's automatic search (3 trials) on the train dataset and training_step.
+- ``by_name``: strategy="atorch" (the registry's instance): the search's cached pick.
+- ``ddp_manual`` / ``parallel_mode_manual``: manual optimisation (manual_backward), Lightning's ddp and atorch's.
 - ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
   resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
 - ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss.
 - ``bf16``: precision="bf16-mixed" becomes amp_native bf16 (the strategy in effect); losses finite.
+- ``bf16_true``: precision="bf16-true" becomes half bf16 (weights and floating inputs cast).
 """
 
 from __future__ import annotations
@@ -122,12 +125,35 @@ def global_losses(module: Module) -> list[float]:
     return (local / dist.get_world_size()).tolist()
 
 
-def fit(strategy: Any, epochs: int = 3, accumulate: int = 1, seed: int = 0, **extra: Any) -> dict[str, Any]:
-    module = Module(seed)
+class ManualModule(Module):
+    """Manual optimisation: manual_backward, step and the schedule by hand."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        self.passes.append(loss.detach().float().clone())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+    def on_train_epoch_end(self) -> None:
+        self.lr_schedulers().step()
+
+
+def fit(strategy: Any, epochs: int = 3, accumulate: int = 1, seed: int = 0, manual: bool = False,
+        **extra: Any) -> dict[str, Any]:
+    module = ManualModule(seed) if manual else Module(seed)
     t = trainer(strategy, epochs, accumulate, **extra)
     t.fit(module)
     in_effect = getattr(t.strategy, "strategy_in_effect", None)
+    engine = getattr(t.strategy, "engine", None)
     return {"losses": global_losses(module), "strategy": in_effect.to_list() if in_effect else None,
+            "search_source": engine.search["source"] if engine is not None and engine.search else None,
             "global_step": t.global_step, "configured": module.configured,
             "optimizer": type(getattr(t.optimizers[0], "optimizer", t.optimizers[0])).__name__,
             "lr": t.optimizers[0].param_groups[0]["lr"]}
@@ -186,9 +212,14 @@ def main() -> None:
     scenarios["ddp_clip"] = lambda: fit("ddp", gradient_clip_val=CLIP)
     scenarios["fsdp_clip"] = lambda: fit(ATorchStrategy(load_strategy=["fsdp"]), gradient_clip_val=CLIP)
     scenarios["search"] = lambda: fit(ATorchStrategy(search=QUICK_SEARCH, time_limit=120))
+    scenarios["by_name"] = lambda: fit("atorch")  # the same search's key: its cached pick
+    scenarios["ddp_manual"] = lambda: fit("ddp", manual=True)
+    scenarios["parallel_mode_manual"] = lambda: fit(ATorchStrategy(load_strategy=["parallel_mode"]), manual=True)
     scenarios["resume"] = resume
     scenarios["evaluate"] = evaluate
     scenarios["bf16"] = bf16
+    scenarios["bf16_true"] = lambda: fit(ATorchStrategy(load_strategy=["parallel_mode"]), epochs=1,
+                                         precision="bf16-true")
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     report = run_each({k: v for k, v in scenarios.items() if only is None or k in only})
     if dist.get_rank() == 0:
