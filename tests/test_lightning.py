@@ -73,6 +73,8 @@ def test_accumulation_matches_lightning_ddp(report: dict[str, Any], name: str) -
     assert _close(ours["losses"], ddp["losses"]), (ours["losses"], ddp["losses"])
     assert ours["global_step"] == ddp["global_step"] == 4 and len(ours["losses"]) == 8  # 2 passes per step
     assert ours["lr"] == ddp["lr"]
+    # the gradient reduction is skipped in the first pass of each step and done in the second
+    assert ours["syncs"] == [False, True] * 4 and ddp["syncs"] == [False, True] * 4
 
 
 @pytest.mark.distributed

@@ -65,6 +65,7 @@ class Module(pl.LightningModule):
         self.seed = seed
         self.net: nn.Module | None = None
         self.passes: list[torch.Tensor] = []
+        self.syncs: list[bool | None] = []  # whether this pass's backward reduces gradients
         self.configured = 0
 
     def configure_model(self) -> None:
@@ -81,6 +82,7 @@ class Module(pl.LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x).float(), y)
         self.passes.append(loss.detach().float().clone())
+        self.syncs.append(_gradient_sync(self.trainer.strategy.model))
         self.log("train_loss", loss)
         return loss
 
@@ -109,6 +111,16 @@ class Module(pl.LightningModule):
 
     def predict_dataloader(self) -> DataLoader:
         return DataLoader(mlp_dataset(SAMPLES, seed=6), batch_size=BATCH)
+
+
+def _gradient_sync(model: nn.Module) -> bool | None:
+    """DDP's flag for the coming backward, or FSDP2's reduce-scatter flag (None for other wrappers)."""
+    if hasattr(model, "require_backward_grad_sync"):
+        return bool(model.require_backward_grad_sync)
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is not None:
+        return all(group.reduce_grads for group in state()._fsdp_param_groups)
+    return None
 
 
 def trainer(strategy: Any, epochs: int, accumulate: int = 1, **extra: Any) -> pl.Trainer:
@@ -153,6 +165,7 @@ def fit(strategy: Any, epochs: int = 3, accumulate: int = 1, seed: int = 0, manu
     in_effect = getattr(t.strategy, "strategy_in_effect", None)
     engine = getattr(t.strategy, "engine", None)
     return {"losses": global_losses(module), "strategy": in_effect.to_list() if in_effect else None,
+            "syncs": module.syncs,
             "search_source": engine.search["source"] if engine is not None and engine.search else None,
             "global_step": t.global_step, "configured": module.configured,
             "optimizer": type(getattr(t.optimizers[0], "optimizer", t.optimizers[0])).__name__,
