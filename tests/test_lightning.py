@@ -126,6 +126,8 @@ def test_validate_test_predict(report: dict[str, Any]) -> None:
         assert math.isclose(result["atorch"][key], result["ddp"][key], rel_tol=RTOL, abs_tol=ATOL)
     assert result["atorch"]["predict"] == [4, 4]  # 16 samples over 2 ranks, batches of 4
     assert result["atorch"]["configured"] == 4  # configure_model ran for fit, validate, test and predict
+    # the resume checkpoint holds the same 2 fsdp epochs: loaded into a new module without fitting
+    assert math.isclose(result["fresh_validate"], result["atorch"]["validate"], rel_tol=RTOL, abs_tol=ATOL)
 
 
 @pytest.mark.distributed

@@ -12,7 +12,8 @@ on the same data and records the global (mean over ranks) loss of every training
 - ``ddp_manual`` / ``parallel_mode_manual``: manual optimisation (manual_backward), Lightning's ddp and atorch's.
 - ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
   resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
-- ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss.
+- ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss;
+  validate on a new Trainer and module from the ``resume`` checkpoint (no fit: the plain module).
 - ``bf16``: precision="bf16-mixed" becomes amp_native bf16 (the strategy in effect); losses finite.
 - ``bf16_true``: precision="bf16-true" becomes half bf16 (weights and floating inputs cast).
 """
@@ -200,6 +201,10 @@ def evaluate() -> dict[str, Any]:
             predictions = t.predict(module)
             out[name]["predict"] = [int(p.numel()) for p in predictions]
             out[name]["configured"] = module.configured
+    # Evaluation before any fit, from the resume scenario's checkpoint (the same 2 fsdp epochs of Module(0)).
+    fresh = Module(seed=9)
+    t = trainer(ATorchStrategy(load_strategy=["fsdp"]), 1, limit_val_batches=None)
+    out["fresh_validate"] = t.validate(fresh, ckpt_path=SCRATCH / "resume.ckpt", verbose=False)[0]["val_loss"]
     return out
 
 
