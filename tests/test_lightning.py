@@ -101,7 +101,8 @@ def test_strategy_by_name_takes_the_cached_search(report: dict[str, Any]) -> Non
 
 @pytest.mark.distributed
 def test_manual_optimisation_matches_lightning_ddp(report: dict[str, Any]) -> None:
-    ddp, ours = _entry(report, "ddp_manual"), _entry(report, "parallel_mode_manual")
+    # the manual loop does what Lightning's automatic one does (zero_grad, backward, step; schedule per epoch)
+    ddp, ours = _entry(report, "ddp"), _entry(report, "parallel_mode_manual")
     assert _close(ours["losses"], ddp["losses"]) and len(ours["losses"]) == 6, (ours["losses"], ddp["losses"])
     assert ours["lr"] == ddp["lr"] == pytest.approx(LR * GAMMA**3)
 
@@ -208,3 +209,10 @@ def test_metadata_json_round_trip() -> None:
     assert back["shape"] == (1, 2) and back["dir"] == Path("/tmp/x") and back["loops"] == {"a": [1, None]}
     with pytest.raises(state.CheckpointError, match=r"checkpoint\['fn'\] is a function"):
         state.to_json({"fn": lambda: 0})
+
+
+def test_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
+    plain = tmp_path / "epoch=0.ckpt"
+    plain.write_bytes(b"")  # a file written by another strategy
+    with pytest.raises(state.CheckpointError, match="not a checkpoint written by ATorchStrategy"):
+        state.load(plain, None)

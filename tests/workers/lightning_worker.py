@@ -9,7 +9,7 @@ on the same data and records the global (mean over ranks) loss of every training
 - ``ddp_clip`` / ``fsdp_clip``: gradient_clip_val (by norm) with Lightning's ddp, and through atorch's clipping.
 - ``search``: no load_strategy: atorch's automatic search (3 trials) on the train dataset and training_step.
 - ``by_name``: strategy="atorch" (the registry's instance): the search's cached pick.
-- ``ddp_manual`` / ``parallel_mode_manual``: manual optimisation (manual_backward), Lightning's ddp and atorch's.
+- ``parallel_mode_manual``: manual optimisation (manual_backward, step and schedule by hand) with atorch's DDP.
 - ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
   resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
 - ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss;
@@ -83,7 +83,8 @@ class Module(pl.LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x).float(), y)
         self.passes.append(loss.detach().float().clone())
-        self.syncs.append(_gradient_sync(self.trainer.strategy.model))
+        if self._trainer is not None:  # the search's trials run training_step on copies without a Trainer
+            self.syncs.append(_gradient_sync(self.trainer.strategy.model))
         self.log("train_loss", loss)
         return loss
 
@@ -231,7 +232,6 @@ def main() -> None:
     scenarios["fsdp_clip"] = lambda: fit(ATorchStrategy(load_strategy=["fsdp"]), gradient_clip_val=CLIP)
     scenarios["search"] = lambda: fit(ATorchStrategy(search=QUICK_SEARCH, time_limit=120))
     scenarios["by_name"] = lambda: fit("atorch")  # the same search's key: its cached pick
-    scenarios["ddp_manual"] = lambda: fit("ddp", manual=True)
     scenarios["parallel_mode_manual"] = lambda: fit(ATorchStrategy(load_strategy=["parallel_mode"]), manual=True)
     scenarios["resume"] = resume
     scenarios["evaluate"] = evaluate
