@@ -108,6 +108,15 @@ def test_manual_optimisation_matches_lightning_ddp(report: dict[str, Any]) -> No
 
 
 @pytest.mark.distributed
+def test_tensor_parallel_samples_by_data_rank(report: dict[str, Any]) -> None:
+    result = _entry(report, "tensor_parallel")
+    assert [m for m, _ in result["strategy"]] == ["parallel_mode", "tensor_parallel"]
+    assert result["sampler"] == {"num_replicas": 1, "rank": 0}  # one data-parallel rank, not the 2 processes
+    rank0, rank1 = result["per_rank"]
+    assert len(rank0) == 4 and rank0 == rank1  # all 16 samples on each rank; one tensor-parallel model
+
+
+@pytest.mark.distributed
 def test_checkpoint_resumes_to_identical_losses(report: dict[str, Any]) -> None:
     # The resumed run executes the same operations in the same processes as the uninterrupted one from the
     # restored weights, momentum and schedule, so its losses agree bit for bit.

@@ -10,6 +10,7 @@ on the same data and records the global (mean over ranks) loss of every training
 - ``search``: no load_strategy: atorch's automatic search (3 trials) on the train dataset and training_step.
 - ``by_name``: strategy="atorch" (the registry's instance): the search's cached pick.
 - ``parallel_mode_manual``: manual optimisation (manual_backward, step and schedule by hand) with atorch's DDP.
+- ``tensor_parallel``: tensor 2 x data 1: the sampler's size and rank are the data-parallel ones.
 - ``resume``: fsdp, 2 epochs, Trainer.save_checkpoint, then a new Trainer and a module of another seed
   resumes to epoch 3 (fit(ckpt_path=...)); the losses of epoch 3 against an uninterrupted run.
 - ``evaluate``: after an fsdp fit, validate / test / predict on the same Trainer; ddp's validation loss;
@@ -174,6 +175,37 @@ def fit(strategy: Any, epochs: int = 3, accumulate: int = 1, seed: int = 0, manu
             "lr": t.optimizers[0].param_groups[0]["lr"]}
 
 
+class Block(nn.Module):
+    """A width-changing pair, which tensor_parallel's derived plan splits (up colwise, down rowwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TensorParallelModule(Module):
+    def configure_model(self) -> None:
+        self.configured += 1
+        if self.net is None:
+            torch.manual_seed(self.seed)
+            self.net = nn.Sequential(nn.Sequential(Block(), Block()), nn.Linear(16, 8))
+
+
+def tensor_parallel() -> dict[str, Any]:
+    """tensor 2 x data 1: both ranks read the same (whole) data; every rank computes the same loss."""
+    strategy = ATorchStrategy(load_strategy=[("parallel_mode", {"dims": [["tensor", 2]]}), "tensor_parallel"])
+    module = TensorParallelModule(0)
+    trainer(strategy, 1).fit(module)
+    local = torch.stack(module.passes)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return {"sampler": strategy.distributed_sampler_kwargs, "per_rank": [g.tolist() for g in gathered],
+            "strategy": strategy.strategy_in_effect.to_list()}
+
+
 def resume() -> dict[str, Any]:
     path = SCRATCH / "resume.ckpt"
     first = Module(0)
@@ -233,6 +265,7 @@ def main() -> None:
     scenarios["search"] = lambda: fit(ATorchStrategy(search=QUICK_SEARCH, time_limit=120))
     scenarios["by_name"] = lambda: fit("atorch")  # the same search's key: its cached pick
     scenarios["parallel_mode_manual"] = lambda: fit(ATorchStrategy(load_strategy=["parallel_mode"]), manual=True)
+    scenarios["tensor_parallel"] = tensor_parallel
     scenarios["resume"] = resume
     scenarios["evaluate"] = evaluate
     scenarios["bf16"] = bf16
