@@ -39,6 +39,7 @@ def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(spac
             schedule = (cand.strategy.get("pipeline_parallel") or cand.strategy.get("mixed_parallel").pipeline)
             assert schedule.micro_batches * point["micro_batch_size"] == cand.micro_batch_size
             assert schedule.micro_batches >= point["pipeline"]
+            assert schedule.schedule == point["pipeline_parallel.schedule"]
     assert len({c.key for c in cands}) == len(cands)
     # Every family of the issue is there: each sharding method and implementation, offload, reshard,
     # checkpointing, each precision, module_replace, and every micro-batch size.
@@ -56,6 +57,8 @@ def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(spac
     # the model-parallel layouts join (#7): tensor 2 (GPT-2's Conv1D swapped by module_replace), pipeline 2
     assert {p.get("tensor", 1) for p in points} == {p.get("pipeline", 1) for p in points} == {1, 2}
     assert all(c.strategy.get("module_replace") is not None for c in cands if dict(c.point).get("tensor", 1) > 1)
+    interleaved = {"interleaved_1f1b"} if space.pipeline_blocks >= 4 else set()  # two blocks per stage
+    assert {p.get("pipeline_parallel.schedule") for p in points} == {None, "1f1b", "gpipe", *interleaved}
 
 
 def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpace) -> None:

@@ -15,7 +15,8 @@ The tree starts with the model-parallel layout: ``tensor`` and ``pipeline`` size
 world size; the data size is what is left). A size above 1 is offered only where its method is allowed
 and fits the model (tensor_parallel: a plan derives from it, and GPT-2's Conv1D is swapped by
 module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). Under
-pipeline parallel a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
+pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b where there are two
+blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
 at least one per stage.
 
 Activation checkpointing searches off / every repeated block. A subset of blocks (a fraction) is not
@@ -44,6 +45,7 @@ from atorch.strategy_search.analyser import fingerprint
 Point = dict[str, Any]
 
 SHARDING = ("zero1", "zero2", "fsdp")  # methods that shard; "ddp" is parallel_mode alone
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # searched under pipeline parallel
 PRECISION = ("amp_native", "half")  # fp8 is left out: it needs CUDA sm >= 8.9 and is opt-in
 # half fp16 keeps no fp32 master weights: Adam's state underflows (see Half.model_problems), so by
 # default only bf16 is searched for 'half'.
@@ -142,6 +144,7 @@ class SearchSpace:
             )
         self.micro_batch_sizes = self._micro_batch_sizes(1, 1)
         self.conv1d = False
+        self.pipeline_blocks = 0
         self.tensor_sizes, self.pipeline_sizes = self._model_parallel_sizes(model)
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
@@ -166,7 +169,8 @@ class SearchSpace:
             from atorch.opt_lib.pipeline_split import find_blocks
 
             blocks, _ = find_blocks(model)
-            pipeline += [p for p in sizes if blocks is not None and len(blocks.names) >= p]
+            self.pipeline_blocks = len(blocks.names) if blocks is not None else 0
+            pipeline += [p for p in sizes if self.pipeline_blocks >= p]
         return tuple(tensor), tuple(pipeline)
 
     def _micro_batch_sizes(self, tensor: int, pipeline: int) -> tuple[int, ...]:
@@ -188,6 +192,11 @@ class SearchSpace:
         pipeline = tuple(p for p in self.pipeline_sizes if self.world_size % (t * p) == 0)
         if len(pipeline) > 1:
             yield Dim("pipeline", pipeline)
+        p = int(partial.get("pipeline", 1))
+        if p > 1:  # interleaving needs two stages per rank, so twice as many blocks as ranks
+            schedules = tuple(name for name in PIPELINE_SCHEDULES
+                              if name != "interleaved_1f1b" or self.pipeline_blocks >= 2 * p)
+            yield Dim("pipeline_parallel.schedule", schedules)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
@@ -284,6 +293,8 @@ class SearchSpace:
             dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline)) if size > 1]
             configs["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
             schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
+            if pipeline > 1:
+                schedule.update(configs.pop("pipeline_parallel", {}))
             if tensor > 1 and pipeline > 1:
                 names.add("mixed_parallel")
                 configs["mixed_parallel"] = {"pipeline": schedule}
