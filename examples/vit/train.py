@@ -262,12 +262,12 @@ def train(step: str, args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(MEMORY_STEPS):
             losses.append(float(one_step(result, [next(data) for _ in range(accumulation)])))
     log(f"step 1/{args.steps}  loss {losses[0]:.4f}")
-    for step in range(MEMORY_STEPS, args.steps):
+    for index in range(MEMORY_STEPS, args.steps):
         start = time.perf_counter()
         losses.append(float(one_step(result, [next(data) for _ in range(accumulation)])))
         times.append(time.perf_counter() - start)
-        if (step + 1) % args.log_every == 0 or step == args.steps - 1:
-            log(f"step {step + 1}/{args.steps}  loss {losses[-1]:.4f}")
+        if (index + 1) % args.log_every == 0 or index == args.steps - 1:
+            log(f"step {index + 1}/{args.steps}  loss {losses[-1]:.4f}")
     evaluation = evaluate(result, SyntheticCIFAR(args.eval_samples, seed=2), result.args.local_batch_size)
     log(f"held-out: accuracy {evaluation['accuracy']:.3f}  loss {evaluation['loss']:.4f} "
         f"({int(evaluation['samples'])} counted)")
@@ -278,6 +278,7 @@ def train(step: str, args: argparse.Namespace) -> dict[str, Any]:
         "strategy": strategy.to_list(), "steps": args.steps, "global_batch_size": args.batch_size,
         "losses": losses, "eval": evaluation, "median_step_s": median,
         "images_per_s": args.batch_size / median, "peak_bytes_per_rank": peaks,
+        "search": result.args.search,  # auto: how the strategy was found (source, dry-runs)
     }
     log(f"throughput {summary['images_per_s']:.1f} images/s (median step {median * 1000:.0f} ms); peak memory per "
         f"rank (MiB): {' '.join(f'{b / 2**20:.1f}' for b in peaks)}")
