@@ -171,17 +171,20 @@ class StageExit:
     """Ends a non-last stage's forward right after its last block: the rest of the model's forward (final
     norm, pooling, head) belongs to the last stage, and code between them (ViT's head takes only the
     [CLS] position) must not run on the hidden states passed on. The last block's output is kept; the
-    next module of those after the blocks to be called raises StageEnd with it. The block's hook only
-    records (it may run again inside a checkpoint's recompute, where nothing must be raised)."""
+    next module of those after the blocks to be called raises StageEnd with it. Armed only while
+    StageModule runs the stage's forward (not in a checkpoint's recompute during backward, nor when the
+    stage module is called directly); the block's hook only records."""
 
     def __init__(self) -> None:
+        self.armed = False
         self.output: Any = None
 
-    def reset(self) -> None:
-        self.output = None
+    def arm(self, armed: bool) -> None:
+        self.armed, self.output = armed, None
 
     def block_done(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.output = output
+        if self.armed:
+            self.output = output
 
     def post_called(self, module: nn.Module, args: Any) -> None:
         if self.output is not None:
@@ -286,11 +289,13 @@ class StageModule(nn.Module):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         if self.stage_exit is None:
             return self._call(args, kwargs)
-        self.stage_exit.reset()
+        self.stage_exit.arm(True)
         try:
             return self._call(args, kwargs)
         except StageEnd as end:
             return hidden_of(end.hidden)
+        finally:
+            self.stage_exit.arm(False)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         if self.transformers:
