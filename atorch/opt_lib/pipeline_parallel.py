@@ -309,7 +309,6 @@ class PipelineRunner:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=target.device)
 
-
     def forward_only(self, data: Any) -> torch.Tensor | None:
         """The schedule's forward over the batch, no backward: the last stage's outputs (the model's output
         tensor, e.g. logits, for the whole batch), None on the other stages."""
