@@ -59,3 +59,19 @@ def _start_mean(total: torch.Tensor, result: Any) -> Any:
     if result.args.data_parallel_size == 1:
         return None
     return dist.all_reduce(total, group=result.args.data_parallel_group, async_op=True)
+
+
+def eval_logits(result: Any, batch: Any) -> torch.Tensor | None:
+    """The model's output tensor (a transformers model's ``.logits``) for one batch, without gradients.
+
+    Under pipeline_parallel the stages run a forward-only schedule and only the last stage has the
+    output: the other ranks get None.
+    """
+    data = result.prepare_input(batch, result.args.device)
+    if isinstance(result.model, PipelinedModel):
+        assert result.model.runner is not None
+        return result.model.runner.forward_only(data)
+    with torch.no_grad():
+        output = call_model(result.model, data, result.args.model_input_format)
+    logits = getattr(output, "logits", output)
+    return logits if isinstance(logits, torch.Tensor) else output[0]

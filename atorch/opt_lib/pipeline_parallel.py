@@ -309,6 +309,27 @@ class PipelineRunner:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=target.device)
 
+    def forward_only(self, data: Any) -> torch.Tensor | None:
+        """The schedule's forward over the batch, no backward: the last stage's outputs (the model's output
+        tensor, e.g. logits, for the whole batch), None on the other stages."""
+        batch = _batch_size(data)
+        if batch % self.micro_batches:
+            raise SetupError(f"pipeline_parallel: an evaluation batch of {batch} samples does not split into "
+                             f"{self.micro_batches} micro-batches; use a multiple of {self.micro_batches}")
+        self.data = data
+        args, kwargs = (data,), {}
+        if self.input_format == "unpack_dict":
+            args, kwargs = (), dict(data)
+        elif self.input_format == "unpack_sequence":
+            args = tuple(data)
+        try:
+            with torch.no_grad():
+                out = self.schedule.eval(*args, target=torch.arange(batch, device=_device_of(data)), losses=[],
+                                         return_outputs=True, **kwargs)
+        finally:
+            self.data = None
+        return out if self.has_last else None
+
 
 def _device_of(data: Any) -> torch.device:
     from torch.utils._pytree import tree_leaves
@@ -337,13 +358,17 @@ def _take(data: Any, index: torch.Tensor) -> Any:
 
 def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:
     """What the model would have returned: logits, and the loss from its own loss function given labels."""
-    from transformers.modeling_outputs import CausalLMOutput
+    from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
 
     labels = data.get("labels") if isinstance(data, dict) else None
+    # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size.
+    classifier = getattr(model, "loss_type", None) in ("ForImageClassification", "ForSequenceClassification")
     loss = None
-    if labels is not None:
+    if labels is not None and classifier:
+        loss = model.loss_function(labels, logits, model.config)
+    elif labels is not None:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
-    return CausalLMOutput(loss=loss, logits=logits)
+    return (ImageClassifierOutput if classifier else CausalLMOutput)(loss=loss, logits=logits)
 
 
 def build_schedule(ctx: Any, config: PipelineParallelConfig) -> None:

@@ -14,6 +14,8 @@ expensive stage (so a large output head leaves fewer blocks to the last stage).
 from __future__ import annotations
 
 import copy
+import inspect
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,12 @@ def find_blocks(model: nn.Module) -> tuple[BlockList | None, str | None]:
     if len(blocks) < 2:
         return None, ("no repeated blocks found; pipeline_parallel splits models whose repeated blocks "
                       "(transformer layers) are held in one nn.ModuleList or nn.Sequential")
+    # A declared block class met once elsewhere (transformers ViT declares its embeddings unsplittable too)
+    # is not a repeated block: keep the one list that holds two or more of them.
+    counts = Counter(name.rpartition(".")[0] for name in blocks)
+    if sum(c >= 2 for c in counts.values()) == 1:
+        container = next(parent for parent, c in counts.items() if c >= 2)
+        blocks = [name for name in blocks if name.rpartition(".")[0] == container]
     parents = {name.rpartition(".")[0] for name in blocks}
     if len(parents) != 1:
         return None, (f"the repeated blocks sit in {len(parents)} lists ({sorted(parents)}); pipeline_parallel "
@@ -128,6 +136,66 @@ class ZeroEmbedding(nn.Module):
         return self.like.new_zeros((*ids.shape, self.dim))
 
 
+class PassThrough(nn.Module):
+    """Stands in for a module before the blocks that a later stage does not own, in a model whose forward
+    takes no ``inputs_embeds`` (transformers ViT): the stage gets the hidden states as the model's input,
+    and this returns them. What the model's forward reads of the module (ViT: the patch projection's
+    dtype) comes from a copy of it on the meta device, kept outside the module tree (no parameters)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "shadow", copy.deepcopy(module).to("meta"))
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return hidden
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("shadow")
+            if shadow is None:
+                raise
+            return getattr(shadow, name)
+
+
+class StageEnd(Exception):  # noqa: N818 - a signal, not an error
+    """Ends a stage's forward with the hidden states it passes on (raised by StageExit)."""
+
+    def __init__(self, hidden: Any) -> None:
+        super().__init__("end of pipeline stage")
+        self.hidden = hidden
+
+
+class StageExit:
+    """Ends a non-last stage's forward right after its last block: the rest of the model's forward (final
+    norm, pooling, head) belongs to the last stage, and code between them (ViT's head takes only the
+    [CLS] position) must not run on the hidden states passed on. The last block's output is kept; the
+    next module of those after the blocks to be called raises StageEnd with it. Armed only while
+    StageModule runs the stage's forward (not in a checkpoint's recompute during backward, nor when the
+    stage module is called directly); the block's hook only records."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.output: Any = None
+
+    def arm(self, armed: bool) -> None:
+        self.armed, self.output = armed, None
+
+    def block_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.armed:
+            self.output = output
+
+    def post_called(self, module: nn.Module, args: Any) -> None:
+        if self.output is not None:
+            hidden, self.output = self.output, None
+            raise StageEnd(hidden)
+
+
+def takes_inputs_embeds(model: nn.Module) -> bool:
+    return "inputs_embeds" in inspect.signature(model.forward).parameters
+
+
 def is_transformers(model: nn.Module) -> bool:
     return callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "config")
 
@@ -151,9 +219,13 @@ def build_stage(model: nn.Module, blocks: BlockList, owned: tuple[str, ...], fir
         replacement.add_module(name, block)  # original names: iteration and slicing work, names stay the user's
     _replace(stage, blocks.container, replacement)
     if not first:
+        # A transformers model without inputs_embeds gets the hidden states as its input (ViT).
+        passed = is_transformers(model) and not takes_inputs_embeds(model)
         for name in blocks.pre:
             module = stage.get_submodule(name)
-            if isinstance(module, nn.Embedding):
+            if passed and (_has_params(module) or isinstance(module, nn.Dropout)):
+                _replace(stage, name, PassThrough(module))
+            elif isinstance(module, nn.Embedding):
                 _replace(stage, name, ZeroEmbedding(module.embedding_dim, module.weight.dtype))
             elif _has_params(module) or isinstance(module, nn.Dropout):
                 _replace(stage, name, nn.Identity())
@@ -162,6 +234,12 @@ def build_stage(model: nn.Module, blocks: BlockList, owned: tuple[str, ...], fir
             module = stage.get_submodule(name)
             if _has_params(module) or isinstance(module, nn.Dropout):
                 _replace(stage, name, nn.Identity())
+        if kept:
+            stage_exit = StageExit()
+            kept[-1][1].register_forward_hook(stage_exit.block_done)
+            for name in blocks.post:
+                stage.get_submodule(name).register_forward_pre_hook(stage_exit.post_called)
+            stage.atorch_stage_exit = stage_exit  # read by StageModule
     return stage
 
 
@@ -192,6 +270,8 @@ class StageModule(nn.Module):
         self.module = module
         self.index, self.first, self.last = index, first, last
         self.transformers = is_transformers(module)
+        self.embeds_kw = self.transformers and takes_inputs_embeds(module)
+        self.stage_exit: StageExit | None = getattr(module, "atorch_stage_exit", None)
         self.autocast_dtype: torch.dtype | None = None
         if no_split:
             self._no_split_modules = list(no_split)  # block detection (checkpoint, fsdp) as on the whole model
@@ -207,10 +287,24 @@ class StageModule(nn.Module):
         return out.clone() if out._is_view() else out
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        if self.stage_exit is None:
+            return self._call(args, kwargs)
+        self.stage_exit.arm(True)
+        try:
+            return self._call(args, kwargs)
+        except StageEnd as end:
+            return hidden_of(end.hidden)
+        finally:
+            self.stage_exit.arm(False)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         if self.transformers:
             kwargs = {k: v for k, v in kwargs.items() if k not in TARGET_KEYS}
             if not self.first:
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds")}
+                main = getattr(self.module, "main_input_name", "input_ids")  # ViT: pixel_values
+                kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds", main)}
+                if not self.embeds_kw:  # the hidden states in place of the model's input (see PassThrough)
+                    return hidden_of(self.module(args[0], **kwargs))
                 return hidden_of(self.module(inputs_embeds=args[0], **kwargs))
             return hidden_of(self.module(*args, **kwargs))
         return hidden_of(self.module(*args, **kwargs) if self.first else self.module(args[0]))

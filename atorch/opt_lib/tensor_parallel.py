@@ -6,9 +6,11 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
 - GPT-2 style attention with a fused ``c_attn`` (q|k|v in one layer): its output rows are permuted so
   that each rank's colwise shard holds the q, k and v of its own heads; c_proj rowwise; MLP c_fc
   colwise, c_proj rowwise. Needs ``module_replace`` first (DTensor cannot split transformers' Conv1D).
-- Any other model: Megatron pairing inside the repeated blocks: a Linear that changes the width,
-  followed in module order by a Linear taking that width with no parameter-holding module between
-  them, becomes colwise then rowwise (the elementwise activation between them runs on the shards).
+- Any other model, and the layers of a recognised model's blocks left out by the above (transformers
+  ViT: Llama-named attention, MLP fc1/fc2): Megatron pairing inside the repeated blocks: a Linear that
+  changes the width, followed in module order by a Linear taking that width with no parameter-holding
+  module between them, becomes colwise then rowwise (the elementwise activation between them runs on
+  the shards).
 Layers outside the plan (embeddings, norms, heads) stay whole on every rank; their gradients agree
 across the tensor group because every rank computes them from the same (all-reduced) activations.
 """
@@ -119,10 +121,12 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
     return plan
 
 
-def _paired_plan(model: nn.Module) -> Plan:
-    """Megatron pairing inside the repeated blocks (see the module docstring for the rule)."""
+def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> Plan:
+    """Megatron pairing inside the repeated blocks (see the module docstring for the rule); layers already
+    in ``planned`` (by a family plan) are left alone and break a pair like any parameter-holding layer."""
     from atorch.class_ref import matches
 
+    planned = planned or {}
     plan = Plan()
     classes = block_classes(model)
     for block_name, block in model.named_modules():
@@ -131,6 +135,9 @@ def _paired_plan(model: nn.Module) -> Plan:
         previous: tuple[str, nn.Module] | None = None
         for name, module in block.named_modules():
             dims = _dims(module)
+            if _join(block_name, name) in planned:
+                previous = None
+                continue
             if dims is None:
                 if next(module.parameters(recurse=False), None) is not None:
                     previous = None  # a parameter-holding layer between two Linears: the data flow is unknown
@@ -172,6 +179,10 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
         plan = _family_plan(model, t)
         if not plan.styles and not plan.problems:
             plan = _paired_plan(model)
+        elif plan.styles:
+            # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
+            # the rest of its blocks by pairing.
+            plan.styles.update(_paired_plan(model, plan.styles).styles)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
         d_in, d_out = _dims(modules[name])
