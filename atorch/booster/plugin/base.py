@@ -49,6 +49,19 @@ class Plugin:
         if not ok:
             self.problems.append(f"{name}={value!r}: {why}")
 
+    def _refuse_kernel_options(self, enable_flash_attention: bool, enable_fused_normalization: bool,
+                               enable_jit_fused: bool, enable_all_optimization: bool, fp8_communication: bool) -> None:
+        """Colossal-AI's fused-kernel and compression switches, which atorch has no counterpart for (on CPU)."""
+        self._refuse_unless(not (enable_flash_attention and not torch.cuda.is_available()), "enable_flash_attention",
+                            enable_flash_attention, "flash attention kernels need a CUDA GPU; leave it out on CPU")
+        for name, flag in (("enable_fused_normalization", enable_fused_normalization),
+                           ("enable_jit_fused", enable_jit_fused),
+                           ("enable_all_optimization", enable_all_optimization)):
+            self._refuse_unless(not flag, name, flag, "atorch has no fused-kernel replacement for these layers; "
+                                "leave it out")
+        self._refuse_unless(not fp8_communication, "fp8_communication", fp8_communication,
+                            "atorch has no fp8 gradient compression; leave it out")
+
     def _check(self) -> None:
         if self.problems:
             raise StrategyError(self.problems, what=f"{type(self).__name__} cannot be used with these arguments")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from atorch.booster.plugin.base import Plugin, precision_methods
 
 
@@ -60,17 +58,10 @@ class GeminiPlugin(Plugin):
         self._refuse_unless(extra_dp_size == 1, "extra_dp_size", extra_dp_size,
                             "atorch shards over all data-parallel ranks; leave it out")
         self._refuse_unless(tp_size >= 1, "tp_size", tp_size, "use a positive size")
-        self._refuse_unless(not (enable_flash_attention and not torch.cuda.is_available()), "enable_flash_attention",
-                            enable_flash_attention, "flash attention kernels need a CUDA GPU; leave it out on CPU")
-        for name, flag in (("enable_fused_normalization", enable_fused_normalization),
-                           ("enable_jit_fused", enable_jit_fused),
-                           ("enable_all_optimization", enable_all_optimization)):
-            self._refuse_unless(not flag, name, flag, "atorch has no fused-kernel replacement for these layers; "
-                                "leave it out")
+        self._refuse_kernel_options(enable_flash_attention, enable_fused_normalization, enable_jit_fused,
+                                    enable_all_optimization, fp8_communication)
         self._refuse_unless(not enable_sequence_parallelism, "enable_sequence_parallelism",
                             enable_sequence_parallelism, "atorch's tensor_parallel has no sequence parallelism yet")
-        self._refuse_unless(not fp8_communication, "fp8_communication", fp8_communication,
-                            "atorch has no fp8 gradient compression; leave it out")
         self._refuse_unless(max_norm >= 0, "max_norm", max_norm, "use 0 (no clipping) or a positive norm")
         self._scaler(initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self.precision, self.master_weights, self.tp_size, self.use_fp8 = precision, master_weights, tp_size, use_fp8

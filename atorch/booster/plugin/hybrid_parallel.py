@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from atorch.booster.plugin.base import Plugin, precision_methods
 
 _PP_STYLES = {"1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zbv": "zbv"}
@@ -81,17 +79,10 @@ class HybridParallelPlugin(Plugin):
                             "atorch's tensor_parallel has no sequence parallelism yet; leave them out")
         self._refuse_unless(num_layers_per_stage is None, "num_layers_per_stage", num_layers_per_stage,
                             "atorch splits stages at the repeated blocks, balanced by cost; leave it out")
-        self._refuse_unless(not (enable_flash_attention and not torch.cuda.is_available()), "enable_flash_attention",
-                            enable_flash_attention, "flash attention kernels need a CUDA GPU; leave it out on CPU")
-        for name, flag in (("enable_fused_normalization", enable_fused_normalization),
-                           ("enable_jit_fused", enable_jit_fused),
-                           ("enable_all_optimization", enable_all_optimization)):
-            self._refuse_unless(not flag, name, flag, "atorch has no fused-kernel replacement for these layers; "
-                                "leave it out")
+        self._refuse_kernel_options(enable_flash_attention, enable_fused_normalization, enable_jit_fused,
+                                    enable_all_optimization, fp8_communication)
         self._refuse_unless(communication_dtype is None, "communication_dtype", communication_dtype,
                             "atorch reduces gradients in their own dtype; leave it out")
-        self._refuse_unless(not fp8_communication, "fp8_communication", fp8_communication,
-                            "atorch has no fp8 gradient compression; leave it out")
         self._refuse_unless(broadcast_buffers, "broadcast_buffers", broadcast_buffers,
                             "atorch's DDP always broadcasts buffers; leave it out")
         self._refuse_unless(not (cpu_offload and zero_stage != 2), "cpu_offload", cpu_offload,
