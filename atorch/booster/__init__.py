@@ -1,0 +1,1 @@
+"""The Booster: Colossal-AI's training interface over atorch strategies."""
