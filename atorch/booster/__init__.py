@@ -1,1 +1,6 @@
-"""The Booster: Colossal-AI's training interface over atorch strategies."""
+"""Colossal-AI's Booster API on atorch's engine: ``Booster`` and ``atorch.booster.plugin``."""
+
+from atorch.booster.booster import Booster
+from atorch.booster.wrappers import BoostedModel, BoostedOptimizer
+
+__all__ = ["BoostedModel", "BoostedOptimizer", "Booster"]
