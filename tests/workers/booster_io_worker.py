@@ -85,9 +85,7 @@ def train(result: Any, steps: int) -> list[float]:
     batches = iter(result.dataloader)
     losses = []
     for _ in range(steps):
-        losses.append(train_step(result, [next(batches)]).item())
-        if result.lr_scheduler is not None:
-            result.lr_scheduler.step()
+        losses.append(train_step(result, [next(batches)]).item())  # steps the LR scheduler too
     return losses
 
 
@@ -141,8 +139,7 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
     batches = iter(result.dataloader)
     first = [next(batches) for _ in range(4)]
     for batch in first[:2]:
-        train_step(result, [batch])
-        result.lr_scheduler.step()
+        train_step(result, [batch])  # steps the LR scheduler too
     folder = OUT / name
     io.save_model(result.model, str(folder / "model"), shard=True, size_per_shard=SMALL_SHARD_MB)
     optim_path = str(folder / "optim") if shard else str(folder / "optim.safetensors")
@@ -151,7 +148,6 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
     after_a = []
     for batch in first[2:]:
         after_a.append(train_step(result, [batch]).item())
-        result.lr_scheduler.step()
     lr_a = result.optim.param_groups[0]["lr"]
     result.close()
 
@@ -163,7 +159,6 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
     after_b = []
     for batch in first[2:]:
         after_b.append(train_step(fresh, [batch]).item())
-        fresh.lr_scheduler.step()
     entry = {"a": after_a, "b": after_b, "lr_a": lr_a, "lr_b": fresh.optim.param_groups[0]["lr"],
              "lr_loaded": lr_loaded, "files": sorted(os.listdir(folder / "optim")) if shard else None}
     fresh.close()
@@ -171,10 +166,7 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
         fresh = build(load_strategy, seed=7, optim=torch.optim.AdamW, lr=0.5, scheduler=True)
         io.load_model(fresh.model, str(folder / "model"))
         io.load_lr_scheduler(fresh.lr_scheduler, str(folder / "scheduler.json"))
-        entry["without_optimizer_state"] = []
-        for batch in first[2:]:
-            entry["without_optimizer_state"].append(train_step(fresh, [batch]).item())
-            fresh.lr_scheduler.step()
+        entry["without_optimizer_state"] = [train_step(fresh, [batch]).item() for batch in first[2:]]
         fresh.close()
     return entry
 
