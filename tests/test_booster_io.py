@@ -232,7 +232,7 @@ def _ok(report: dict) -> None:
     assert not failed, failed
 
 
-def test_model_checkpoints_across_strategies(tmp_path):
+def test_model_checkpoints_across_strategies_and_the_documented_booster_loop(tmp_path):
     report = run_json(WORKER, "model", str(tmp_path), nproc=2)
     _ok(report)
     for name, layers in (("fsdp->plain,ddp", 2), ("pp2->plain,fsdp,pp2", 4)):
@@ -245,6 +245,15 @@ def test_model_checkpoints_across_strategies(tmp_path):
         for key, reload in entry.items():
             if key.startswith("reload["):
                 assert reload["differs_before"] > 0 and reload["differs"] == [], (name, key, reload)
+    # Colossal-AI's documented Booster loop with its checkpoint calls: the sharded safetensors folder loads into a
+    # fresh plain model, and a fresh boosted run that loads model, optimizer and scheduler continues bit for bit.
+    for plugin in ("TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin[stage2]"):
+        entry = report[f"doc[{plugin}]"]
+        assert entry["shards"] > 1 and entry["plain_differs"] == [] and entry["loaded_differs"] == [], plugin
+        assert entry["resumed"] == entry["next"], plugin
+    lora = report["doc_lora[TorchFSDPPlugin]"]
+    assert {"adapter_config.json", "adapter_model.bin"} <= set(lora["files"])
+    assert lora["max_logit_diff"] <= 1e-5  # bitwise-equal weights, the same fp32 forward (see the LoRA test below)
     errors = report["errors"]
     assert "does not exist" in errors["missing"]
     assert "weights this model lacks: transformer.h.2" in errors["other_model"]
@@ -276,3 +285,18 @@ def test_optimizer_scheduler_and_lora_under_strategies(tmp_path):
         # The loaded adapter and base weights are bitwise those trained, and the forward is the same fp32 code on
         # the same batch: outputs agree to rounding of a different kernel order at most (logits ~1: 1e-5 is ~80 ulp).
         assert entry["max_logit_diff"] <= 1e-5
+
+
+def test_booster_without_plugin_saves_plain_objects(tmp_path):
+    """plugin=None: boost passes the objects through, and the Booster's checkpoint calls take them as they are."""
+    from toy_models import mlp
+
+    from atorch.booster import Booster
+
+    booster = Booster()
+    model, optimizer, *_ = booster.boost(mlp(0), torch.optim.SGD(mlp(0).parameters(), lr=0.1))
+    booster.save_model(model, str(tmp_path / "model"), shard=True, use_safetensors=True, size_per_shard=0.002)
+    assert len(list((tmp_path / "model").glob("model-*.safetensors"))) > 1
+    fresh = mlp(1)
+    booster.load_model(fresh, str(tmp_path / "model"))
+    assert same_weights(model, fresh)

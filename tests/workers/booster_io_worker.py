@@ -224,6 +224,109 @@ def errors() -> dict[str, Any]:
     return entry
 
 
+# ----- the Colossal-AI documentation example, with checkpoints -------------------------------------------
+def doc_input(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank())  # each rank its own batch (data parallel)
+    return torch.randn(4, 16, generator=g)
+
+
+def doc_example(plugin: Any, name: str) -> dict[str, Any]:
+    """Colossal-AI's documented Booster loop (tiny model, lr 0.1), then its checkpoint calls: save the model
+    as a sharded safetensors folder, the optimizer and the scheduler; a fresh plain model loads the folder,
+    and a fresh boosted run loads everything and takes the next step as the original does."""
+    from toy_models import mlp
+
+    from atorch.booster import Booster
+
+    def boosted(seed: int) -> tuple[Any, Any, Any, Any, Any]:
+        booster = Booster(plugin=plugin())
+        model = mlp(seed)
+        criterion = lambda x: x.pow(2).mean()  # noqa: E731  (depends on every weight)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        model, optimizer, criterion, _, scheduler = booster.boost(model, optimizer, criterion, lr_scheduler=scheduler)
+        return booster, model, optimizer, criterion, scheduler
+
+    def step(booster: Any, model: Any, optimizer: Any, criterion: Any, scheduler: Any, index: int) -> float:
+        loss = criterion(model(doc_input(index)))
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        value = loss.detach().reshape(1).clone()
+        dist.all_reduce(value)
+        return value.item() / dist.get_world_size()
+
+    run = boosted(0)
+    booster, model, optimizer, _, scheduler = run
+    for index in range(2):
+        step(*run, index)
+    folder = OUT / name
+    booster.save_model(model, str(folder / "model"), shard=True, use_safetensors=True, size_per_shard=0.002)
+    booster.save_optimizer(optimizer, str(folder / "optimizer"), shard=True)
+    booster.save_lr_scheduler(scheduler, str(folder / "scheduler.json"))
+    reference = checksums(model.module)
+    next_losses = [step(*run, index) for index in (2, 3)]
+
+    entry: dict[str, Any] = {"next": next_losses}
+    if rank() == 0:
+        from safetensors.torch import load_file
+
+        index = json.loads((folder / "model" / "model.safetensors.index.json").read_text())
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(set(index["weight_map"].values())):
+            state.update(load_file(str(folder / "model" / file)))
+        plain = mlp(5)
+        plain.load_state_dict(state, strict=True)
+        entry.update(shards=len(set(index["weight_map"].values())),
+                     plain_differs=differing(plain_sums(plain.state_dict()), reference))
+    fresh = boosted(7)
+    booster, model, optimizer, _, scheduler = fresh
+    booster.load_model(model, str(folder / "model"))
+    booster.load_optimizer(optimizer, str(folder / "optimizer"))
+    booster.load_lr_scheduler(scheduler, str(folder / "scheduler.json"))
+    entry["loaded_differs"] = differing(checksums(model.module), reference)
+    entry["resumed"] = [step(*fresh, index) for index in (2, 3)]
+    return entry
+
+
+def doc_lora(plugin: Any) -> dict[str, Any]:
+    """booster.enable_lora before boost, train, booster.save_lora_as_pretrained, PeftModel.from_pretrained."""
+    from peft import LoraConfig, PeftModel
+
+    from atorch.booster import Booster
+
+    booster = Booster(plugin=plugin())
+    torch.manual_seed(0)
+    model = booster.enable_lora(sm.tiny_gpt2(), lora_config=LoraConfig(r=4, target_modules=["c_attn"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    tokens = sm.TokenDataset(samples=4, seed=rank()).tokens
+    for _ in range(2):
+        booster.backward(model(input_ids=tokens, labels=tokens).loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+    folder = OUT / "doc_lora"
+    booster.save_lora_as_pretrained(model, str(folder))
+    with torch.no_grad():
+        trained = model(input_ids=tokens).logits
+    entry: dict[str, Any] = {}
+    if rank() == 0:
+        torch.manual_seed(0)
+        loaded = PeftModel.from_pretrained(sm.tiny_gpt2(), str(folder))
+        with torch.no_grad():
+            entry["max_logit_diff"] = (loaded(input_ids=tokens).logits - trained).abs().max().item()
+        entry["files"] = sorted(os.listdir(folder))
+    return entry
+
+
+def _plugins() -> dict[str, Any]:
+    from atorch.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+
+    return {"TorchDDPPlugin": TorchDDPPlugin, "TorchFSDPPlugin": TorchFSDPPlugin,
+            "LowLevelZeroPlugin[stage2]": functools.partial(LowLevelZeroPlugin, stage=2, precision="fp32")}
+
+
 GROUPS = {
     "model": {
         "fsdp->plain,ddp": functools.partial(model_round_trip, "fsdp_hf", ["fsdp"], 2,
@@ -242,6 +345,12 @@ GROUPS = {
         "lora[fsdp]": functools.partial(lora, "lora_fsdp", ["fsdp"]),
     },
 }
+
+
+GROUPS["model"].update({  # one launch: starting the processes costs a good part of each
+    **{f"doc[{n}]": functools.partial(doc_example, p, f"doc_{i}") for i, (n, p) in enumerate(_plugins().items())},
+    "doc_lora[TorchFSDPPlugin]": functools.partial(doc_lora, _plugins()["TorchFSDPPlugin"]),
+})
 
 
 def main() -> None:
