@@ -261,7 +261,7 @@ def test_model_checkpoints_across_strategies_and_the_documented_booster_loop(tmp
     assert len(errors["after"]) == 1  # the ranks are still in step after the errors
 
 
-def test_optimizer_scheduler_and_lora_under_strategies(tmp_path):
+def test_optimizer_scheduler_lora_tensor_parallel_and_half(tmp_path):
     report = run_json(WORKER, "optim", str(tmp_path), nproc=2)
     _ok(report)
     for name in ("resume[fsdp, sharded]", "resume[zero1]", "resume[ddp]"):
@@ -277,6 +277,11 @@ def test_optimizer_scheduler_and_lora_under_strategies(tmp_path):
     # bits) and apply the same elementwise AdamW update; allow a few ulps of the loss (~5) for kernel order.
     cross = report["resume[fsdp->ddp]"]
     assert cross["b"] == pytest.approx(cross["a"], rel=1e-6, abs=0)
+    tp = report["llama tp2->plain,fsdp"]  # tensor-parallel DTensors gathered: plain load and from_pretrained agree
+    assert tp["plain_differs"] == [] and tp["pretrained_differs"] == [] and tp["reload[fsdp]"]["differs"] == []
+    half = report["half[bf16]"]  # saved in the model's dtype; bf16 -> fp32 is exact, so the checksums are equal
+    assert half["dtypes"] == ["torch.bfloat16"] and half["file_differs"] == []
+    assert half["fp32_dtypes"] == ["torch.float32"] and half["fp32_differs"] == []
     for name in ("lora[ddp]", "lora[fsdp]"):
         entry = report[name]
         assert entry["changed"] == entry["lora_names"] and len(entry["lora_names"]) == 4  # base weights bitwise equal

@@ -43,10 +43,13 @@ def rank() -> int:
     return dist.get_rank()
 
 
+ARCHS = {"gpt2": sm.tiny_gpt2, "llama": sm.tiny_llama}
+
+
 def build(strategy: list[Any], seed: int = 0, layers: int = 2, model: nn.Module | None = None,
-          optim: Any = torch.optim.SGD, lr: float = 0.1, scheduler: bool = False) -> Any:
+          optim: Any = torch.optim.SGD, lr: float = 0.1, scheduler: bool = False, arch: str = "gpt2") -> Any:
     torch.manual_seed(seed)
-    model = model if model is not None else sm.tiny_gpt2(layers)
+    model = model if model is not None else ARCHS[arch](layers)
     extra = {"lr_scheduler_cls": torch.optim.lr_scheduler.StepLR,
              "lr_scheduler_args": {"step_size": 1, "gamma": 0.5}} if scheduler else {}
     _, result, _ = atorch.auto_accelerate(
@@ -89,40 +92,41 @@ def train(result: Any, steps: int) -> list[float]:
     return losses
 
 
-def load_plain_from_index(directory: Path, layers: int) -> dict[str, Any]:
-    """Rank 0: a fresh unboosted GPT-2 loaded with safetensors + load_state_dict, and with from_pretrained."""
+def load_plain_from_index(directory: Path, layers: int, arch: str = "gpt2") -> dict[str, Any]:
+    """Rank 0: a fresh unboosted model loaded with safetensors + load_state_dict, and with from_pretrained."""
     from safetensors.torch import load_file
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     state: dict[str, torch.Tensor] = {}
     for file in sorted(set(index["weight_map"].values())):
         state.update(load_file(str(directory / file)))
     torch.manual_seed(123)
-    plain = sm.tiny_gpt2(layers)
+    plain = ARCHS[arch](layers)
     plain.load_state_dict(state, strict=True)
-    pretrained = GPT2LMHeadModel.from_pretrained(str(directory))
+    pretrained = AutoModelForCausalLM.from_pretrained(str(directory))
     return {"plain": plain_sums(plain.state_dict()), "pretrained": plain_sums(pretrained.state_dict()),
             "files": sorted(os.listdir(directory)), "total_size": index["metadata"]["total_size"]}
 
 
 # ----- scenarios -------------------------------------------------------------------------------------------
-def model_round_trip(name: str, strategy: list[Any], layers: int, reload: dict[str, list[Any]]) -> dict[str, Any]:
+def model_round_trip(name: str, strategy: list[Any], layers: int, reload: dict[str, list[Any]],
+                     arch: str = "gpt2") -> dict[str, Any]:
     """Train, save sharded safetensors, load into plain models (rank 0) and into fresh boosted ones."""
-    result = build(strategy, layers=layers)
+    result = build(strategy, layers=layers, arch=arch)
     train(result, 2)
     reference = checksums(result.model)
     folder = OUT / name
     io.save_model(result.model, str(folder), shard=True, size_per_shard=SMALL_SHARD_MB, use_safetensors=True)
     entry: dict[str, Any] = {"names": len(reference)}
     if rank() == 0:
-        loaded = load_plain_from_index(folder, layers)
+        loaded = load_plain_from_index(folder, layers, arch)
         entry.update(files=loaded["files"], total_size=loaded["total_size"],
                      plain_differs=differing(loaded["plain"], reference),
                      pretrained_differs=differing(loaded["pretrained"], reference))
     result.close()
     for label, other in reload.items():
-        fresh = build(other, seed=7, layers=layers)
+        fresh = build(other, seed=7, layers=layers, arch=arch)
         before = differing(checksums(fresh.model), reference)
         io.load_model(fresh.model, str(folder))
         entry[f"reload[{label}]"] = {"differs_before": len(before), "differs": differing(checksums(fresh.model),
@@ -205,6 +209,29 @@ def error_of(call: Any) -> str | None:
     except atorch.AtorchError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def half_unsharded() -> dict[str, Any]:
+    """half (bf16) under fsdp: one safetensors file in bf16; loading into an fp32 DDP model casts (exactly)."""
+    result = build(["fsdp", ("half", "bf16")])
+    train(result, 1)
+    reference = checksums(result.model)
+    path = OUT / "half" / "weights.safetensors"
+    io.save_model(result.model, str(path))
+    entry: dict[str, Any] = {}
+    if rank() == 0:
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+        entry["dtypes"] = sorted({str(t.dtype) for t in state.values()})
+        entry["file_differs"] = differing(plain_sums(state), reference)
+    result.close()
+    fresh = build(["parallel_mode"], seed=7)
+    io.load_model(fresh.model, str(path))
+    entry["fp32_differs"] = differing(checksums(fresh.model), reference)
+    entry["fp32_dtypes"] = sorted({str(t.dtype) for _, t in named_state(fresh.model)})
+    fresh.close()
+    return entry
 
 
 def errors() -> dict[str, Any]:
@@ -336,6 +363,10 @@ GROUPS = {
         "errors": errors,
     },
     "optim": {
+        "llama tp2->plain,fsdp": functools.partial(
+            model_round_trip, "tp2_hf", [("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]}),
+                                         "tensor_parallel"], 2, {"fsdp": ["fsdp"]}, "llama"),
+        "half[bf16]": half_unsharded,
         "resume[fsdp, sharded]": functools.partial(optimizer_resume, "opt_fsdp", ["fsdp"], ["fsdp"], True),
         "resume[zero1]": functools.partial(optimizer_resume, "opt_zero1", ["zero1"], ["zero1"], False),
         "resume[ddp]": functools.partial(optimizer_resume, "opt_ddp", ["parallel_mode"], ["parallel_mode"], False,
