@@ -270,7 +270,12 @@ def test_optimizer_scheduler_lora_tensor_parallel_and_half(tmp_path):
         # and the same operations run on them, so the losses are equal exactly.
         assert entry["b"] == entry["a"], name
         assert entry["lr_loaded"] == 0.01 * 0.5**2 and entry["lr_b"] == entry["lr_a"]
-    assert report["resume[fsdp, sharded]"]["files"][-1] == "optimizer.safetensors.index.json"
+    sharded = report["resume[fsdp, sharded]"]
+    assert sharded["files"][-1] == "optimizer.safetensors.index.json"
+    # keyed by the user's parameter names (recorded on result.optim when it is built), not by position
+    assert "state.transformer.h.0.attn.c_attn.weight.exp_avg" in sharded["keys"]
+    assert "state.transformer.wte.weight.exp_avg_sq" in sharded["keys"]
+    assert "transformer.h.1.mlp.c_proj.bias" in sharded["groups"][0]
     control = report["resume[ddp]"]["without_optimizer_state"]
     assert control[0] == report["resume[ddp]"]["a"][0] and control[1] != report["resume[ddp]"]["a"][1]
     # fsdp -> DDP: at 2 ranks both reduce a gradient as one fp32 sum of two values (commutative, so the same

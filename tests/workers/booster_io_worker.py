@@ -165,6 +165,10 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
         after_b.append(train_step(fresh, [batch]).item())
     entry = {"a": after_a, "b": after_b, "lr_a": lr_a, "lr_b": fresh.optim.param_groups[0]["lr"],
              "lr_loaded": lr_loaded, "files": sorted(os.listdir(folder / "optim")) if shard else None}
+    if shard and rank() == 0:
+        index = json.loads((folder / "optim" / "optimizer.safetensors.index.json").read_text())
+        entry["keys"] = sorted(index["weight_map"])
+        entry["groups"] = [sorted(g["params"]) for g in index["metadata"]["param_groups"]]
     fresh.close()
     if control:  # the same without the optimizer state: the second loss must differ, or the check shows nothing
         fresh = build(load_strategy, seed=7, optim=torch.optim.AdamW, lr=0.5, scheduler=True)
