@@ -279,8 +279,7 @@ def _names_of(optimizer: Any) -> dict[torch.Tensor, str]:
     names = getattr(optimizer, "param_names", None)
     if names is not None:
         return names
-    inner = _inner_optimizer(optimizer)
-    groups = inner.optim.param_groups if _is_zero1(inner) else inner.param_groups
+    groups = _inner_optimizer(optimizer).param_groups  # ZeRO-1: every parameter, not only this rank's
     return {p: f"group{g}.{i}" for g, group in enumerate(groups) for i, p in enumerate(group["params"])}
 
 
