@@ -34,12 +34,19 @@ def named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def trained_param_names(model: nn.Module) -> dict[torch.Tensor, str]:
+class ParamNames(dict):
+    """Parameter -> clean name, and ``tied``: the groups of names that share one parameter in the user's model."""
+
+    tied: list[tuple[str, ...]]
+
+
+def trained_param_names(model: nn.Module) -> ParamNames:
     """Each parameter this rank trains, by its clean name (a tied parameter by its first name)."""
-    names: dict[torch.Tensor, str] = {}
+    names = ParamNames()
     for root in state_roots(model):
         for name, param in root.named_parameters():
             names.setdefault(param, clean_name(name))
+    names.tied = tied_names(model)
     return names
 
 

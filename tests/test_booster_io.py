@@ -264,7 +264,7 @@ def test_model_checkpoints_across_strategies_and_the_documented_booster_loop(tmp
 def test_optimizer_scheduler_lora_tensor_parallel_and_half(tmp_path):
     report = run_json(WORKER, "optim", str(tmp_path), nproc=2)
     _ok(report)
-    for name in ("resume[fsdp, sharded]", "resume[zero1]", "resume[ddp]"):
+    for name in ("resume[fsdp, sharded]", "resume[zero1]", "resume[ddp]", "resume[pp2]"):
         entry = report[name]
         # Same strategy, same data: the loaded weights, moments, step counts and LR are bit-for-bit those saved,
         # and the same operations run on them, so the losses are equal exactly.
@@ -276,6 +276,9 @@ def test_optimizer_scheduler_lora_tensor_parallel_and_half(tmp_path):
     assert "state.transformer.h.0.attn.c_attn.weight.exp_avg" in sharded["keys"]
     assert "state.transformer.wte.weight.exp_avg_sq" in sharded["keys"]
     assert "transformer.h.1.mlp.c_proj.bias" in sharded["groups"][0]
+    tied = report["tied state ddp->pp2"]  # the last stage's copy of the tied weight takes the tied weight's state
+    assert tied["ddp_names"] == [f"state.transformer.wte.weight.{k}" for k in ("exp_avg", "exp_avg_sq", "step")]
+    assert "state.lm_head.weight.exp_avg" in tied["pp2_names"] and tied["equal"] and tied["all_equal"]
     control = report["resume[ddp]"]["without_optimizer_state"]
     assert control[0] == report["resume[ddp]"]["a"][0] and control[1] != report["resume[ddp]"]["a"][1]
     # fsdp -> DDP: at 2 ranks both reduce a gradient as one fp32 sum of two values (commutative, so the same

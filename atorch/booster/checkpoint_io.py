@@ -244,10 +244,12 @@ def load_optimizer(optimizer: Any, checkpoint: str) -> None:
     local = inner.optim if zero else inner
     targets: dict[str, dict[str, Any]] = {}
     stateless = []
+    saved_as = _sources(set(names.values()), set(by_name), getattr(names, "tied", []))  # a tied copy: its partner's
     for group in local.param_groups:
         for param in group["params"]:
             name = names[param]
-            targets[name] = {k: like_live(param, files.get(key)) for k, key in by_name.get(name, {}).items()}
+            keys = by_name.get(saved_as.get(name, name), {})
+            targets[name] = {k: like_live(param, files.get(key)) for k, key in keys.items()}
             if by_name and not targets[name] and name not in meta["scalars"]:
                 stateless.append(name)
     if stateless:  # frozen parameters have none; a trained one without state starts afresh
@@ -307,7 +309,8 @@ def _group_mismatch(
         return [f"the checkpoint's optimizer has {len(saved)} parameter group(s), this one {len(live)}; "
                 "build the optimizer with the same groups"]
     for index, (sg, lg) in enumerate(zip(saved, live, strict=True)):
-        extra = {names[p] for p in lg["params"]} - set(sg["params"])
+        live_names = {names[p] for p in lg["params"]}
+        extra = live_names - set(_sources(live_names, set(sg["params"]), getattr(names, "tied", [])))
         if extra and not all(n.startswith("group") for n in extra):
             return [f"parameter group {index} holds parameters the checkpoint's does not: {_listed(extra)}; "
                     "build the optimizer over the same model and groups"]

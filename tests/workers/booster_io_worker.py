@@ -179,6 +179,30 @@ def optimizer_resume(name: str, strategy: list[Any], load_strategy: list[Any], s
     return entry
 
 
+def tied_optimizer_state() -> dict[str, Any]:
+    """DDP state (GPT-2's tied weight saved once, as transformer.wte.weight) loaded at pp2, where the last stage
+    trains its own copy under the name lm_head.weight: that copy takes the tied weight's state."""
+    result = build(["parallel_mode"], layers=4, optim=torch.optim.AdamW, lr=0.01)
+    train(result, 2)
+    io.save_optimizer(result.optim, str(OUT / "tied" / "ddp.safetensors"))
+    result.close()
+    fresh = build(PP2, seed=7, layers=4, optim=torch.optim.AdamW, lr=0.01)
+    io.load_optimizer(fresh.optim, str(OUT / "tied" / "ddp.safetensors"))
+    io.save_optimizer(fresh.optim, str(OUT / "tied" / "pp2.safetensors"))  # what each stage now holds
+    fresh.close()
+    entry: dict[str, Any] = {}
+    if rank() == 0:
+        from safetensors.torch import load_file
+
+        ddp, pp = load_file(str(OUT / "tied" / "ddp.safetensors")), load_file(str(OUT / "tied" / "pp2.safetensors"))
+        entry["ddp_names"] = sorted(k for k in ddp if "wte" in k or "lm_head" in k)
+        entry["pp2_names"] = sorted(k for k in pp if "wte" in k or "lm_head" in k)
+        entry["equal"] = all(torch.equal(pp[k.replace("transformer.wte", "lm_head")], ddp[k])
+                             and torch.equal(pp[k], ddp[k]) for k in ddp if "wte" in k)
+        entry["all_equal"] = all(torch.equal(pp[k], v) for k, v in ddp.items() if k.startswith("state."))
+    return entry
+
+
 def lora(name: str, strategy: list[Any]) -> dict[str, Any]:
     from peft import LoraConfig, PeftModel
 
@@ -375,6 +399,8 @@ GROUPS = {
         "resume[zero1]": functools.partial(optimizer_resume, "opt_zero1", ["zero1"], ["zero1"], False),
         "resume[ddp]": functools.partial(optimizer_resume, "opt_ddp", ["parallel_mode"], ["parallel_mode"], False,
                                          control=True),
+        "resume[pp2]": functools.partial(optimizer_resume, "opt_pp2", PP2, PP2, True),
+        "tied state ddp->pp2": tied_optimizer_state,
         "resume[fsdp->ddp]": functools.partial(optimizer_resume, "opt_cross", ["fsdp"], ["parallel_mode"], True),
         "lora[ddp]": functools.partial(lora, "lora_ddp", ["parallel_mode"]),
         "lora[fsdp]": functools.partial(lora, "lora_fsdp", ["fsdp"]),
