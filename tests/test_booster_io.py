@@ -138,6 +138,20 @@ def test_nothing_to_load_and_bad_arguments(tmp_path):
         io.save_model(gpt2(0), str(tmp_path), shard=True, size_per_shard=0)
     with pytest.raises(CheckpointError, match="gather_dtensor=False .* is not supported"):
         io.save_model(gpt2(0), str(tmp_path), shard=True, gather_dtensor=False)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CheckpointError, match="writing failed"):
+        io.save_model(gpt2(0), str(tmp_path / "a_file" / "model"), shard=True)
+
+
+def test_index_naming_the_wrong_shard_refused(tmp_path):
+    io.save_model(gpt2(0), str(tmp_path), shard=True, size_per_shard=0.02, use_safetensors=True)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["transformer.wte.weight"] = "model-00001-of-00008.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"places 'transformer.wte.weight' in model-00001-of-00008.safetensors, "
+                                              "which does not hold it"):
+        io.load_model(gpt2(1), str(tmp_path))
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:

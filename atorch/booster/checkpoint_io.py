@@ -15,6 +15,7 @@ import copy
 import json
 import os
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def save_model(model: nn.Module, checkpoint: str, shard: bool = False, gather_dt
     where = f"cannot save the model to {checkpoint}"
     _check_save_args(where, gather_dtensor, size_per_shard)
     state = gather_to_rank0(_refuse_objects(where, named_state(model)))
-    if _rank() == 0:
+    def write() -> None:
         safe = use_safetensors or str(checkpoint).endswith(SAFE_EXT)
         if shard:
             directory = Path(checkpoint)
@@ -69,7 +70,8 @@ def save_model(model: nn.Module, checkpoint: str, shard: bool = False, gather_dt
             target.parent.mkdir(parents=True, exist_ok=True)
             write_file(target, state, safe=safe)
         logger.info("model saved to %s (%d tensors)", checkpoint, len(state))
-    _barrier()
+
+    _write_on_rank0(where, write)
 
 
 def load_model(model: nn.Module, checkpoint: str, strict: bool = True) -> None:
@@ -94,18 +96,33 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True) -> None:
         problems.append(f"the checkpoint has weights this model lacks: {_listed(unexpected)}; it was saved from "
                         "a different model (load with strict=False to ignore them)")
     whole: dict[str, torch.Tensor] = {}
-    for name, tensor in live:
-        if name in source and name not in whole:
-            whole[name] = files.get(source[name])  # type: ignore[union-attr]
-            if tuple(whole[name].shape) != tuple(tensor.shape):
-                problems.append(f"'{name}' is {list(whole[name].shape)} in the checkpoint, {list(tensor.shape)} "
-                                "here; it was saved from a model of another configuration")
+    try:
+        for name, tensor in live:
+            if name in source and name not in whole:
+                whole[name] = files.get(source[name])  # type: ignore[union-attr]
+                if tuple(whole[name].shape) != tuple(tensor.shape):
+                    problems.append(f"'{name}' is {list(whole[name].shape)} in the checkpoint, "
+                                    f"{list(tensor.shape)} here; it was saved from a model of another configuration")
+    except CheckpointError as exc:  # a damaged file: raised on every rank, none is left waiting
+        problems += exc.problems
     _raise_agreed(where, problems)
     for name, tensor in live:
         if name in whole:
             put_whole(tensor, whole[name])
     _barrier()
     logger.info("model loaded from %s (%d tensors on this rank)", checkpoint, len(whole))
+
+
+def _write_on_rank0(where: str, write: Callable[[], None]) -> None:
+    """Rank 0 writes; a failure there (disk full, no permission) is raised on every rank, and no rank
+    goes on before the files are complete."""
+    problems = []
+    if _rank() == 0:
+        try:
+            write()
+        except OSError as exc:
+            problems.append(f"writing failed: {exc}")
+    _raise_agreed(where, problems)
 
 
 def _check_save_args(where: str, gather_dtensor: bool, size_per_shard: int) -> None:
@@ -204,7 +221,7 @@ def save_optimizer(optimizer: Any, checkpoint: str, shard: bool = False, gather_
     meta = {"format": OPTIM_FORMAT, "version": 1, "class": type(inner.optim if zero else inner).__name__,
             "param_groups": _merged_groups([e["groups"] for e in everyone]),
             "scalars": {k: v for e in everyone for k, v in e["scalars"].items()}}
-    if _rank() == 0:
+    def write() -> None:
         target = Path(checkpoint)
         if shard:
             write_sharded(target, state, with_prefix("optimizer.safetensors", prefix), size_per_shard, metadata=meta)
@@ -213,7 +230,8 @@ def save_optimizer(optimizer: Any, checkpoint: str, shard: bool = False, gather_
             encoded = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
             write_file(target, {**state, OPTIM_META: encoded}, safe=target.suffix not in (".bin", ".pt", ".pth"))
         logger.info("optimizer state saved to %s (%d tensors)", checkpoint, len(state))
-    _barrier()
+
+    _write_on_rank0(where, write)
 
 
 def load_optimizer(optimizer: Any, checkpoint: str) -> None:
@@ -330,13 +348,14 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str) -> None:
     encoded = _to_json(lr_scheduler.state_dict())
     problems = _json_problems(encoded, "lr_scheduler.state_dict()")
     _raise_agreed(where, problems)
-    if _rank() == 0:
+    def write() -> None:
         target = Path(checkpoint)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps({"format": SCHEDULER_FORMAT, "state": encoded}, indent=1))
         os.replace(tmp, target)
-    _barrier()
+
+    _write_on_rank0(where, write)
 
 
 def load_lr_scheduler(lr_scheduler: Any, checkpoint: str) -> None:
@@ -399,7 +418,8 @@ def save_lora_as_pretrained(model: nn.Module, checkpoint: str, use_safetensors: 
     _raise_agreed(where, problems)
     entries = [(n, t) for n, t in named_state(model) if "lora_" in n or getattr(t, "requires_grad", False)]
     state = gather_to_rank0(_refuse_objects(where, entries))
-    if _rank() == 0:
-        root.save_pretrained(checkpoint, state_dict=state, safe_serialization=use_safetensors)
+    def write() -> None:
+        root.save_pretrained(checkpoint, state_dict=state, safe_serialization=use_safetensors)  # type: ignore[union-attr]
         logger.info("LoRA adapter saved to %s", checkpoint)
-    _barrier()
+
+    _write_on_rank0(where, write)
