@@ -328,3 +328,16 @@ def test_booster_without_plugin_saves_plain_objects(tmp_path):
     fresh = mlp(1)
     booster.load_model(fresh, str(tmp_path / "model"))
     assert same_weights(model, fresh)
+
+
+def test_names_are_clean_of_wrappers(tmp_path):
+    """Activation-checkpoint wrappers (as the checkpoint method puts around blocks) leave no part in the names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = gpt2(0)
+    wrapped.transformer.h[0] = checkpoint_wrapper(wrapped.transformer.h[0])
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    io.save_model(wrapped, str(tmp_path / "w.safetensors"))
+    fresh = gpt2(1)
+    io.load_model(fresh, str(tmp_path / "w.safetensors"))  # strict: every name matches the plain model's
+    assert same_weights(gpt2(0), fresh)
