@@ -22,6 +22,7 @@ from atorch.distributed import DistEnv
 from atorch.log import get_logger
 from atorch.optimizer import AcceleratedOptimizer
 from atorch.parallel_layout import ParallelLayout
+from atorch.state_names import trained_param_names
 
 logger = get_logger(__name__)
 
@@ -123,6 +124,7 @@ class ModelContext:
             gradient_sync=self.gradient_sync,
             engine=self.engine,
         )
+        self.optimizer.param_names = trained_param_names(self.model)  # Booster checkpoint IO: state by name
         self.lr_scheduler = self._build_scheduler()
         self.dataloader = self._build_dataloader()
 
