@@ -5,10 +5,12 @@ from atorch.checkpoint import CheckpointError, export_consolidated, load_checkpo
 from atorch.errors import AtorchError, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair
 from atorch.strategy import Strategy
+from atorch.training import train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccelerateArgs", "AccelerateResult", "AtorchError", "CheckpointError", "SetupError", "Strategy", "StrategyError",
     "auto_accelerate", "export_consolidated", "load_checkpoint", "register_replace_pair", "save_checkpoint",
+    "train_step",
 ]
