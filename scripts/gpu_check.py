@@ -88,7 +88,7 @@ def dry_run_vs_cost_model() -> dict[str, Any]:
     batch = next(iter(torch.utils.data.DataLoader(_data(), batch_size=32)))
     stats = analyse(ConvNet(), [t.cuda() for t in batch], "unpack_sequence", _loss)
     for items in (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})], ["parallel_mode", "fsdp"],
-                  ["parallel_mode", "checkpoint"]):
+                  ["parallel_mode", ("checkpoint", {"wrap_class": ["Conv2d"]})]):
         strategy = Strategy.load(items)
         setup = UserSetup(model=ConvNet(), optim_func=torch.optim.AdamW, dataset=_data(), loss_func=_loss,
                           model_input_format="unpack_sequence", optim_args={"lr": 1e-3},
@@ -113,7 +113,7 @@ def main() -> None:
         "fsdp_bf16": lambda: train(["parallel_mode", "fsdp", ("amp_native", {"dtype": "bf16"})]),
         "zero1": lambda: train(["parallel_mode", "zero1"]),
         "zero2_fp16": lambda: train(["parallel_mode", "zero2", ("amp_native", {"dtype": "fp16"})]),
-        "checkpoint": lambda: train(["parallel_mode", "checkpoint"]),
+        "checkpoint": lambda: train(["parallel_mode", ("checkpoint", {"wrap_class": ["Conv2d"]})]),
         "fp8": lambda: train(["parallel_mode", "fp8", ("amp_native", {"dtype": "bf16"})]),
         "default_strategy": lambda: train(None, search={"dryrun": False}),
         "dry_run_vs_cost_model": dry_run_vs_cost_model,

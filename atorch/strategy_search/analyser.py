@@ -145,13 +145,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
-    """A deep copy whose parameters and buffers are fresh fake tensors (tied ones stay tied)."""
+    """A deep copy whose parameters and buffers are fresh fake tensors on ``device``, the sample batch's
+    (tied ones stay tied): the search analyses the user's CPU model on the batch of the device it trains on."""
     memo: dict[int, Any] = {}
     with mode:
         for t in itertools.chain(model.parameters(), model.buffers()):
             if id(t) in memo:
                 continue
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device if t.is_meta else t.device)
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
             memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
     return copy.deepcopy(model, memo)
 
