@@ -325,3 +325,24 @@ def test_a_second_server_on_the_same_postgresql_study_is_refused(table) -> None:
         StrategyClient(a.url).delete(key)
         StrategyClient(b.url).create_study(key, table, BUDGET)  # the lock went with the study
         StrategyClient(b.url).delete(key)
+
+
+def test_a_study_only_in_the_optuna_storage_is_imported(table, tmp_path) -> None:
+    """An earlier server kept studies in the Optuna storage alone: the first request imports one."""
+    import sqlalchemy as sa
+
+    storage = sqlite(tmp_path)
+    with ThreadServer(storage) as server:  # leaving flushes the Optuna copy
+        client = StrategyClient(server.url)
+        client.create_study("old", table, BUDGET, max_trials=8)
+        p = client.ask("old")
+        client.tell("old", p["number"], run_of(p["point"]))
+        pending = client.ask("old")
+        before = client.trials("old")
+    with sa.create_engine(storage).begin() as conn:
+        conn.execute(sa.text("delete from atorch_server_events"))
+    with ThreadServer(storage) as server:
+        client = StrategyClient(server.url)
+        assert client.trials("old") == before
+        assert client.tell("old", pending["number"], run_of(pending["point"]))["record"]["status"] == "ok"
+        assert client.ask("old")["number"] is not None

@@ -18,9 +18,10 @@ def _parse(value: str | None) -> datetime.datetime | None:
 
 
 def trial_json(t: FrozenTrial) -> dict[str, Any]:
-    return {"number": t.number, "state": t.state.name, "values": t.values,
-            "params": t.params, "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
-            "user_attrs": t.user_attrs, "system_attrs": t.system_attrs,
+    # Copies: an in-memory storage changes a trial's dicts in place (a snapshot must not follow them).
+    return {"number": t.number, "state": t.state.name, "values": list(t.values) if t.values is not None else None,
+            "params": dict(t.params), "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
+            "user_attrs": dict(t.user_attrs), "system_attrs": dict(t.system_attrs),
             "start": _time(t.datetime_start), "complete": _time(t.datetime_complete)}
 
 
