@@ -11,6 +11,7 @@ machine may lose the last moments (those trials are re-asked when their leases e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -54,6 +55,9 @@ class EventLog:
     def __init__(self, url: str) -> None:
         self.engine = make_engine(url)
         _meta.create_all(self.engine, checkfirst=True)
+        # SQLite has one writer: whoever else writes the file in this process (the Optuna copy) takes this
+        # lock too, so a commit waits on it rather than in SQLite's busy handler (which sleeps in steps).
+        self.write_lock = threading.Lock() if url.startswith("sqlite") else contextlib.nullcontext()
         self._queue: queue.Queue[tuple[str, str, str, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="atorch-event-writer", daemon=True)
         self._thread.start()
@@ -87,7 +91,7 @@ class EventLog:
                     break
                 batch.append(item)
             try:
-                with self.engine.begin() as conn:
+                with self.write_lock, self.engine.begin() as conn:
                     rows: list[dict[str, str]] = []
                     for study, kind, body, _ in batch:
                         if kind:

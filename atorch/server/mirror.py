@@ -9,6 +9,7 @@ an interval plus the time to write, and is brought up to date when a study is lo
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -29,8 +30,9 @@ class _Pending:
 
 
 class Mirror:
-    def __init__(self, storage: Any, interval_s: float = 2.0) -> None:
+    def __init__(self, storage: Any, interval_s: float = 2.0, write_lock: Any = None) -> None:
         self.storage, self.interval_s = storage, interval_s
+        self.write_lock = write_lock if write_lock is not None else contextlib.nullcontext()
         self._pending: dict[str, _Pending] = {}
         self._known: dict[str, tuple[int, dict[int, tuple[int, dict[str, Any]]]]] = {}  # key -> (id, n -> (tid, snap))
         self._lock = threading.Lock()
@@ -102,21 +104,26 @@ class Mirror:
             except KeyError:
                 pass
             return
-        sid, known = self._study(key)
-        old_attrs = self.storage.get_study_user_attrs(sid) if p.attrs else {}
-        for k, v in p.attrs.items():
-            if old_attrs.get(k) != v:
-                self.storage.set_study_user_attr(sid, k, v)
+        with self.write_lock:  # held per trial: the event log's commits wait for one trial at most
+            sid, known = self._study(key)
+            old_attrs = self.storage.get_study_user_attrs(sid) if p.attrs else {}
+            for k, v in p.attrs.items():
+                if old_attrs.get(k) != v:
+                    self.storage.set_study_user_attr(sid, k, v)
         for number in sorted(p.trials):
-            snap = p.trials[number]
-            if number in known:
-                self._update(known[number][0], known[number][1], snap)
-                known[number] = (known[number][0], snap)
-            elif number == len(known):
-                tid = self.storage.create_new_trial(sid, template_trial=trial_from_json(snap))
-                known[number] = (tid, snap)
-            else:  # a number before it is not copied yet: keep it for the next round
-                self.push(key, trials=[snap])
+            with self.write_lock:
+                self._copy(key, sid, known, number, p.trials[number])
+
+    def _copy(self, key: str, sid: int, known: dict[int, tuple[int, dict[str, Any]]], number: int,
+              snap: dict[str, Any]) -> None:
+        if number in known:
+            self._update(known[number][0], known[number][1], snap)
+            known[number] = (known[number][0], snap)
+        elif number == len(known):
+            tid = self.storage.create_new_trial(sid, template_trial=trial_from_json(snap))
+            known[number] = (tid, snap)
+        else:  # a number before it is not copied yet: keep it for the next round
+            self.push(key, trials=[snap])
 
     def _update(self, tid: int, old: dict[str, Any], new: dict[str, Any]) -> None:
         if TrialState[old["state"]].is_finished() or old == new:

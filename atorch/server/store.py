@@ -22,6 +22,7 @@ session advisory lock taken when it is loaded; a second server asking for it get
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -123,10 +124,12 @@ class Live:
 
 
 class Studies:
-    def __init__(self, storage: str, clock: Any = time.time, mirror_interval_s: float = 2.0) -> None:
+    def __init__(self, storage: str, clock: Any = time.time, mirror_interval_s: float | None = None) -> None:
+        if mirror_interval_s is None:  # how often the Optuna copy is written (seconds)
+            mirror_interval_s = float(os.environ.get("ATORCH_SERVER_MIRROR_S", "2"))
         self.storage = open_storage(storage)
         self.log = EventLog(storage)
-        self.mirror = Mirror(self.storage, mirror_interval_s)
+        self.mirror = Mirror(self.storage, mirror_interval_s, self.log.write_lock)
         self.clock = clock
         self._live: dict[str, Live] = {}
         self._guard = threading.RLock()
