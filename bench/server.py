@@ -43,9 +43,11 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def run(url: str, clients: int, pairs: int, tbl: dict) -> dict:
+def run(url: str, clients: int, pairs: int, tbl: dict, floor: bool = False) -> dict:
+    """``floor``: the same clients calling ``/healthz`` (no storage, no search) twice per pair instead."""
     key = f"bench-{uuid.uuid4().hex[:8]}"
-    StrategyClient(url, timeout_s=300).create_study(key, tbl, 1e9, max_trials=10_000, top_k=0)
+    if not floor:
+        StrategyClient(url, timeout_s=300).create_study(key, tbl, 1e9, max_trials=10_000, top_k=0)
     asks: list[float] = []
     tells: list[float] = []
     left = iter(range(pairs))
@@ -58,9 +60,12 @@ def run(url: str, clients: int, pairs: int, tbl: dict) -> dict:
                 if next(left, None) is None:
                     return
             t0 = time.perf_counter()
-            p = c.ask(key)
+            p = c.health() if floor else c.ask(key)
             t1 = time.perf_counter()
-            c.tell(key, p["number"], {"status": "ok", "samples_per_s": 1.0 + p["number"], "peak_memory_bytes": 1e6})
+            if floor:
+                c.health()
+            else:
+                c.tell(key, p["number"], {"status": "ok", "samples_per_s": 1.0 + p["number"], "peak_memory_bytes": 1e6})
             t2 = time.perf_counter()
             asks.append(t1 - t0)
             tells.append(t2 - t1)
@@ -72,7 +77,8 @@ def run(url: str, clients: int, pairs: int, tbl: dict) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    StrategyClient(url).delete(key)
+    if not floor:
+        StrategyClient(url).delete(key)
     ms = 1000.0
     return {"clients": clients, "pairs": len(asks), "ask_p50_ms": pct(asks, .5) * ms, "ask_p99_ms": pct(asks, .99) * ms,
             "tell_p50_ms": pct(tells, .5) * ms, "tell_p99_ms": pct(tells, .99) * ms,
@@ -85,19 +91,27 @@ def main() -> int:
                         help="PostgreSQL URL (default $ATORCH_TEST_POSTGRES_URL; none: SQLite only)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--pairs", type=int, default=160, help="ask+tell pairs per run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row (the row is their median)")
+    parser.add_argument("--storages", nargs="+", default=["floor", "sqlite", "postgresql"],
+                        help="floor: /healthz only (uvicorn's per-request cost on this machine)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     tbl = table()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        storages = [("sqlite", f"sqlite:///{tmp}/bench.db")]
-        storages += [("postgresql", args.postgres)] if args.postgres else []
-        for name, storage in storages:
-            server = ProcessServer(storage).start()
+        urls = {"floor": f"sqlite:///{tmp}/floor.db", "sqlite": f"sqlite:///{tmp}/bench.db",
+                "postgresql": args.postgres}
+        for name in args.storages:
+            if not urls.get(name):
+                continue
+            server = ProcessServer(urls[name]).start()
             try:
-                run(server.url, 1, 5, tbl)  # warm-up: connections, table parse
+                run(server.url, 1, 5, tbl, floor=name == "floor")  # warm-up: connections, table parse
                 for clients in args.clients:
-                    row = {"storage": name, **run(server.url, clients, args.pairs, tbl)}
+                    runs = [run(server.url, clients, args.pairs, tbl, floor=name == "floor")
+                            for _ in range(args.repeats)]
+                    row = {"storage": name, "repeats": len(runs), "load_average": os.getloadavg()[0],
+                           **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
                     results.append(row)
                     print(f"{name:10s} clients {clients:3d}: ask p50 {row['ask_p50_ms']:6.1f} ms p99 "
                           f"{row['ask_p99_ms']:6.1f} ms | tell p50 {row['tell_p50_ms']:6.1f} ms p99 "

@@ -246,3 +246,107 @@ def test_schemathesis_finds_no_server_error(table, tmp_path) -> None:
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
         assert json.dumps(StrategyClient(server.url, TOKEN).health()) == '{"status": "ok"}'
+
+
+def _optuna_copy(storage: str, key: str) -> list[tuple]:
+    import optuna
+
+    try:
+        study = optuna.load_study(study_name=key, storage=storage)
+    except KeyError:  # not copied yet
+        return []
+    return [(t.number, t.state.name, t.user_attrs.get("key"), t.user_attrs.get("status"))
+            for t in study.get_trials(deepcopy=False)]
+
+
+def test_a_restart_replays_the_event_log_and_the_optuna_copy_catches_up(table, tmp_path) -> None:
+    """The server is killed right after answering (before the Optuna copy, written every 2 s, has the
+    trials): the event log alone rebuilds the study, and the copy the dashboards read catches up."""
+    import sqlalchemy as sa
+
+    storage = sqlite(tmp_path)
+    server = ProcessServer(storage).start()
+    try:
+        client = StrategyClient(server.url)
+        client.create_study("e", table, BUDGET, max_trials=8)
+        for _ in range(3):
+            p = client.ask("e")
+            client.tell("e", p["number"], run_of(p["point"]))
+        pending = client.ask("e")
+        before = client.trials("e")
+        server.kill()
+        with sa.create_engine(storage).connect() as conn:  # one row per change, all committed
+            kinds = [r[0] for r in conn.execute(sa.text(
+                "select kind from atorch_server_events where study = 'e' order by id"))]
+        assert kinds[0] == "study" and kinds.count("trials") >= 8
+        server.start()
+        assert client.trials("e") == before
+        assert not client.tell("e", pending["number"], run_of(pending["point"]))["already_told"]
+        listed = [(t["number"], t["state"], t["user_attrs"].get("key"), t["user_attrs"].get("status"))
+                  for t in client.trials("e")]
+        deadline = time.monotonic() + 60
+        while _optuna_copy(storage, "e") != listed:  # written off the request path, within seconds
+            assert time.monotonic() < deadline, (_optuna_copy(storage, "e"), listed)
+            time.sleep(0.5)
+    finally:
+        server.kill()
+
+
+def test_the_sampler_working_ahead_never_hands_out_a_candidate_in_flight(tmp_path) -> None:
+    """Two candidates: two asks take both; the suggestion prepared meanwhile is one of them, so the third
+    ask must not hand it out (it is failed as in flight, and the search stops when only those remain)."""
+    points = [{"sharding": "ddp", "micro_batch_size": m} for m in (1, 2)]
+    preds = [{"peak_memory_bytes": 1e6, "step_time_s": 0.1, "samples_per_s": 10.0} for _ in points]
+    tiny = {"points": points, "predictions": preds, "global_batch": 4}
+    with ThreadServer(sqlite(tmp_path)) as server:
+        client = StrategyClient(server.url)
+        client.create_study("w", tiny, BUDGET, top_k=0)
+        live = server.app.app.state.studies._live["w"]
+        first, second = client.ask("w"), client.ask("w")
+        assert first["key"] != second["key"]
+        deadline = time.monotonic() + 30
+        while live.proposer.ready is None:  # prepared by the sampler thread after the second ask
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        prepared = live.proposer.ready.number
+        third = client.ask("w")
+        assert third["number"] is None and "already known" in third["stop"]
+        trials = {t["number"]: t for t in client.trials("w")}
+        assert trials[prepared]["state"] == "FAIL" and trials[prepared]["user_attrs"]["status"] == "in_flight"
+        running = [t["user_attrs"]["key"] for t in trials.values() if t["state"] == "RUNNING"]
+        assert sorted(running) == sorted([first["key"], second["key"]])
+        client.tell("w", first["number"], {"status": "ok", "samples_per_s": 5.0, "peak_memory_bytes": 1e6})
+        assert client.ask("w")["number"] is None  # the other is still in flight, this one is known
+
+
+def test_a_second_server_on_the_same_postgresql_study_is_refused(table) -> None:
+    storage = postgres_or_skip()
+    key = f"two-{uuid.uuid4().hex[:8]}"
+    with ThreadServer(storage) as a, ThreadServer(storage) as b:
+        StrategyClient(a.url).create_study(key, table, BUDGET)
+        with pytest.raises(SetupError, match="409.*another atorch server"):
+            StrategyClient(b.url).ask(key)
+        StrategyClient(a.url).delete(key)
+        StrategyClient(b.url).create_study(key, table, BUDGET)  # the lock went with the study
+        StrategyClient(b.url).delete(key)
+
+
+def test_a_study_only_in_the_optuna_storage_is_imported(table, tmp_path) -> None:
+    """An earlier server kept studies in the Optuna storage alone: the first request imports one."""
+    import sqlalchemy as sa
+
+    storage = sqlite(tmp_path)
+    with ThreadServer(storage) as server:  # leaving flushes the Optuna copy
+        client = StrategyClient(server.url)
+        client.create_study("old", table, BUDGET, max_trials=8)
+        p = client.ask("old")
+        client.tell("old", p["number"], run_of(p["point"]))
+        pending = client.ask("old")
+        before = client.trials("old")
+    with sa.create_engine(storage).begin() as conn:
+        conn.execute(sa.text("delete from atorch_server_events"))
+    with ThreadServer(storage) as server:
+        client = StrategyClient(server.url)
+        assert client.trials("old") == before
+        assert client.tell("old", pending["number"], run_of(pending["point"]))["record"]["status"] == "ok"
+        assert client.ask("old")["number"] is not None

@@ -8,14 +8,16 @@ read in full.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from atorch.server import models
-from atorch.server.store import LeaseExpired, Studies, UnknownStudy, UnknownTrial
+from atorch.server.store import LeaseExpired, Studies, StudyBusy, UnknownStudy, UnknownTrial
 
 API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
@@ -92,7 +94,13 @@ def _token_ok(token: str, authorization: str, cookie: str | None) -> bool:
 def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                dashboard: bool = True) -> Any:
     studies = Studies(storage)
-    app = FastAPI(title="atorch strategy server", version=API_VERSION,
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        yield
+        studies.close()  # the copy for the dashboards is brought up to date, the log closed
+
+    app = FastAPI(title="atorch strategy server", version=API_VERSION, lifespan=lifespan,
                   description="The planner's ask/tell over an Optuna storage (JSON only).")
     app.state.studies = studies
 
@@ -114,8 +122,12 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     async def _expired(_: Request, exc: LeaseExpired) -> JSONResponse:
         return JSONResponse({"detail": f"{exc}: the trial was marked failed; ask again"}, 409)
 
+    @app.exception_handler(StudyBusy)
+    async def _busy(_: Request, exc: StudyBusy) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, 409)
+
     @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # on the event loop: also the bench's floor of a request
         return {"status": "ok"}
 
     v1 = [Depends(auth)]
@@ -142,16 +154,21 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
         studies.delete(study_key)
 
     @app.post("/v1/studies/{study_key}/ask", response_model=models.AskResponse, dependencies=v1, tags=["search"])
-    def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
+    async def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """The next candidate to measure (a trial number, its point and a lease), or why to stop."""
-        return studies.ask(study_key, body.lease_s)
+        # In memory on the event loop (no thread hop); answered once its row is committed.
+        answer, recorded = studies.ask(study_key, body.lease_s)
+        await asyncio.wrap_future(recorded)
+        return answer
 
     @app.post("/v1/studies/{study_key}/trials/{number}/tell", response_model=models.TellResponse,
               dependencies=v1, tags=["search"])
-    def tell(body: models.TellRequest, study_key: str = StudyKey,
-             number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
+    async def tell(body: models.TellRequest, study_key: str = StudyKey,
+                   number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
         """A measured result or failure; telling a finished trial again changes nothing."""
-        return studies.tell(study_key, number, body.measured.model_dump())
+        answer, recorded = studies.tell(study_key, number, body.measured.model_dump())
+        await asyncio.wrap_future(recorded)
+        return answer
 
     @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
     def best(study_key: str = StudyKey, memory_budget: float | None = Query(None, gt=0)) -> dict[str, Any]:

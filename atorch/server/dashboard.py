@@ -7,7 +7,6 @@ from __future__ import annotations
 import html
 from typing import Any
 
-import optuna
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
@@ -69,7 +68,7 @@ def study_html(study: Any) -> str:
 
 def page(studies: Studies) -> str:
     names = studies.names()
-    body = "".join(study_html(optuna.load_study(study_name=n, storage=studies.storage)) for n in names)
+    body = "".join(study_html(studies.view(n)) for n in names)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>atorch strategy server</title>"
             f"<style>{STYLE}</style></head><body><h1>atorch strategy search</h1>"
             f"<p>{len(names)} stud{'y' if len(names) == 1 else 'ies'} &middot; "

@@ -120,13 +120,17 @@ class CandidateTable:
         """The next dimension after ``partial`` and its choices (None once the point is complete)."""
         if self._prefixes is None:
             self._index()
+            self._steps: dict[str, tuple[str, tuple[Any, ...]] | None] = {}
         prefix = json.dumps(list(partial.items()))
-        taken = self._prefixes.get(prefix)  # type: ignore[union-attr]
-        if taken is None:
-            return None
-        name = self._names[prefix]  # type: ignore[index]
-        order = self._values[name]  # type: ignore[index]
-        return name, tuple(json.loads(v) for v in order if v in taken)
+        if prefix not in self._steps:  # memoised: a server walks the same prefixes on every ask
+            taken = self._prefixes.get(prefix)  # type: ignore[union-attr]
+            if taken is None:
+                self._steps[prefix] = None
+            else:
+                name = self._names[prefix]  # type: ignore[index]
+                order = self._values[name]  # type: ignore[index]
+                self._steps[prefix] = (name, tuple(json.loads(v) for v in order if v in taken))
+        return self._steps[prefix]
 
     def _param_name(self, name: str, choices: tuple[Any, ...]) -> str:
         full = self._values[name]  # type: ignore[index]
