@@ -261,7 +261,9 @@ def test_model_checkpoints_across_strategies_and_the_documented_booster_loop(tmp
                 assert reload["differs_before"] > 0 and reload["differs"] == [], (name, key, reload)
     # Colossal-AI's documented Booster loop with its checkpoint calls: the sharded safetensors folder loads into a
     # fresh plain model, and a fresh boosted run that loads model, optimizer and scheduler continues bit for bit.
-    for plugin in ("TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin[stage2]"):
+    # (the data-parallel plugins; HybridParallel's tp2 / pp2 layouts are the tp2 and pp2 round trips above)
+    for plugin in ("TorchDDPPlugin", "TorchFSDPPlugin", "LowLevelZeroPlugin[stage1]", "LowLevelZeroPlugin[stage2]",
+                   "GeminiPlugin[offload]"):
         entry = report[f"doc[{plugin}]"]
         assert entry["shards"] > 1 and entry["plain_differs"] == [] and entry["loaded_differs"] == [], plugin
         assert entry["resumed"] == entry["next"], plugin

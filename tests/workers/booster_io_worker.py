@@ -378,10 +378,13 @@ def doc_lora(plugin: Any) -> dict[str, Any]:
 
 
 def _plugins() -> dict[str, Any]:
-    from atorch.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
+    from atorch.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin, TorchFSDPPlugin
 
     return {"TorchDDPPlugin": TorchDDPPlugin, "TorchFSDPPlugin": TorchFSDPPlugin,
-            "LowLevelZeroPlugin[stage2]": functools.partial(LowLevelZeroPlugin, stage=2, precision="fp32")}
+            "LowLevelZeroPlugin[stage1]": functools.partial(LowLevelZeroPlugin, stage=1, precision="fp32"),
+            "LowLevelZeroPlugin[stage2]": functools.partial(LowLevelZeroPlugin, stage=2, precision="fp32"),
+            "GeminiPlugin[offload]": functools.partial(GeminiPlugin, precision="bf16", offload_optim_frac=1.0,
+                                                       offload_param_frac=1.0)}
 
 
 GROUPS = {
