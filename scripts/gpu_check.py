@@ -103,8 +103,8 @@ def dry_run_vs_cost_model() -> dict[str, Any]:
 
 def main() -> None:
     init_distributed()
-    report: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                              "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None}
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    report: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "backend": backend}
     cases = {
         "ddp": lambda: train(["parallel_mode"]),
         "amp_bf16": lambda: train(["parallel_mode", ("amp_native", {"dtype": "bf16"})]),
