@@ -47,7 +47,7 @@ from atorch.strategy_search.analyser import ModelStats  # noqa: E402
 from atorch.strategy_search.cost_model import predict  # noqa: E402
 from atorch.strategy_search.hardware import HardwareProfile  # noqa: E402
 
-EXCLUDED = ["half", "module_replace"]
+EXCLUDED = ["half", "module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel"]
 
 
 def mlp() -> dict[str, Any]:

@@ -55,7 +55,10 @@ from atorch.strategy_search.space import SearchSpace  # noqa: E402
 # Two warm-up steps, as the search (SearchOptions.warmup_steps): the first step runs its forward before any
 # optimizer state exists, so only the second reaches the peak training keeps reaching.
 WARMUP, STEPS = 2, 3
-EXCLUDED = ["half", "module_replace"]  # keeps each space at 50-110 candidates: sweepable on 2 cores
+# keeps each space at 50-110 candidates: sweepable on 2 cores (the figures in bench/README were measured on data-
+# parallel spaces; --model-parallel adds the tensor / pipeline dimensions, which multiply the sweep)
+MODEL_PARALLEL = ["tensor_parallel", "pipeline_parallel", "mixed_parallel"]
+EXCLUDED = ["half", "module_replace", *MODEL_PARALLEL]
 
 
 # ----- scenarios -------------------------------------------------------------------------------------
@@ -115,7 +118,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                "sweep_of": "small"},
     # ~200M parameters, few tokens: a replica with its Adam state does not fit, shards do.
     "large": {"build": lambda: gpt2(16, 1024, 16, 8192, 32, samples=16), "global_batch": 2, "budget_of_ddp": 0.55,
-              "excluded": ["module_replace"]},
+              "excluded": ["module_replace", *MODEL_PARALLEL]},
     # A non-transformer model: a small ResNet on 32x32 images.
     "cnn": {"build": cnn, "global_batch": 4},
 }
@@ -149,11 +152,11 @@ def point_of(cand: Any) -> dict[str, Any]:
 # ----- one scenario ----------------------------------------------------------------------------------
 
 def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scratch: Path,
-                 limit: int | None = None) -> dict[str, Any]:
+                 limit: int | None = None, model_parallel: bool = False) -> dict[str, Any]:
     spec = SCENARIOS[name]
     parts = spec["build"]()
     setup = user_setup(parts, spec["global_batch"])
-    excluded = spec.get("excluded", EXCLUDED)
+    excluded = [m for m in spec.get("excluded", EXCLUDED) if not (model_parallel and m in MODEL_PARALLEL)]
     space = SearchSpace(parts["model"], env.world_size, spec["global_batch"], excluded=excluded)
     cands = space.enumerate()
     if limit:  # a quick check of this script, not a measurement: DDP plus the first few
@@ -330,6 +333,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model-parallel", action="store_true",
+                        help="search tensor / pipeline sizes too (a sweep several times longer)")
     parser.add_argument("--limit", type=int, help="sweep only this many candidates (checks the script; no figures)")
     args = parser.parse_args()
     env = init_distributed()
@@ -344,7 +349,7 @@ def main() -> None:
     for name in args.scenarios.split(","):
         if "sweep_of" in SCENARIOS[name] and SCENARIOS[name]["sweep_of"] not in sweeps:
             raise SystemExit(f"scenario {name} re-uses the sweep of {SCENARIOS[name]['sweep_of']}: run that first")
-        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit))
+        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit, args.model_parallel))
         if env.rank == 0:
             print(table(rows[-1:]), flush=True)
     if env.rank == 0:
