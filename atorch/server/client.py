@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
 from typing import Any
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.strategy_search.ask_tell import DEFAULT_TOP_K, StopRules, measure_safely
+from atorch.strategy_search.ask_tell import StopRules, measure_safely
 from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.planner import Planner, PlanResult
-from atorch.strategy_search.space import Candidate, SearchSpace
+from atorch.strategy_search.space import SearchSpace
 
 logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
@@ -113,30 +111,17 @@ class RemotePlanner(Planner):
         self,
         space: SearchSpace,
         *,
-        predict: Callable[[Candidate], Any],
-        measure: Callable[[Candidate], Any],
-        memory_budget: int,
-        storage: Any = None,
-        study_key: str | None = None,
-        sampler: Any = "tpe",
-        time_limit_s: float | None = None,
-        max_trials: int = 8,
-        patience: int | None = None,
-        top_k: int = DEFAULT_TOP_K,
-        seed: int = 0,
-        clock: Callable[[], float] = time.monotonic,
-        on_trial: Callable[[dict[str, Any]], None] | None = None,
         server_url: str | None = None,
         token: str | None = None,
         lease_s: float = 600.0,
         timeout_s: float = 30.0,
+        **planner_args: Any,
     ) -> None:
-        if not isinstance(sampler, str):
+        if not isinstance(planner_args.get("sampler", "tpe"), str):
             raise SetupError("a strategy server runs its own sampler: pass sampler='tpe' or 'gp', not an object")
-        super().__init__(space, predict=predict, measure=measure, memory_budget=memory_budget,
-                         storage=storage if storage is not None else "server", study_key=study_key,
-                         sampler=sampler, time_limit_s=time_limit_s, max_trials=max_trials, patience=patience,
-                         top_k=top_k, seed=seed, clock=clock, on_trial=on_trial)
+        if planner_args.get("storage") is None:
+            planner_args["storage"] = "server"
+        super().__init__(space, **planner_args)
         url = server_url or os.environ.get(SERVER_ENV)
         if not url:
             raise SetupError(f"no strategy server given: pass server_url= or set ${SERVER_ENV}")
