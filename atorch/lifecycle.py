@@ -50,6 +50,9 @@ def _empty_optimizer(optim: Any) -> None:
     groups = getattr(optim, "param_groups", None)
     if isinstance(groups, list):
         groups.clear()
+    names = getattr(optim, "param_names", None)  # parameter -> name, for the Booster's checkpoints
+    if isinstance(names, dict):
+        names.clear()
 
 
 def _empty_module(model: nn.Module) -> None:

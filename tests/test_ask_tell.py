@@ -6,8 +6,7 @@ import json
 
 import optuna
 import pytest
-import toy_models
-from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, predict
+from test_planner import BUDGET, GLOBAL_BATCH, Measure, landscape_space, predict
 
 from atorch.strategy_search.ask_tell import SearchState
 from atorch.strategy_search.candidates import CandidateTable, predicted_json
@@ -17,7 +16,7 @@ from atorch.strategy_search.space import SearchSpace
 
 @pytest.fixture(scope="module")
 def space() -> SearchSpace:
-    return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+    return landscape_space()
 
 
 def test_table_is_json_and_its_optuna_view_proposes_only_valid_points(space) -> None:

@@ -85,11 +85,16 @@ class Measure:
         return Run("ok", true_speed(p), true_memory(p))
 
 
-@pytest.fixture(scope="module")
-def space() -> SearchSpace:
-    # the synthetic landscape below is over data-parallel points: the model-parallel layouts are left out
+def landscape_space() -> SearchSpace:
+    """The space the synthetic landscape is defined on: its data-parallel points (the model-parallel layouts
+    are left out; true_memory and true_speed do not read them)."""
     return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH,
                        excluded=["tensor_parallel", "pipeline_parallel", "mixed_parallel"])
+
+
+@pytest.fixture(scope="module")
+def space() -> SearchSpace:
+    return landscape_space()
 
 
 def storage(tmp_path) -> str:

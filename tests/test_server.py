@@ -18,7 +18,7 @@ import httpx
 import pytest
 import toy_models
 from server_harness import ProcessServer, ThreadServer
-from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, predict, true_memory, true_speed
+from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, landscape_space, predict, true_memory, true_speed
 
 from atorch.cli import main
 from atorch.errors import SetupError
@@ -34,7 +34,7 @@ POSTGRES = os.environ.get("ATORCH_TEST_POSTGRES_URL")
 
 @pytest.fixture(scope="module")
 def space() -> SearchSpace:
-    return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+    return landscape_space()
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import toy_models
 from server_harness import ThreadServer
-from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, predict
+from test_planner import BUDGET, Measure, landscape_space, predict
 
 from atorch.server.client import RemotePlanner
-from atorch.strategy_search.space import SearchSpace
 
 TOKEN = "dash-token"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,7 +36,7 @@ def test_dashboard_shows_a_study_from_a_real_search(browser, tmp_path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    space = SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+    space = landscape_space()
     with ThreadServer(f"sqlite:///{tmp_path / 'dash.db'}", token=TOKEN) as server:
         result = RemotePlanner(space, server_url=server.url, token=TOKEN, study_key="dash-study", predict=predict,
                                measure=Measure(), memory_budget=BUDGET, max_trials=3).search()
