@@ -131,6 +131,20 @@ def test_fp16_warm_up_goes_on_while_loss_scaling_skips_steps() -> None:
     assert result.peak_bytes >= 4 * param_bytes, (result.peak_bytes, param_bytes)
 
 
+def test_fp16_that_never_lets_a_step_through_is_a_failed_trial_with_the_reason() -> None:
+    """Outputs far beyond fp16's range (weights x 300): the loss itself overflows, so no loss scale lets a step
+    through. Measuring it would report a peak without the optimizer's state, and training would never step:
+    the trial fails, naming bf16 as the way out."""
+    model = mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(300.0)
+    result = dry_run(_setup(model), init_distributed(), Strategy.load([("amp_native", {"dtype": "fp16"})]),
+                     warmup=1, steps=1)
+    assert result.status == "failed", result
+    assert "fp16 loss scaling skipped every warm-up step" in result.reason and "bf16" in result.reason
+
+
 # ----- two real ranks ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:

@@ -276,6 +276,12 @@ class _Trial:
                     _lower_loss_scale(result.optim)
                     losses.append(self._step(result, batches))
                     extra += 1
+                if self.warmup > 0 and getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:
+                    # every rank agrees: the scaler's overflow check is all-reduced
+                    scale = float(result.optim.grad_scaler.get_scale())
+                    return RankOutcome(status="failed", root_cause=True, reason=(
+                        f"fp16 loss scaling skipped every warm-up step, down to a scale of {scale:g}: the "
+                        "gradients (or the forward) overflow fp16; use bf16 or fp32"))
                 if self.warmup > 0 and self.env.device.type != "cuda":
                     measuring.close()  # CPU tracking costs time per operation: timed steps run without it
                 if self.warmup > 0 and (over := self._over_budget(peak.increase)) is not None:
