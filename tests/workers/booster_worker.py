@@ -104,10 +104,15 @@ def engine_run(strategy: str, model_name: str) -> list[float]:
     make_model, make_input, loss_of = MODELS[model_name]
     _, result, _ = atorch.auto_accelerate(make_model(), SGD, optim_args={"lr": LR}, load_strategy=strategy,
                                           dataloader_args={"batch_size": 2})
+    return engine_steps(result, [make_input(step) for step in range(STEPS)], loss_of)
+
+
+def engine_steps(result: Any, inputs: list[Any], loss_of: Any) -> list[float]:
+    """The documented loop on an auto_accelerate result (StepLR, clipping at 1.0); closes the result."""
     scheduler = torch.optim.lr_scheduler.StepLR(result.optim, step_size=1, gamma=0.5)
     losses = []
-    for step in range(STEPS):
-        loss = loss_of(result.model(result.prepare_input(make_input(step), result.args.device)))
+    for x in inputs:
+        loss = loss_of(result.model(result.prepare_input(x, result.args.device)))
         result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
         result.optim.clip_grad_norm_(1.0)
         result.optim.step()
@@ -279,18 +284,8 @@ def auto() -> dict[str, Any]:
     _, result, _ = atorch.auto_accelerate(mlp(), SGD, mlp_dataset(), optim_args={"lr": LR}, load_strategy=strategy,
                                           dataloader_args={"batch_size": booster.result.args.global_batch_size,
                                                            "shuffle": False})
-    engine_scheduler = torch.optim.lr_scheduler.StepLR(result.optim, step_size=1, gamma=0.5)
-    engine, batches = [], iter(result.dataloader)
-    for _ in range(STEPS):
-        x, _y = next(batches)
-        loss = mlp_criterion(result.model(result.prepare_input(x, result.args.device)))
-        result.optim.backward(loss) if result.args.use_optim_backward else loss.backward()
-        result.optim.clip_grad_norm_(1.0)
-        result.optim.step()
-        engine_scheduler.step()
-        result.optim.zero_grad()
-        engine.append(mean_over_ranks(loss))
-    result.close()
+    batches = iter(result.dataloader)
+    engine = engine_steps(result, [next(batches)[0] for _ in range(STEPS)], mlp_criterion)
     return {"losses": losses, "engine": engine, "strategy": strategy,
             "source": booster.result.args.search["source"] if booster.result.args.search else None}
 
