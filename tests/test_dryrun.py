@@ -55,6 +55,23 @@ def test_peak_counts_storage_growth() -> None:
     del t
 
 
+def test_peak_follows_storage_resizes_outside_aten() -> None:
+    """FSDP2 frees an unsharded parameter with ``untyped_storage().resize_(0)`` and allocates it again with
+    ``resize_(n)``, calls no dispatch mode sees: a freed storage must stop counting, a regrown one count again."""
+    gathered = torch.empty(1000)  # 4000 bytes in the baseline
+    sharded_out = torch.empty(1000)
+    sharded_out.untyped_storage().resize_(0)  # 0 bytes in the baseline
+    with PeakMemory("cpu") as peak:
+        gathered.untyped_storage().resize_(0)  # "reshard": -4000
+        other = torch.empty(2000)  # +8000 on -4000: +4000
+        del other  # -4000
+        sharded_out.untyped_storage().resize_(4000 * 2)  # "all-gather": +8000 on -4000: +4000
+        sharded_out.untyped_storage().resize_(0)
+    assert peak.increase == 4000
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # nothing is left patched
+    del gathered, sharded_out
+
+
 def test_peak_sees_tensors_kept_only_by_autograd() -> None:
     x = torch.randn(1000, requires_grad=True)
     with PeakMemory("cpu") as peak:

@@ -112,6 +112,24 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _watch_resizes(tracker: _StorageTracker | None) -> None:
+    """Storage resized outside aten (FSDP2 allocates and frees its unsharded parameters with
+    ``untyped_storage().resize_``, which no dispatch mode sees): counted through ``tracker``, or no more."""
+    if tracker is None:
+        torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+        return
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        out = _RESIZE(storage, size)
+        tracker.track(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+
 class PeakMemory:
     """Peak live tensor bytes on ``device`` during a ``with`` block (see the module's docstring)."""
 
@@ -142,6 +160,7 @@ class PeakMemory:
         tracker.peak = tracker.live
         self._tracker = tracker
         tracker.__enter__()
+        _watch_resizes(tracker)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -151,6 +170,7 @@ class PeakMemory:
             return
         tracker = self._tracker
         assert tracker is not None
+        _watch_resizes(None)
         tracker.__exit__(*exc)
         self.bytes = tracker.peak
         # Drop the weak references (and their callbacks): nothing is kept past the block.
