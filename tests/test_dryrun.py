@@ -129,6 +129,20 @@ def test_dry_run_in_one_process_measures_and_leaves_the_model_alone() -> None:
     assert TrialResult.model_validate_json(result.model_dump_json()) == result  # JSON round trip
 
 
+def test_fast_steps_are_timed_until_they_add_up_to_min_measure_s() -> None:
+    """A step of a few milliseconds is noisy: timed steps go on past ``steps`` until they add up to
+    ``min_measure_s`` (the count from the median of the first ones), but never past ``max_steps``."""
+    setup, env, plain = _setup(mlp()), init_distributed(), Strategy.load(["parallel_mode"])
+    short = dry_run(setup, env, plain, warmup=1, steps=3)
+    step_s = short.step_time_s
+    assert step_s is not None
+    longer = dry_run(setup, env, plain, warmup=1, steps=3, min_measure_s=20 * step_s, max_steps=50)
+    timed = len(longer.losses) - 1  # one warm-up step
+    assert 8 <= timed <= 50, timed  # about 20 steps at the first ones' median (2.5x noise allowed); not 3
+    capped = dry_run(setup, env, plain, warmup=1, steps=3, min_measure_s=60.0, max_steps=7)
+    assert len(capped.losses) - 1 == 7
+
+
 def test_fp16_warm_up_goes_on_while_loss_scaling_skips_steps() -> None:
     """A loss whose scaled gradients overflow fp16 until the scale is far below its start (2^16): warm-up
     goes on (at most MAX_EXTRA_WARMUP more steps, each dividing the trial's scale by LOSS_SCALE_DROP) until

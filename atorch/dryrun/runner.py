@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import sys
 import threading
@@ -97,6 +98,8 @@ def dry_run_many(
     memory_budget: int | None = None,
     rejoin_timeout_s: float | None = None,
     micro_batches: int = 1,
+    min_measure_s: float = 0.0,
+    max_steps: int = 50,
 ) -> list[TrialResult]:
     """Dry-run each candidate in turn on all ranks; the same list of results on every rank.
 
@@ -104,11 +107,13 @@ def dry_run_many(
     higher measured peak into "oom"; each step trains on micro_batches batches of the dataloader
     (gradient accumulation), so samples/s counts batch_size * micro_batches per step;
     rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how long ranks wait for one that
-    overran a trial before giving it up.
+    overran a trial before giving it up; timed steps go on past ``steps`` until they add up to
+    min_measure_s, at most max_steps.
     """
     if micro_batches < 1 or timeout_s <= 0:
         raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
     session = DryRunSession(setup, env, warmup=warmup, steps=steps, memory_budget=memory_budget,
+                            min_measure_s=min_measure_s, max_steps=max(max_steps, steps),
                             rejoin_timeout_s=rejoin_timeout_s if rejoin_timeout_s is not None
                             else max(60.0, 2 * timeout_s))
     lists = all_gather_json([_plain(c) for c in candidates], timeout_s)
@@ -129,13 +134,17 @@ class DryRunSession:
     """
 
     def __init__(self, setup: UserSetup, env: DistEnv, *, warmup: int = 2, steps: int = 5,
-                 memory_budget: int | None = None, rejoin_timeout_s: float = 600.0) -> None:
-        if warmup < 0 or steps < 1:
-            raise SetupError("dry-run needs warmup >= 0 and steps >= 1")
+                 memory_budget: int | None = None, rejoin_timeout_s: float = 600.0, min_measure_s: float = 0.0,
+                 max_steps: int = 50) -> None:
+        if warmup < 0 or steps < 1 or max_steps < steps or min_measure_s < 0:
+            raise SetupError("dry-run needs warmup >= 0, 1 <= steps <= max_steps and min_measure_s >= 0")
         if setup.dataset is None:
             raise SetupError("a dry-run needs a dataset to take batches from")
         self.setup, self.env = setup, env
         self.warmup, self.steps, self.memory_budget = warmup, steps, memory_budget
+        # Fast steps are noisy one by one: timed steps go on until they add up to min_measure_s (at most
+        # max_steps), so a median of a few milliseconds' steps is taken over enough of them.
+        self.min_measure_s, self.max_steps = min_measure_s, max_steps
         self.rejoin_timeout_s = rejoin_timeout_s
         self.coordinator = Coordinator(env.rank, env.world_size)
         self.lost: str | None = None
@@ -175,6 +184,7 @@ class DryRunSession:
             setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
         trial = _Trial(self.coordinator, index, setup, self.env, strategy, self.warmup, self.steps, timeout_s,
                        micro_batches)
+        trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
         return trial.run(self.memory_budget)
 
     def close(self) -> None:
@@ -187,6 +197,7 @@ class _Trial:
                  warmup: int, steps: int, timeout_s: float, micro_batches: int) -> None:
         self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
         self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
+        self.min_measure_s, self.max_steps = 0.0, steps
         self.deadline = 0.0
         self.phase = "starting"
         self._reported = False
@@ -286,13 +297,17 @@ class _Trial:
                     measuring.close()  # CPU tracking costs time per operation: timed steps run without it
                 if self.warmup > 0 and (over := self._over_budget(peak.increase)) is not None:
                     return over
-                for step in range(self.steps):
+                step, planned = 0, self.steps
+                while step < planned:
                     self.phase = f"step {step}"
                     with collective_timeout(self._remaining()):
                         dist.barrier()  # the trial's group: every rank starts the step together
                     begin = time.perf_counter()
                     losses.append(self._step(result, batches))
                     times.append(time.perf_counter() - begin)
+                    step += 1
+                    if step == self.steps and self.min_measure_s > 0:
+                        planned = self._steps_for(statistics.median(times))
         except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
             return _classify(exc, self.phase)
         finally:
@@ -301,6 +316,17 @@ class _Trial:
             if self.env.device.type == "cuda":
                 torch.cuda.empty_cache()  # the next candidate starts from an empty cache, not this one's blocks
         return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses)
+
+    def _steps_for(self, median_s: float) -> int:
+        """Timed steps that add up to min_measure_s at the slowest rank's median, never past half of the
+        time the trial has left on the rank with least of it: one count, the same on every rank."""
+        worst = torch.tensor([median_s, -self._remaining()], dtype=torch.float64)
+        if dist.is_initialized() and self.env.world_size > 1:
+            with collective_timeout(self._remaining()):
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        step_s, left_s = max(float(worst[0]), 1e-6), -float(worst[1])
+        wanted = math.ceil(self.min_measure_s / step_s)
+        return max(self.steps, min(wanted, self.max_steps, self.steps + int(0.5 * left_s / step_s)))
 
     def _over_budget(self, mine: int) -> RankOutcome | None:
         """After warm-up (the peak is in): if any rank is over the budget, an OOM on every rank now,

@@ -45,6 +45,10 @@ class SearchOptions(BaseModel):
     patience: int | None = Field(default=None, ge=1, description="stop after this many dry-runs without improvement")
     warmup_steps: int = Field(default=2, ge=0, description="untimed steps of a dry-run (memory is measured here)")
     measure_steps: int = Field(default=5, ge=1, description="timed steps of a dry-run (the median is kept)")
+    min_measure_s: float = Field(default=1.0, ge=0, description=(
+        "timed steps go on past measure_steps until they add up to this many seconds (at most max_measure_steps): "
+        "steps of a few milliseconds are too noisy to rank candidates on a handful of them"))
+    max_measure_steps: int = Field(default=50, ge=1, description="the most timed steps of a dry-run")
     trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
     sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
     storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
@@ -111,6 +115,8 @@ def search_strategy(
     else:
         profile = measure_profile(memory_limit=memory_limit)  # every rank: collectives; cached on disk
     session = DryRunSession(setup, env, warmup=options.warmup_steps, steps=options.measure_steps,
+                            min_measure_s=options.min_measure_s,
+                            max_steps=max(options.max_measure_steps, options.measure_steps),
                             memory_budget=profile.memory_per_rank,
                             rejoin_timeout_s=max(60.0, 2 * options.trial_timeout_s))
     if env.rank != 0:

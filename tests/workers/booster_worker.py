@@ -257,7 +257,7 @@ def param_groups(plugin: Callable[[], Any]) -> dict[str, Any]:
 
 
 # ----- AutoPlugin -------------------------------------------------------------------------------------------
-AUTO_SEARCH = {"max_trials": 2, "warmup_steps": 1, "measure_steps": 1, "top_k": 2}
+AUTO_SEARCH = {"max_trials": 2, "warmup_steps": 1, "measure_steps": 1, "min_measure_s": 0, "top_k": 2}
 
 
 def auto() -> dict[str, Any]:

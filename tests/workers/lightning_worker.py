@@ -48,7 +48,7 @@ SCRATCH = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
 SAMPLES, BATCH = 16, 4  # per epoch: 16 samples / (4 per rank x 2 ranks) = 2 training passes
 LR = 0.1
 CLIP = 0.2
-QUICK_SEARCH = {"max_trials": 3, "warmup_steps": 1, "measure_steps": 1, "top_k": 2,
+QUICK_SEARCH = {"max_trials": 3, "warmup_steps": 1, "measure_steps": 1, "min_measure_s": 0, "top_k": 2,
                 "storage": f"sqlite:///{SCRATCH}/search.db"}
 # name -> atorch strategy
 STRATEGIES = {
