@@ -55,6 +55,7 @@ from atorch.strategy_search.space import SearchSpace  # noqa: E402
 # Two warm-up steps, as the search (SearchOptions.warmup_steps): the first step runs its forward before any
 # optimizer state exists, so only the second reaches the peak training keeps reaching.
 WARMUP, STEPS = 2, 3
+MIN_MEASURE_S = SearchOptions().min_measure_s  # timed steps add up to this (the search's default), sweep alike
 # keeps each space at 50-110 candidates: sweepable on 2 cores (the figures in bench/README were measured on data-
 # parallel spaces; --model-parallel adds the tensor / pipeline dimensions, which multiply the sweep)
 MODEL_PARALLEL = ["tensor_parallel", "pipeline_parallel", "mixed_parallel"]
@@ -163,7 +164,7 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         cands = sorted(cands, key=lambda c: (point_of(c)["sharding"] != "ddp", point_of(c)["precision"] != "fp32"))
         cands = cands[:limit]
     keys = [c.key for c in cands]
-    session = DryRunSession(setup, env, warmup=WARMUP, steps=STEPS, rejoin_timeout_s=1200)
+    session = DryRunSession(setup, env, warmup=WARMUP, steps=STEPS, rejoin_timeout_s=1200, min_measure_s=MIN_MEASURE_S)
 
     # 1. The exhaustive sweep (or the one this scenario shares).
     ddp_key = max((c for c in cands if point_of(c)["sharding"] == "ddp" and point_of(c)["precision"] == "fp32"
@@ -190,7 +191,8 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
                 prepare_input=parts.get("prepare_input"), optim_args={"lr": 1e-4},
                 dataloader_args={"batch_size": spec["global_batch"], "shuffle": False}, excluded=excluded,
                 memory_limit=budget)
-    options = {"storage": storage, "warmup_steps": WARMUP, "measure_steps": STEPS, "patience": 4}
+    options = {"storage": storage, "warmup_steps": WARMUP, "measure_steps": STEPS, "min_measure_s": MIN_MEASURE_S,
+               "patience": 4}
     timings = {}
     picks = {}
     for label, extra in (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False})):
