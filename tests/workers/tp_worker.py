@@ -38,8 +38,12 @@ MODELS = {
                              sm.hf_loss, "unpack_dict"),
     "gpt2": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "llama_vocab127": sm.Setup(lambda: _with_vocab(sm.tiny_llama(), 127), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
+LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
+SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
+BOTH = ("tensor_parallel", {"loss_parallel": True, "sequence_parallel": True})
 # launch group -> scenario name -> (model, load_strategy)
 GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2": {
@@ -51,12 +55,24 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
                                                "tensor_parallel"]),
         "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
+        "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
+        "llama/tp2+sequence_parallel": ("llama", [TP2, SEQUENCE_PARALLEL]),
+        "gpt2/tp2+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH]),
+        "gpt2/tp2+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL]),
+        "refused/vocab 127 under loss_parallel": ("llama_vocab127", [TP2, LOSS_PARALLEL]),
     },
     "tp2xdp2": {
         "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
         "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
+        "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
+        "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
     },
 }
+
+
+def _with_vocab(model: nn.Module, vocab: int) -> nn.Module:
+    model.resize_token_embeddings(vocab)
+    return model
 
 
 def repeated_batch(dataset: Any) -> Subset:
@@ -75,7 +91,7 @@ def _split_over_tensor(param: torch.Tensor) -> bool:
     return "tensor" in names and param.placements[names.index("tensor")].is_shard()
 
 
-def split_fraction(model: nn.Module) -> dict[str, Any]:
+def split_fraction(model: Any) -> dict[str, Any]:
     """Parameters held on this rank, from local tensors: those split over the tensor dimension, and all."""
     split_local = split_global = local = whole = 0
     for param in model.parameters():
@@ -83,7 +99,12 @@ def split_fraction(model: nn.Module) -> dict[str, Any]:
         local, whole = local + here, whole + param.numel()
         if _split_over_tensor(param):
             split_local, split_global = split_local + here, split_global + param.numel()
-    return {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
+    entry = {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
+    if hasattr(model, "get_output_embeddings"):  # the LM head: split over the vocabulary under loss_parallel; tied to the embedding or not
+        weight = model.get_output_embeddings().weight
+        entry.update(head_local=(weight.to_local() if isinstance(weight, DTensor) else weight).numel(),
+                     head_global=weight.numel(), tied=weight is model.get_input_embeddings().weight)
+    return entry
 
 
 def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
