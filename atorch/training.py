@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from atorch.model_context import call_model
 from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
-from atorch.opt_lib.tp_sequence_vocab import plain, step_context
+from atorch.opt_lib.tp_sequence_vocab import plain, step_context, whole
 
 
 def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
@@ -76,5 +76,5 @@ def eval_logits(result: Any, batch: Any) -> torch.Tensor | None:
         return result.model.runner.forward_only(data)
     with torch.no_grad():
         output = call_model(result.model, data, result.args.model_input_format)
-    logits = getattr(output, "logits", output)
+    logits = whole(getattr(output, "logits", output))  # [loss_parallel] vocabulary shards gathered
     return logits if isinstance(logits, torch.Tensor) else output[0]

@@ -250,8 +250,9 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)
     parallelize_module(ctx.model, mesh, styles, src_data_rank=None)
     tp_sequence_vocab.finish(ctx.model, config, tied, t)
-    logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)", len(styles), t,
-                sum(s == "colwise" for s in plan.styles.values()), sum(s == "rowwise" for s in plan.styles.values()))
+    logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)%s", len(plan.styles), t,
+                sum(s == "colwise" for s in plan.styles.values()), sum(s == "rowwise" for s in plan.styles.values()),
+                "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)))
 
 
 def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t: int) -> list[str]:

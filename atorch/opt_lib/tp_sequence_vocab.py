@@ -221,3 +221,10 @@ def plain(loss: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def whole(value: Any) -> Any:
+    """Logits sharded over the vocabulary (loss_parallel), gathered for a caller that asked for the whole output."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value

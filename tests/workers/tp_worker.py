@@ -57,6 +57,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
         "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
         "llama/tp2+sequence_parallel": ("llama", [TP2, SEQUENCE_PARALLEL]),
+        "llama/tp2+loss_parallel+sequence_parallel+checkpoint": ("llama", [TP2, BOTH, "checkpoint"]),
         "gpt2/tp2+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH]),
         "gpt2/tp2+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL]),
         "refused/vocab 127 under loss_parallel": ("llama_vocab127", [TP2, LOSS_PARALLEL]),
@@ -100,11 +101,27 @@ def split_fraction(model: Any) -> dict[str, Any]:
         if _split_over_tensor(param):
             split_local, split_global = split_local + here, split_global + param.numel()
     entry = {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
-    if hasattr(model, "get_output_embeddings"):  # the LM head: split over the vocabulary under loss_parallel; tied to the embedding or not
+    if hasattr(model, "get_output_embeddings"):  # the LM head (split under loss_parallel; tied or not)
         weight = model.get_output_embeddings().weight
         entry.update(head_local=(weight.to_local() if isinstance(weight, DTensor) else weight).numel(),
                      head_global=weight.numel(), tied=weight is model.get_input_embeddings().weight)
     return entry
+
+
+def _logits_layout(result: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The vocabulary width of the logits this rank holds, and what a forward with gradients outside train_step
+    (outside loss_parallel()) gives."""
+    data = result.prepare_input(batch, result.args.device)
+    with torch.no_grad():
+        logits = result.model(**data).logits
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    found: dict[str, Any] = {"logits_local_vocab": local.shape[-1]}
+    try:
+        result.model(**data)
+        found["outside_step"] = "ran"
+    except atorch.SetupError as exc:
+        found["outside_step"] = str(exc)
+    return found
 
 
 def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
@@ -127,6 +144,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     dist.all_gather(gathered, seen)
     entry["batch_sums"] = [g.item() for g in gathered]
     entry["losses"] = losses_of(result, STEPS, setup.loss, setup.input_format)
+    if isinstance(first, dict):
+        entry.update(_logits_layout(result, first))
     result.close()
     return entry
 
