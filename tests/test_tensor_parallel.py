@@ -85,13 +85,19 @@ def _check_vocabulary_layout(scenario: str, entry: dict[str, Any]) -> None:
         return
     shards = (2 if "loss_parallel" in scenario else 1) * (dp if "fsdp" in scenario else 1)
     assert memory["head_local"] * shards == memory["head_global"], memory
-    assert memory["tied"] == scenario.startswith("gpt2"), memory
+    assert memory["tied"] == scenario.startswith("gpt2"), memory  # GPT-2 ties wte / lm_head
     vocab = sm.VOCAB // 2 if "loss_parallel" in scenario else sm.VOCAB
-    assert entry["logits_local_vocab"] == vocab, entry
+    assert entry["logits_local_vocab"] == vocab and entry["eval_logits_vocab"] == sm.VOCAB, entry
     if "loss_parallel" in scenario:  # a hand-written forward with gradients outside loss_parallel() is refused
         assert "use atorch.train_step(result, [batch])" in entry["outside_step"], entry
     else:
         assert entry["outside_step"] == "ran", entry
+    if "loss_parallel" in scenario and "sequence_parallel" not in scenario and "fsdp" not in scenario:
+        # Only all-reduces (split layers, embedding, and the loss's max / sum / target logit over the vocabulary
+        # shards): nothing is all-gathered, so the full-vocabulary logits never exist on a rank.
+        assert set(entry["collectives"]) == {"all_reduce"}, entry["collectives"]
+    if "sequence_parallel" in scenario and "fsdp" not in scenario:  # row-wise layers reduce-scatter to sequence shards
+        assert entry["collectives"]["reduce_scatter_tensor"] > 0, entry["collectives"]
 
 
 # ----- plans and refusals, in this process ------------------------------------------------------

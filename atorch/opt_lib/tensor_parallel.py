@@ -13,6 +13,8 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
   the shards).
 Layers outside the plan (embeddings, norms, heads) stay whole on every rank; their gradients agree
 across the tensor group because every rank computes them from the same (all-reduced) activations.
+The options ``loss_parallel`` (embedding and head split over the vocabulary, cross-entropy on the shards)
+and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequence_vocab.py.
 """
 
 from __future__ import annotations

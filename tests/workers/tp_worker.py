@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
 from worker_common import losses_of, reference_losses, run_each
 
 import atorch
+from atorch.opt_lib.tp_sequence_vocab import step_context
+from atorch.training import eval_logits
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -38,6 +41,7 @@ MODELS = {
                              sm.hf_loss, "unpack_dict"),
     "gpt2": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "llama_own_loss": sm.Setup(sm.tiny_llama, sm.TokenDataset, lambda d, o: logits_loss(d, o), "unpack_dict"),
     "llama_vocab127": sm.Setup(lambda: _with_vocab(sm.tiny_llama(), 127), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
@@ -58,6 +62,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
         "llama/tp2+sequence_parallel": ("llama", [TP2, SEQUENCE_PARALLEL]),
         "llama/tp2+loss_parallel+sequence_parallel+checkpoint": ("llama", [TP2, BOTH, "checkpoint"]),
+        "llama_own_loss/tp2+loss_parallel": ("llama_own_loss", [TP2, LOSS_PARALLEL]),
         "gpt2/tp2+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH]),
         "gpt2/tp2+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL]),
         "refused/vocab 127 under loss_parallel": ("llama_vocab127", [TP2, LOSS_PARALLEL]),
@@ -69,6 +74,11 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
     },
 }
+
+
+def logits_loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
+    """The user's own next-token cross-entropy on output.logits (sharded over the vocabulary under loss_parallel)."""
+    return nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1), data["labels"][:, 1:].flatten())
 
 
 def _with_vocab(model: nn.Module, vocab: int) -> nn.Module:
@@ -115,12 +125,18 @@ def _logits_layout(result: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any
     with torch.no_grad():
         logits = result.model(**data).logits
     local = logits.to_local() if isinstance(logits, DTensor) else logits
-    found: dict[str, Any] = {"logits_local_vocab": local.shape[-1]}
+    found: dict[str, Any] = {"logits_local_vocab": local.shape[-1],
+                             "eval_logits_vocab": eval_logits(result, batch).shape[-1]}
     try:
         result.model(**data)
         found["outside_step"] = "ran"
     except atorch.SetupError as exc:
         found["outside_step"] = str(exc)
+    # The collectives of one forward, loss and backward (as train_step runs them), by name.
+    comms = CommDebugMode()
+    with comms, step_context(result.model):
+        result.loss_func(data, result.model(**data)).backward()
+    found["collectives"] = {str(op).rpartition(".")[2]: n for op, n in comms.get_comm_counts().items()}
     return found
 
 
