@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from atorch.model_context import call_model
 from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
+from atorch.opt_lib.tp_sequence_vocab import plain, step_context, whole
 
 
 def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
@@ -29,19 +30,21 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     if count == 0:
         raise ValueError("train_step needs at least one micro-batch")
     losses = []
-    for index, batch in enumerate(micro_batches):
-        if count > 1 and args.requires_set_gradient_accumulation_boundary:
-            optim.set_gradient_accumulation_boundary(index == count - 1)
-        data = result.prepare_input(batch, args.device)
-        output = call_model(model, data, args.model_input_format)
-        loss = result.loss_func(data, output)
-        if count > 1:
-            loss = loss / count
-        if args.use_optim_backward:
-            optim.backward(loss)
-        else:
-            loss.backward()
-        losses.append(loss.detach())
+    # [tensor_parallel loss_parallel] forward, loss and backward inside torch's loss_parallel() (tp_sequence_vocab.py)
+    with step_context(model):
+        for index, batch in enumerate(micro_batches):
+            if count > 1 and args.requires_set_gradient_accumulation_boundary:
+                optim.set_gradient_accumulation_boundary(index == count - 1)
+            data = result.prepare_input(batch, args.device)
+            output = call_model(model, data, args.model_input_format)
+            loss = result.loss_func(data, output)
+            if count > 1:
+                loss = loss / count
+            if args.use_optim_backward:
+                optim.backward(loss)
+            else:
+                loss.backward()
+            losses.append(plain(loss.detach()))
     total = losses[0].float() if count == 1 else torch.stack(losses).float().sum()
     # Started before the step so that it overlaps with it; the group is the data-parallel one.
     reduction = _start_mean(total, result)
@@ -73,5 +76,5 @@ def eval_logits(result: Any, batch: Any) -> torch.Tensor | None:
         return result.model.runner.forward_only(data)
     with torch.no_grad():
         output = call_model(result.model, data, result.args.model_input_format)
-    logits = getattr(output, "logits", output)
+    logits = whole(getattr(output, "logits", output))  # [loss_parallel] vocabulary shards gathered
     return logits if isinstance(logits, torch.Tensor) else output[0]

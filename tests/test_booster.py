@@ -175,12 +175,21 @@ def test_without_plugin_objects_pass_through_and_backward_works() -> None:
     (lambda: GeminiPlugin(offload_param_frac=0.5), ["offload_param_frac=0.5", "use 0.0 or 1.0"]),
     (lambda: LowLevelZeroPlugin(stage=1, cpu_offload=True), ["cpu_offload=True", "stage=2"]),
     (lambda: TorchFSDPPlugin(param_init_fn=lambda m: m), ["param_init_fn"]),
+    (lambda: HybridParallelPlugin(tp_size=2, pp_size=1, enable_sequence_parallelism=True,
+                                  sequence_parallelism_mode="ring_attn"), ["mode 'split_gather' with tp_size > 1"]),
+    (lambda: HybridParallelPlugin(tp_size=1, pp_size=1, enable_sequence_parallelism=True), ["tp_size > 1"]),
 ])
 def test_bad_plugin_arguments_name_the_argument_and_the_fix(make: Any, expected: list[str]) -> None:
     with pytest.raises(StrategyError) as info:
         make()
     for text in expected:
         assert text in str(info.value)
+
+
+def test_split_gather_sequence_parallelism_is_tensor_parallels() -> None:
+    plugin = HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", enable_sequence_parallelism=True)
+    assert ("tensor_parallel", {"sequence_parallel": True}) in plugin.methods()
+    assert ("tensor_parallel", {}) in HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32").methods()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only machines")

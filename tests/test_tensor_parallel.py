@@ -32,6 +32,8 @@ BF16_TOL = (3e-2, 1e-3)
 REFUSED = {
     "refused/gpt2 without module_replace": "add 'module_replace' to the strategy",
     "refused/llama 3 heads": "3 attention heads do not divide over tensor size 2; use a tensor size that divides 3",
+    "refused/vocab 127 under loss_parallel": "vocabulary of 127 does not divide over tensor size 2; pad the vocabulary "
+                                             "to a multiple of 2 (e.g. model.resize_token_embeddings(128))",
 }
 # Ranks per launch group, and the data-parallel size each group's layout gives.
 NPROC = {"tp2": 2, "tp2xdp2": 4}
@@ -72,6 +74,30 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         sums = entry["batch_sums"]
         assert all(sums[2 * d] == sums[2 * d + 1] for d in range(dp)), sums
         assert len({sums[2 * d] for d in range(dp)}) == dp, sums
+        _check_vocabulary_layout(scenario, entry)
+
+
+def _check_vocabulary_layout(scenario: str, entry: dict[str, Any]) -> None:
+    """Under loss_parallel the LM head holds 1/t of its weight per rank (1/(t·d) under fsdp), stays tied to the
+    embedding where the model ties them (GPT-2), and no rank holds full-vocabulary logits."""
+    memory, dp = entry["memory"], entry["dp_size"]
+    if "head_global" not in memory:
+        return
+    shards = (2 if "loss_parallel" in scenario else 1) * (dp if "fsdp" in scenario else 1)
+    assert memory["head_local"] * shards == memory["head_global"], memory
+    assert memory["tied"] == scenario.startswith("gpt2"), memory  # GPT-2 ties wte / lm_head
+    vocab = sm.VOCAB // 2 if "loss_parallel" in scenario else sm.VOCAB
+    assert entry["logits_local_vocab"] == vocab and entry["eval_logits_vocab"] == sm.VOCAB, entry
+    if "loss_parallel" in scenario:  # a hand-written forward with gradients outside loss_parallel() is refused
+        assert "use atorch.train_step(result, [batch])" in entry["outside_step"], entry
+    else:
+        assert entry["outside_step"] == "ran", entry
+    if "loss_parallel" in scenario and "sequence_parallel" not in scenario and "fsdp" not in scenario:
+        # Only all-reduces (split layers, embedding, and the loss's max / sum / target logit over the vocabulary
+        # shards): nothing is all-gathered, so the full-vocabulary logits never exist on a rank.
+        assert set(entry["collectives"]) == {"all_reduce"}, entry["collectives"]
+    if "sequence_parallel" in scenario and "fsdp" not in scenario:  # row-wise layers reduce-scatter to sequence shards
+        assert entry["collectives"]["reduce_scatter_tensor"] > 0, entry["collectives"]
 
 
 # ----- plans and refusals, in this process ------------------------------------------------------
@@ -178,5 +204,27 @@ def test_strategy_checks() -> None:
     assert any("DDP cannot replicate" in p and "add 'fsdp'" in p for p in problems), problems
     assert Strategy.load([TP, "tensor_parallel", "zero2"]).problems(4) == []
     for key in ("sequence_parallel", "loss_parallel"):
-        problems = Strategy.load([TP, ("tensor_parallel", {key: True})]).problems(2)
-        assert any(f"set {key} to false" in p for p in problems), problems
+        assert Strategy.load([TP, ("tensor_parallel", {key: True})]).problems(2) == []
+        # Not with a pipeline dimension: the stages exchange whole activations.
+        mixed = ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2]]})
+        problems = Strategy.load([mixed, ("mixed_parallel", {"tensor": {key: True}})]).problems(4)
+        assert any(f"{key} is not available with a pipeline dimension yet" in p for p in problems), problems
+
+
+def test_sequence_length_not_dividing_is_a_clear_error() -> None:
+    from atorch.errors import SetupError
+    from atorch.opt_lib.tp_sequence_vocab import _check_sequence
+
+    hook = _check_sequence(2)
+    hook(None, (), {"input_ids": torch.zeros(1, 16, dtype=torch.long)})  # divides: passes
+    with pytest.raises(SetupError, match="sequence length of 15 does not divide over tensor size 2; pad the"):
+        hook(None, (torch.zeros(1, 15, dtype=torch.long),), {})
+
+
+def test_loss_parallel_needs_an_embedding_and_head() -> None:
+    from atorch.opt_lib.tp_sequence_vocab import problems
+
+    both = TensorParallelConfig(loss_parallel=True, sequence_parallel=True)
+    found = problems(sm.SequentialViT(), both, 2)
+    assert found and "get_input_embeddings() / get_output_embeddings()" in found[0], found
+    assert problems(sm.tiny_llama(), both, 2) == []

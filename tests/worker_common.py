@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from atorch.model_context import call_model
+from atorch.opt_lib.tp_sequence_vocab import plain, step_context
 from atorch.training import train_step
 
 
@@ -50,9 +51,10 @@ def losses_of(result: Any, steps: int, loss: Callable[..., torch.Tensor], input_
     """``steps`` training steps of an accelerated result, then one evaluation: global mean losses."""
     batches = iter(result.dataloader)
     losses = [mean_over_ranks(train_step(result, [next(batches)])) for _ in range(steps)]
-    with torch.no_grad():
+    # Under tensor_parallel's loss_parallel a loss on the (vocabulary-sharded) logits runs inside loss_parallel().
+    with torch.no_grad(), step_context(result.model):
         data = result.prepare_input(next(batches), result.args.device)
-        losses.append(mean_over_ranks(loss(data, call_model(result.model, data, input_format))))
+        losses.append(mean_over_ranks(plain(loss(data, call_model(result.model, data, input_format)))))
     return losses
 
 

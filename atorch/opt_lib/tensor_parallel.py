@@ -13,6 +13,8 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
   the shards).
 Layers outside the plan (embeddings, norms, heads) stay whole on every rank; their gradients agree
 across the tensor group because every rank computes them from the same (all-reduced) activations.
+The options ``loss_parallel`` (embedding and head split over the vocabulary, cross-entropy on the shards)
+and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequence_vocab.py.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class TensorParallelConfig(MethodConfig):
         description="'auto' derives the plan from the model; or a mapping of module-name patterns "
         "(fnmatch, e.g. 'layers.*.fc1') to 'colwise' / 'rowwise'",
     )
-    sequence_parallel: bool = Field(default=False, description="shard norms/dropout over the sequence (not yet)")
-    loss_parallel: bool = Field(default=False, description="vocabulary-parallel head and loss (not yet)")
+    sequence_parallel: bool = Field(default=False, description="norms and dropout run on sequence shards (dim 1) "
+                                    "between the split layers (sequence length must divide over the tensor size)")
+    loss_parallel: bool = Field(default=False, description="token embedding and LM head split over the vocabulary; "
+                                "cross-entropy on the vocabulary shards inside torch's loss_parallel()")
 
     @field_validator("plan")
     @classmethod
@@ -222,8 +226,9 @@ def _local_head_counts(attention: nn.Module, t: int) -> None:
 
 def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> None:
     """Split ctx.model's planned layers over the 'tensor' dimension (DTensor parallelize_module)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    from atorch.opt_lib import tp_sequence_vocab
     from atorch.opt_lib.sharding import broadcast_from_first
 
     mesh = ctx.layout.mesh(ctx.env.device.type)[TENSOR]
@@ -242,10 +247,20 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
         _permute_fused_qkv(modules[name], t)
     for name in plan.head_modules:
         _local_head_counts(modules[name], t)
-    styles = {name: ColwiseParallel() if s == "colwise" else RowwiseParallel() for name, s in plan.styles.items()}
+    tied = tp_sequence_vocab.is_tied(ctx.model)
+    # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
+    styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)
     parallelize_module(ctx.model, mesh, styles, src_data_rank=None)
-    logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)", len(styles), t,
-                sum(s == "colwise" for s in plan.styles.values()), sum(s == "rowwise" for s in plan.styles.values()))
+    tp_sequence_vocab.finish(ctx.model, config, tied, t)
+    logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)%s", len(plan.styles), t,
+                sum(s == "colwise" for s in plan.styles.values()), sum(s == "rowwise" for s in plan.styles.values()),
+                "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)))
+
+
+def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t: int) -> list[str]:
+    from atorch.opt_lib.tp_sequence_vocab import problems
+
+    return problems(model, config, t)
 
 
 def _has_conv1d(model: nn.Module) -> bool:
@@ -265,12 +280,10 @@ class TensorParallel(Method):
         mode = check.configs.get("parallel_mode")
         if mode is None or TENSOR not in dict(mode.dims):
             problems.append("needs a 'tensor' dimension: add ('parallel_mode', ([('data', -1), ('tensor', 2)], None))")
-        if config.sequence_parallel:
-            problems.append("sequence_parallel is not available yet (norms and dropout run replicated); "
-                            "set sequence_parallel to false")
-        if config.loss_parallel:
-            problems.append("loss_parallel is not available yet: the vocabulary (embedding and head) is kept whole "
-                            "on every rank; set loss_parallel to false")
+        for key in ("sequence_parallel", "loss_parallel"):
+            if getattr(config, key) and (mode is not None and "pipeline" in dict(mode.dims)):
+                problems.append(f"{key} is not available with a pipeline dimension yet (the stages exchange whole "
+                                f"activations); set {key} to false")
         return problems
 
     def model_problems(self, ctx: Any, config: TensorParallelConfig) -> list[str]:  # type: ignore[override]
@@ -283,4 +296,6 @@ class TensorParallel(Method):
                             "add 'module_replace' to the strategy (it turns Conv1D into nn.Linear)")
         if is_meta(ctx.model):
             problems.append("a model on the meta device is not supported with tensor_parallel yet; build it on CPU")
-        return problems + derive_plan(ctx.model, config, ctx.layout.size(TENSOR)).problems
+        t = ctx.layout.size(TENSOR)
+        # [loss_parallel / sequence_parallel] vocabulary divisibility, embedding and head found (tp_sequence_vocab.py)
+        return problems + derive_plan(ctx.model, config, t).problems + tp_sequence_vocab_problems(ctx.model, config, t)

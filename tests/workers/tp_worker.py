@@ -22,10 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
 from worker_common import losses_of, reference_losses, run_each
 
 import atorch
+from atorch.opt_lib.tp_sequence_vocab import step_context
+from atorch.training import eval_logits
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -38,8 +41,13 @@ MODELS = {
                              sm.hf_loss, "unpack_dict"),
     "gpt2": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "llama_own_loss": sm.Setup(sm.tiny_llama, sm.TokenDataset, lambda d, o: logits_loss(d, o), "unpack_dict"),
+    "llama_vocab127": sm.Setup(lambda: _with_vocab(sm.tiny_llama(), 127), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
+LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
+SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
+BOTH = ("tensor_parallel", {"loss_parallel": True, "sequence_parallel": True})
 # launch group -> scenario name -> (model, load_strategy)
 GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2": {
@@ -51,12 +59,31 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
                                                "tensor_parallel"]),
         "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
+        "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
+        "llama/tp2+sequence_parallel": ("llama", [TP2, SEQUENCE_PARALLEL]),
+        "llama/tp2+loss_parallel+sequence_parallel+checkpoint": ("llama", [TP2, BOTH, "checkpoint"]),
+        "llama_own_loss/tp2+loss_parallel": ("llama_own_loss", [TP2, LOSS_PARALLEL]),
+        "gpt2/tp2+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH]),
+        "gpt2/tp2+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL]),
+        "refused/vocab 127 under loss_parallel": ("llama_vocab127", [TP2, LOSS_PARALLEL]),
     },
     "tp2xdp2": {
         "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
         "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
+        "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
+        "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
     },
 }
+
+
+def logits_loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
+    """The user's own next-token cross-entropy on output.logits (sharded over the vocabulary under loss_parallel)."""
+    return nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1), data["labels"][:, 1:].flatten())
+
+
+def _with_vocab(model: nn.Module, vocab: int) -> nn.Module:
+    model.resize_token_embeddings(vocab)
+    return model
 
 
 def repeated_batch(dataset: Any) -> Subset:
@@ -75,7 +102,7 @@ def _split_over_tensor(param: torch.Tensor) -> bool:
     return "tensor" in names and param.placements[names.index("tensor")].is_shard()
 
 
-def split_fraction(model: nn.Module) -> dict[str, Any]:
+def split_fraction(model: Any) -> dict[str, Any]:
     """Parameters held on this rank, from local tensors: those split over the tensor dimension, and all."""
     split_local = split_global = local = whole = 0
     for param in model.parameters():
@@ -83,7 +110,34 @@ def split_fraction(model: nn.Module) -> dict[str, Any]:
         local, whole = local + here, whole + param.numel()
         if _split_over_tensor(param):
             split_local, split_global = split_local + here, split_global + param.numel()
-    return {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
+    entry = {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
+    if hasattr(model, "get_output_embeddings"):  # the LM head (split under loss_parallel; tied or not)
+        weight = model.get_output_embeddings().weight
+        entry.update(head_local=(weight.to_local() if isinstance(weight, DTensor) else weight).numel(),
+                     head_global=weight.numel(), tied=weight is model.get_input_embeddings().weight)
+    return entry
+
+
+def _logits_layout(result: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The vocabulary width of the logits this rank holds, and what a forward with gradients outside train_step
+    (outside loss_parallel()) gives."""
+    data = result.prepare_input(batch, result.args.device)
+    with torch.no_grad():
+        logits = result.model(**data).logits
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    found: dict[str, Any] = {"logits_local_vocab": local.shape[-1],
+                             "eval_logits_vocab": eval_logits(result, batch).shape[-1]}
+    try:
+        result.model(**data)
+        found["outside_step"] = "ran"
+    except atorch.SetupError as exc:
+        found["outside_step"] = str(exc)
+    # The collectives of one forward, loss and backward (as train_step runs them), by name.
+    comms = CommDebugMode()
+    with comms, step_context(result.model):
+        result.loss_func(data, result.model(**data)).backward()
+    found["collectives"] = {str(op).rpartition(".")[2]: n for op, n in comms.get_comm_counts().items()}
+    return found
 
 
 def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
@@ -106,6 +160,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     dist.all_gather(gathered, seen)
     entry["batch_sums"] = [g.item() for g in gathered]
     entry["losses"] = losses_of(result, STEPS, setup.loss, setup.input_format)
+    if isinstance(first, dict):
+        entry.update(_logits_layout(result, first))
     result.close()
     return entry
 

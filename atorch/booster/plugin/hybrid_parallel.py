@@ -31,7 +31,9 @@ class HybridParallelPlugin(Plugin):
       ``zero_bucket_size_in_m``, ``overlap_communication``, ``overlap_allgather``, ``overlap_p2p``,
       ``enable_metadata_cache``, ``scheduler_nodes``, ``make_vocab_size_divisible_by``, ``inner_ring_size``,
       ``parallel_output`` -> accepted: speed knobs of the engine (embeddings and outputs stay whole)
-    - ``custom_policy``, ``sp_size`` > 1, ``enable_sequence_parallelism``, ``num_layers_per_stage``,
+    - ``enable_sequence_parallelism`` with ``sequence_parallelism_mode`` 'split_gather' (the default) and
+      ``tp_size`` > 1 -> ``tensor_parallel`` with ``sequence_parallel``
+    - ``custom_policy``, ``sp_size`` > 1, other sequence-parallel modes, ``num_layers_per_stage``,
       ``enable_flash_attention`` (CPU), ``enable_fused_normalization``, ``enable_jit_fused``,
       ``enable_all_optimization``, ``communication_dtype``, ``fp8_communication``, ``broadcast_buffers=False`` ->
       refused with the reason
@@ -73,10 +75,16 @@ class HybridParallelPlugin(Plugin):
         self._refuse_unless(custom_policy is None, "custom_policy", custom_policy,
                             "atorch derives tensor-parallel plans from the model (ShardFormer policies do not apply); "
                             "leave it out, or give tp_plan={'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}")
-        no_sp = sp_size in (None, 1) and not enable_sequence_parallelism and sequence_parallelism_mode is None
-        self._refuse_unless(no_sp,
-                            "enable_sequence_parallelism / sp_size", (enable_sequence_parallelism, sp_size),
-                            "atorch's tensor_parallel has no sequence parallelism yet; leave them out")
+        # Colossal-AI's 'split_gather' (its default mode) is tensor_parallel's sequence_parallel: norms and
+        # dropout on sequence shards inside the tensor group; the other modes split attention itself.
+        split_gather = enable_sequence_parallelism and sequence_parallelism_mode in (None, "split_gather")
+        sp_ok = sp_size in (None, 1) and (split_gather and isinstance(tp_size, int) and tp_size > 1
+                                          or not enable_sequence_parallelism and sequence_parallelism_mode is None)
+        self._refuse_unless(sp_ok, "enable_sequence_parallelism / sequence_parallelism_mode / sp_size",
+                            (enable_sequence_parallelism, sequence_parallelism_mode, sp_size),
+                            "atorch's sequence parallelism is mode 'split_gather' with tp_size > 1 (tensor_parallel's "
+                            "sequence_parallel); use that, or leave them out")
+        self.sequence_parallel = split_gather
         self._refuse_unless(num_layers_per_stage is None, "num_layers_per_stage", num_layers_per_stage,
                             "atorch splits stages at the repeated blocks, balanced by cost; leave it out")
         self._refuse_kernel_options(enable_flash_attention, enable_fused_normalization, enable_jit_fused,
@@ -141,7 +149,8 @@ class HybridParallelPlugin(Plugin):
         if self.use_fp8:
             methods.append("fp8")
         if self.tp_size > 1:
-            methods.append(("tensor_parallel", {"plan": self.tp_plan} if self.tp_plan else {}))
+            methods.append(("tensor_parallel", {**({"plan": self.tp_plan} if self.tp_plan else {}),
+                                                **({"sequence_parallel": True} if self.sequence_parallel else {})}))
         if self.pp_size > 1:
             config: dict[str, Any] = {"schedule": _PP_STYLES[self.pp_style]}
             if self.num_microbatches is not None:
