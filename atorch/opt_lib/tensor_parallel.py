@@ -29,6 +29,7 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
+from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
 
 logger = get_logger(__name__)
 
@@ -60,6 +61,7 @@ class Plan:
     styles: dict[str, Style] = field(default_factory=dict)  # module name -> style
     fused_qkv: list[str] = field(default_factory=list)  # GPT-2 style attention modules (c_attn fused q|k|v)
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
+    widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
     problems: list[str] = field(default_factory=list)
 
 
@@ -118,6 +120,11 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
             plan.head_modules.append(name)
         elif _has(module, "c_fc", "c_proj"):  # GPT-2 MLP
             plan.styles.update({_join(name, "c_fc"): "colwise", _join(name, "c_proj"): "rowwise"})
+        elif (match := match_family(name, module, t)) is not None:  # [families] BERT, T5, BART: tp_families.py
+            plan.styles.update(match.styles)
+            plan.problems.extend(match.problems)
+            if match.attention is not None:
+                plan.widths[match.attention] = match.widths
     return plan
 
 
@@ -185,7 +192,7 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
             plan.styles.update(_paired_plan(model, plan.styles).styles)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
-        d_in, d_out = _dims(modules[name])
+        d_in, d_out = _dims(modules[name]) or split_dims(modules[name])
         split, what = (d_out, "output") if style == "colwise" else (d_in, "input")
         if split % t:
             plan.problems.append(f"{name} ({style}): its {split} {what} features do not divide over tensor size {t}; "
@@ -242,6 +249,8 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
         _permute_fused_qkv(modules[name], t)
     for name in plan.head_modules:
         _local_head_counts(modules[name], t)
+    for name, widths in plan.widths.items():  # [families] BERT, T5, BART
+        local_widths(modules[name], widths, t)
     styles = {name: ColwiseParallel() if s == "colwise" else RowwiseParallel() for name, s in plan.styles.items()}
     parallelize_module(ctx.model, mesh, styles, src_data_rank=None)
     logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)", len(styles), t,

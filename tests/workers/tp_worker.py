@@ -38,6 +38,9 @@ MODELS = {
                              sm.hf_loss, "unpack_dict"),
     "gpt2": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "bert": sm.Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
+    "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
 # launch group -> scenario name -> (model, load_strategy)
@@ -51,10 +54,16 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
                                                "tensor_parallel"]),
         "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
+        "bert/tp2": ("bert", [TP2, "tensor_parallel"]),
+        "t5/tp2": ("t5", [TP2, "tensor_parallel"]),
+        "bart/tp2": ("bart", [TP2, "tensor_parallel"]),
     },
     "tp2xdp2": {
         "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
         "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
+        # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
+        "llama/tp2xdp2[ddp]": ("llama", [TP2, "tensor_parallel"]),
+        "gpt2/tp2xdp2+module_replace[ddp]": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
     },
 }
 
