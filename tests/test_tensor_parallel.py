@@ -1,7 +1,8 @@
 """tensor_parallel: derived plans, refusals before building, and training on real processes.
 
 Two launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART), and tensor
-2 × data 2 on 4 processes (GPT-2 and Llama, with fsdp or with plain replicas on the data dimension). Each
+2 × data 2 on 4 processes (GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also
+with gradient accumulation over 2 micro-batches). Each
 scenario must train like plain single-process fp32 training from the same weights on the same global
 batches; split layers must hold 1/t of their parameters on each rank (1/(t·d) under fsdp).
 """

@@ -6,6 +6,7 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
 - GPT-2 style attention with a fused ``c_attn`` (q|k|v in one layer): its output rows are permuted so
   that each rank's colwise shard holds the q, k and v of its own heads; c_proj rowwise; MLP c_fc
   colwise, c_proj rowwise. Needs ``module_replace`` first (DTensor cannot split transformers' Conv1D).
+- BERT, T5 (with its relative attention bias split by head) and BART: see tp_families.py.
 - Any other model, and the layers of a recognised model's blocks left out by the above (transformers
   ViT: Llama-named attention, MLP fc1/fc2): Megatron pairing inside the repeated blocks: a Linear that
   changes the width, followed in module order by a Linear taking that width with no parameter-holding

@@ -23,9 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Subset
-from worker_common import losses_of, reference_losses, run_each
+from worker_common import losses_of, mean_over_ranks, reference_losses, run_each
 
 import atorch
+from atorch.model_context import call_model
+from atorch.training import train_step
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -64,8 +66,11 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
         "llama/tp2xdp2[ddp]": ("llama", [TP2, "tensor_parallel"]),
         "gpt2/tp2xdp2+module_replace[ddp]": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
+        "llama/tp2xdp2[ddp]+accumulation": ("llama", [TP2, "tensor_parallel"]),
     },
 }
+# Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
+MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
 
 
 def repeated_batch(dataset: Any) -> Subset:
@@ -95,7 +100,22 @@ def split_fraction(model: nn.Module) -> dict[str, Any]:
     return {"split_local": split_local, "split_global": split_global, "local": local, "whole": whole}
 
 
-def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+def accumulated_losses(result: Any, setup: sm.Setup, micro: int) -> list[float]:
+    """Like losses_of, each step's batch split into ``micro`` micro-batches (train_step sets the boundary)."""
+    batches = iter(result.dataloader)
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        size = len(batch["input_ids"]) // micro
+        parts = [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(micro)]
+        losses.append(mean_over_ranks(train_step(result, parts)))
+    with torch.no_grad():
+        data = result.prepare_input(next(batches), result.args.device)
+        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
+    return losses
+
+
+def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[str, Any]:
     setup = MODELS[model_name]
     model, dataset = make(model_name), repeated_batch(setup.dataset())
     try:
@@ -114,7 +134,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, seen)
     entry["batch_sums"] = [g.item() for g in gathered]
-    entry["losses"] = losses_of(result, STEPS, setup.loss, setup.input_format)
+    entry["losses"] = (losses_of(result, STEPS, setup.loss, setup.input_format) if micro == 1
+                       else accumulated_losses(result, setup, micro))
     result.close()
     return entry
 
@@ -122,7 +143,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
 def main() -> None:
     scenarios = GROUPS[sys.argv[1]]
     report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
-        name: functools.partial(run_scenario, model, strategy) for name, (model, strategy) in scenarios.items()
+        name: functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
+        for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
         for model_name in sorted({m for name, (m, _) in scenarios.items() if not name.startswith("refused/")}):
