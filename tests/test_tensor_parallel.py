@@ -35,6 +35,12 @@ REFUSED = {
     "refused/gpt2 without module_replace": "add 'module_replace' to the strategy",
     "refused/llama 3 heads": "3 attention heads do not divide over tensor size 2; use a tensor size that divides 3",
 }
+# Parameters (by name suffix) a family plan must split: the attentions, not only the MLP pairs.
+SPLIT = {
+    "bert/tp2": ("attention.self.query.weight", "attention.self.value.bias", "attention.output.dense.weight"),
+    "t5/tp2": ("SelfAttention.q.weight", "SelfAttention.relative_attention_bias.weight", "EncDecAttention.o.weight"),
+    "bart/tp2": ("self_attn.q_proj.weight", "encoder_attn.k_proj.weight", "encoder_attn.out_proj.weight"),
+}
 # Ranks per launch group, and the data-parallel size each group's layout gives.
 NPROC = {"tp2": 2, "tp2xdp2": 4}
 
@@ -71,6 +77,8 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         assert dp == NPROC[group] // 2, entry
         parts = 2 * dp if "fsdp" in scenario else 2
         assert memory["split_global"] > 0 and memory["split_local"] * parts == memory["split_global"], memory
+        for suffix in SPLIT.get(scenario, ()):
+            assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
         # The two ranks of a tensor group (adjacent ranks: tensor is the last dimension) see one batch;
         # data-parallel ranks see different ones.
         sums = entry["batch_sums"]

@@ -126,7 +126,8 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
         )
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
-    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size}
+    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size,
+                             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
     first = next(iter(result.dataloader))
     # The batch this rank sees, to show that the ranks of one tensor group see the same batch.
     tokens = first["input_ids"] if isinstance(first, dict) else first[0]
