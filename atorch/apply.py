@@ -25,6 +25,7 @@ from atorch.opt_lib.module_replace import replace_registered
 from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
 from atorch.opt_lib.sharding import broadcast_from_first, shard_model
+from atorch.opt_lib.tensor_data_parallel import replicate_tensor_parallel
 from atorch.opt_lib.tensor_parallel import parallelize
 from atorch.strategy import Strategy
 
@@ -94,6 +95,8 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     # 8. ... or [communication] replicate with DDP, or hand model and optimizer to DeepSpeed.
     if communicate and deepspeed_stage is not None:
         start_deepspeed(ctx, deepspeed_stage)
+    elif communicate and sharding is None and ctx.dp_size > 1 and pipeline is None and "tensor_parallel" in cfg:
+        replicate_tensor_parallel(ctx)  # [tensor_parallel] replicas of DTensor shards: DDP refuses them, see there
     elif communicate and sharding is None and ctx.dp_size > 1:
         replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
     # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).

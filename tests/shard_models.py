@@ -131,6 +131,35 @@ def tiny_t5() -> nn.Module:
     return T5ForConditionalGeneration(config)
 
 
+def tiny_bart() -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ_LEN,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+    )
+    return BartForConditionalGeneration(config)
+
+
+class Seq2SeqDataset(Dataset):
+    """Random source sequences; the target is the source reversed (teacher forcing: the decoder reads
+    the target shifted right behind start token 0). Items: {"input_ids", "decoder_input_ids", "labels"}."""
+
+    def __init__(self, samples: int = 64, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(1, VOCAB, (samples, SEQ_LEN), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        source = self.tokens[index]
+        target = source.flip(0)
+        return {"input_ids": source, "decoder_input_ids": torch.cat([torch.zeros(1, dtype=torch.long), target[:-1]]),
+                "labels": target}
+
+
 def tiny_gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

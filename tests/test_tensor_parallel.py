@@ -1,6 +1,8 @@
 """tensor_parallel: derived plans, refusals before building, and training on real processes.
 
-Two launches (gloo): tensor 2 on 2 processes, and tensor 2 × data 2 with fsdp on 4 processes. Each
+Two launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART), and tensor
+2 × data 2 on 4 processes (GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also
+with gradient accumulation over 2 micro-batches). Each
 scenario must train like plain single-process fp32 training from the same weights on the same global
 batches; split layers must hold 1/t of their parameters on each rank (1/(t·d) under fsdp).
 """
@@ -35,6 +37,12 @@ REFUSED = {
     "refused/vocab 127 under loss_parallel": "vocabulary of 127 does not divide over tensor size 2; pad the vocabulary "
                                              "to a multiple of 2 (e.g. model.resize_token_embeddings(128))",
 }
+# Parameters (by name suffix) a family plan must split: the attentions, not only the MLP pairs.
+SPLIT = {
+    "bert/tp2": ("attention.self.query.weight", "attention.self.value.bias", "attention.output.dense.weight"),
+    "t5/tp2": ("SelfAttention.q.weight", "SelfAttention.relative_attention_bias.weight", "EncDecAttention.o.weight"),
+    "bart/tp2": ("self_attn.q_proj.weight", "encoder_attn.k_proj.weight", "encoder_attn.out_proj.weight"),
+}
 # Ranks per launch group, and the data-parallel size each group's layout gives.
 NPROC = {"tp2": 2, "tp2xdp2": 4}
 
@@ -65,10 +73,14 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
             torch.tensor(entry["losses"]), torch.tensor(reference), rtol=rtol, atol=atol,
             msg=lambda m, s=scenario, e=entry, r=reference: f"{s} losses {e['losses']} vs reference {r}: {m}",
         )
-        # Memory per rank from local tensors: split layers hold 1/t (tensor 2), 1/(t·d) also under fsdp.
+        # Memory per rank from local tensors: split layers hold 1/t (tensor 2), 1/(t·d) also under fsdp
+        # (plain data parallel replicates the shards).
         memory, dp = entry["memory"], entry["dp_size"]
         assert dp == NPROC[group] // 2, entry
-        assert memory["split_global"] > 0 and memory["split_local"] * 2 * dp == memory["split_global"], memory
+        parts = 2 * dp if "fsdp" in scenario else 2
+        assert memory["split_global"] > 0 and memory["split_local"] * parts == memory["split_global"], memory
+        for suffix in SPLIT.get(scenario, ()):
+            assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
         # The two ranks of a tensor group (adjacent ranks: tensor is the last dimension) see one batch;
         # data-parallel ranks see different ones.
         sums = entry["batch_sums"]
@@ -129,6 +141,68 @@ def test_llama_family_plan(family: str) -> None:
     # 2 key/value heads do not divide over 4 ranks: refused, with the fix.
     problems = derive_plan(model, _auto(), 4).problems
     assert any("2 key/value heads do not divide over tensor size 4" in p for p in problems), problems
+
+
+def test_bert_plan() -> None:
+    plan = derive_plan(sm.tiny_bert_mlm(), _auto(), 2)
+    assert not plan.problems, plan.problems
+    expected = {}
+    for layer in range(2):
+        block = f"bert.encoder.layer.{layer}"
+        expected.update({f"{block}.attention.self.{n}": "colwise" for n in ("query", "key", "value")})
+        expected.update({f"{block}.attention.output.dense": "rowwise", f"{block}.intermediate.dense": "colwise",
+                         f"{block}.output.dense": "rowwise"})
+        assert plan.widths[f"{block}.attention.self"] == ("num_attention_heads", "all_head_size")
+    assert plan.styles == expected  # embeddings, norms, pooler and the MLM head stay whole
+    problems = derive_plan(sm.tiny_bert_mlm(), _auto(), 4).problems
+    assert ("bert.encoder.layer.0.attention.self: 2 attention heads do not divide over tensor size 4; "
+            "use a tensor size that divides 2") in problems, problems
+
+
+def test_t5_plan_splits_the_relative_bias_by_head() -> None:
+    plan = derive_plan(sm.tiny_t5(), _auto(), 2)
+    assert not plan.problems, plan.problems
+    attention = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    expected = {}
+    for stack, layers in (("encoder", ("SelfAttention",)), ("decoder", ("SelfAttention", "EncDecAttention"))):
+        for block in range(2):
+            for index, kind in enumerate(layers):
+                name = f"{stack}.block.{block}.layer.{index}.{kind}"
+                expected.update({f"{name}.{n}": s for n, s in attention.items()})
+                assert plan.widths[name] == ("n_heads", "inner_dim")
+            mlp = f"{stack}.block.{block}.layer.{len(layers)}.DenseReluDense"
+            expected.update({f"{mlp}.wi": "colwise", f"{mlp}.wo": "rowwise"})
+        # One bias column per head: rank r adds the bias of its own heads.
+        expected[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"] = "colwise"
+    assert plan.styles == expected
+    problems = derive_plan(sm.tiny_t5(), _auto(), 3).problems
+    assert any("4 attention heads do not divide over tensor size 3; use a tensor size that divides 4" in p
+               for p in problems), problems
+
+
+def test_t5_gated_and_bart_plans() -> None:
+    import transformers
+
+    gated = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0))
+    styles = derive_plan(gated, _auto(), 2).styles
+    mlp = "encoder.block.0.layer.1.DenseReluDense"
+    assert styles[f"{mlp}.wi_0"] == styles[f"{mlp}.wi_1"] == "colwise" and styles[f"{mlp}.wo"] == "rowwise"
+    plan = derive_plan(sm.tiny_bart(), _auto(), 2)
+    assert not plan.problems, plan.problems
+    for layer in ("encoder.layers.0", "decoder.layers.1"):
+        attentions = ("self_attn",) if layer.startswith("encoder") else ("self_attn", "encoder_attn")
+        for attn in attentions:
+            name = f"model.{layer}.{attn}"
+            assert [plan.styles[f"{name}.{n}"] for n in ("q_proj", "k_proj", "v_proj", "out_proj")] == \
+                ["colwise", "colwise", "colwise", "rowwise"]
+            assert plan.widths[name] == ("num_heads", "embed_dim")
+        assert plan.styles[f"model.{layer}.fc1"] == "colwise" and plan.styles[f"model.{layer}.fc2"] == "rowwise"
+    assert len(plan.styles) == 2 * 6 + 2 * 10  # encoder layers: 6 splits each, decoder layers: 10
+    problems = derive_plan(sm.tiny_bart(), _auto(), 3).problems
+    assert any("model.encoder.layers.0.self_attn: 4 attention heads do not divide over tensor size 3" in p
+               for p in problems), problems
 
 
 def test_gpt2_plan_on_conv1d_and_linear() -> None:
@@ -199,9 +273,8 @@ def test_strategy_checks() -> None:
     # Without tensor_parallel the 'tensor' dimension is unused.
     assert any("'tensor' is not used" in p for p in Strategy.load([TP]).problems(2))
     assert any("needs a 'tensor' dimension" in p for p in Strategy.load(["tensor_parallel"]).problems(2))
-    # DDP over the data dimension cannot hold DTensor parameters: refused at tp2 × dp2, with the fix.
-    problems = Strategy.load([TP, "tensor_parallel"]).problems(4)
-    assert any("DDP cannot replicate" in p and "add 'fsdp'" in p for p in problems), problems
+    # Plain data parallel next to tensor parallel (replicas of the shards; trained in the tp2xdp2 launch).
+    assert Strategy.load([TP, "tensor_parallel"]).problems(4) == []
     assert Strategy.load([TP, "tensor_parallel", "zero2"]).problems(4) == []
     for key in ("sequence_parallel", "loss_parallel"):
         assert Strategy.load([TP, ("tensor_parallel", {key: True})]).problems(2) == []

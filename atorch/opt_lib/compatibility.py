@@ -117,13 +117,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # Tensor-parallel parameters are DTensors: torch's DDP and ZeroRedundancyOptimizer broadcast them with
     # plain c10d collectives, which DTensor refuses ("c10d.broadcast_ does not have a sharding strategy").
-    Rule(
-        ("tensor_parallel", "parallel_mode"),
-        "DDP cannot replicate tensor-parallel (DTensor) parameters over the data dimension",
-        "add 'fsdp' to shard over the data dimension (2-D: FSDP2 over data, tensor parallel inside)",
-        when=_ddp_data_parallel, condition="data size > 1 without fsdp",
-        example=("tensor_parallel", ("parallel_mode", {"dims": [["data", 2], ["tensor", 1]]})),
-    ),
+    # (tensor_parallel with data size > 1 and no fsdp replicates the shards itself: tensor_data_parallel.py.)
     Rule(
         ("tensor_parallel", "zero1"),
         "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",

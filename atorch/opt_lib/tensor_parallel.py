@@ -6,6 +6,7 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
 - GPT-2 style attention with a fused ``c_attn`` (q|k|v in one layer): its output rows are permuted so
   that each rank's colwise shard holds the q, k and v of its own heads; c_proj rowwise; MLP c_fc
   colwise, c_proj rowwise. Needs ``module_replace`` first (DTensor cannot split transformers' Conv1D).
+- BERT, T5 (with its relative attention bias split by head) and BART: see tp_families.py.
 - Any other model, and the layers of a recognised model's blocks left out by the above (transformers
   ViT: Llama-named attention, MLP fc1/fc2): Megatron pairing inside the repeated blocks: a Linear that
   changes the width, followed in module order by a Linear taking that width with no parameter-holding
@@ -31,6 +32,7 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
+from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
 
 logger = get_logger(__name__)
 
@@ -64,6 +66,7 @@ class Plan:
     styles: dict[str, Style] = field(default_factory=dict)  # module name -> style
     fused_qkv: list[str] = field(default_factory=list)  # GPT-2 style attention modules (c_attn fused q|k|v)
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
+    widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
     problems: list[str] = field(default_factory=list)
 
 
@@ -122,6 +125,11 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
             plan.head_modules.append(name)
         elif _has(module, "c_fc", "c_proj"):  # GPT-2 MLP
             plan.styles.update({_join(name, "c_fc"): "colwise", _join(name, "c_proj"): "rowwise"})
+        elif (match := match_family(name, module, t)) is not None:  # [families] BERT, T5, BART: tp_families.py
+            plan.styles.update(match.styles)
+            plan.problems.extend(match.problems)
+            if match.attention is not None:
+                plan.widths[match.attention] = match.widths
     return plan
 
 
@@ -189,7 +197,7 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
             plan.styles.update(_paired_plan(model, plan.styles).styles)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
-        d_in, d_out = _dims(modules[name])
+        d_in, d_out = _dims(modules[name]) or split_dims(modules[name])
         split, what = (d_out, "output") if style == "colwise" else (d_in, "input")
         if split % t:
             plan.problems.append(f"{name} ({style}): its {split} {what} features do not divide over tensor size {t}; "
@@ -247,6 +255,8 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
         _permute_fused_qkv(modules[name], t)
     for name in plan.head_modules:
         _local_head_counts(modules[name], t)
+    for name, widths in plan.widths.items():  # [families] BERT, T5, BART
+        local_widths(modules[name], widths, t)
     tied = tp_sequence_vocab.is_tied(ctx.model)
     # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)

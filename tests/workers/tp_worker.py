@@ -24,11 +24,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
-from worker_common import losses_of, reference_losses, run_each
+from worker_common import losses_of, mean_over_ranks, reference_losses, run_each
 
 import atorch
+from atorch.model_context import call_model
 from atorch.opt_lib.tp_sequence_vocab import step_context
-from atorch.training import eval_logits
+from atorch.training import eval_logits, train_step
 
 STEPS = 4
 GLOBAL_BATCH = 8
@@ -43,6 +44,9 @@ MODELS = {
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
     "llama_own_loss": sm.Setup(sm.tiny_llama, sm.TokenDataset, lambda d, o: logits_loss(d, o), "unpack_dict"),
     "llama_vocab127": sm.Setup(lambda: _with_vocab(sm.tiny_llama(), 127), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "bert": sm.Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
+    "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
 }
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
 LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
@@ -66,14 +70,23 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/tp2+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH]),
         "gpt2/tp2+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL]),
         "refused/vocab 127 under loss_parallel": ("llama_vocab127", [TP2, LOSS_PARALLEL]),
+        "bert/tp2": ("bert", [TP2, "tensor_parallel"]),
+        "t5/tp2": ("t5", [TP2, "tensor_parallel"]),
+        "bart/tp2": ("bart", [TP2, "tensor_parallel"]),
     },
     "tp2xdp2": {
         "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
         "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
         "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
         "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
+        # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
+        "llama/tp2xdp2[ddp]": ("llama", [TP2, "tensor_parallel"]),
+        "gpt2/tp2xdp2+module_replace[ddp]": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
+        "llama/tp2xdp2[ddp]+accumulation": ("llama", [TP2, "tensor_parallel"]),
     },
 }
+# Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
+MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
 
 
 def logits_loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
@@ -140,7 +153,22 @@ def _logits_layout(result: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any
     return found
 
 
-def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+def accumulated_losses(result: Any, setup: sm.Setup, micro: int) -> list[float]:
+    """Like losses_of, each step's batch split into ``micro`` micro-batches (train_step sets the boundary)."""
+    batches = iter(result.dataloader)
+    losses = []
+    for _ in range(STEPS):
+        batch = next(batches)
+        size = len(batch["input_ids"]) // micro
+        parts = [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(micro)]
+        losses.append(mean_over_ranks(train_step(result, parts)))
+    with torch.no_grad():
+        data = result.prepare_input(next(batches), result.args.device)
+        losses.append(mean_over_ranks(setup.loss(data, call_model(result.model, data, setup.input_format))))
+    return losses
+
+
+def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[str, Any]:
     setup = MODELS[model_name]
     model, dataset = make(model_name), repeated_batch(setup.dataset())
     try:
@@ -151,7 +179,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         )
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
-    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size}
+    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size,
+                             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
     first = next(iter(result.dataloader))
     # The batch this rank sees, to show that the ranks of one tensor group see the same batch.
     tokens = first["input_ids"] if isinstance(first, dict) else first[0]
@@ -159,7 +188,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, seen)
     entry["batch_sums"] = [g.item() for g in gathered]
-    entry["losses"] = losses_of(result, STEPS, setup.loss, setup.input_format)
+    entry["losses"] = (losses_of(result, STEPS, setup.loss, setup.input_format) if micro == 1
+                       else accumulated_losses(result, setup, micro))
     if isinstance(first, dict):
         entry.update(_logits_layout(result, first))
     result.close()
@@ -169,7 +199,8 @@ def run_scenario(model_name: str, strategy: list[Any]) -> dict[str, Any]:
 def main() -> None:
     scenarios = GROUPS[sys.argv[1]]
     report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
-        name: functools.partial(run_scenario, model, strategy) for name, (model, strategy) in scenarios.items()
+        name: functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
+        for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
         for model_name in sorted({m for name, (m, _) in scenarios.items() if not name.startswith("refused/")}):
