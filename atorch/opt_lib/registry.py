@@ -14,6 +14,7 @@ APPLY_ORDER: tuple[str, ...] = (
     "parallel_mode",
     "module_replace",
     "pipeline_parallel",
+    "ds_3d_parallel",
     "half",
     "fp8",
     "amp_native",
