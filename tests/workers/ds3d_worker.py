@@ -97,6 +97,8 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
     entry["local"] = _gathered(sum(p.numel() for p in layers.parameters()))
     entry["stage"] = _gathered(layers._topo.get_coord(dist.get_rank()).pipe)
     entry["engine"] = type(result.model).__name__
+    # ZeRO-1: the fp32 optimizer partition this rank updates (its share of the stage's parameters).
+    entry["zero_partition"] = _gathered(sum(t.numel() for t in result.model.optimizer.single_partition_of_fp32_groups))
     batches = iter(result.dataloader)
     entry["losses"] = [train_step(result, [next(batches)]).item() for _ in range(STEPS)]
     entry["loss_on_ranks"] = _gathered(entry["losses"][-1])
