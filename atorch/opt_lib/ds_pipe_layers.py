@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from atorch.opt_lib.pipeline_split import BlockList, balanced_split, find_blocks
-from atorch.opt_lib.pipeline_split import _cost  # multiply-adds per token (an embedding lookup: none)
+from atorch.opt_lib.pipeline_split import _cost as cost_of  # multiply-adds per token (an embedding lookup: none)
 
 PRE, BLOCK, POST = "pre", "block", "post"
 TIED_KEY = "embedding"
@@ -197,7 +197,7 @@ def _sequential_layers(model: nn.Module, layer_spec: Any) -> PipeLayers:
                                    for n in blocks.names]),
                           (POST, [(n, model.get_submodule(n)) for n in blocks.post])):
         for name, module in modules:
-            _add(layers, layer_spec(SequentialBlock if kind == BLOCK else Layer, module), _cost(module), kind, name)
+            _add(layers, layer_spec(SequentialBlock if kind == BLOCK else Layer, module), cost_of(module), kind, name)
     return layers
 
 
@@ -236,14 +236,14 @@ def _decoder_layers(model: nn.Module) -> PipeLayers:
     blocks = base.h if family == "gpt2" else base.layers
     rotary = None if family == "gpt2" else base.rotary_emb
     for index, block in enumerate(blocks):
-        _add(layers, LayerSpec(DecoderBlock, block, model.config, rotary), _cost(block), BLOCK, f"block {index}")
+        _add(layers, LayerSpec(DecoderBlock, block, model.config, rotary), cost_of(block), BLOCK, f"block {index}")
     norm = base.ln_f if family == "gpt2" else base.norm
-    _add(layers, LayerSpec(Layer, norm), _cost(norm), POST, "final norm")
+    _add(layers, LayerSpec(Layer, norm), cost_of(norm), POST, "final norm")
     if tied:
         spec = TiedLayerSpec(TIED_KEY, TokenEmbedding, embed, forward_fn=tied_head, tied_weight_attr=[attr])
         _add(layers, spec, head.weight.numel(), POST, "head (tied)")
     else:
-        _add(layers, LayerSpec(Head, head), _cost(head), POST, "head")
+        _add(layers, LayerSpec(Head, head), cost_of(head), POST, "head")
     return layers
 
 
