@@ -30,7 +30,8 @@ WORKER = HERE / "workers" / "ds3d_worker.py"
 # relative, so 1e-5 leaves margin (as in test_pipeline_parallel.py).
 FP32_TOL = (1e-5, 1e-6)
 NPROC = {"pp2": 2, "pp2xdp2": 4}
-TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0}  # GPT-2's wte/lm_head is held by the first and the last stage
+# GPT-2's wte/lm_head is held by the first and the last stage.
+TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0, "sequential": 0}
 
 
 @pytest.fixture(scope="module", params=list(GROUPS))
@@ -48,6 +49,7 @@ def test_deepspeed_pipeline_trains_like_the_reference(launch: tuple[str, dict[st
         entry = report["scenarios"][scenario]
         assert "error" not in entry, f"{scenario} failed: {entry['error']}"
         assert entry["engine"] == "PipelineEngine", entry
+        assert "atorch.train_step(result, [batch])" in (entry["forward_error"] or ""), entry
         reference = report["reference"][model_name]
         rtol, atol = FP32_TOL
         # The comparison can fail: training moves the loss by far more than the tolerance.

@@ -160,12 +160,21 @@ def start_ds_pipeline(ctx: Any, config: Ds3dParallelConfig) -> None:
     }
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
                                                       dist_init_required=False)
+    engine.forward = _no_direct_call  # DeepSpeed's own message does not say how atorch trains it
     engine.atorch_ds_pipeline = DsPipelineRun(engine, loss, micro, ctx.setup.model_input_format, layers.family)
     ctx.model, ctx.optimizer, ctx.engine = engine, ds_optimizer, engine
     ctx.sharded_gradients = config.zero_stage > 0
     ctx.gradient_sync = None
     logger.info("ds_3d_parallel: DeepSpeed pipeline engine, %d stages × %d data ranks (ZeRO-%d), stage bounds %s, "
                 "%d micro-batches", pipeline, ctx.layout.data_size, config.zero_stage, module.parts, micro)
+
+
+def _no_direct_call(*args: Any, **kwargs: Any) -> Any:
+    raise SetupError(
+        "under ds_3d_parallel the model cannot be called directly (DeepSpeed's pipeline engine holds only this "
+        "rank's layers and runs them over micro-batches); train with atorch.train_step(result, [batch]), which "
+        "runs engine.train_batch and returns the loss"
+    )
 
 
 # ----- the step ------------------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def conversion_problem(model: nn.Module) -> str | None:
             return (f"ds_3d_parallel converts transformers decoder LMs of the GPT-2 or Llama form (embeddings, "
                     f"blocks, final norm, lm_head); {type(model).__name__} is neither: use pipeline_parallel")
         return None
-    if not isinstance(model, nn.Sequential) or not _sequential_path(model, blocks):
+    if not _sequential_path(model, blocks):
         return ("ds_3d_parallel runs a model as a sequence of layers: it converts transformers GPT-2/Llama-form "
                 f"decoders and nn.Sequential models, not {type(model).__name__} (its forward may do more than "
                 "call its modules in order): use pipeline_parallel")
@@ -162,11 +162,12 @@ def _is_transformers(model: nn.Module) -> bool:
 
 
 def _sequential_path(model: nn.Module, blocks: BlockList) -> bool:
-    """Every module on the way from the root to the block list is an nn.Sequential (called in order)."""
+    """Every module on the way from the root to the block list is an nn.Sequential with Sequential's own forward
+    (which calls its modules in order; a subclass's forward may do anything else)."""
     path = blocks.container.split(".") if blocks.container else []
     module = model
     for depth in range(len(path) + 1):
-        if not isinstance(module, nn.Sequential):
+        if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
             return False
         if depth < len(path):
             module = module.get_submodule(path[depth])

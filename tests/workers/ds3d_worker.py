@@ -31,9 +31,34 @@ STEPS = 4
 GLOBAL_BATCH = 8
 LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
+def sequential_model() -> nn.Sequential:
+    """A plain nn.Sequential (blocks in a nested Sequential): the generic conversion, no transformers."""
+    return nn.Sequential(nn.Linear(16, 32), nn.Sequential(*[sm.MixerBlock(32) for _ in range(4)]), nn.LayerNorm(32),
+                         nn.Linear(32, 8))
+
+
+class VectorDataset(torch.utils.data.Dataset):
+    """Random 16-vectors, each sample alone (the Sequential's one input)."""
+
+    def __init__(self, samples: int = 64) -> None:
+        self.x = torch.randn(samples, 16, generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.x[index]
+
+
+def output_energy(data: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """A loss that reads the data and the output: the squared distance of the output to the input's first 8."""
+    return (output - data[:, :8]).pow(2).mean()
+
+
 MODELS = {
     "gpt2": sm.Setup(functools.partial(sm.tiny_gpt2, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "llama": sm.Setup(functools.partial(sm.tiny_llama, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "sequential": sm.Setup(sequential_model, VectorDataset, output_energy, None),
 }
 
 
@@ -51,6 +76,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/pp2": ("llama", [PP2, DS]),
         "gpt2/pp2[parameters,recompute]": ("gpt2", [PP2, ("ds_3d_parallel", {
             "partition_method": "parameters", "activation_checkpoint_interval": 1, "micro_batches": 2})]),
+        "sequential/pp2": ("sequential", [PP2, DS]),
     },
     "pp2xdp2": {
         "gpt2/pp2xdp2": ("gpt2", [PP2, DS]),
@@ -103,6 +129,11 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
     entry["losses"] = [train_step(result, [next(batches)]).item() for _ in range(STEPS)]
     entry["loss_on_ranks"] = _gathered(entry["losses"][-1])
     entry["tied"] = _gathered(tied_checksum(layers))
+    try:  # a hand-written forward points to train_step
+        result.model(result.prepare_input(next(batches), result.args.device))
+        entry["forward_error"] = None
+    except atorch.SetupError as exc:
+        entry["forward_error"] = str(exc)
     result.close()
     return entry
 
