@@ -162,8 +162,15 @@ def test_model_problems_are_found_before_building() -> None:
 
     env = DistEnv(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
-    def problems(model: nn.Module, loss: Any = sm.hf_loss, pipeline: int = 2, **config: Any) -> list[str]:
-        setup = UserSetup(model=model, optim_func=torch.optim.SGD, loss_func=loss, dataset=sm.TokenDataset(),
+    class PaddedTokens(sm.TokenDataset):
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            sample = super().__getitem__(index)
+            return {**sample, "attention_mask": torch.ones_like(sample["input_ids"])}
+
+    def problems(model: nn.Module, loss: Any = sm.hf_loss, pipeline: int = 2, dataset: Any = None,
+                 **config: Any) -> list[str]:
+        dataset = dataset if dataset is not None else sm.TokenDataset()
+        setup = UserSetup(model=model, optim_func=torch.optim.SGD, loss_func=loss, dataset=dataset,
                           dataloader_args={"batch_size": 8})
         layout = ParallelLayout((("pipeline", pipeline), ("data", 4 // pipeline)))
         return Ds3dParallel().model_problems(ModelContext(setup, env, layout), Ds3dParallelConfig(**config))
@@ -173,3 +180,5 @@ def test_model_problems_are_found_before_building() -> None:
     assert any("give loss_func" in p for p in problems(sm.tiny_gpt2(layers=4), loss=None))
     assert any("does not split into 3 micro-batches" in p for p in problems(sm.tiny_gpt2(layers=4), micro_batches=3))
     assert any("use pipeline_parallel" in p for p in problems(sm.SequentialViT(depth=4)))
+    padded = problems(sm.tiny_gpt2(layers=4), dataset=PaddedTokens())
+    assert any("keys ['attention_mask'] would be ignored" in p for p in padded), padded

@@ -290,12 +290,36 @@ class Ds3dParallel(Method):
             if blocks is not None and len(blocks.names) < size:
                 problems.append(f"the model has {len(blocks.names)} repeated blocks, too few for {size} pipeline "
                                 "stages; use a smaller pipeline size")
+            problems += _sample_problems(ctx)
         micro = config.micro_batch_count(ctx.layout.size(PIPELINE))
         local = ctx.local_batch_size()
         if ctx.setup.dataset is not None and local % micro:
             problems.append(f"the per-rank batch of {local} samples does not split into {micro} micro-batches; set "
                             "micro_batches to a divisor of it, or change the batch size")
         return problems
+
+
+def _sample_problems(ctx: Any) -> list[str]:
+    """A transformers model's samples must be input_ids (and labels): nothing else crosses the stages."""
+    from atorch.opt_lib.ds_pipe_layers import _is_transformers
+
+    dataset = ctx.setup.dataset
+    if dataset is None or not _is_transformers(ctx.model) or not hasattr(dataset, "__getitem__"):
+        return []
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - an unindexable dataset is checked at the step instead
+        return []
+    if not isinstance(sample, dict):
+        return []
+    extra = sorted(set(sample) - {"input_ids", "labels"})
+    if "input_ids" not in sample:
+        return ["ds_3d_parallel feeds a transformers model its input_ids: give samples as a dict with 'input_ids' "
+                "(and 'labels')"]
+    if extra:
+        return [f"ds_3d_parallel passes only input_ids between stages (the causal mask is made from the positions), "
+                f"so the sample keys {extra} would be ignored; leave them out (no padding), or use pipeline_parallel"]
+    return []
 
 
 def local_layers(model: Any) -> nn.Module:
