@@ -19,6 +19,7 @@ from atorch.model_context import ModelContext
 from atorch.names import user_param_groups
 from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
 from atorch.opt_lib.deepspeed_zero import start_deepspeed
+from atorch.opt_lib.ds_3d_parallel import start_ds_pipeline
 from atorch.opt_lib.fp8 import use_fp8_linears
 from atorch.opt_lib.mixed_parallel import expand_mixed
 from atorch.opt_lib.module_replace import replace_registered
@@ -52,6 +53,9 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     if "module_replace" in cfg:
         dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
         replace_registered(ctx, cfg["module_replace"], dtype)
+    # 1a. [ds_3d_parallel] DeepSpeed's pipeline engine takes model and optimizer from here (ds_3d_parallel.py).
+    if "ds_3d_parallel" in cfg and communicate:
+        return start_ds_pipeline(ctx, cfg["ds_3d_parallel"])
     # 1b. [pipeline] This rank's stages replace the model: every later step sees only them. [communication,
     #     with communicate=True] tied weights across stages start equal.
     pipeline = cfg.get("pipeline_parallel")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.model_context import call_model
+from atorch.opt_lib.ds_3d_parallel import ds_pipeline_train_step, is_ds_pipeline
 from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
 from atorch.opt_lib.tp_sequence_vocab import plain, step_context, whole
 
@@ -25,6 +26,9 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     # [pipeline] Under pipeline_parallel a schedule runs the stages over micro-batches (pipeline_parallel.py).
     if isinstance(result.model, PipelinedModel):
         return pipeline_train_step(result, micro_batches)
+    # [ds_3d_parallel] DeepSpeed's pipeline engine runs its own schedule (ds_3d_parallel.py).
+    if is_ds_pipeline(result.model):
+        return ds_pipeline_train_step(result, micro_batches)
     model, optim, args = result.model, result.optim, result.args
     count = len(micro_batches)
     if count == 0:

@@ -2,6 +2,7 @@
 
 from atorch.opt_lib import (  # noqa: F401  (imported to register)
     activation_checkpoint,
+    ds_3d_parallel,
     fp8,
     mixed_parallel,
     module_replace,

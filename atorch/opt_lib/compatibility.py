@@ -187,6 +187,55 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# ds_3d_parallel: DeepSpeed's pipeline engine owns the split, the schedule, precision, recompute and ZeRO-1.
+_DS3D_ALONE: tuple[tuple[str, str, str], ...] = (
+    ("pipeline_parallel", "both split the model into pipeline stages",
+     "keep one: ds_3d_parallel (DeepSpeed's engine) or pipeline_parallel (torch.distributed.pipelining)"),
+    ("mixed_parallel", "both split the model into pipeline stages", "keep one of them"),
+    ("tensor_parallel", "DeepSpeed's pipeline engine takes plain tensors, not tensor-parallel DTensors",
+     "use mixed_parallel for tensor × pipeline"),
+    ("fsdp", "DeepSpeed's pipeline engine supports ZeRO stage 1 at most (it accumulates whole gradients over "
+     "micro-batches)", "drop 'fsdp' (ds_3d_parallel shards optimizer state over the data dimension)"),
+    ("zero2", "DeepSpeed's pipeline engine supports ZeRO stage 1 at most (it accumulates whole gradients over "
+     "micro-batches)", "drop 'zero2' (ds_3d_parallel shards optimizer state over the data dimension)"),
+    ("zero1", "ds_3d_parallel already runs ZeRO-1 on the data dimension", "drop 'zero1' (see ds_3d_parallel's "
+     "zero_stage)"),
+    ("half", "DeepSpeed manages precision inside its engine, which ds_3d_parallel runs in fp32", "drop 'half'"),
+    ("amp_native", "DeepSpeed manages precision inside its engine, which ds_3d_parallel runs in fp32",
+     "drop 'amp_native'"),
+    ("fp8", "the fp8 layers are not carried into DeepSpeed's pipeline layers", "drop 'fp8'"),
+    ("checkpoint", "DeepSpeed's pipeline engine recomputes activations itself",
+     "drop 'checkpoint' and set ds_3d_parallel's activation_checkpoint_interval"),
+)
+
+
+def _tensor_size_above_one(configs: Configs) -> bool:
+    mode = configs.get("parallel_mode")
+    return mode is not None and dict(mode.dims).get("tensor", 1) > 1
+
+
+RULES += (
+    *(
+        Rule(("ds_3d_parallel", other), reason, fix, example=(("parallel_mode", _PP_DIMS), "ds_3d_parallel", other))
+        for other, reason, fix in _DS3D_ALONE
+    ),
+    Rule(
+        ("ds_3d_parallel", "parallel_mode"),
+        "DeepSpeed's pipeline engine does not split layers over a tensor dimension (its 'model' axis expects layers "
+        "written for Megatron's tensor parallelism)",
+        "use mixed_parallel for tensor × pipeline, or give the 'tensor' dimension size 1",
+        when=_tensor_size_above_one, condition="tensor size > 1",
+        example=(("parallel_mode", {"dims": [["pipeline", 1], ["data", 1], ["tensor", 2]]}), "ds_3d_parallel"),
+    ),
+    Rule(
+        ("ds_3d_parallel", "parallel_mode"),
+        "DeepSpeed's topology numbers ranks in its own (row-major) order",
+        "drop rank_order", when=lambda c: c["parallel_mode"].rank_order is not None, condition="rank_order given",
+        example=(("parallel_mode", {"dims": [["pipeline", 2], ["data", 1]], "rank_order": [1, 0]}), "ds_3d_parallel"),
+    ),
+)
+
+
 def conflicts_in(configs: Configs) -> list[str]:
     """Messages for every rule the given methods and configs break."""
     return [rule.message() for rule in RULES if rule.applies(configs)]

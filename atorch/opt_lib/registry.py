@@ -5,7 +5,8 @@ from __future__ import annotations
 from atorch.opt_lib.base import Method
 
 # The order atorch.apply.apply_strategy applies methods in (the reasons are commented there):
-# layout first; module swaps, then the pipeline split (every later method sees this rank's stages);
+# layout first; module swaps, then the pipeline split (every later method sees this rank's stages), or
+# DeepSpeed's pipeline engine (ds_3d_parallel: it takes model and optimizer from there);
 # dtype changes before anything captures parameters; autocast wraps the
 # forward; tensor parallel splits the plain layers; activation checkpointing wraps the (split) blocks;
 # sharding wraps last; ZeRO-1 changes the optimizer.
@@ -14,6 +15,7 @@ APPLY_ORDER: tuple[str, ...] = (
     "parallel_mode",
     "module_replace",
     "pipeline_parallel",
+    "ds_3d_parallel",
     "half",
     "fp8",
     "amp_native",
