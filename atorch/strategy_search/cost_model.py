@@ -39,7 +39,7 @@ activations; in steady state (the second step on) the optimizer state exists dur
 
 * plain / DDP: ``P + F + B`` parameters, ``P`` gradients, ``k·P`` optimizer state (in the parameter
   dtype). DDP (dp > 1) keeps its reducer's buckets, one gradient-sized copy, from construction on
-  (``DDP_FSDP_PERSISTENT[0]`` = 1 × ``P``, measured).
+  (``DDP_PERSISTENT`` = 1 × ``P``, measured).
 * zero1 (ZeroRedundancyOptimizer under DDP): optimizer state ``k·P / dp``; the step also holds part of
   the other ranks' updated parameters as they are broadcast (calibrated ``ZERO1_BROADCAST_FRACTION`` ×
   ``P (dp−1)/dp``: ZeroRedundancyOptimizer broadcasts per parameter, so how many coexist with the step's
@@ -48,14 +48,14 @@ activations; in steady state (the second step on) the optimizer state exists dur
   module (``P + F + B``), an fp32 master copy of the rank's partition (``P / dp``) and one reduce bucket
   (``DEEPSPEED_BUCKETS`` × ``P``: opt_lib/deepspeed_zero.py caps it at the model's parameter count);
   state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1).
-* fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; in forward and backward
-  the root unit's parameters (everything outside the repeated blocks, gathered for the whole step) + two
-  blocks' gathered parameters (the one running and the one prefetched) + one block's unsharded gradient.
-  FSDP2 keeps one sharded-gradient-sized buffer at dp > 1 (``DDP_FSDP_PERSISTENT[1]`` × ``P / dp``,
-  measured).
+* fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; the root unit (everything
+  outside the repeated blocks) stays gathered across steps (calibrated ``FSDP_ROOT_PERSISTENT`` = 2 × its
+  gathered bytes: the parameters and their all-gather buffer); a block unit is gathered while it runs, so
+  the forward's peak (at the head) holds none and the backward one (``unit``). With gradient accumulation
+  FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while atorch keeps the sync off.
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
-  every unit's gathered parameters stay from forward to backward (``P + F`` at the forward peak);
-  backward frees them unit by unit, so its peak is fsdp's.
+  every block stays gathered from its forward to its backward (all the blocks at both peaks); with
+  recompute about half of them (calibrated: halfway between the two, within 4% on the bench).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
   gradients and state are split ``t·p`` ways; the rest (embeddings, head: the vocabulary is kept whole)
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
@@ -74,12 +74,11 @@ activations; in steady state (the second step on) the optimizer state exists dur
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
 * checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
   for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
-  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``.
+  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``;
+  the backward also holds their gradients as it runs through the block (the largest block once more).
 
-Known limits of the memory model against the dry-run (bench/README.md): with amp fp16 the warm-up's
-first step may be skipped by the loss scaler (an inf at the initial scale), so no optimizer state exists
-yet and the dry-run's peak is lower than training's; FSDP2's forward peak under amp is over-predicted by
-up to ~10%.
+Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's ZeRO with recompute
+is within ±8%; an fp16 trial whose loss scale never lets a warm-up step through is failed, not measured.
 
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
@@ -133,7 +132,8 @@ LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x 
 ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
 DEEPSPEED_BUCKETS = 1.0  # DeepSpeed's reduce bucket, x P (its size is capped at the model's parameter count)
 OPTIMIZER_TEMP_PER_STATE = 0.25  # foreach AdamW's temporaries (sqrt of the second moment), per state and parameter
-DDP_FSDP_PERSISTENT = (1.0, 1.0)  # persistent buffers: DDP reducer's buckets (x P), FSDP2 (x P / dp, dp > 1)
+DDP_PERSISTENT = 1.0  # DDP reducer's buckets (x P), alive from construction on
+FSDP_ROOT_PERSISTENT = 2.0  # FSDP2's root unit: gathered bytes kept across steps (the parameters and their buffer)
 DEFAULT_MEMORY_BYTES_PER_S = 5e9  # a profile without memory_bytes_per_s (an older table)
 AMP_CAST_OPS = 4  # per autocast matmul: its two inputs cast in forward, and those casts' backward
 OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per state (AdamW: 10)
@@ -284,16 +284,23 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         # its partition and one reduce bucket (capped at the model's size: opt_lib/deepspeed_zero.py).
         params = trainable + frozen + buffers
         persistent = trainable / dp + DEEPSPEED_BUCKETS * trainable
-    elif sharding and dp > 1:
-        persistent = DDP_FSDP_PERSISTENT[1] * trainable / dp
-        root = root_params if stats.blocks else 0.0
-        fwd_temp = bwd_temp = (root + 2 * unit) * gather + unit
-        if not reshard:  # every unit stays gathered from forward to backward; backward frees them as it goes
-            fwd_temp = rank_param_bytes * scale * gather
+    elif sharding and dp > 1 and stats.blocks:
+        # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
+        # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
+        # is (the forward's is freed before the head's peak); without resharding after forward every block
+        # stays gathered from its forward to its backward.
+        persistent = FSDP_ROOT_PERSISTENT * root_params * gather
+        fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, block_params * gather)
+        if not reshard and checkpoint:
+            # recompute gathers each block again in backward, and FSDP2 keeps about half of the blocks gathered
+            # in between (calibrated: halfway between resharding and keeping all; within 4% on the bench)
+            fwd_temp, bwd_temp = 0.0, (unit + block_params) / 2 * gather
+    elif sharding and dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
+        fwd_temp = bwd_temp = unit * gather
     elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
         fwd_temp = bwd_temp = rank_param_bytes * 0.5
     elif dp > 1:
-        persistent = DDP_FSDP_PERSISTENT[0] * trainable
+        persistent = DDP_PERSISTENT * trainable
     if amp and (deepspeed or not sharding):
         fwd_temp += rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
@@ -333,10 +340,14 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     # its backward holds the larger of the two (at its start or at its end) besides the gathered state.
     # FSDP2 accumulates unsharded gradients (in the compute dtype) while its gradient sync is off (atorch
     # turns it off for all micro-batches but the last), so those are held whole.
-    held_grads = (trainable * gather if sharding and not deepspeed else grads) if micro_batches > 1 else 0.0
+    held_grads = (trainable if sharding and not deepspeed else grads) if micro_batches > 1 else 0.0
+    # Under recompute a block's backward holds its recomputed activations (in ``activations``) and, as it
+    # runs, their gradients: about as many bytes again.
+    recompute = max(b.activation_bytes for b in stats.blocks) * act_scale if checkpoint and stats.blocks else 0.0
     phases = {
         "forward": activations + fwd_temp + held_grads,
-        "backward": (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp,
+        "backward": (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp
+        + recompute,
         "optimizer": grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
