@@ -127,6 +127,29 @@ def test_planner_finds_the_best_of_the_landscape_within_the_trial_budget(space, 
     assert len(space.enumerate()) >= 50
 
 
+def test_cost_model_alone_keeps_a_margin_under_the_budget(space, tmp_path) -> None:
+    """Nothing measures the cost model's own pick, so it must be predicted to fit with COST_MODEL_ONLY_MARGIN to
+    spare: a candidate predicted just under the budget (and fastest) is passed over for one clear of it."""
+    from atorch.strategy_search.planner import COST_MODEL_ONLY_MARGIN
+
+    def plain(cand: Candidate) -> Pred:  # the landscape without the wobble: the truth, predicted
+        p = dict(cand.point)
+        return Pred(true_memory(p), GLOBAL_BATCH / true_speed(p))
+
+    truth, _ = exhaustive_best(space, BUDGET)
+    edge = true_memory(dict(truth.point))
+    assert edge > BUDGET * (1 - COST_MODEL_ONLY_MARGIN), "the landscape's best must sit near the budget"
+    planner = Planner(space, storage=storage(tmp_path), study_key="m", predict=plain, measure=Measure(),
+                      memory_budget=BUDGET)
+    pick = planner.plan_without_dryrun().candidate
+    assert pick is not None and pick != truth
+    assert true_memory(dict(pick.point)) <= BUDGET * (1 - COST_MODEL_ONLY_MARGIN)
+    # With a budget that leaves the margin over it, the best is the pick.
+    roomy = Planner(space, storage=storage(tmp_path), study_key="m2", predict=plain, measure=Measure(),
+                    memory_budget=edge / (1 - COST_MODEL_ONLY_MARGIN) + 1)
+    assert roomy.plan_without_dryrun().candidate == truth
+
+
 def test_predicted_oom_is_a_completed_trial_with_a_violated_constraint_and_never_measured(space, tmp_path) -> None:
     budget = 350 * MiB  # most of the space is predicted not to fit (DDP never does)
     measure = Measure()
