@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from atorch.checkpoint_names import CheckpointNames, fused_qkv_split
 from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import ProblemsError
 from atorch.log import get_logger
-from atorch.names import param_names
 
 logger = get_logger(__name__)
 
@@ -71,15 +71,16 @@ def save_checkpoint(
         problems.append(f"extra must be a dict (of JSON values) or None, got {type(extra).__name__}")
     problems += _json_problems(extra or {}, "extra")
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = param_names(model)
+    names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
+    fqns = names.params()
     if _is_zero1(optim):
-        model_sd = get_model_state_dict(model)
+        model_sd = names.outward(get_model_state_dict(model), {})[0]
         optim_state = {fqns[p]: dict(s) for p, s in optim.optim.state.items()}
     elif optim.state:
         model_sd, osd = get_state_dict(model, optim)
-        optim_state = osd["state"]
+        model_sd, optim_state = names.outward(model_sd, osd["state"])
     else:  # nothing stepped yet: get_state_dict would initialise the state with a dummy step
-        model_sd, optim_state = get_model_state_dict(model), {}
+        model_sd, optim_state = names.outward(get_model_state_dict(model), {})
     tensors, scalars, split_problems = _split(model_sd, optim_state)
     problems += split_problems
     tensors.update(_rng_tensors())
@@ -91,8 +92,10 @@ def save_checkpoint(
     problems += _json_problems(scaler_state, "grad_scaler.state_dict()")
     _raise_agreed(where, problems)
 
-    # Every rank's tensor names and (non-tensor) optimizer values, so the JSON describes all.
-    gathered = all_gather_json({"tensors": _describe(tensors), "scalars": scalars})
+    # Every rank's tensor names, (non-tensor) optimizer values and parameters, so the JSON describes all
+    # (a pipeline stage holds only its own).
+    gathered = all_gather_json({"tensors": _describe(tensors), "scalars": scalars, "groups": groups})
+    groups = _merged_groups([g["groups"] for g in gathered])
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "step": step, "extra": extra or {},
         "world_size": _world_size(),
@@ -105,6 +108,7 @@ def save_checkpoint(
         "lr_scheduler": scheduler,
         "grad_scaler": scaler_state,
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),  # steps dropped for inf/nan gradients
+        "fused_qkv_split": fused_qkv_split(model),
     }
     directory = Path(path)
     if _rank() == 0:
@@ -141,23 +145,31 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     meta = _read_meta(directory, where)
     saved: dict[str, dict[str, Any]] = meta["tensors"]
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = param_names(model)
+    names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
+    fqns = names.params()
     zero = _is_zero1(optim)
     has_optim_state = any(k.startswith("optim.") for k in saved) or bool(meta["optimizer"]["scalars"])
+    live_optim: dict[str, dict[str, Any]] = {}
     if zero:
-        model_sd = get_model_state_dict(model)
-        optim_targets = _zero_targets(optim, fqns, saved)
+        live_model = get_model_state_dict(model)
+        model_sd, optim_targets = names.outward(live_model, {})[0], _zero_targets(optim, fqns, saved)
     elif has_optim_state:
-        model_sd, osd = get_state_dict(model, optim)  # allocates the state (sharded like the params)
-        optim_targets = osd["state"]
+        live_model, osd = get_state_dict(model, optim)  # allocates the state (sharded like the params)
+        live_optim = osd["state"]
+        model_sd, optim_targets = names.outward(live_model, live_optim)
     else:
-        model_sd, optim_targets = get_model_state_dict(model), {}
+        live_model = get_model_state_dict(model)
+        model_sd, optim_targets = names.outward(live_model, {})
     tensors, _, problems = _split(model_sd, optim_targets)
-    problems += _model_mismatches(tensors, saved)
+    # What every rank needs: under pipeline parallel each stage loads only its part of the checkpoint.
+    everywhere = all_gather_json({"model": sorted(model_sd), "groups": [[fqns[p] for p in g["params"]]
+                                                                         for g in optim.param_groups]})
+    problems += _model_mismatches(tensors, saved, {n for e in everywhere for n in e["model"]})
     if not problems:  # with another model, differences in its optimizer are only noise
         live_class = type(optim.optim if zero else optim).__name__
         problems += _optimizer_mismatches(tensors, saved, zero, meta["optimizer"]["class"], live_class)
-        problems += _group_problems(meta["optimizer"]["param_groups"], optim.param_groups, fqns)
+        problems += _group_problems(meta["optimizer"]["param_groups"], [e["groups"] for e in everywhere])
+    problems += _fused_qkv_problems(meta.get("fused_qkv_split", 1), fused_qkv_split(model))
     if result.lr_scheduler is not None and meta["lr_scheduler"] is None:
         problems.append("the checkpoint has no LR scheduler state but this run has an lr_scheduler; "
                         "save with the scheduler, or build this run without lr_scheduler_cls")
@@ -172,15 +184,17 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
                      for fqn, entry in optim_targets.items()}
     groups = meta["optimizer"]["param_groups"]
     scalars = meta["optimizer"]["scalars"]
+    scalars = {live: scalars[names.optim_key(live)] for live in live_optim if names.optim_key(live) in scalars}
+    live_sd, live_state = names.inward(live_model, live_optim, model_sd, optim_targets)
     if zero:
-        set_model_state_dict(model, model_sd)
-        _load_zero(optim, fqns, optim_targets, scalars, groups)
+        set_model_state_dict(model, live_sd)
+        _load_zero(optim, fqns, optim_targets, meta["optimizer"]["scalars"], groups)
     elif has_optim_state:
-        state = {fqn: {**entry, **scalars.get(fqn, {})} for fqn, entry in optim_targets.items()}
-        set_state_dict(model, optim, model_state_dict=model_sd,
-                       optim_state_dict={"state": state, "param_groups": _typed_groups(groups, optim.param_groups)})
+        state = {fqn: {**entry, **scalars.get(fqn, {})} for fqn, entry in live_state.items()}
+        typed = names.live_groups(_typed_groups(groups, optim.param_groups), optim.param_groups)
+        set_state_dict(model, optim, model_state_dict=live_sd, optim_state_dict={"state": state, "param_groups": typed})
     else:
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, live_sd)
         _set_hyperparameters(optim.param_groups, groups)
     if result.lr_scheduler is not None:
         result.lr_scheduler.load_state_dict(meta["lr_scheduler"])
@@ -381,22 +395,37 @@ def _read_meta(directory: Path, where: str) -> dict[str, Any]:
     return meta
 
 
+def _fused_qkv_problems(saved: int, live: int) -> list[str]:
+    if saved == live:
+        return []
+
+    def layout(t: int) -> str:
+        return f"under tensor_parallel size {t}" if t > 1 else "without tensor_parallel"
+
+    return [f"the checkpoint was saved {layout(saved)}, this run is built {layout(live)}; GPT-2-style fused q|k|v "
+            "weights (c_attn) are stored with their rows reordered per tensor rank under tensor_parallel, so such a "
+            "checkpoint loads only under the same tensor size; load it with the saving run's tensor size"]
+
+
 def _listed(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return ", ".join(names[:_LISTED]) + more
 
 
-def _model_mismatches(targets: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]]) -> list[str]:
-    """How the model of this run differs from the one saved (names, then shapes)."""
+def _model_mismatches(
+    targets: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]], needed_everywhere: set[str]
+) -> list[str]:
+    """How the model of this run differs from the one saved (names, then shapes). ``needed_everywhere``:
+    the names any rank loads (a pipeline stage holds only some)."""
     needed = {k[len("model."):] for k in targets if k.startswith("model.")}
     held = {k[len("model."):] for k in saved if k.startswith("model.")}
     problems = []
     if needed - held:
         problems.append(f"the checkpoint has no weights for {_listed(needed - held)}; "
                         "it was saved from a different model")
-    if held - needed:
-        problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed)}; "
+    if held - needed_everywhere:
+        problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed_everywhere)}; "
                         "it was saved from a different model")
     reshaped = [f"{n} {saved['model.' + n]['shape']} there, {list(targets['model.' + n].shape)} here"
                 for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
@@ -421,14 +450,24 @@ def _optimizer_mismatches(targets: dict[str, torch.Tensor], saved: dict[str, dic
             f"this run uses {live_class}; use the same optimizer class to resume"]
 
 
-def _group_problems(
-    saved: list[dict[str, Any]], live: list[dict[str, Any]], fqns: dict[torch.Tensor, str]
-) -> list[str]:
-    if len(saved) != len(live):
-        return [f"the checkpoint's optimizer has {len(saved)} parameter group(s), this one {len(live)}; "
+def _merged_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Param groups (hyper-parameters as on the first rank) holding the parameters of every rank."""
+    out = [{**g, "params": list(g["params"])} for g in per_rank[0]]
+    for groups in per_rank[1:]:
+        for target, group in zip(out, groups, strict=False):
+            have = set(target["params"])
+            target["params"] += [n for n in group["params"] if n not in have]
+    return out
+
+
+def _group_problems(saved: list[dict[str, Any]], live_per_rank: list[list[list[str]]]) -> list[str]:
+    """``live_per_rank``: each rank's parameter names per group (their union is the model's)."""
+    count = len(live_per_rank[0])
+    if len(saved) != count:
+        return [f"the checkpoint's optimizer has {len(saved)} parameter group(s), this one {count}; "
                 "build the optimizer with the same groups (optim_param_func)"]
-    for index, (sg, lg) in enumerate(zip(saved, live, strict=True)):
-        if set(sg["params"]) != {fqns[p] for p in lg["params"]}:
+    for index, sg in enumerate(saved):
+        if set(sg["params"]) != {n for groups in live_per_rank for n in groups[index]}:
             return [f"parameter group {index} holds other parameters than in the checkpoint; "
                     "build the optimizer with the same groups (optim_param_func)"]
     return []
