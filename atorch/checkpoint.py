@@ -9,8 +9,10 @@ A checkpoint is a directory:
   ``atorch_checkpoint.json``  everything else, as JSON: step, extras, optimizer hyper-parameters,
       LR scheduler and grad scaler state, and the name/shape/dtype of every tensor saved.
 
-Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part), so a checkpoint
-does not depend on the strategy or the number of processes that wrote it: DCP reshards on load.
+Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part, no pipeline stage
+prefix: see checkpoint_names.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
+so a checkpoint does not depend on the layout or the number of processes that wrote it: DCP reshards
+on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
 the optimizer state of the parameters it owns under the same keys, and on load reads the entries
 of the parameters it owns then. Nothing here pickles; the JSON file is written last, so a save

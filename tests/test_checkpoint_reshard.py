@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from launcher import HERE, run_json
-from workers.reshard_worker import K, LOADS, SAVES, SINGLE_LOADS
+from workers.reshard_worker import LOADS, SAVES, SINGLE_LOADS, K
 
 WORKER = HERE / "workers" / "reshard_worker.py"
 pytestmark = pytest.mark.distributed
