@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint_names import CheckpointNames, fused_qkv_split
+from atorch import checkpoint_qkv
+from atorch.checkpoint_names import CheckpointNames
 from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import ProblemsError
 from atorch.log import get_logger
@@ -85,6 +86,8 @@ def save_checkpoint(
         model_sd, optim_state = names.outward(get_model_state_dict(model), {})
     tensors, scalars, split_problems = _split(model_sd, optim_state)
     problems += split_problems
+    # GPT-2's fused q|k|v rows, reordered by tensor_parallel, are written whole in the user's order.
+    tensors = checkpoint_qkv.to_user_order(tensors, checkpoint_qkv.reordered_layers(model, names.user))
     tensors.update(_rng_tensors())
     scheduler = result.lr_scheduler.state_dict() if result.lr_scheduler is not None else None
     scaler = getattr(result.optim, "grad_scaler", None)
@@ -110,7 +113,6 @@ def save_checkpoint(
         "lr_scheduler": scheduler,
         "grad_scaler": scaler_state,
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),  # steps dropped for inf/nan gradients
-        "fused_qkv_split": fused_qkv_split(model),
     }
     directory = Path(path)
     if _rank() == 0:
@@ -171,14 +173,15 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
         live_class = type(optim.optim if zero else optim).__name__
         problems += _optimizer_mismatches(tensors, saved, zero, meta["optimizer"]["class"], live_class)
         problems += _group_problems(meta["optimizer"]["param_groups"], [e["groups"] for e in everywhere])
-    problems += _fused_qkv_problems(meta.get("fused_qkv_split", 1), fused_qkv_split(model))
     if result.lr_scheduler is not None and meta["lr_scheduler"] is None:
         problems.append("the checkpoint has no LR scheduler state but this run has an lr_scheduler; "
                         "save with the scheduler, or build this run without lr_scheduler_cls")
     _raise_agreed(where, problems)
 
     tensors.update(_rng_targets(saved))
+    tensors, reordered = checkpoint_qkv.user_order_targets(tensors, checkpoint_qkv.reordered_layers(model, names.user))
     dcp.load(tensors, checkpoint_id=directory)
+    checkpoint_qkv.to_live_order(tensors, reordered)
     _restore_rng(tensors)
     # Take the loaded values from the flat dict (whether DCP filled the tensors in place or not).
     model_sd = {fqn: tensors[f"model.{fqn}"] for fqn in model_sd}
@@ -397,18 +400,6 @@ def _read_meta(directory: Path, where: str) -> dict[str, Any]:
     return meta
 
 
-def _fused_qkv_problems(saved: int, live: int) -> list[str]:
-    if saved == live:
-        return []
-
-    def layout(t: int) -> str:
-        return f"under tensor_parallel size {t}" if t > 1 else "without tensor_parallel"
-
-    return [f"the checkpoint was saved {layout(saved)}, this run is built {layout(live)}; GPT-2-style fused q|k|v "
-            "weights (c_attn) are stored with their rows reordered per tensor rank under tensor_parallel, so such a "
-            "checkpoint loads only under the same tensor size; load it with the saving run's tensor size"]
-
-
 def _listed(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
@@ -429,12 +420,16 @@ def _model_mismatches(
     if held - needed_everywhere:
         problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed_everywhere)}; "
                         "it was saved from a different model")
-    reshaped = [f"{n} {saved['model.' + n]['shape']} there, {list(targets['model.' + n].shape)} here"
-                for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
+    reshaped = [n for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
     if reshaped:
+        listed = [f"{n} {saved['model.' + n]['shape']} there, {list(targets['model.' + n].shape)} here"
+                  for n in reshaped[:_LISTED]]
         more = f" and {len(reshaped) - _LISTED} more" if len(reshaped) > _LISTED else ""
-        problems.append(f"weights of other shapes: {'; '.join(reshaped[:_LISTED])}{more}; "
-                        "it was saved from a model of another configuration")
+        transposed = all(saved["model." + n]["shape"][::-1] == list(targets["model." + n].shape) for n in reshaped)
+        why = ("the weights are transposed: module_replace (transformers Conv1D -> nn.Linear) was used in one run "
+               "and not in the other; load with the saving run's module_replace setting" if transposed else
+               "it was saved from a model of another configuration")
+        problems.append(f"weights of other shapes: {'; '.join(listed)}{more}; {why}")
     return problems
 
 

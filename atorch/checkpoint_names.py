@@ -88,13 +88,3 @@ class CheckpointNames:
         ``set_state_dict`` matches them."""
         return [{**sg, "params": [self.live[p] for p in lg["params"]]} for sg, lg in zip(saved, live, strict=True)]
 
-
-def fused_qkv_split(model: nn.Module) -> int:
-    """The tensor size by which GPT-2-style fused q|k|v weights (``c_attn``) hold their rows reordered (1: in
-    the user's order). tensor_parallel reorders them so that each rank's shard holds its own heads' q, k and
-    v; such a checkpoint holds that order, so it loads only under the same tensor size."""
-    for module in model.modules():
-        layer, split = getattr(module, "c_attn", None), getattr(module, "split_size", None)
-        if isinstance(layer, nn.Linear) and isinstance(split, int) and 0 < split < layer.weight.shape[0] // 3:
-            return layer.weight.shape[0] // 3 // split
-    return 1

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from worker_common import run_each
 
 import atorch
+from atorch import checkpoint_qkv
 from atorch.checkpoint_names import CheckpointNames
 from atorch.distributed import all_gather_json
 from atorch.training import train_step
@@ -55,6 +56,7 @@ TP2xDP2 = [mode(("data", -1), ("tensor", 2)), "tensor_parallel", "fsdp"]
 PP2xDP2 = [mode(("pipeline", 2), ("data", -1)), ("pipeline_parallel", {"schedule": "1f1b"})]
 # ZBV: the rank holding the first stage also holds the last, so both copies of a tied weight are on one rank.
 PP2xDP2_ZBV = [mode(("pipeline", 2), ("data", -1)), ("pipeline_parallel", {"schedule": "zbv"})]
+GPT2_TP2xDP2 = [mode(("data", -1), ("tensor", 2)), "module_replace", "tensor_parallel", "fsdp"]
 DP4 = ["parallel_mode"]
 FSDP4 = ["fsdp"]
 PLAIN = ["parallel_mode"]
@@ -64,11 +66,14 @@ SAVES = {
     "llama/tp2xdp2+fsdp": ("llama", TP2xDP2),
     "gpt2/pp2xdp2": ("gpt2", PP2xDP2),
     "llama/pp2xdp2+fsdp": ("llama", [*PP2xDP2, "fsdp"]),
-    # GPT-2 under tensor_parallel holds c_attn's rows reordered per tensor rank: loads only at that tensor size.
-    "gpt2/tp2xdp2+fsdp": ("gpt2", [mode(("data", -1), ("tensor", 2)), "module_replace", "tensor_parallel", "fsdp"]),
+    # GPT-2 under tensor_parallel (which needs module_replace: Conv1D -> nn.Linear) holds c_attn's rows
+    # reordered per tensor rank; its checkpoint holds them in the user's order.
+    "gpt2/tp2xdp2+fsdp": ("gpt2", GPT2_TP2xDP2),
+    "gpt2/pp2xdp2+module_replace": ("gpt2", [*PP2xDP2, "module_replace"]),
 }
 # Saved on 1 process (single launch): the keys and shapes every layout's checkpoint must have.
-SINGLE_SAVES = {"llama/one process": ("llama", PLAIN), "gpt2/one process": ("gpt2", PLAIN)}
+SINGLE_SAVES = {"llama/one process": ("llama", PLAIN), "gpt2/one process": ("gpt2", PLAIN),
+                "gpt2/one process+module_replace": ("gpt2", [*PLAIN, "module_replace"])}
 # loading scenario -> (checkpoint of SAVES, layout it is loaded under)
 LOADS = {
     "llama/tp2xdp2+fsdp -> dp4": ("llama/tp2xdp2+fsdp", DP4),
@@ -77,13 +82,16 @@ LOADS = {
     "gpt2/pp2xdp2 -> pp2xdp2[zbv]": ("gpt2/pp2xdp2", PP2xDP2_ZBV),
     "gpt2/pp2xdp2 -> fsdp4": ("gpt2/pp2xdp2", FSDP4),
     "llama/pp2xdp2+fsdp -> tp2xdp2": ("llama/pp2xdp2+fsdp", TP2xDP2),
-    "gpt2/tp2xdp2+fsdp -> tp2xdp2+fsdp": ("gpt2/tp2xdp2+fsdp", SAVES["gpt2/tp2xdp2+fsdp"][1]),
-    "refused/gpt2/tp2xdp2+fsdp -> fsdp4": ("gpt2/tp2xdp2+fsdp", ["module_replace", "fsdp"]),
+    "gpt2/tp2xdp2+fsdp -> pp2xdp2": ("gpt2/tp2xdp2+fsdp", [*PP2xDP2, "module_replace"]),
+    "gpt2/pp2xdp2+module_replace -> tp2xdp2+fsdp": ("gpt2/pp2xdp2+module_replace", GPT2_TP2xDP2),
+    # nn.Linear holds Conv1D's weight transposed: refused, naming module_replace.
+    "refused/gpt2/pp2xdp2 -> tp2xdp2+fsdp": ("gpt2/pp2xdp2", GPT2_TP2xDP2),
 }
 SINGLE_LOADS = {
     "llama/tp2xdp2+fsdp -> one process": ("llama/tp2xdp2+fsdp", PLAIN),
     "gpt2/pp2xdp2 -> one process": ("gpt2/pp2xdp2", PLAIN),
     "llama/pp2xdp2+fsdp -> one process": ("llama/pp2xdp2+fsdp", PLAIN),
+    "gpt2/tp2xdp2+fsdp -> one process": ("gpt2/tp2xdp2+fsdp", [*PLAIN, "module_replace"]),
 }
 
 
@@ -99,7 +107,8 @@ def build(model_name: str, layout: list[Any], seed: int) -> Any:
 
 
 def held(result: Any) -> dict[str, torch.Tensor]:
-    """What this rank holds, as global tensors under the user's names: ``model.<name>``, ``optim.<name>.<key>``.
+    """What this rank holds, as global tensors under the user's names and in the user's order (GPT-2's fused
+    q|k|v rows), as a checkpoint holds them: ``model.<name>``, ``optim.<name>.<key>``.
     Collective (a DTensor is gathered over its mesh): keys are visited in sorted order on every rank."""
     names = CheckpointNames(result.model)
     model_sd, osd = get_state_dict(result.model, result.optim.optimizer)
@@ -107,6 +116,7 @@ def held(result: Any) -> dict[str, torch.Tensor]:
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     flat.update({f"optim.{k}.{n}": v for k, entry in optim_state.items() for n, v in entry.items()
                  if isinstance(v, torch.Tensor)})
+    flat = checkpoint_qkv.to_user_order(flat, checkpoint_qkv.reordered_layers(result.model, names.user))
     out = {}
     for key in sorted(flat):
         value = flat[key].detach()
