@@ -57,6 +57,9 @@ PP2xDP2 = [mode(("pipeline", 2), ("data", -1)), ("pipeline_parallel", {"schedule
 # ZBV: the rank holding the first stage also holds the last, so both copies of a tied weight are on one rank.
 PP2xDP2_ZBV = [mode(("pipeline", 2), ("data", -1)), ("pipeline_parallel", {"schedule": "zbv"})]
 GPT2_TP2xDP2 = [mode(("data", -1), ("tensor", 2)), "module_replace", "tensor_parallel", "fsdp"]
+# tensor 2 × pipeline 2 (mixed): each rank holds half of one stage's split layers.
+TP2xPP2 = [mode(("pipeline", 2), ("data", -1), ("tensor", 2)), "tensor_parallel", ("pipeline_parallel",
+                                                                                 {"schedule": "1f1b"})]
 DP4 = ["parallel_mode"]
 FSDP4 = ["fsdp"]
 PLAIN = ["parallel_mode"]
@@ -70,6 +73,7 @@ SAVES = {
     # reordered per tensor rank; its checkpoint holds them in the user's order.
     "gpt2/tp2xdp2+fsdp": ("gpt2", GPT2_TP2xDP2),
     "gpt2/pp2xdp2+module_replace": ("gpt2", [*PP2xDP2, "module_replace"]),
+    "gpt2/tp2xpp2": ("gpt2", [*TP2xPP2, "module_replace"]),
 }
 # Saved on 1 process (single launch): the keys and shapes every layout's checkpoint must have.
 SINGLE_SAVES = {"llama/one process": ("llama", PLAIN), "gpt2/one process": ("gpt2", PLAIN),
@@ -84,6 +88,7 @@ LOADS = {
     "llama/pp2xdp2+fsdp -> tp2xdp2": ("llama/pp2xdp2+fsdp", TP2xDP2),
     "gpt2/tp2xdp2+fsdp -> pp2xdp2": ("gpt2/tp2xdp2+fsdp", [*PP2xDP2, "module_replace"]),
     "gpt2/pp2xdp2+module_replace -> tp2xdp2+fsdp": ("gpt2/pp2xdp2+module_replace", GPT2_TP2xDP2),
+    "llama/tp2xdp2+fsdp -> tp2xpp2": ("llama/tp2xdp2+fsdp", TP2xPP2),
     # nn.Linear holds Conv1D's weight transposed: refused, naming module_replace.
     "refused/gpt2/pp2xdp2 -> tp2xdp2+fsdp": ("gpt2/pp2xdp2", GPT2_TP2xDP2),
 }
@@ -92,6 +97,7 @@ SINGLE_LOADS = {
     "gpt2/pp2xdp2 -> one process": ("gpt2/pp2xdp2", PLAIN),
     "llama/pp2xdp2+fsdp -> one process": ("llama/pp2xdp2+fsdp", PLAIN),
     "gpt2/tp2xdp2+fsdp -> one process": ("gpt2/tp2xdp2+fsdp", [*PLAIN, "module_replace"]),
+    "gpt2/tp2xpp2 -> one process": ("gpt2/tp2xpp2", [*PLAIN, "module_replace"]),
 }
 
 
