@@ -226,13 +226,10 @@ def export_consolidated(path: str | os.PathLike, result: Any) -> None:
     ``torch.load(path, weights_only=True)`` and ``model.load_state_dict(sd, strict=True)``; it
     needs no extra package and keeps tied weights loadable (safetensors refuses shared tensors).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     model = result.model
     if getattr(result.optim, "engine", None) is not None:
         model = model.module  # DeepSpeed ZeRO-1/2 keeps whole parameters in the engine's module
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)  # whole on rank 0, empty elsewhere
+    state = _whole_state(model)  # whole on rank 0, empty elsewhere
     problems = []
     if _rank() == 0:
         problems = [f"'{k}' is a {type(v).__name__}, not a tensor; a consolidated export holds tensors only"
@@ -249,6 +246,24 @@ def export_consolidated(path: str | os.PathLike, result: Any) -> None:
 
 
 # ----- optimizer and model state ------------------------------------------------------------
+def _whole_state(model: Any) -> dict[str, Any]:
+    """The whole model state under the user's names (and GPT-2's fused q|k|v rows in the user's order) on
+    rank 0, empty elsewhere. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = CheckpointNames(model)
+    layers = checkpoint_qkv.reordered_layers(model, names.user)
+    if names.pipelined:  # each stage's entries, from the ranks holding them
+        from atorch.booster.gather import gather_to_rank0
+        from atorch.state_names import named_state
+
+        flat = checkpoint_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
+        return gather_to_rank0((k[len("model."):], v) for k, v in flat.items())
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = checkpoint_qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
+    return {k[len("model."):]: v for k, v in flat.items()}
+
+
 def _inner_optimizer(optim: Any) -> torch.optim.Optimizer:
     return getattr(optim, "optimizer", optim)  # AcceleratedOptimizer wraps the real one
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from launcher import HERE, run_json
-from workers.reshard_worker import LOADS, SAVES, SINGLE_LOADS, K
+from workers.reshard_worker import LOADS, MODELS, SAVES, SINGLE_LOADS, K
 
 WORKER = HERE / "workers" / "reshard_worker.py"
 pytestmark = pytest.mark.distributed
@@ -97,6 +97,22 @@ def test_checkpoints_are_layout_independent(multi: dict[str, Any], single: dict[
     assert _keys(multi["saves"][source]["dir"]) == plain
     assert "model.lm_head.weight" in plain and len(plain) > 70
     assert ("optim.lm_head.weight.momentum_buffer" in plain) == (model == "llama")  # GPT-2's is tied to wte
+
+
+@pytest.mark.parametrize("source", list(SAVES))
+def test_consolidated_export_holds_the_saved_weights(multi: dict[str, Any], source: str) -> None:
+    """export_consolidated under every layout: every weight whole, under the user's names and order, on rank 0."""
+    directory = Path(multi["saves"][source]["dir"])
+    exported = torch.load(directory / "model.pt", weights_only=True)
+    saved: dict[str, torch.Tensor] = {}
+    for path in directory.glob("held.*.pt"):
+        saved.update({k[len("model."):]: v for k, v in torch.load(path, weights_only=True).items()
+                      if k.startswith("model.")})
+    assert sorted(exported) == sorted(saved)
+    assert [k for k in saved if not torch.equal(exported[k], saved[k])] == []
+    model_name, layout = SAVES[source]
+    if "module_replace" not in layout:  # the user's own model takes it as it is
+        MODELS[model_name].make().load_state_dict(exported, strict=True)
 
 
 def test_a_checkpoint_with_other_module_replace_is_refused_with_the_reason(multi: dict[str, Any]) -> None:

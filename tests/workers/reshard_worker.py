@@ -153,6 +153,7 @@ def save(name: str, root: Path, saves: dict[str, tuple[str, list[Any]]]) -> dict
     directory = root / _dirname(name)
     atorch.save_checkpoint(directory / "ckpt", result, step=K, extra={"scenario": name})
     torch.save(held(result), directory / f"held.{dist.get_rank()}.pt")
+    atorch.export_consolidated(directory / "model.pt", result)
     losses = [_mean(loss) for loss in steps(result, AFTER)]
     result.close()
     return {"losses": losses, "dir": str(directory)}
