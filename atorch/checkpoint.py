@@ -9,8 +9,10 @@ A checkpoint is a directory:
   ``atorch_checkpoint.json``  everything else, as JSON: step, extras, optimizer hyper-parameters,
       LR scheduler and grad scaler state, and the name/shape/dtype of every tensor saved.
 
-Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part), so a checkpoint
-does not depend on the strategy or the number of processes that wrote it: DCP reshards on load.
+Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part, no pipeline stage
+prefix: see checkpoint_names.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
+so a checkpoint does not depend on the layout or the number of processes that wrote it: DCP reshards
+on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
 the optimizer state of the parameters it owns under the same keys, and on load reads the entries
 of the parameters it owns then. Nothing here pickles; the JSON file is written last, so a save
@@ -29,10 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from atorch import checkpoint_qkv
+from atorch.checkpoint_names import CheckpointNames
 from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import ProblemsError
 from atorch.log import get_logger
-from atorch.names import param_names
 
 logger = get_logger(__name__)
 
@@ -71,17 +74,20 @@ def save_checkpoint(
         problems.append(f"extra must be a dict (of JSON values) or None, got {type(extra).__name__}")
     problems += _json_problems(extra or {}, "extra")
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = param_names(model)
+    names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
+    fqns = names.params()
     if _is_zero1(optim):
-        model_sd = get_model_state_dict(model)
+        model_sd = names.outward(get_model_state_dict(model), {})[0]
         optim_state = {fqns[p]: dict(s) for p, s in optim.optim.state.items()}
     elif optim.state:
         model_sd, osd = get_state_dict(model, optim)
-        optim_state = osd["state"]
+        model_sd, optim_state = names.outward(model_sd, osd["state"])
     else:  # nothing stepped yet: get_state_dict would initialise the state with a dummy step
-        model_sd, optim_state = get_model_state_dict(model), {}
+        model_sd, optim_state = names.outward(get_model_state_dict(model), {})
     tensors, scalars, split_problems = _split(model_sd, optim_state)
     problems += split_problems
+    # GPT-2's fused q|k|v rows, reordered by tensor_parallel, are written whole in the user's order.
+    tensors = checkpoint_qkv.to_user_order(tensors, checkpoint_qkv.reordered_layers(model, names.user))
     tensors.update(_rng_tensors())
     scheduler = result.lr_scheduler.state_dict() if result.lr_scheduler is not None else None
     scaler = getattr(result.optim, "grad_scaler", None)
@@ -91,8 +97,10 @@ def save_checkpoint(
     problems += _json_problems(scaler_state, "grad_scaler.state_dict()")
     _raise_agreed(where, problems)
 
-    # Every rank's tensor names and (non-tensor) optimizer values, so the JSON describes all.
-    gathered = all_gather_json({"tensors": _describe(tensors), "scalars": scalars})
+    # Every rank's tensor names, (non-tensor) optimizer values and parameters, so the JSON describes all
+    # (a pipeline stage holds only its own).
+    gathered = all_gather_json({"tensors": _describe(tensors), "scalars": scalars, "groups": groups})
+    groups = _merged_groups([g["groups"] for g in gathered])
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "step": step, "extra": extra or {},
         "world_size": _world_size(),
@@ -141,30 +149,39 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     meta = _read_meta(directory, where)
     saved: dict[str, dict[str, Any]] = meta["tensors"]
     model, optim = result.model, _inner_optimizer(result.optim)
-    fqns = param_names(model)
+    names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
+    fqns = names.params()
     zero = _is_zero1(optim)
     has_optim_state = any(k.startswith("optim.") for k in saved) or bool(meta["optimizer"]["scalars"])
+    live_optim: dict[str, dict[str, Any]] = {}
     if zero:
-        model_sd = get_model_state_dict(model)
-        optim_targets = _zero_targets(optim, fqns, saved)
+        live_model = get_model_state_dict(model)
+        model_sd, optim_targets = names.outward(live_model, {})[0], _zero_targets(optim, fqns, saved)
     elif has_optim_state:
-        model_sd, osd = get_state_dict(model, optim)  # allocates the state (sharded like the params)
-        optim_targets = osd["state"]
+        live_model, osd = get_state_dict(model, optim)  # allocates the state (sharded like the params)
+        live_optim = osd["state"]
+        model_sd, optim_targets = names.outward(live_model, live_optim)
     else:
-        model_sd, optim_targets = get_model_state_dict(model), {}
+        live_model = get_model_state_dict(model)
+        model_sd, optim_targets = names.outward(live_model, {})
     tensors, _, problems = _split(model_sd, optim_targets)
-    problems += _model_mismatches(tensors, saved)
+    # What every rank needs: under pipeline parallel each stage loads only its part of the checkpoint.
+    everywhere = all_gather_json({"model": sorted(model_sd), "groups": [[fqns[p] for p in g["params"]]
+                                                                         for g in optim.param_groups]})
+    problems += _model_mismatches(tensors, saved, {n for e in everywhere for n in e["model"]})
     if not problems:  # with another model, differences in its optimizer are only noise
         live_class = type(optim.optim if zero else optim).__name__
         problems += _optimizer_mismatches(tensors, saved, zero, meta["optimizer"]["class"], live_class)
-        problems += _group_problems(meta["optimizer"]["param_groups"], optim.param_groups, fqns)
+        problems += _group_problems(meta["optimizer"]["param_groups"], [e["groups"] for e in everywhere])
     if result.lr_scheduler is not None and meta["lr_scheduler"] is None:
         problems.append("the checkpoint has no LR scheduler state but this run has an lr_scheduler; "
                         "save with the scheduler, or build this run without lr_scheduler_cls")
     _raise_agreed(where, problems)
 
     tensors.update(_rng_targets(saved))
+    tensors, reordered = checkpoint_qkv.user_order_targets(tensors, checkpoint_qkv.reordered_layers(model, names.user))
     dcp.load(tensors, checkpoint_id=directory)
+    checkpoint_qkv.to_live_order(tensors, reordered)
     _restore_rng(tensors)
     # Take the loaded values from the flat dict (whether DCP filled the tensors in place or not).
     model_sd = {fqn: tensors[f"model.{fqn}"] for fqn in model_sd}
@@ -172,15 +189,17 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
                      for fqn, entry in optim_targets.items()}
     groups = meta["optimizer"]["param_groups"]
     scalars = meta["optimizer"]["scalars"]
+    scalars = {live: scalars[names.optim_key(live)] for live in live_optim if names.optim_key(live) in scalars}
+    live_sd, live_state = names.inward(live_model, live_optim, model_sd, optim_targets)
     if zero:
-        set_model_state_dict(model, model_sd)
-        _load_zero(optim, fqns, optim_targets, scalars, groups)
+        set_model_state_dict(model, live_sd)
+        _load_zero(optim, fqns, optim_targets, meta["optimizer"]["scalars"], groups)
     elif has_optim_state:
-        state = {fqn: {**entry, **scalars.get(fqn, {})} for fqn, entry in optim_targets.items()}
-        set_state_dict(model, optim, model_state_dict=model_sd,
-                       optim_state_dict={"state": state, "param_groups": _typed_groups(groups, optim.param_groups)})
+        state = {fqn: {**entry, **scalars.get(fqn, {})} for fqn, entry in live_state.items()}
+        typed = names.live_groups(_typed_groups(groups, optim.param_groups), optim.param_groups)
+        set_state_dict(model, optim, model_state_dict=live_sd, optim_state_dict={"state": state, "param_groups": typed})
     else:
-        set_model_state_dict(model, model_sd)
+        set_model_state_dict(model, live_sd)
         _set_hyperparameters(optim.param_groups, groups)
     if result.lr_scheduler is not None:
         result.lr_scheduler.load_state_dict(meta["lr_scheduler"])
@@ -207,13 +226,10 @@ def export_consolidated(path: str | os.PathLike, result: Any) -> None:
     ``torch.load(path, weights_only=True)`` and ``model.load_state_dict(sd, strict=True)``; it
     needs no extra package and keeps tied weights loadable (safetensors refuses shared tensors).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     model = result.model
     if getattr(result.optim, "engine", None) is not None:
         model = model.module  # DeepSpeed ZeRO-1/2 keeps whole parameters in the engine's module
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)  # whole on rank 0, empty elsewhere
+    state = _whole_state(model)  # whole on rank 0, empty elsewhere
     problems = []
     if _rank() == 0:
         problems = [f"'{k}' is a {type(v).__name__}, not a tensor; a consolidated export holds tensors only"
@@ -230,6 +246,24 @@ def export_consolidated(path: str | os.PathLike, result: Any) -> None:
 
 
 # ----- optimizer and model state ------------------------------------------------------------
+def _whole_state(model: Any) -> dict[str, Any]:
+    """The whole model state under the user's names (and GPT-2's fused q|k|v rows in the user's order) on
+    rank 0, empty elsewhere. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = CheckpointNames(model)
+    layers = checkpoint_qkv.reordered_layers(model, names.user)
+    if names.pipelined:  # each stage's entries, from the ranks holding them
+        from atorch.booster.gather import gather_to_rank0
+        from atorch.state_names import named_state
+
+        flat = checkpoint_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
+        return gather_to_rank0((k[len("model."):], v) for k, v in flat.items())
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    flat = checkpoint_qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
+    return {k[len("model."):]: v for k, v in flat.items()}
+
+
 def _inner_optimizer(optim: Any) -> torch.optim.Optimizer:
     return getattr(optim, "optimizer", optim)  # AcceleratedOptimizer wraps the real one
 
@@ -387,23 +421,30 @@ def _listed(names: Iterable[str]) -> str:
     return ", ".join(names[:_LISTED]) + more
 
 
-def _model_mismatches(targets: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]]) -> list[str]:
-    """How the model of this run differs from the one saved (names, then shapes)."""
+def _model_mismatches(
+    targets: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]], needed_everywhere: set[str]
+) -> list[str]:
+    """How the model of this run differs from the one saved (names, then shapes). ``needed_everywhere``:
+    the names any rank loads (a pipeline stage holds only some)."""
     needed = {k[len("model."):] for k in targets if k.startswith("model.")}
     held = {k[len("model."):] for k in saved if k.startswith("model.")}
     problems = []
     if needed - held:
         problems.append(f"the checkpoint has no weights for {_listed(needed - held)}; "
                         "it was saved from a different model")
-    if held - needed:
-        problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed)}; "
+    if held - needed_everywhere:
+        problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed_everywhere)}; "
                         "it was saved from a different model")
-    reshaped = [f"{n} {saved['model.' + n]['shape']} there, {list(targets['model.' + n].shape)} here"
-                for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
+    reshaped = [n for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
     if reshaped:
+        listed = [f"{n} {saved['model.' + n]['shape']} there, {list(targets['model.' + n].shape)} here"
+                  for n in reshaped[:_LISTED]]
         more = f" and {len(reshaped) - _LISTED} more" if len(reshaped) > _LISTED else ""
-        problems.append(f"weights of other shapes: {'; '.join(reshaped[:_LISTED])}{more}; "
-                        "it was saved from a model of another configuration")
+        transposed = all(saved["model." + n]["shape"][::-1] == list(targets["model." + n].shape) for n in reshaped)
+        why = ("the weights are transposed: module_replace (transformers Conv1D -> nn.Linear) was used in one run "
+               "and not in the other; load with the saving run's module_replace setting" if transposed else
+               "it was saved from a model of another configuration")
+        problems.append(f"weights of other shapes: {'; '.join(listed)}{more}; {why}")
     return problems
 
 
@@ -421,14 +462,24 @@ def _optimizer_mismatches(targets: dict[str, torch.Tensor], saved: dict[str, dic
             f"this run uses {live_class}; use the same optimizer class to resume"]
 
 
-def _group_problems(
-    saved: list[dict[str, Any]], live: list[dict[str, Any]], fqns: dict[torch.Tensor, str]
-) -> list[str]:
-    if len(saved) != len(live):
-        return [f"the checkpoint's optimizer has {len(saved)} parameter group(s), this one {len(live)}; "
+def _merged_groups(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Param groups (hyper-parameters as on the first rank) holding the parameters of every rank."""
+    out = [{**g, "params": list(g["params"])} for g in per_rank[0]]
+    for groups in per_rank[1:]:
+        for target, group in zip(out, groups, strict=False):
+            have = set(target["params"])
+            target["params"] += [n for n in group["params"] if n not in have]
+    return out
+
+
+def _group_problems(saved: list[dict[str, Any]], live_per_rank: list[list[list[str]]]) -> list[str]:
+    """``live_per_rank``: each rank's parameter names per group (their union is the model's)."""
+    count = len(live_per_rank[0])
+    if len(saved) != count:
+        return [f"the checkpoint's optimizer has {len(saved)} parameter group(s), this one {count}; "
                 "build the optimizer with the same groups (optim_param_func)"]
-    for index, (sg, lg) in enumerate(zip(saved, live, strict=True)):
-        if set(sg["params"]) != {fqns[p] for p in lg["params"]}:
+    for index, sg in enumerate(saved):
+        if set(sg["params"]) != {n for groups in live_per_rank for n in groups[index]}:
             return [f"parameter group {index} holds other parameters than in the checkpoint; "
                     "build the optimizer with the same groups (optim_param_func)"]
     return []
