@@ -18,20 +18,32 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket
 
-def average_gradients(params: list[torch.Tensor], group: Any) -> None:
-    """Average the gradients of params over the group: one all-reduce per (device, dtype)."""
+
+def average_gradients(params: list[torch.Tensor], group: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """[communication] Average the gradients of params over the group (a DTensor's local shard: ranks that
+    hold the same shard average it), in flat buckets of about ``bucket_bytes`` per (device, dtype)."""
+    from torch.distributed.tensor import DTensor
+
     size = dist.get_world_size(group)
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     for param in params:
-        if param.grad is not None:
-            buckets.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
-    for grads in buckets.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        lists = buckets.setdefault((grad.device, grad.dtype), [[]])
+        if lists[-1] and sum(g.numel() * g.element_size() for g in lists[-1]) >= bucket_bytes:
+            lists.append([])
+        lists[-1].append(grad)
+    with torch.no_grad():
+        for lists in buckets.values():
+            for bucket in lists:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                flat.div_(size)
+                for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    grad.copy_(averaged)
 
 
 class DDPGradientSync:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 
+from atorch import grad_sync
 from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, StrategyCheck
@@ -204,33 +205,11 @@ def replicate_stages(ctx: Any) -> None:
                 ctx.dp_size)
 
 
-BUCKET_BYTES = 25 * 2**20
-
-
 def average_gradients(pipelined: PipelinedModel) -> None:
-    """[communication] Every gradient averaged over the data group, in buckets of about 25 MiB per dtype."""
+    """[communication] Every gradient averaged over the data group (replicated stages)."""
     group = getattr(pipelined, "data_group", None)
-    if group is None:
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    size = dist.get_world_size(group)
-    grads = [p.grad for p in pipelined.parameters() if p.grad is not None]
-    buckets: dict[Any, list[list[torch.Tensor]]] = {}
-    for grad in grads:
-        key = (grad.dtype, grad.device)
-        lists = buckets.setdefault(key, [[]])
-        if lists[-1] and sum(g.numel() * g.element_size() for g in lists[-1]) >= BUCKET_BYTES:
-            lists.append([])
-        lists[-1].append(grad)
-    with torch.no_grad():
-        for lists in buckets.values():
-            for bucket in lists:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
-                flat /= size
-                for grad, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    grad.copy_(value)
+    if group is not None:
+        grad_sync.average_gradients(list(pipelined.parameters()), group)
 
 
 def shard_stages(ctx: Any, shard: Any, *args: Any, **kwargs: Any) -> None:

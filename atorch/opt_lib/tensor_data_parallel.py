@@ -14,44 +14,12 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from atorch.grad_sync import average_gradients
 from atorch.log import get_logger
 
 logger = get_logger(__name__)
-
-BUCKET_BYTES = 25 * 2**20
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def average_local_gradients(params: list[torch.Tensor], group: Any) -> None:
-    """[communication] Every gradient's local tensor averaged over the group, in buckets per (device, dtype)."""
-    size = dist.get_world_size(group)
-    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    for param in params:
-        if param.grad is None:
-            continue
-        grad = _local(param.grad)
-        lists = buckets.setdefault((grad.device, grad.dtype), [[]])
-        if lists[-1] and sum(g.numel() * g.element_size() for g in lists[-1]) >= BUCKET_BYTES:
-            lists.append([])
-        lists[-1].append(grad)
-    with torch.no_grad():
-        for lists in buckets.values():
-            for bucket in lists:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
-                flat.div_(size)
-                for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    grad.copy_(averaged)
-
 
 class ReplicaGradientSync:
     """The optimizer's gradient sync: called with the accumulation boundary flag; ``complete()`` (before the
@@ -74,7 +42,7 @@ class ReplicaGradientSync:
         if model is None or not (self.enabled and self._pending):
             return
         # Averaging is linear: the average of the accumulated sums is the sum of the averages.
-        average_local_gradients([p for p in model.parameters() if p.requires_grad], self.group)
+        average_gradients([p for p in model.parameters() if p.requires_grad], self.group)
         self._pending = False
 
 
