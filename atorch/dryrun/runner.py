@@ -278,13 +278,15 @@ class _Trial:
                 for step in range(self.warmup):
                     self.phase = f"warm-up step {step}"
                     losses.append(self._step(result, batches))
-                # fp16 loss scaling skips steps until its scale fits the gradients: warm up until a step
-                # was taken, so the optimizer's state (and the peak it brings) is in before timing.
+                # fp16 loss scaling skips steps until its scale fits the gradients: warm up until a step was
+                # taken and one more ran after it, so the optimizer's state (and the peak it brings: forward and
+                # backward with the state there) is in the measured peak, as it is without skipped steps.
                 extra = 0
                 while self.warmup > 0 and extra < MAX_EXTRA_WARMUP and \
-                        getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:
+                        0 < getattr(result.optim, "skipped_steps", 0) > self.warmup + extra - 2:
                     self.phase = f"extra warm-up step {extra} (fp16 steps skipped so far)"
-                    _lower_loss_scale(result.optim)
+                    if getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:
+                        _lower_loss_scale(result.optim)  # nothing got through yet
                     losses.append(self._step(result, batches))
                     extra += 1
                 if self.warmup > 0 and getattr(result.optim, "skipped_steps", 0) >= self.warmup + extra:

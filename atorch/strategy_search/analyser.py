@@ -70,6 +70,7 @@ class BlockStats(_Frozen):
     param_bytes_total: int
     activation_bytes_total: int
     input_bytes_total: int = 0  # the tensors passed into the blocks at the measured batch (what recompute keeps)
+    attention: bool = False  # the block runs attention (scaled dot-product or a softmax)
 
 
 class LayerStats(_Frozen):
@@ -226,6 +227,13 @@ _AUTOCAST_LOWP = {
 }
 
 
+_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten.scaled_dot_product_attention,
+    torch.ops.aten._scaled_dot_product_attention_math, torch.ops.aten._softmax, torch.ops.aten.softmax,
+}
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the aten operations dispatched while active (and those inside the repeated blocks)."""
 
@@ -246,6 +254,8 @@ class _OpCounter(TorchDispatchMode):
             self.lowp += 1
         if self.saved is not None and any(name in self.saved.blocks for name in self.saved.stack):
             self.in_blocks += 1
+            if func.overloadpacket in _ATTENTION:
+                self.saved.attention.update(name for name in self.saved.stack if name in self.saved.blocks)
         return func(*args, **(kwargs or {}))
 
 
@@ -262,6 +272,7 @@ class _SavedTensors:
         self.total = 0
         self.by_block: dict[str, int] = {name: 0 for name in blocks}
         self.inputs: dict[str, int] = {name: 0 for name in blocks}
+        self.attention: set[str] = set()  # blocks that ran attention (seen by _OpCounter)
         self.largest: ActivationStats | None = None
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -394,15 +405,17 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     work.zero_grad(set_to_none=True)
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
 
-    by_class: dict[str, list[tuple[int, int, int]]] = {}
+    by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
     for name, path in blocks.items():
         block_params = sum(_nbytes(p) for p in instances[name].parameters())
-        by_class.setdefault(path, []).append((block_params, saved.by_block[name], saved.inputs[name]))
+        by_class.setdefault(path, []).append(
+            (block_params, saved.by_block[name], saved.inputs[name], name in saved.attention))
     block_stats = tuple(
         BlockStats(class_path=path, count=len(sizes), param_bytes=max(s[0] for s in sizes),
                    activation_bytes=max(s[1] for s in sizes), param_bytes_total=sum(s[0] for s in sizes),
-                   activation_bytes_total=sum(s[1] for s in sizes), input_bytes_total=sum(s[2] for s in sizes))
+                   activation_bytes_total=sum(s[1] for s in sizes), input_bytes_total=sum(s[2] for s in sizes),
+                   attention=any(s[3] for s in sizes))
         for path, sizes in sorted(by_class.items()))
 
     largest_layer = None
