@@ -151,6 +151,7 @@ def test_non_transformer_models() -> None:
     images = (torch.randn(BATCH, 3, 8, 8), torch.randint(0, 8, (BATCH,)))
     cnn = analyse(sm.StagedCNN(), images, "unpack_sequence", sm.class_loss)
     assert cnn.fwd_flops_per_sample > 0 and cnn.blocks and cnn.blocks[0].count >= 2
+    assert not any(b.attention for b in cnn.blocks)  # convolutions only: no attention term under recompute
     vit = analyse(sm.SequentialViT(), mlp_batch(), "unpack_sequence", sm.class_loss)
     (block,) = vit.blocks
     assert block.class_path.endswith("MixerBlock") and block.count == 3 and block.activation_bytes > 0
@@ -230,6 +231,7 @@ def test_transformers_models(name: str) -> None:
     # The classes block_classes gives (transformers' _no_split_modules: BERT's also names its embeddings).
     (block,) = [b for b in stats.blocks if b.class_path.endswith(block_name)]
     assert block.count == count
+    assert block.attention  # every family's block runs attention (the cost model's recompute term reads it)
     assert 0 < block.activation_bytes_total <= count * block.activation_bytes
     assert block.activation_bytes_total + stats.activation_bytes_outside_blocks <= stats.activation_bytes
     # Every matmul's inputs need gradients (embeddings are trained), so backward does about twice the

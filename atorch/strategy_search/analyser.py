@@ -231,6 +231,7 @@ _ATTENTION = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, torch.ops.aten._scaled_dot_product_efficient_attention,
     torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten.scaled_dot_product_attention,
     torch.ops.aten._scaled_dot_product_attention_math, torch.ops.aten._softmax, torch.ops.aten.softmax,
+    torch.ops.aten._safe_softmax,
 }
 
 
