@@ -92,7 +92,9 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   blocks' forward operations (recompute); amp_native adds ``AMP_CAST_OPS`` per matmul / convolution /
   attention of the forward (two input casts and their backward); the optimizer step runs
   ``OPTIMIZER_OPS`` foreach operations (2 + 4 per state: AdamW's lerp, mul, addcmul, sqrt, div, add,
-  addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit around each all-gather and reduce-scatter.
+  addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit around each all-gather and reduce-scatter;
+  DeepSpeed's ZeRO runs ``DEEPSPEED_PARAM_OPS`` per parameter and micro-batch (its gradient hook, the copy
+  into its bucket and into the fp32 partition, the updated parameter copied back: Python per parameter).
 * tensor / pipeline parallel: a rank computes its share of the matmuls (the blocks' FLOPs split
   ``t·p`` ways, parameter bytes as the proxy for FLOPs), a stage runs ``1/p`` of the operations, and the
   pipeline's fill and drain idle each stage: × ``(n + p − 1) / n`` for ``n`` micro-batches. Tensor
@@ -100,7 +102,8 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   pipeline parallel sends each micro-batch's hidden states forward and their gradient back.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
-  ``P`` in 25 MB buckets; zero1: the same + all-gather of the updated parameters; zero2: one all-gather
+  ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
+  ZeroRedundancyOptimizer: one broadcast per parameter; DeepSpeed: bucketed all-gathers); zero2: one all-gather
   of the parameters per micro-batch + reduce-scatter of the gradients; fsdp: all-gather in forward and
   again in backward (reshard after forward) + reduce-scatter, one collective per unit; every step
   all-reduces its loss (one latency). Gathers move 16-bit parameters under amp_native; gradients are
@@ -142,6 +145,7 @@ OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per sta
 OPTIMIZER_PASSES = (4, 8)  # passes over the parameter bytes of an update: 4 + 8 per state (AdamW: 20)
 FSDP_UNIT_OPS = 6  # operations FSDP2 runs per unit around each collective (copy-in, split, copy-out, hooks)
 FSDP_PARAM_OPS = 2  # ... and per parameter (its view into the gathered buffer, its sharded gradient)
+DEEPSPEED_PARAM_OPS = 8  # DeepSpeed ZeRO's Python work per parameter and micro-batch (calibrated, bench/README.md)
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 SHARDED = ("fsdp", "zero2")
 TP_REPLICATED_ACTIVATIONS = 10 / 34  # share of a block's saved bytes tensor parallel does not split (Megatron)
@@ -385,6 +389,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
     if sharding and not deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
         ops += (gathers + 1) * (FSDP_UNIT_OPS * units + FSDP_PARAM_OPS * stats.param_tensors)
+    if deepspeed:  # DeepSpeed's per-parameter gradient hooks, bucket copies and partition copies (Python)
+        ops += DEEPSPEED_PARAM_OPS * stats.param_tensors * micro_batches
     overhead = ops * profile.op_latency_s
 
     comm = 0.0
@@ -396,8 +402,14 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     elif dp > 1:
         buckets = max(1, math.ceil(full_grads / DDP_BUCKET_BYTES))
         comm += _collective_s(profile, "all_reduce", full_grads, dp, buckets)
-        if zero1:
-            comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
+        if zero1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner (one collective each);
+            # DeepSpeed all-gathers the partitions in buckets
+            if deepspeed:
+                comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
+            else:  # a broadcast moves what an all-gather does; its latency is an all-reduce's (one round)
+                comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
+                one = profile.collectives.get("all_reduce")
+                comm += (one.latency_s if one else 0.0) * max(0, stats.param_tensors - 1)
     comm += _collective_s(profile, "all_reduce", 4, dp, 1)  # the step's loss, averaged over the ranks
     if split > 1 and stats.blocks:
         # a block's input (its hidden states) at one micro-batch, in the compute dtype
