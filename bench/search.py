@@ -118,8 +118,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "budget": {"build": lambda: gpt2(4, 128, 4, 1024, 64), "global_batch": 4, "budget_of_ddp": 0.6,
                "sweep_of": "small"},
     # ~200M parameters, few tokens: a replica with its Adam state does not fit, shards do.
+    # fp16 matmuls run at ~1/100 of fp32's speed on this CPU: a trial past trial_timeout_s (a minute a step) is
+    # a timeout, in the sweep as in the search, rather than five minutes of dry-run.
     "large": {"build": lambda: gpt2(16, 1024, 16, 8192, 32, samples=16), "global_batch": 2, "budget_of_ddp": 0.55,
-              "excluded": ["module_replace", *MODEL_PARALLEL]},
+              "excluded": ["module_replace", *MODEL_PARALLEL], "trial_timeout_s": 60},
     # A non-transformer model: a small ResNet on 32x32 images.
     "cnn": {"build": cnn, "global_batch": 4},
 }
@@ -134,9 +136,9 @@ def user_setup(parts: dict[str, Any], global_batch: int) -> UserSetup:
                      dataloader_args={"batch_size": global_batch, "shuffle": False})
 
 
-def run_candidate(session: DryRunSession, env: Any, cand: Any) -> dict[str, Any]:
+def run_candidate(session: DryRunSession, env: Any, cand: Any, timeout_s: float = 600) -> dict[str, Any]:
     dp = ParallelLayout.of(cand.strategy, env.world_size).data_size
-    trial = session.run(cand.strategy, timeout_s=600, micro_batches=cand.micro_batches,
+    trial = session.run(cand.strategy, timeout_s=timeout_s, micro_batches=cand.micro_batches,
                         batch_size=cand.micro_batch_size * dp)
     return {"status": trial.status, "samples_per_s": trial.samples_per_s or 0.0, "peak": trial.peak_bytes or 0,
             "step_time_s": trial.step_time_s, "reason": trial.reason}
@@ -164,6 +166,7 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         cands = sorted(cands, key=lambda c: (point_of(c)["sharding"] != "ddp", point_of(c)["precision"] != "fp32"))
         cands = cands[:limit]
     keys = [c.key for c in cands]
+    timeout = spec.get("trial_timeout_s", 600)
     session = DryRunSession(setup, env, warmup=WARMUP, steps=STEPS, rejoin_timeout_s=1200, min_measure_s=MIN_MEASURE_S)
 
     # 1. The exhaustive sweep (or the one this scenario shares).
@@ -175,10 +178,10 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"])
     else:
         start = time.monotonic()
-        sweep = {ddp_key: run_candidate(session, env, by_key[ddp_key])}  # plain DDP first: it sets the budget
+        sweep = {ddp_key: run_candidate(session, env, by_key[ddp_key], timeout)}  # plain DDP first: sets the budget
         budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"]) if "budget_of_ddp" in spec else None
         session.memory_budget = budget  # an OOM stops after warm-up, in the sweep as in the search
-        sweep.update({c.key: run_candidate(session, env, c) for c in cands if c.key != ddp_key})
+        sweep.update({c.key: run_candidate(session, env, c, timeout) for c in cands if c.key != ddp_key})
         sweep_s = time.monotonic() - start
         sweeps[name] = (sweep, sweep_s)
     best_key = max((k for k in keys if feasible(sweep[k], budget)), key=lambda k: sweep[k]["samples_per_s"],
@@ -192,7 +195,7 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
                 dataloader_args={"batch_size": spec["global_batch"], "shuffle": False}, excluded=excluded,
                 memory_limit=budget)
     options = {"storage": storage, "warmup_steps": WARMUP, "measure_steps": STEPS, "min_measure_s": MIN_MEASURE_S,
-               "patience": 4}
+               "patience": 4, "trial_timeout_s": timeout}
     timings = {}
     picks = {}
     for label, extra in (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False})):
@@ -228,7 +231,7 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     again: dict[str, list[float]] = {k: [] for k in distinct}
     for _ in range(repeats):
         for key in distinct:
-            row = run_candidate(session, env, by_key[key])
+            row = run_candidate(session, env, by_key[key], timeout)
             again[key].append(row["samples_per_s"] if feasible(row, budget) else 0.0)
     session.close()
     median = {k: statistics.median(v) for k, v in again.items()}
