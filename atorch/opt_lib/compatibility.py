@@ -117,7 +117,16 @@ RULES: tuple[Rule, ...] = (
     ),
     # Tensor-parallel parameters are DTensors: torch's DDP and ZeroRedundancyOptimizer broadcast them with
     # plain c10d collectives, which DTensor refuses ("c10d.broadcast_ does not have a sharding strategy").
-    # (tensor_parallel with data size > 1 and no fsdp replicates the shards itself: tensor_data_parallel.py.)
+    # (tensor_parallel with data size > 1 and no fsdp replicates the shards itself: tensor_data_parallel.py;
+    # with a pipeline dimension too, the replicated stages' averaging is not proven on tensor-parallel shards.)
+    Rule(
+        ("tensor_parallel", "pipeline_parallel"),
+        "replicating tensor-parallel pipeline stages over the data dimension is not supported",
+        "add 'fsdp' to shard over the data dimension (FSDP2 per stage, tensor parallel inside)",
+        when=_ddp_data_parallel, condition="data size > 1 without fsdp",
+        example=("tensor_parallel", "pipeline_parallel",
+                 ("parallel_mode", {"dims": [["pipeline", 1], ["data", 2], ["tensor", 1]]})),
+    ),
     Rule(
         ("tensor_parallel", "zero1"),
         "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
