@@ -57,8 +57,11 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     assert out["limit"] < out["ddp_peak"]
     assert out["strategy"] != [["parallel_mode", {"dims": [["data", -1]], "rank_order": None}]]
     assert out["picked_peak"] is not None and out["picked_peak"] <= out["limit"]
-    assert out["statuses"].count("oom") <= 1, out["statuses"]  # the cost model keeps OOM runs away
-    assert "predicted_oom" in out["statuses"]  # ... by telling them to the sampler without running them
+    assert out["statuses"].count("oom") <= 1, out["statuses"]  # the cost model keeps OOM runs away:
+    # a candidate predicted over the budget is told to the sampler as predicted_oom, never run (whether the
+    # sampler proposes one within 6 trials depends on its draws; the mechanism is test_planner's)
+    assert out["measured_predicted_peaks"], out
+    assert all(p is not None and p <= out["limit"] for p in out["measured_predicted_peaks"]), out
     assert all(math.isfinite(x) for x in out["losses"])
 
 

@@ -99,7 +99,9 @@ def budget() -> dict[str, Any]:
     result.close()
     return {"ddp_peak": ddp.peak_bytes, "limit": limit, "strategy": strategy.to_list(), "search": best,
             "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
-            "statuses": [t.get("status") for t in trials], "losses": losses}
+            "statuses": [t.get("status") for t in trials], "losses": losses,
+            "measured_predicted_peaks": [t["predicted"].get("peak_memory_bytes") for t in trials
+                                         if t.get("status") in ("ok", "oom") and t.get("predicted")]}
 
 
 HUNG = {"done": False}
