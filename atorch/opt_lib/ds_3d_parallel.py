@@ -270,17 +270,10 @@ class Ds3dParallel(Method):
         return deepspeed_reason()
 
     def model_problems(self, ctx: Any, config: Ds3dParallelConfig) -> list[str]:  # type: ignore[override]
-        from atorch.meta_init import is_meta
         from atorch.opt_lib.ds_pipe_layers import conversion_problem
-        from atorch.opt_lib.pipeline_split import find_blocks
+        from atorch.opt_lib.pipeline_split import find_blocks, split_setup_problems
 
-        problems = []
-        if is_meta(ctx.model):
-            problems.append("a model on the meta device is not supported with ds_3d_parallel; build it on CPU")
-        if ctx.setup.loss_func is None:
-            problems.append("ds_3d_parallel runs loss_func on the last stage: give loss_func(data, output)")
-        if ctx.setup.optim_param_func is not None:
-            problems.append("optim_param_func is not supported with ds_3d_parallel yet; leave it out")
+        problems = split_setup_problems(ctx, "ds_3d_parallel")
         why = conversion_problem(ctx.model)
         if why is not None:
             problems.append(why)

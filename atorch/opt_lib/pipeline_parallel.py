@@ -414,15 +414,9 @@ class PipelineParallel(Method):
         return problems
 
     def model_problems(self, ctx: Any, config: PipelineParallelConfig) -> list[str]:  # type: ignore[override]
-        from atorch.meta_init import is_meta
+        from atorch.opt_lib.pipeline_split import split_setup_problems
 
-        problems = []
-        if is_meta(ctx.model):
-            problems.append("a model on the meta device is not supported with pipeline_parallel yet; build it on CPU")
-        if ctx.setup.loss_func is None:
-            problems.append("pipeline_parallel runs loss_func on the last stage: give loss_func(data, output)")
-        if ctx.setup.optim_param_func is not None:
-            problems.append("optim_param_func is not supported with pipeline_parallel yet; leave it out")
+        problems = split_setup_problems(ctx, "pipeline_parallel")
         blocks, why = find_blocks(ctx.model)
         size = ctx.layout.size(PIPELINE)
         stages = size * config.stages_per_rank()

@@ -308,3 +308,17 @@ class StageModule(nn.Module):
                 return hidden_of(self.module(inputs_embeds=args[0], **kwargs))
             return hidden_of(self.module(*args, **kwargs))
         return hidden_of(self.module(*args, **kwargs) if self.first else self.module(args[0]))
+
+
+def split_setup_problems(ctx: Any, method: str) -> list[str]:
+    """What a method that splits the model into pipeline stages needs of the user's setup."""
+    from atorch.meta_init import is_meta
+
+    problems = []
+    if is_meta(ctx.model):
+        problems.append(f"a model on the meta device is not supported with {method} yet; build it on CPU")
+    if ctx.setup.loss_func is None:
+        problems.append(f"{method} runs loss_func on the last stage: give loss_func(data, output)")
+    if ctx.setup.optim_param_func is not None:
+        problems.append(f"optim_param_func is not supported with {method} yet; leave it out")
+    return problems
