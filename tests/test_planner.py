@@ -345,3 +345,61 @@ def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_pat
     assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= BUDGET
     study = optuna.load_study(study_name="k", storage=storage(tmp_path))
     assert any("the largest measured / predicted so far" in t.user_attrs.get("reason", "") for t in study.trials)
+
+
+class SlowFirstRun(Measure):
+    """The landscape, except that the first run of ``slowed`` is 10% slow (a neighbour's burst of work)."""
+
+    def __init__(self, slowed: str) -> None:
+        super().__init__()
+        self.slowed = slowed
+
+    def __call__(self, cand: Candidate) -> Run:
+        run = super().__call__(cand)
+        if cand.key == self.slowed and sum(c.key == cand.key for c in self.calls) == 1:
+            run.samples_per_s *= 0.9
+        return run
+
+
+def test_confirmation_measures_a_close_runner_up_again_and_keeps_the_faster_run(space, tmp_path) -> None:
+    def fastest_measured(measure: Measure) -> Candidate:
+        return max(measure.calls, key=lambda c: true_speed(dict(c.point)))
+
+    # The cost model's favourites are measured first; the fastest of them has one slow run.
+    seeds = Planner(space, storage=storage(tmp_path), study_key="probe", predict=predict, measure=Measure(),
+                    memory_budget=BUDGET).ranked_by_cost_model()[:3]
+    slowed = max(seeds, key=lambda c: true_speed(dict(c.point)))
+    # Without confirmation, that one slow run hands the pick to a slower candidate.
+    plain_measure = SlowFirstRun(slowed.key)
+    plain = Planner(space, storage=storage(tmp_path), study_key="a", predict=predict, measure=plain_measure,
+                    memory_budget=BUDGET, max_trials=8).search()
+    assert fastest_measured(plain_measure) == slowed and plain.candidate != slowed
+    # With it, the best and the runner-up run once more (the runner-up first), within the same max_trials,
+    # and the pick is the truly fastest of what was measured.
+    measure = SlowFirstRun(slowed.key)
+    result = Planner(space, storage=storage(tmp_path), study_key="b", predict=predict, measure=measure,
+                     memory_budget=BUDGET, max_trials=8, confirm_within=0.3).search()
+    best = fastest_measured(measure)
+    assert result.candidate == best and result.samples_per_s == pytest.approx(true_speed(dict(best.point)))
+    assert result.dry_runs == len(measure.calls) == 8
+    study = optuna.load_study(study_name="b", storage=storage(tmp_path))
+    confirmed = [c["key"] for c in study.user_attrs["confirmations"]]
+    assert len(confirmed) == 2 and best.key in confirmed and [c.key for c in measure.calls[-2:]] == confirmed
+    assert study.user_attrs["best"]["point"] == dict(best.point)
+    # A runner-up further behind than confirm_within is not measured again.
+    far = Planner(space, storage=storage(tmp_path), study_key="c", predict=predict, measure=Measure(),
+                  memory_budget=BUDGET, max_trials=8, confirm_within=0.01).search()
+    assert "confirmations" not in optuna.load_study(study_name="c", storage=storage(tmp_path)).user_attrs
+    assert far.dry_runs == 6  # exploration stopped two early all the same
+
+
+def test_merged_runs_keep_the_faster_and_the_higher_peak_and_a_failure_decides() -> None:
+    from atorch.strategy_search.ask_tell import merge_runs
+
+    ok = {"status": "ok", "samples_per_s": 10.0, "peak_memory_bytes": 5.0, "step_time_s": 0.8, "reason": ""}
+    faster = {**ok, "samples_per_s": 12.0, "peak_memory_bytes": 4.0, "step_time_s": 0.66}
+    merged = merge_runs(ok, faster)
+    assert merged["samples_per_s"] == 12.0 and merged["step_time_s"] == 0.66 and merged["peak_memory_bytes"] == 5.0
+    assert merged["runs"] == 2
+    failed = {**ok, "status": "failed", "reason": "RuntimeError: boom"}
+    assert merge_runs(ok, failed) == failed and merge_runs(failed, ok) == failed

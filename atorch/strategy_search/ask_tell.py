@@ -113,6 +113,19 @@ def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
 
 
 MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out the whole space
+CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
+
+
+def merge_runs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two dry-runs of one candidate as one outcome: the faster (interference on a shared machine only slows a
+    run down) with the higher peak; a run that failed decides."""
+    if str(first["status"]).lower() not in OK_STATUSES:
+        return first
+    if str(second["status"]).lower() not in OK_STATUSES:
+        return second
+    faster = first if first["samples_per_s"] >= second["samples_per_s"] else second
+    return {**faster, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
+            "runs": int(first.get("runs", 1)) + int(second.get("runs", 1))}
 
 
 class StopRules:
@@ -126,10 +139,15 @@ class StopRules:
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs
 
-    def reason(self) -> str:
+    def out_of_time(self) -> str:
         elapsed = self.clock() - self.start
         if self.time_limit_s is not None and elapsed >= self.time_limit_s:
             return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
+        return ""
+
+    def reason(self) -> str:
+        if late := self.out_of_time():
+            return late
         if self.dry_runs >= self.max_trials:
             return f"{self.dry_runs} dry-runs (max_trials)"
         if self.patience is not None and self.found and self.since_best >= self.patience:
@@ -170,6 +188,9 @@ class SearchState:
             attrs = old.user_attrs
             if old.state == TrialState.COMPLETE and "measured" in attrs and attrs.get("status") != "duplicate":
                 self._remember(old.user_attrs["key"], old.number, old.user_attrs["measured"])
+        for again in study.user_attrs.get("confirmations", []) if self.done else []:
+            if again["key"] in self.done:
+                self._merge(again["key"], again["measured"])
 
     def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:
         pred = self.table.prediction(key)
@@ -293,6 +314,31 @@ class SearchState:
         if self.on_trial is not None:
             self.on_trial(record)
         return record
+
+    # ----- confirmation ------------------------------------------------------------------------
+    def contenders(self, within: float) -> list[str]:
+        """The best measured candidate and the runner-up, when the runner-up measured within ``within`` (a
+        fraction) of the best: one dry-run each cannot tell them apart on a noisy machine. Else empty."""
+        ranked = sorted(((v[0], k) for k, v in self.done.items() if v[2]["status"] == "ok"), reverse=True)
+        if len(ranked) < 2 or ranked[1][0] < (1.0 - within) * ranked[0][0]:
+            return []
+        return [ranked[0][1], ranked[1][1]]
+
+    def confirm(self, key: str, measured: dict[str, Any]) -> dict[str, Any]:
+        """Record a re-measurement of a measured candidate (``merge_runs`` with its first run; the best is chosen
+        again). Kept in the study's ``confirmations`` attribute, so a rebuilt state knows it."""
+        self._merge(key, measured)
+        record = {"key": key, "measured": measured, "status": self.done[key][2]["status"]}
+        self.study.set_user_attr("confirmations", [*self.study.user_attrs.get("confirmations", []), record])
+        return record
+
+    def _merge(self, key: str, measured: dict[str, Any]) -> None:
+        verdict = self.done[key][2]
+        merged = merge_runs(verdict["measured"], measured)
+        value, constraints, attrs = judge(merged, self.table.prediction(key), self.budget)
+        self.done[key] = (value, constraints, {"number": verdict["number"], "measured": merged, **attrs})
+        ok = [(v[0], k) for k, v in self.done.items() if v[2]["status"] == "ok"]
+        self.best_value, self.best_key = max(ok) if ok else (None, None)
 
     # ----- the result --------------------------------------------------------------------------
     def best(self) -> dict[str, Any] | None:

@@ -50,6 +50,9 @@ class SearchOptions(BaseModel):
         "steps of a few milliseconds are too noisy to rank candidates on a handful of them"))
     max_measure_steps: int = Field(default=50, ge=1, description="the most timed steps of a dry-run")
     trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
+    confirm_within: float = Field(default=0.15, ge=0, lt=1, description=(
+        "when the runner-up measured within this fraction of the best, both run once more and keep their faster "
+        "run (two of max_trials; 0: off; local search only: a strategy server's study decides on its trials)"))
     sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
     storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
     force: bool = Field(default=False, description="search again even if a finished search has the same key")
@@ -194,7 +197,7 @@ class _Leader:
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed)
             if not remote:
-                return Planner(space, **args)
+                return Planner(space, **args, confirm_within=self.options.confirm_within)
             from atorch.server.client import RemotePlanner
 
             return RemotePlanner(space, **args, server_url=self.strategy_server)

@@ -10,6 +10,11 @@
    predicted samples/s: the constraint ranks it below every feasible trial whatever its value.
 4. It stops on ``time_limit_s`` (checked before each trial), ``max_trials`` dry-runs, or ``patience``
    dry-runs without improvement. The best is the highest *measured* samples/s among feasible trials.
+5. Confirmation (``confirm_within``, off by default here; ``auto_accelerate`` turns it on): when the
+   runner-up measured within that fraction of the best, both are measured once more, the runner-up first,
+   and each keeps its faster run (``merge_runs``). One dry-run each cannot separate two candidates that close
+   on a shared machine: on the bench, a 5% lead in the search was a 20% deficit when re-measured. The two
+   runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget holds.
 
 Constraints (Trial.set_constraint, feasible when <= 0): ``memory_over`` = (peak - budget) / budget,
 predicted or measured; ``failed`` = 1 for a failed or timed-out run, else 0.
@@ -33,6 +38,7 @@ from typing import Any
 
 from atorch.log import get_logger
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
+    CONFIRM_RUNS,
     DEFAULT_TOP_K,
     OK_STATUSES,
     SearchState,
@@ -122,6 +128,7 @@ class Planner:
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
         on_trial: Callable[[dict[str, Any]], None] | None = None,
+        confirm_within: float | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -141,6 +148,7 @@ class Planner:
         self.seed = seed
         self.clock = clock
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
+        self.confirm_within = confirm_within
         self._predictions: dict[str, Predicted | str] | None = None
         self._table: CandidateTable | None = None
 
@@ -219,7 +227,9 @@ class Planner:
 
     def search(self, force: bool = False) -> PlanResult:
         """The local loop over SearchState (ask/tell shared with the strategy server)."""
-        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock)
+        # confirmation's dry-runs are kept out of exploration where at least four are left to it
+        reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
+        rules = StopRules(self.time_limit_s, self.max_trials - reserve, self.patience, self.clock)
         if not force and (hit := self.cached()) is not None:
             logger.info("strategy search: cached best %s (%.3g samples/s)", hit.candidate, hit.samples_per_s)
             return hit
@@ -236,6 +246,8 @@ class Planner:
             record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
             logger.info("trial %d: %s -> %s %s", proposal.number, cand, record["status"], record.get("reason", ""))
             rules.record(record["improved"])
+        if reserve:
+            self._confirm(state, rules)
         best_cand = None
         if (best := state.best()) is not None:
             best_cand = self.space.from_point(best["point"])
@@ -243,6 +255,24 @@ class Planner:
         logger.info("strategy search: %s; best %s", stop, best_cand)
         return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
                           _trial_records(study))
+
+
+    def _confirm(self, state: SearchState, rules: StopRules) -> None:
+        """Measure the best and a close runner-up once more (the runner-up first) and choose again."""
+        contenders = state.contenders(self.confirm_within or 0.0)
+        for key in reversed(contenders):
+            if late := rules.out_of_time():
+                logger.info("strategy search: confirmation cut short: %s", late)
+                return
+            cand = self.space.from_point(json.loads(key))
+            first = state.done[key][2]["measured"]["samples_per_s"]
+            record = state.confirm(key, measure_safely(self.measure_fn, cand))
+            rules.record(False)
+            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", cand, record["status"],
+                        record["measured"]["samples_per_s"], first)
+        if contenders:
+            logger.info("confirmation: best %s", self.space.from_point(json.loads(state.best_key))
+                        if state.best_key else None)
 
 
 def _pred_json(pred: Predicted | str) -> dict[str, Any]:
