@@ -243,7 +243,8 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     session.close()
     median = {k: statistics.median(v) for k, v in again.items()}
 
-    # 5. Cost-model accuracy over the feasible sweep.
+    # 5. Cost-model accuracy: memory over every candidate whose peak was measured (one stopped over the budget
+    # after its warm-up has its whole peak: the warm-up takes optimizer steps), time over those that ran timed steps.
     from atorch.strategy_search.analyser import analyse
     from atorch.strategy_search.automatic import _sample_batch
     from atorch.strategy_search.cost_model import predict
@@ -257,15 +258,17 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     details: list[dict[str, Any]] = []
     for c in cands:
         row = sweep[c.key]
-        if row["status"] != "ok" or not row["step_time_s"]:
+        if row["status"] not in ("ok", "oom") or not row["peak"]:
             continue
         pred = predict(stats, c.strategy, ParallelLayout.of(c.strategy, env.world_size), profile,
                        spec["global_batch"], c.micro_batches, optimizer_state_factor=factor)
         mem_err.append(abs(pred.memory.peak - row["peak"]) / row["peak"])
         details.append({"candidate": describe(point_of(c)), "mbs": c.micro_batch_size, "pred_peak": pred.memory.peak,
-                        "peak": row["peak"], "pred_s": pred.time.step, "s": row["step_time_s"]})
-        pred_t.append(pred.time.step)
-        meas_t.append(row["step_time_s"])
+                        "peak": row["peak"], "pred_s": pred.time.step, "s": row["step_time_s"],
+                        "status": row["status"]})
+        if row["status"] == "ok" and row["step_time_s"]:
+            pred_t.append(pred.time.step)
+            meas_t.append(row["step_time_s"])
 
     def ratio(key: str | None) -> float | None:
         return None if key is None or not median[best_key] else median.get(key, 0.0) / median[best_key]
