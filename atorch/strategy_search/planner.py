@@ -256,7 +256,6 @@ class Planner:
         return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
                           _trial_records(study))
 
-
     def _confirm(self, state: SearchState, rules: StopRules) -> None:
         """Measure the best and a close runner-up once more (the runner-up first) and choose again."""
         contenders = state.contenders(self.confirm_within or 0.0)
