@@ -132,8 +132,9 @@ class StopRules:
     """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
 
     def __init__(self, time_limit_s: float | None, max_trials: int, patience: int | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reserved: int = 0) -> None:
         self.time_limit_s, self.max_trials, self.patience, self.clock = time_limit_s, max_trials, patience, clock
+        self.reserved = reserved  # dry-runs of max_trials kept for after exploration (the confirmation)
         self.start = clock()
         self.dry_runs = 0
         self.since_best = 0
@@ -148,8 +149,9 @@ class StopRules:
     def reason(self) -> str:
         if late := self.out_of_time():
             return late
-        if self.dry_runs >= self.max_trials:
-            return f"{self.dry_runs} dry-runs (max_trials)"
+        if self.dry_runs >= self.max_trials - self.reserved:
+            kept = f" {self.max_trials}, {self.reserved} kept for the confirmation" if self.reserved else ""
+            return f"{self.dry_runs} dry-runs (max_trials{kept})"
         if self.patience is not None and self.found and self.since_best >= self.patience:
             return f"no improvement in {self.since_best} dry-runs (patience)"
         return ""

@@ -229,7 +229,7 @@ class Planner:
         """The local loop over SearchState (ask/tell shared with the strategy server)."""
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
-        rules = StopRules(self.time_limit_s, self.max_trials - reserve, self.patience, self.clock)
+        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
         if not force and (hit := self.cached()) is not None:
             logger.info("strategy search: cached best %s (%.3g samples/s)", hit.candidate, hit.samples_per_s)
             return hit
