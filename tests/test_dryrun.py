@@ -144,7 +144,7 @@ def test_fast_steps_are_timed_until_they_add_up_to_min_measure_s() -> None:
     # have timed several times faster): ceil(min_measure_s / their median), within [steps, max_steps].
     first = statistics.median(longer.ranks[0].step_times_s[:3])
     assert timed == len(longer.ranks[0].step_times_s) == max(3, min(math.ceil(20 * step_s / first), 50))
-    assert timed > 3, (timed, first, step_s)  # it went on past steps (unless the machine slowed 5x meanwhile)
+    # (about 20 steps on a steady machine, so a count stuck at ``steps`` fails the equality above)
     capped = dry_run(setup, env, plain, warmup=1, steps=3, min_measure_s=60.0, max_steps=7)
     assert len(capped.losses) - 1 == 7
 
