@@ -4,9 +4,9 @@
     python bench/cost_model.py --replay out.json      # predict again from saved measurements (no run)
 
 For a small GPT-2 (bench/search.py's ``small``), the MLP of tests/toy_models.py and a small ResNet
-(bench/search.py's ``cnn``), every candidate of the search space (sharding with each implementation and
-CPU offload, checkpoint, precision fp32 / amp bf16 / amp fp16, micro-batch size; ``--every K`` keeps
-every K-th from ``--first``) is measured with the dry-run the search itself uses
+(bench/search.py's ``cnn``), every candidate of the search space (sharding with each implementation, CPU
+offload where the device has a host memory, checkpoint, precision fp32 / amp bf16 / amp fp16, micro-batch
+size; ``--every K`` keeps every K-th from ``--first``) is measured with the dry-run the search itself uses
 (``atorch.dryrun.runner.DryRunSession``):
 
 * peak memory = ``TrialResult.peak_bytes``: the peak increase of live tensor bytes over the baseline taken
@@ -79,7 +79,8 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     setup = search.user_setup(parts, args.global_batch)
     stats = analyse(parts["model"], _sample_batch(setup, env, args.global_batch // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
-    cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED).enumerate()
+    cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED,
+                        host_offload=env.device.type != "cpu").enumerate()
     cands = cands[args.first:: args.every]
     session = DryRunSession(setup, env, warmup=args.warmup, steps=args.steps, rejoin_timeout_s=1200)
     rows = []

@@ -119,13 +119,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # The same under a budget plain DDP cannot meet (set from the sweep: 60% of DDP's peak).
     "budget": {"build": lambda: gpt2(4, 128, 4, 1024, 64), "global_batch": 4, "budget_of_ddp": 0.6,
                "sweep_of": "small"},
-    # ~206M parameters (64 layers of width 512), eager attention, 64 tokens a sample, 4 samples per rank: a
+    # ~206M parameters (64 layers of width 512), eager attention, 32 tokens a sample, 8 samples per rank: a
     # replica with its AdamW state does not fit in 46% of DDP's peak, a shard does only with checkpointing (the
     # narrow, deep blocks keep ~3 MiB of activations per token; 256 tokens per rank keep a step near 10 s on this
     # CPU). amp is left out: bf16 matmuls run at ~1/5 and fp16 at ~1/200 of fp32's speed on this CPU, so the
-    # sweep would take hours; fp32 alone still gives 54 candidates (9 sharding variants x checkpoint x 3 micro-
-    # batch sizes).
-    "large": {"build": lambda: gpt2(64, 512, 16, 8192, 64, attention="eager"), "global_batch": 8,
+    # sweep would take hours; fp32 alone still gives 56 candidates (7 sharding variants x checkpoint x 4 micro-
+    # batch sizes; cpu_offload is not searched on a CPU device).
+    "large": {"build": lambda: gpt2(64, 512, 16, 8192, 32, attention="eager"), "global_batch": 16,
               "budget_of_ddp": 0.46, "excluded": ["half", "amp_native", "module_replace", *MODEL_PARALLEL],
               "trial_timeout_s": 240},
     # A non-transformer model: a small ResNet on 32x32 images.
@@ -166,7 +166,8 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     parts = spec["build"]()
     setup = user_setup(parts, spec["global_batch"])
     excluded = [m for m in spec.get("excluded", EXCLUDED) if not (model_parallel and m in MODEL_PARALLEL)]
-    space = SearchSpace(parts["model"], env.world_size, spec["global_batch"], excluded=excluded)
+    space = SearchSpace(parts["model"], env.world_size, spec["global_batch"], excluded=excluded,
+                        host_offload=env.device.type != "cpu")  # as the search builds it
     cands = space.enumerate()
     if limit:  # a quick check of this script, not a measurement: DDP plus the first few
         cands = sorted(cands, key=lambda c: (point_of(c)["sharding"] != "ddp", point_of(c)["precision"] != "fp32"))

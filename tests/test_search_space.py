@@ -122,6 +122,17 @@ def test_supported_dtypes_limit_precision(gpt2) -> None:
     assert {dict(c.point)["precision"] for c in bf16.enumerate()} == {"fp32", "amp_bf16", "half_bf16"}
 
 
+def test_cpu_offload_is_searched_only_where_the_device_has_a_host_memory(gpt2) -> None:
+    """On a CPU device offloading moves nothing (the same RAM, the same program): no twin candidates."""
+    with_host = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["tensor_parallel", "pipeline_parallel"])
+    cpu = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["tensor_parallel", "pipeline_parallel"], host_offload=False)
+    assert {p.get("fsdp.cpu_offload") for p in with_host.valid_points()} == {None, False, True}
+    assert all("fsdp.cpu_offload" not in p for p in cpu.valid_points())
+    fsdp = [c for c in with_host.enumerate() if dict(c.point)["sharding"] == "fsdp"]
+    assert len(cpu) == len(with_host) - len(fsdp) // 2  # the offloaded half of the FSDP candidates is gone
+    assert all(c.strategy.get("fsdp") is None or not c.strategy.get("fsdp").cpu_offload for c in cpu.enumerate())
+
+
 def test_finetune_fixes_methods_and_varies_only_tunable_configs(gpt2) -> None:
     loaded = [("parallel_mode", None), ("amp_native", {"dtype": "bf16"}),
               ("fsdp", {"cpu_offload": False}, True)]

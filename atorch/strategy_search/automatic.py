@@ -175,7 +175,8 @@ class _Leader:
         supported = [d for d, name in (("bf16", "bfloat16"), ("fp16", "float16")) if name in self.profile.matmul_tflops]
         space = SearchSpace(self.setup.model, self.env.world_size, self.global_batch, supported_dtypes=supported,
                             excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
-                            max_micro_batch_size=self.options.max_micro_batch_size)
+                            max_micro_batch_size=self.options.max_micro_batch_size,
+                            host_offload=self.profile.device_type != "cpu")
         state_factor = optimizer_state_factor(self.setup)
 
         def predict(cand: Any) -> Any:

@@ -29,8 +29,11 @@ wrappers' persistent buffers — plus the largest of three phases:
   phases add the gradients
   (FSDP2's unsharded ones in the compute dtype: atorch turns its gradient sync off for all micro-batches
   but the last, and FSDP2 then accumulates unsharded gradients);
-* optimizer (the step): the gradients plus the optimizer's temporaries (foreach AdamW: calibrated
-  ``OPTIMIZER_TEMP_PER_STATE`` × ``k`` × the parameters a rank updates).
+* optimizer (the step): the gradients plus the optimizer's temporaries: ``OPTIMIZER_TEMP_PER_STATE`` (0.5)
+  × ``k`` × what one kernel updates at once (AdamW: the square root of the second moment). On an accelerator
+  torch's foreach kernels update every parameter a rank owns at once; on a CPU torch has no foreach kernels
+  and runs its single-tensor loop, so only the largest parameter's temporary exists (a shard of it under
+  FSDP); DeepSpeed updates its flat fp32 partition, one tensor, either way.
 
 ``peak_phase`` says which phase won; ``temporary`` is the persistent buffers plus that phase's
 temporaries (so parameters + optimizer_state + temporary + that phase's activations or gradients = peak).
@@ -92,7 +95,9 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   blocks' forward operations (recompute); amp_native adds ``AMP_CAST_OPS`` per matmul / convolution /
   attention of the forward (two input casts and their backward); the optimizer step runs
   ``OPTIMIZER_OPS`` foreach operations (2 + 4 per state: AdamW's lerp, mul, addcmul, sqrt, div, add,
-  addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit around each all-gather and reduce-scatter;
+  addcdiv and weight decay); FSDP runs ``FSDP_UNIT_OPS`` per unit and ``FSDP_PARAM_OPS`` per parameter
+  (calibrated: FSDP2's parameters are DTensors, whose per-parameter work costs tens of plain operations)
+  around each all-gather and reduce-scatter;
   DeepSpeed's ZeRO runs ``DEEPSPEED_PARAM_OPS`` per parameter and micro-batch (its gradient hook, the copy
   into its bucket and into the fp32 partition, the updated parameter copied back: Python per parameter).
 * tensor / pipeline parallel: a rank computes its share of the matmuls (the blocks' FLOPs split
@@ -136,7 +141,7 @@ CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their s
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
 ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
 DEEPSPEED_BUCKETS = 1.0  # DeepSpeed's reduce bucket, x P (its size is capped at the model's parameter count)
-OPTIMIZER_TEMP_PER_STATE = 0.25  # foreach AdamW's temporaries (sqrt of the second moment), per state and parameter
+OPTIMIZER_TEMP_PER_STATE = 0.5  # the step's temporaries per state, x the bytes one kernel updates (AdamW: 1 x)
 DDP_PERSISTENT = 1.0  # DDP reducer's buckets (x P), alive from construction on
 FSDP_ROOT_PERSISTENT = 2.0  # FSDP2's root unit: gathered bytes kept across steps (the parameters and their buffer)
 DEFAULT_MEMORY_BYTES_PER_S = 5e9  # a profile without memory_bytes_per_s (an older table)
@@ -144,7 +149,8 @@ AMP_CAST_OPS = 4  # per autocast matmul: its two inputs cast in forward, and tho
 OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per state (AdamW: 10)
 OPTIMIZER_PASSES = (4, 8)  # passes over the parameter bytes of an update: 4 + 8 per state (AdamW: 20)
 FSDP_UNIT_OPS = 6  # operations FSDP2 runs per unit around each collective (copy-in, split, copy-out, hooks)
-FSDP_PARAM_OPS = 2  # ... and per parameter (its view into the gathered buffer, its sharded gradient)
+FSDP_PARAM_OPS = 30  # ... and per parameter: DTensor work (wrapping, views into the gathered buffer, its sharded
+# gradient) costs tens of plain operations; calibrated on bench/search.py's small GPT-2 and ResNet spaces
 DEEPSPEED_PARAM_OPS = 8  # DeepSpeed ZeRO's Python work per parameter and micro-batch (calibrated, bench/README.md)
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 SHARDED = ("fsdp", "zero2")
@@ -309,7 +315,15 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         persistent = DDP_PERSISTENT * trainable
     if amp and (deepspeed or not sharding):
         fwd_temp += rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
-    step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
+    # The step's temporaries (AdamW: the square root of the second moment) span what one kernel updates at
+    # once: every owned parameter under foreach (accelerators), the largest one in torch's single-tensor loop
+    # (CPU: torch has no foreach kernels there), DeepSpeed's flat fp32 partition either way (one tensor).
+    if deepspeed or profile.device_type != "cpu":
+        at_once = owned
+    else:
+        largest_tensor = (stats.largest_layer.param_bytes if stats.largest_layer else 0) * scale
+        at_once = min(owned, largest_tensor / (shard if sharding else 1))
+    step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * at_once
     if zero1 and dp > 1 and not deepspeed:  # the other ranks' updated parameters, broadcast after the step
         step_temp += ZERO1_BROADCAST_FRACTION * trainable * (dp - 1) / dp
 

@@ -102,6 +102,9 @@ class SearchSpace:
     excluded / included: method names never used / always used.
     finetune_strategy: search around a loaded strategy: its methods stay; the search dims of the
     items marked ``tunable`` vary, as does micro-batching.
+    host_offload: whether the device has a host memory to offload to. On a CPU device it has not (the
+    "offloaded" state stays in the same RAM, and the program is the same), so ``cpu_offload`` is not searched
+    there: it would only add twins of candidates.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class SearchSpace:
         finetune_strategy: Any = None,
         half_dtypes: Sequence[str] = DEFAULT_HALF_DTYPES,
         max_micro_batch_size: int | None = None,
+        host_offload: bool = True,
     ) -> None:
         self.world_size = world_size
         self.global_batch = global_batch
@@ -122,6 +126,7 @@ class SearchSpace:
         self.excluded = frozenset(excluded)
         self.included = frozenset(included)
         self.half_dtypes = tuple(half_dtypes)
+        self.host_offload = host_offload
         unknown = sorted(n for n in self.excluded | self.included if not registry.is_registered(n))
         if unknown:
             raise SetupError([f"unknown method(s) {unknown} in excluded/included; known: {registry.method_names()}"])
@@ -206,6 +211,8 @@ class SearchSpace:
             choices = tuple(getattr(dim, "choices", ()) or range(dim.low, dim.high + 1))  # type: ignore[union-attr]
             if fname == "dtype":
                 choices = tuple(c for c in choices if c in self.supported_dtypes)
+            if fname == "cpu_offload" and not self.host_offload:
+                choices = (False,)
             if len(choices) > 1:
                 dims.append(Dim(f"{name}.{fname}", choices))
         return dims
