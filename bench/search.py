@@ -17,8 +17,10 @@ Per scenario, side by side in one run:
    (stages 0-3 as DDP / zero1 / zero2 / fsdp, fp32, every micro-batch size; the best that fits).
 4. **Re-measured interleaved**: the pick, the sweep's best, the cost model's pick and the baselines,
    ``--repeats`` rounds in turn; ratios are of medians (the machine is noisy).
-5. **Cost model accuracy** over every feasible candidate of the sweep: peak memory error (median,
-   max) and the Spearman rank correlation of predicted vs measured step time.
+5. **Cost model accuracy**: peak memory error (median, max) over every candidate of the sweep whose peak
+   was measured (those stopped over the budget after warm-up too), and the Spearman rank correlation of
+   predicted vs measured step time over those that ran timed steps (none below 3 rows); the row counts
+   are printed beside them.
 
 Rank 0 prints a markdown table per scenario and a JSON line (``RESULT {...}``).
 """
@@ -290,7 +292,9 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         "search_s": timings["search"], "sweep_s": sweep_s, "search_over_sweep": timings["search"] / sweep_s,
         "cached_s": timings["cached"], "cached_over_search": timings["cached"] / timings["search"],
         "memory_error_median": statistics.median(mem_err), "memory_error_max": max(mem_err),
-        "time_spearman": spearman(pred_t, meas_t), "feasible_in_sweep": sum(feasible(sweep[k], budget) for k in keys),
+        "time_spearman": spearman(pred_t, meas_t) if len(pred_t) >= 3 else None,  # a rank order needs 3 rows
+        "memory_rows": len(mem_err), "timed_rows": len(pred_t),
+        "feasible_in_sweep": sum(feasible(sweep[k], budget) for k in keys),
         "medians_samples_per_s": {k: median[v] if v else None for k, v in contenders.items()},
         "candidates_detail": details,
     }
@@ -330,14 +334,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     lines = ["| scenario | params | candidates | budget MiB | pick / exhaustive | cost model / exhaustive | "
              "pick / DDP | pick / size rule | pick / stage scan | dry-runs (bad) | search / sweep | cached / search | "
-             "mem. err median / max | time Spearman |", "|" + "---|" * 14]
+             "mem. err median / max (rows) | time Spearman (rows) |", "|" + "---|" * 14]
     for r in rows:
         lines.append(
             f"| {r['scenario']} | {r['params_M']:.1f}M | {r['candidates']} | {f(r['budget_MiB'], 1)} | "
             f"{f(r['pick_over_best'])} | {f(r['cost_model_over_best'])} | {f(r['pick_over_ddp'])} | "
             f"{f(r['pick_over_size_rule'])} | {f(r['pick_over_stage_scan'])} | {r['dry_runs']} ({r['bad_dry_runs']}) | "
             f"{f(r['search_over_sweep'], 3)} | {f(r['cached_over_search'], 3)} | "
-            f"{100 * r['memory_error_median']:.1f}% / {100 * r['memory_error_max']:.1f}% | {f(r['time_spearman'])} |")
+            f"{100 * r['memory_error_median']:.1f}% / {100 * r['memory_error_max']:.1f}% ({r['memory_rows']}) | "
+            f"{f(r['time_spearman'])} ({r['timed_rows']}) |")
     lines.append("")
     for r in rows:
         lines.append(f"- {r['scenario']}: pick {r['pick']}; exhaustive best {r['best']}; sweep {r['sweep_s']:.0f} s, "
