@@ -101,6 +101,39 @@ def dry_run_vs_cost_model() -> dict[str, Any]:
     return {"profile": {"matmul_tflops": profile.matmul_tflops, "device": profile.device_name}, "rows": rows}
 
 
+def optimizer_step_vs_cost_model() -> dict[str, Any]:
+    """A model whose peak is its optimizer step (wide MLP, tiny batch): foreach AdamW holds a temporary of
+    every parameter at once (the cost model's CUDA term); the single-tensor loop (foreach=False) only
+    the largest parameter's."""
+    from toy_models import MLP, mlp_dataset, mlp_loss
+
+    from atorch.dryrun import dry_run
+    from atorch.model_context import UserSetup
+    from atorch.parallel_layout import ParallelLayout
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.analyser import analyse
+    from atorch.strategy_search.cost_model import predict
+    from atorch.strategy_search.hardware import measure_profile
+
+    env = init_distributed()
+    profile = measure_profile()
+    strategy = Strategy.load(["parallel_mode"])
+    data = mlp_dataset(samples=64)
+    batch = next(iter(torch.utils.data.DataLoader(data, batch_size=4)))
+    stats = analyse(MLP(dim=2048, depth=4), [t.cuda() for t in batch], "unpack_sequence", mlp_loss)
+    pred = predict(stats, strategy, ParallelLayout.of(strategy, 1), profile, 4)
+    rows = []
+    for foreach in (None, False):
+        setup = UserSetup(model=MLP(dim=2048, depth=4), optim_func=torch.optim.AdamW, dataset=data, loss_func=mlp_loss,
+                          model_input_format="unpack_sequence", optim_args={"lr": 1e-3, "foreach": foreach},
+                          dataloader_args={"batch_size": 4})
+        measured = dry_run(setup, env, strategy, warmup=2, steps=3)
+        rows.append({"foreach": foreach, "status": measured.status, "reason": measured.reason,
+                     "measured_mib": (measured.peak_bytes or 0) / 2**20})
+    return {"param_mib": stats.param_bytes / 2**20, "predicted_mib": pred.memory.peak / 2**20,
+            "predicted_phase": pred.memory.peak_phase, "rows": rows}
+
+
 def main() -> None:
     init_distributed()
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
@@ -117,6 +150,7 @@ def main() -> None:
         "fp8": lambda: train(["parallel_mode", "fp8", ("amp_native", {"dtype": "bf16"})]),
         "default_strategy": lambda: train(None, search={"dryrun": False}),
         "dry_run_vs_cost_model": dry_run_vs_cost_model,
+        "optimizer_step_vs_cost_model": optimizer_step_vs_cost_model,
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
     }
     for name, case in cases.items():

@@ -47,10 +47,10 @@ def test_hand_computed_ddp_case() -> None:
     # params 4000, grads 4000, AdamW state 2 x 4000, DDP's buckets 1 x 4000 (calibrated), activations at
     # 4 samples/rank = 1600 + 2.5 x 200 = 2100. Phases at one micro-batch: forward 2100; backward 4000 (its
     # saved activations are freed as the gradients appear: the larger of the two); optimizer: grads 4000 +
-    # the step's temporaries: on a CPU torch's single-tensor AdamW holds one temporary of the largest
-    # parameter, 0.5 x 2 x 1000 = 5000. The step wins: peak = 4000 + 8000 + 4000 + 5000.
+    # the step's temporaries: on a CPU torch's single-tensor AdamW holds two temporaries of the largest
+    # parameter, 1.0 x 2 x 1000 = 6000. The step wins: peak = 4000 + 8000 + 4000 + 6000.
     assert (m.parameters, m.gradients, m.optimizer_state, m.activations) == (4000, 4000, 8000, 2100)
-    assert (m.temporary, m.peak, m.peak_phase) == (5000, 21000, "optimizer")
+    assert (m.temporary, m.peak, m.peak_phase) == (6000, 22000, "optimizer")
     # On an accelerator foreach AdamW holds one temporary of every parameter at once: 0.5 x 2 x 4000.
     cuda = _profile(2).model_copy(update={"device_type": "cuda"})
     foreach = predict(_stats(), Strategy.load(["parallel_mode"]), ParallelLayout.data_parallel(2), cuda, 8).memory
