@@ -53,7 +53,9 @@ activations; in steady state (the second step on) the optimizer state exists dur
 * zero1 / zero2 with ``implementation: deepspeed``: DeepSpeed's ZeRO-1/2 keep every parameter in the
   module (``P + F + B``), an fp32 master copy of the rank's partition (``P / dp``) and one reduce bucket
   (``DEEPSPEED_BUCKETS`` × ``P``: opt_lib/deepspeed_zero.py caps it at the model's parameter count);
-  state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1).
+  state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1). Its step holds only the gradient
+  partition (``P / dp``, zero1 too: the full gradients are reduced into it and freed) and, zero2 under
+  gradient accumulation, the accumulated partition besides (measured on bench/search.py's 206M GPT-2).
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; the root unit (everything
   outside the repeated blocks) stays gathered across steps (calibrated ``FSDP_ROOT_PERSISTENT`` = 2 × its
   gathered bytes: the parameters and their all-gather buffer); a block unit is gathered while it runs, so
@@ -61,7 +63,8 @@ activations; in steady state (the second step on) the optimizer state exists dur
   FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while atorch keeps the sync off.
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
   every block stays gathered from its forward to its backward (all the blocks at both peaks); with
-  recompute about half of them (calibrated: halfway between the two, within 4% on the bench).
+  recompute about half of them at one micro-batch (calibrated: halfway between the two, within 4% on the
+  bench), all of them under gradient accumulation (the 206M GPT-2 measured 13% above the halfway figure).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
   gradients and state are split ``t·p`` ways; the rest (embeddings, head: the vocabulary is kept whole)
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
@@ -307,9 +310,10 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         # stays gathered from its forward to its backward.
         persistent = FSDP_ROOT_PERSISTENT * root_params * gather
         fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, block_params * gather)
-        if not reshard and checkpoint:
+        if not reshard and checkpoint and micro_batches == 1:
             # recompute gathers each block again in backward, and FSDP2 keeps about half of the blocks gathered
-            # in between (calibrated: halfway between resharding and keeping all; within 4% on the bench)
+            # in between (calibrated: halfway between resharding and keeping all; within 4% on the bench). Under
+            # gradient accumulation all of them stay (13% more than halfway on the 206M GPT-2's rows).
             fwd_temp, bwd_temp = 0.0, (unit + block_params) / 2 * gather
     elif sharding and dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
         fwd_temp = bwd_temp = unit * gather
@@ -372,11 +376,16 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     # blocks free theirs as they go, within 4% without this term).
     recompute = max((b.activation_bytes for b in stats.blocks if b.attention), default=0) * act_scale \
         if checkpoint else 0.0
+    # DeepSpeed steps with its gradient partition only (ZeRO-1 too: the full gradients are reduced into it and
+    # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).
+    step_grads = grads
+    if deepspeed:
+        step_grads = trainable / dp * (2 if sharding == "zero2" and micro_batches > 1 else 1)
     phases = {
         "forward": activations + fwd_temp + held_grads,
         "backward": (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp
         + recompute,
-        "optimizer": grads + (0.0 if offloaded else step_temp),
+        "optimizer": step_grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
     temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp}[phase]
