@@ -7,7 +7,9 @@ Per scenario, side by side in one run:
 1. **Exhaustive sweep**: every candidate of the search space dry-run (the same dry-run as the search:
    warm-up, timed steps, peak memory per rank; an OOM stops after warm-up). Its best feasible
    candidate is the reference. The ``budget`` scenario re-judges the ``small`` sweep under its budget
-   (a budget changes the verdicts, not the measurements).
+   (a budget changes the verdicts, not the measurements). A second pass in reverse order re-times every
+   candidate that ran timed steps, and each keeps its faster time (the sweep's wall time is the first
+   pass's): a slow stretch of the machine otherwise mis-ranks a run of neighbouring candidates.
 2. **Automatic search**: ``auto_accelerate`` with no load_strategy (fresh study): wall time, dry-runs
    used, how many of them were OOM or failed; then the same call again (cached); then the cost model
    alone (``search={"dryrun": False}``).
@@ -129,7 +131,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # batch sizes; cpu_offload is not searched on a CPU device).
     "large": {"build": lambda: gpt2(64, 512, 16, 8192, 32, attention="eager"), "global_batch": 16,
               "budget_of_ddp": 0.46, "excluded": ["half", "amp_native", "module_replace", *MODEL_PARALLEL],
-              "trial_timeout_s": 240},
+              "trial_timeout_s": 240, "timing_passes": 1},  # 2 of 56 run timed steps: no rank order to mend
     # A non-transformer model: a small ResNet on 32x32 images.
     "cnn": {"build": cnn, "global_batch": 4},
 }
@@ -191,7 +193,14 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"]) if "budget_of_ddp" in spec else None
         session.memory_budget = budget  # an OOM stops after warm-up, in the sweep as in the search
         sweep.update({c.key: run_candidate(session, env, c, timeout) for c in cands if c.key != ddp_key})
-        sweep_s = time.monotonic() - start
+        sweep_s = time.monotonic() - start  # one exhaustive sweep: what the search is compared with
+        # A second pass, in reverse order, over what ran timed steps: a stretch of a slow machine then falls on
+        # different candidates, and each keeps its faster pass (timing noise only ever slows a step down).
+        for c in reversed(cands if spec.get("timing_passes", 2) > 1 else []):
+            if sweep[c.key]["status"] == "ok":
+                again_row = run_candidate(session, env, c, timeout)
+                if again_row["status"] == "ok" and again_row["samples_per_s"] > sweep[c.key]["samples_per_s"]:
+                    sweep[c.key].update(samples_per_s=again_row["samples_per_s"], step_time_s=again_row["step_time_s"])
         sweeps[name] = (sweep, sweep_s)
     best_key = max((k for k in keys if feasible(sweep[k], budget)), key=lambda k: sweep[k]["samples_per_s"],
                    default=ddp_key)  # (none feasible: only in a --limit check)
