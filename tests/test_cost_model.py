@@ -97,6 +97,20 @@ def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> No
     assert offload.memory.host_bytes == fsdp.memory.parameters + fsdp.memory.gradients + fsdp.memory.optimizer_state
 
 
+def test_without_resharding_the_blocks_backward_starts_with_every_block_gathered() -> None:
+    """Under recompute the activations are small: FSDP2 that reshards peaks late in backward (all gradient
+    shards, one block gathered); without resharding the peak is where the blocks' backward starts, every block
+    still gathered (2 x 1000 bytes at dp 2) and none recomputed yet."""
+    fsdp = _predict(["parallel_mode", "fsdp", "checkpoint"]).memory
+    zero2 = _predict(["parallel_mode", "zero2", "checkpoint"]).memory
+    assert fsdp.activations == zero2.activations < fsdp.gradients == 2000  # sharded: 4000 / 2
+    resharding_backward = max(fsdp.activations, 2000) + 1000  # the gradient shards + one block gathered
+    assert zero2.peak - fsdp.peak == (zero2.activations + 2000) - resharding_backward
+    # with two micro-batches every block stays gathered between them, besides the held gradients
+    acc = _predict(["parallel_mode", "zero2", "checkpoint"], global_batch=16, micro_batches=2).memory
+    assert acc.peak - zero2.peak == 4000 + acc.activations - zero2.activations
+
+
 def test_more_data_parallel_ranks_less_compute_per_step() -> None:
     two, four = _predict(["parallel_mode", "fsdp"], dp=2), _predict(["parallel_mode", "fsdp"], dp=4)
     assert four.time.compute == pytest.approx(two.time.compute / 2)

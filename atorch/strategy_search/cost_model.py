@@ -62,9 +62,11 @@ activations; in steady state (the second step on) the optimizer state exists dur
   the forward's peak (at the head) holds none and the backward one (``unit``). With gradient accumulation
   FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while atorch keeps the sync off.
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
-  every block stays gathered from its forward to its backward (all the blocks at both peaks); with
-  recompute about half of them at one micro-batch (calibrated: halfway between the two, within 4% on the
-  bench), all of them under gradient accumulation (the 206M GPT-2 measured 13% above the halfway figure).
+  every block stays gathered from its forward until its own backward has run. The end of the forward and
+  the start of the blocks' backward hold all of them (no block recomputed yet); from there one block is
+  resharded after each block's backward, and the backward goes on as fsdp's. The peak is the larger of the
+  two: with recompute, the start (measured block by block on bench/search.py's GPT-2s: 4 blocks and 64
+  blocks, within 1%).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
   gradients and state are split ``t·p`` ways; the rest (embeddings, head: the vocabulary is kept whole)
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
@@ -298,6 +300,7 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     unit = biggest_block if stats.blocks else rank_param_bytes * scale  # FSDP's largest unit
     persistent = 0.0  # buffers that live across steps
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
+    all_gathered = 0.0  # FSDP2 without resharding: every block's parameters, at the start of the blocks' backward
     if deepspeed:
         # ZeRO-1/2 in DeepSpeed: the module keeps every parameter; each rank keeps an fp32 master copy of
         # its partition and one reduce bucket (capped at the model's size: opt_lib/deepspeed_zero.py).
@@ -309,12 +312,10 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         # is (the forward's is freed before the head's peak); without resharding after forward every block
         # stays gathered from its forward to its backward.
         persistent = FSDP_ROOT_PERSISTENT * root_params * gather
-        fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, block_params * gather)
-        if not reshard and checkpoint and micro_batches == 1:
-            # recompute gathers each block again in backward, and FSDP2 keeps about half of the blocks gathered
-            # in between (calibrated: halfway between resharding and keeping all; within 4% on the bench). Under
-            # gradient accumulation all of them stay (13% more than halfway on the 206M GPT-2's rows).
-            fwd_temp, bwd_temp = 0.0, (unit + block_params) / 2 * gather
+        # Without resharding every block is still gathered when the blocks' backward starts; each is resharded
+        # after its own backward (the start is the peak there, seen block by block on the bench's GPT-2s).
+        fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, unit * gather)
+        all_gathered = 0.0 if reshard else block_params * gather
     elif sharding and dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
         fwd_temp = bwd_temp = unit * gather
     elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
@@ -381,10 +382,15 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     step_grads = grads
     if deepspeed:
         step_grads = trainable / dp * (2 if sharding == "zero2" and micro_batches > 1 else 1)
+    # Backward at the start of the blocks' (every block still gathered without resharding, none recomputed yet)
+    # and as it goes on (one block gathered and recomputed at a time).
+    bwd_start = activations + held_grads + all_gathered
+    bwd_on = (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp + recompute
+    if bwd_start > bwd_on:
+        bwd_temp = all_gathered
     phases = {
         "forward": activations + fwd_temp + held_grads,
-        "backward": (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp
-        + recompute,
+        "backward": max(bwd_start, bwd_on),
         "optimizer": step_grads + (0.0 if offloaded else step_temp),
     }
     phase = max(phases, key=phases.__getitem__)
