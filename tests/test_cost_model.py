@@ -100,7 +100,7 @@ def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> No
 def test_without_resharding_the_blocks_backward_starts_with_every_block_gathered() -> None:
     """Under recompute the activations are small: FSDP2 that reshards peaks late in backward (all gradient
     shards, one block gathered); without resharding the peak is where the blocks' backward starts, every block
-    still gathered (2 x 1000 bytes at dp 2) and none recomputed yet."""
+    still gathered (two blocks of 1000 bytes) and none recomputed yet."""
     fsdp = _predict(["parallel_mode", "fsdp", "checkpoint"]).memory
     zero2 = _predict(["parallel_mode", "zero2", "checkpoint"]).memory
     assert fsdp.activations == zero2.activations < fsdp.gradients == 2000  # sharded: 4000 / 2

@@ -309,11 +309,10 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     elif sharding and dp > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
         # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
-        # is (the forward's is freed before the head's peak); without resharding after forward every block
-        # stays gathered from its forward to its backward.
+        # is (the forward's is freed before the head's peak). Without resharding after forward every block
+        # stays gathered until its own backward has run: all of them at the forward's end and where the
+        # blocks' backward starts (seen block by block on the bench's GPT-2s).
         persistent = FSDP_ROOT_PERSISTENT * root_params * gather
-        # Without resharding every block is still gathered when the blocks' backward starts; each is resharded
-        # after its own backward (the start is the peak there, seen block by block on the bench's GPT-2s).
         fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, unit * gather)
         all_gathered = 0.0 if reshard else block_params * gather
     elif sharding and dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
