@@ -16,6 +16,8 @@ import optuna
 import pytest
 import toy_models
 
+from atorch.strategy_search.ask_tell import SearchState
+from atorch.strategy_search.candidates import CandidateTable, family_key, predicted_json
 from atorch.strategy_search.planner import Planner, study_key
 from atorch.strategy_search.space import Candidate, SearchSpace
 
@@ -89,7 +91,7 @@ def landscape_space() -> SearchSpace:
     """The space the synthetic landscape is defined on: its data-parallel points (the model-parallel layouts
     are left out; true_memory and true_speed do not read them)."""
     return SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH,
-                       excluded=["tensor_parallel", "pipeline_parallel", "mixed_parallel"])
+                       excluded=["tensor_parallel", "pipeline_parallel", "mixed_parallel"], precision="low")
 
 
 @pytest.fixture(scope="module")
@@ -330,8 +332,8 @@ def test_patience_counts_only_after_something_fits_and_runs(space, tmp_path) -> 
 
 
 def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_path) -> None:
-    # A cost model that under-predicts memory by 15% everywhere: after the first measured OOM the
-    # planner scales its predictions by measured / predicted, so it does not run the next look-alike.
+    # A cost model that under-predicts memory by 15% everywhere: after a family's first measured OOM the
+    # planner scales that family's predictions by measured / predicted, so it does not run its next look-alike.
     def low(cand: Candidate) -> Pred:
         p = dict(cand.point)
         return Pred(0.85 * true_memory(p), GLOBAL_BATCH / true_speed(p))
@@ -340,11 +342,54 @@ def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_pat
     planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=low, measure=measure,
                       memory_budget=BUDGET, max_trials=8, top_k=5)
     result = planner.search()
-    over = [c for c in measure.calls if true_memory(dict(c.point)) > BUDGET]
-    assert len(over) <= 1, [str(c) for c in over]
+    over = [family_key(dict(c.point)) for c in measure.calls if true_memory(dict(c.point)) > BUDGET]
+    assert len(over) == len(set(over)), over  # at most one OOM per family
     assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= BUDGET
     study = optuna.load_study(study_name="k", storage=storage(tmp_path))
-    assert any("the largest measured / predicted so far" in t.user_attrs.get("reason", "") for t in study.trials)
+    if over:
+        assert any("its family's measured / predicted" in t.user_attrs.get("reason", "") for t in study.trials)
+
+
+def test_a_memory_correction_stays_in_its_family(space) -> None:
+    """One family measured 1.5x its prediction: its members are scaled, every other family is predicted as is
+    (a badly predicted pipeline trial must not rule out FSDP with checkpointing unrun)."""
+    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    study = optuna.create_study(direction="maximize")
+    state = SearchState(study, table, BUDGET)
+    ddp = [k for k, p in zip(table.keys, table.points, strict=True)
+           if p["sharding"] == "ddp" and not p["checkpoint"] and not p.get("module_replace")]
+    fsdp = [k for k, p in zip(table.keys, table.points, strict=True) if p["sharding"] == "fsdp" and p["checkpoint"]]
+    pred = table.prediction(ddp[0])
+    state._remember(ddp[0], 0, {"status": "ok", "samples_per_s": 1.0, "reason": "", "step_time_s": 1.0,
+                                "peak_memory_bytes": 1.5 * pred["peak_memory_bytes"]})
+    same_family = [k for k in ddp if table.family(k) == table.family(ddp[0])]
+    assert len(same_family) > 1 and all(state.correction(k) == 1.5 for k in same_family)
+    assert all(state.correction(k) == 1.0 for k in fsdp)
+    assert all(state.correction(k) == 1.0 for k in table.keys if table.family(k) != table.family(ddp[0]))
+
+
+def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
+    """Past HOPELESS_FACTOR times the best measured one's predicted time, a candidate is told 'skipped' with the
+    factor, on the measured scale, and never measured."""
+    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    ranked = table.ranked(BUDGET)
+    best, study = ranked[0], optuna.create_study(direction="maximize")
+    state = SearchState(study, table, BUDGET)
+    state._remember(best, 0, {"status": "ok", "samples_per_s": 50.0, "reason": "", "step_time_s": 1.0,
+                              "peak_memory_bytes": table.prediction(best)["peak_memory_bytes"]})
+    slow = min(ranked, key=lambda k: table.prediction(k)["samples_per_s"])
+    factor = state.slower_than_best(table.prediction(slow))
+    assert factor > 1.0
+    # A planner whose best is 5x faster than anything else in the table: every other candidate is skipped.
+    fast = dict(table.prediction(best), samples_per_s=table.prediction(best)["samples_per_s"] * 5 * factor)
+    table.predictions[table.by_key[best]] = fast
+    study.enqueue_trial(table.to_params(table.points[table.by_key[slow]]))
+    proposal = state.ask(stop=lambda: "" if state.asks < 1 else "one ask")
+    assert proposal.number is None
+    told = [t for t in study.trials if t.user_attrs.get("status") == "skipped"]
+    assert len(told) == 1 and told[0].user_attrs["key"] == slow
+    assert "x slower than the best measured candidate (trial 0)" in told[0].user_attrs["reason"]
+    assert told[0].value == pytest.approx(50.0 / state.slower_than_best(table.prediction(slow)))
 
 
 class SlowFirstRun(Measure):

@@ -22,7 +22,27 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def space(gpt2) -> SearchSpace:
-    return SearchSpace(gpt2, WORLD, GLOBAL_BATCH)
+    """The whole space: the user opted in to atorch.train_step and to 16-bit weights."""
+    return SearchSpace(gpt2, WORLD, GLOBAL_BATCH, loop="train_step", precision="low")
+
+
+def test_default_space_keeps_the_users_loop_and_fp32_master_weights(gpt2) -> None:
+    """By default no candidate needs atorch.train_step or drops the fp32 master weights; each opt-in adds
+    exactly its methods, and a method included by name is an opt-in of its own."""
+    def methods(**options: object) -> set[str]:
+        space = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, **options)  # type: ignore[arg-type]
+        return {item.name for cand in space.enumerate() for item in cand.strategy.methods}
+
+    default = methods()
+    assert default.isdisjoint({"pipeline_parallel", "mixed_parallel", "ds_3d_parallel", "half"}), default
+    assert {"amp_native", "tensor_parallel", "fsdp", "zero1", "zero2", "checkpoint"} <= default
+    assert "pipeline_parallel" in methods(loop="train_step") - default
+    assert methods(precision="low") - default == {"half"}
+    exact = methods(precision="exact")
+    assert "amp_native" not in exact and "half" not in exact
+    assert "half" in methods(included=["half"])
+    with pytest.raises(SetupError, match="loop must be"):
+        SearchSpace(gpt2, WORLD, GLOBAL_BATCH, loop="mine")
 
 
 def test_gpt2_space_has_at_least_50_valid_candidates_and_none_breaks_a_rule(space: SearchSpace) -> None:
@@ -118,7 +138,7 @@ def test_excluded_and_included(gpt2) -> None:
 def test_supported_dtypes_limit_precision(gpt2) -> None:
     fp32_only = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, supported_dtypes=())
     assert {dict(c.point)["precision"] for c in fp32_only.enumerate()} == {"fp32"}
-    bf16 = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, supported_dtypes=("bf16",))
+    bf16 = SearchSpace(gpt2, WORLD, GLOBAL_BATCH, supported_dtypes=("bf16",), precision="low")
     assert {dict(c.point)["precision"] for c in bf16.enumerate()} == {"fp32", "amp_bf16", "half_bf16"}
 
 

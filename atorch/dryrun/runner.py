@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
 from atorch.dryrun.coordination import Coordinator
 from atorch.dryrun.memory import PeakMemory
+from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
 from atorch.errors import SetupError
 from atorch.lifecycle import import_off_the_stack
 from atorch.model_context import UserSetup
@@ -277,7 +278,11 @@ class _Trial:
                 batches = _cycle(result.dataloader)
                 for step in range(self.warmup):
                     self.phase = f"warm-up step {step}"
-                    losses.append(self._step(result, batches))
+                    # The first step runs in eval mode (no dropout), so its loss can be compared with the user's
+                    # model on the same samples (atorch.dryrun.numerics); the next one brings the train-mode peak.
+                    first = step == 0 and self.warmup >= MIN_WARMUP_FOR_CHECK
+                    with deterministic_step(result.model) if first else contextlib.nullcontext():
+                        losses.append(self._step(result, batches))
                 # fp16 loss scaling skips steps until its scale fits the gradients: warm up until a step was
                 # taken and one more ran after it, so the optimizer's state (and the peak it brings: forward and
                 # backward with the state there) is in the measured peak, as it is without skipped steps.

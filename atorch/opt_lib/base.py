@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -20,6 +20,13 @@ class MethodConfig(BaseModel):
 
 class EmptyConfig(MethodConfig):
     pass
+
+
+# How a method treats the user's numbers (the automatic search's contract with the user, SearchOptions.precision):
+# "exact": the user's dtypes; "mixed": 16-bit compute, fp32 master weights and optimizer state;
+# "low": weights and optimizer state in 16 bits (no fp32 master copy).
+Numerics = Literal["exact", "mixed", "low"]
+NUMERICS_ORDER: tuple[Numerics, ...] = ("exact", "mixed", "low")
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,14 @@ class Method(ABC):
     # True: where applicable() gives a reason, the method is skipped with a warning (fp8 off CUDA);
     # False: the reason is an error, because the rest of the strategy relies on the method.
     skip_when_inapplicable: ClassVar[bool] = False
+    # The user's contract: a method that needs atorch.train_step (the model cannot be called in the user's own
+    # loop) or changes the numerics is searched only when the user opts in (SearchOptions.loop / .precision).
+    needs_train_step: ClassVar[bool] = False
+    numerics: ClassVar[Numerics] = "exact"
+
+    def requires_train_step(self, config: MethodConfig) -> bool:
+        """Whether this config needs ``atorch.train_step`` (a config field may decide: loss_parallel)."""
+        return self.needs_train_step
 
     def parse_config(self, raw: Any) -> MethodConfig:
         return self.Config.model_validate({} if raw is None else raw)

@@ -248,6 +248,7 @@ class Ds3dParallel(Method):
     summary = "DeepSpeed's pipeline engine on the 'pipeline' dimension (layers converted), ZeRO-1 on 'data'."
     Config = Ds3dParallelConfig
     mesh_dims = (PIPELINE, TENSOR)
+    needs_train_step = True  # DeepSpeed's engine.train_batch runs the step
 
     def check(self, config: Ds3dParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []

@@ -83,6 +83,7 @@ class FP8(Method):
     summary = "fp8 matmuls through Transformer Engine (CUDA sm >= 8.9 only; skipped with a reason elsewhere)."
     Config = FP8Config
     skip_when_inapplicable = True
+    numerics = "mixed"  # fp8 matmuls; Transformer Engine keeps fp32 master weights
 
     def applicable(self, ctx: Any) -> str | None:
         return fp8_unavailable_reason(ctx.env.device)

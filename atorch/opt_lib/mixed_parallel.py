@@ -75,6 +75,7 @@ class MixedParallel(Method):
     summary = "Tensor × pipeline (× data) on one mesh: tensor_parallel and pipeline_parallel on their dimensions."
     Config = MixedParallelConfig
     mesh_dims = (TENSOR, PIPELINE)
+    needs_train_step = True  # its pipeline dimension runs a schedule
 
     def check(self, config: MixedParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         dims = _dims(check.configs)

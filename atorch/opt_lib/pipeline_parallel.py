@@ -395,6 +395,7 @@ class PipelineParallel(Method):
     summary = "Pipeline parallel (torch.distributed.pipelining) on the 'pipeline' dimension: automatic balanced split."
     Config = PipelineParallelConfig
     mesh_dims = (PIPELINE,)
+    needs_train_step = True  # a schedule runs the stages: the model cannot be called in the user's loop
 
     def check(self, config: PipelineParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []

@@ -74,6 +74,7 @@ class AmpNative(Method):
     group = "precision"
     summary = "Automatic mixed precision: forward under torch.autocast; GradScaler for fp16."
     Config = AmpConfig
+    numerics = "mixed"  # 16-bit compute; fp32 weights and optimizer state
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"dtype": Categorical(("bf16", "fp16"))}
@@ -117,6 +118,7 @@ class Half(Method):
     group = "precision"
     summary = "Whole model and floating inputs in fp16 or bf16 (no fp32 master weights)."
     Config = HalfConfig
+    numerics = "low"  # weights and optimizer state in 16 bits: no fp32 master copy
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"dtype": Categorical(("bf16", "fp16"))}

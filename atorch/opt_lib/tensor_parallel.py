@@ -285,6 +285,9 @@ class TensorParallel(Method):
     Config = TensorParallelConfig
     mesh_dims = (TENSOR,)
 
+    def requires_train_step(self, config: TensorParallelConfig) -> bool:  # type: ignore[override]
+        return config.loss_parallel  # the loss must run inside torch's loss_parallel(): train_step enters it
+
     def check(self, config: TensorParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []
         mode = check.configs.get("parallel_mode")

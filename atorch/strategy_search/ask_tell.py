@@ -2,8 +2,10 @@
 
 Both the local planner (``Planner.search``) and the strategy server use it. ``ask()`` returns the next
 candidate to measure (a trial number and a point) or a stop reason; on the way it tells, without a dry-run,
-candidates the study already knows (``duplicate``) and candidates the cost model predicts above the memory
-budget (``predicted_oom``, a COMPLETED trial with a violated constraint). ``tell(number, measured)``
+candidates the study already knows (``duplicate``), candidates the cost model predicts above the memory
+budget (``predicted_oom``, a COMPLETED trial with a violated constraint; the prediction is first scaled by
+what its own family measured: ``family_key``), and candidates predicted more than ``HOPELESS_FACTOR`` times
+slower than the best measured one (``skipped``, with the factor). ``tell(number, measured)``
 judges a measured outcome under the budget and tells it; telling a finished trial again changes nothing.
 
 Everything this object knows is in the study (user attributes, JSON only), so it can be rebuilt from the
@@ -39,10 +41,15 @@ class Proposal:
 
 def measured_json(result: Any) -> dict[str, Any]:
     """A dry-run's result (``.status``, ``.samples_per_s``, ``.peak_memory_bytes``, ``.reason``) as JSON."""
-    return {"status": str(result.status).lower(), "samples_per_s": float(result.samples_per_s or 0.0),
-            "peak_memory_bytes": float(result.peak_memory_bytes or 0.0),
-            "step_time_s": float(getattr(result, "step_time_s", 0.0) or 0.0),
-            "reason": str(getattr(result, "reason", "") or "")}
+    out = {"status": str(result.status).lower(), "samples_per_s": float(result.samples_per_s or 0.0),
+           "peak_memory_bytes": float(result.peak_memory_bytes or 0.0),
+           "step_time_s": float(getattr(result, "step_time_s", 0.0) or 0.0),
+           "reason": str(getattr(result, "reason", "") or "")}
+    for name in ("loss", "reference_loss"):  # the numerics check's figures (JSON has no NaN: kept as text)
+        value = getattr(result, name, None)
+        if value is not None:
+            out[name] = float(value) if math.isfinite(value) else str(value)
+    return out
 
 
 def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> dict[str, Any]:
@@ -112,7 +119,12 @@ def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
             rdb._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, k, v)
 
 
-MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out the whole space
+MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out its whole family
+# A candidate predicted this many times slower than the best measured one is not dry-run (both figures from the
+# cost model, so its absolute error cancels; its rank order held at Spearman 0.97 on bench/search.py, where the
+# step times of one space span 30x): a dry-run that cannot win is most of a search's time (a demo search spent 73
+# of its 100 s on a candidate predicted 340x slower).
+HOPELESS_FACTOR = 4.0
 CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
 
 
@@ -181,9 +193,10 @@ class SearchState:
         self.done: dict[str, tuple[float, dict[str, float], dict[str, Any]]] = {}
         self.best_value: float | None = None
         self.best_key: str | None = None
-        # Measured / predicted peak memory, the largest seen (at least 1): the cost model's memory is scaled
-        # by it before a candidate is judged to fit, so after one OOM its look-alikes are not run too.
-        self.memory_correction = 1.0
+        # Measured / predicted peak memory per family (the same layout, sharding and recompute), the largest seen
+        # (at least 1): a candidate's predicted peak is scaled by its own family's before it is judged to fit, so
+        # after one OOM its look-alikes are not run too, and one family's error does not rule out another.
+        self.memory_correction: dict[str, float] = {}
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -197,9 +210,11 @@ class SearchState:
     def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:
         pred = self.table.prediction(key)
         value, constraints, attrs = judge(measured, pred, self.budget)
-        if measured.get("peak_memory_bytes") and pred.get("peak_memory_bytes"):
+        if measured.get("peak_memory_bytes") and pred.get("peak_memory_bytes") and key in self.table.by_key:
+            family = self.table.family(key)
             ratio = measured["peak_memory_bytes"] / pred["peak_memory_bytes"]
-            self.memory_correction = min(MAX_MEMORY_CORRECTION, max(self.memory_correction, ratio))
+            self.memory_correction[family] = min(MAX_MEMORY_CORRECTION,
+                                                 max(self.memory_correction.get(family, 1.0), ratio))
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -207,21 +222,20 @@ class SearchState:
             self.best_value, self.best_key = value, key
         return value, constraints, {**attrs, "improved": improved}
 
-    @property
-    def corrected_budget(self) -> float:
-        """The budget the cost model's (uncorrected) peaks are compared with."""
-        return self.budget / self.memory_correction
+    def correction(self, key: str) -> float:
+        """The factor a point's predicted peak is scaled by: its family's largest measured / predicted."""
+        return self.memory_correction.get(self.table.family(key), 1.0) if key in self.table.by_key else 1.0
 
     # ----- seeding -----------------------------------------------------------------------------
     def seed(self, top_k: int = DEFAULT_TOP_K) -> list[str]:
         """Enqueue the cost model's top-k predicted-feasible candidates and the DDP baseline."""
-        seeds = self.table.ranked(self.corrected_budget)[:top_k]
-        base = self.table.baseline(self.corrected_budget)
+        seeds = self.table.ranked(self.budget, self.correction)[:top_k]
+        base = self.table.baseline(self.budget, self.correction)
         order = seeds
         if base is not None and base not in seeds:
             # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler
             # where the infeasible region is; one that fits is measured after the cost model's picks.
-            fits = self.table.fits(self.table.prediction(base), self.corrected_budget)
+            fits = self.table.fits(self.table.prediction(base), self.budget, self.correction(base))
             order = [*seeds, base] if fits else [base, *seeds]
         for key in order:
             self.study.enqueue_trial(self.table.to_params(self.table.points[self.table.by_key[key]]),
@@ -260,20 +274,41 @@ class SearchState:
                 attrs.update(status="in_flight", reason="being measured by another client")
                 self._tell(trial, None, None, attrs, state=TrialState.FAIL)
                 continue
-            if not self.table.fits(pred, self.corrected_budget) and "error" not in pred:
-                corrected = "" if self.memory_correction == 1.0 else (
-                    f" (x{self.memory_correction:.2f}, the largest measured / predicted so far)")
+            scale = self.correction(key)
+            if not self.table.fits(pred, self.budget, scale) and "error" not in pred:
+                corrected = "" if scale == 1.0 else f" (x{scale:.2f}, its family's measured / predicted)"
                 attrs.update(status="predicted_oom", reason=(
-                    f"predicted peak {pred['peak_memory_bytes'] * self.memory_correction / 2**20:.1f} MiB{corrected} "
+                    f"predicted peak {pred['peak_memory_bytes'] * scale / 2**20:.1f} MiB{corrected} "
                     f"> budget {self.budget / 2**20:.1f} MiB"
                 ))
-                over = (pred["peak_memory_bytes"] * self.memory_correction - self.budget) / self.budget
+                over = (pred["peak_memory_bytes"] * scale - self.budget) / self.budget
                 constraints = {"memory_over": over, "failed": 0.0}
                 self._tell(trial, pred["samples_per_s"], constraints, attrs)
                 self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
                 continue
+            if (slower := self.slower_than_best(pred)) > HOPELESS_FACTOR:
+                best = self.done[self.best_key][2]["number"]  # type: ignore[index]
+                attrs.update(status="skipped", reason=(
+                    f"predicted {slower:.1f}x slower than the best measured candidate (trial {best}); not dry-run "
+                    f"past {HOPELESS_FACTOR:g}x"))
+                # Told on the measured scale (the best's measured value over the predicted factor), feasible: the
+                # sampler learns the region is slow, and the best is always a measured candidate.
+                value = float(self.best_value or 0.0) / slower
+                constraints = {"memory_over": min(0.0, (pred["peak_memory_bytes"] * scale - self.budget)
+                                                  / self.budget), "failed": 0.0}
+                self._tell(trial, value, constraints, attrs)
+                self.done[key] = (value, constraints, {"number": trial.number, **attrs})
+                continue
             set_user_attrs(self.study, trial._trial_id, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
+
+    def slower_than_best(self, pred: dict[str, Any]) -> float:
+        """How many times slower than the best measured candidate the cost model predicts ``pred`` (0 without a
+        best, or without a prediction of either)."""
+        if self.best_key is None or "error" in pred or not pred.get("samples_per_s"):
+            return 0.0
+        best = self.table.prediction(self.best_key)
+        return float(best.get("samples_per_s") or 0.0) / float(pred["samples_per_s"])
 
     def tell(self, number: int, measured: dict[str, Any]) -> dict[str, Any]:
         """Judge and tell a measured outcome; returns the trial's record plus ``improved``. Telling a

@@ -16,7 +16,7 @@ The followers wait for the leader's next word with a bound, so a leader that die
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -63,6 +63,14 @@ class SearchOptions(BaseModel):
         default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
     )
     seed: int = 0
+    loop: Literal["user", "train_step"] = Field(default="user", description=(
+        "'user': only strategies under which your own training loop (README Quick start: model(**data), "
+        "loss.backward(), optim.step()) runs unchanged; 'train_step': you train with atorch.train_step, so "
+        "methods that need it (pipeline parallel, DeepSpeed's 3D engine, loss_parallel) are searched too"))
+    precision: Literal["exact", "mixed", "low"] = Field(default="mixed", description=(
+        "how far the numerics may change: 'exact' keeps your dtypes (no autocast); 'mixed' adds 16-bit compute "
+        "with fp32 master weights and optimizer state (amp_native); 'low' adds 16-bit weights and optimizer "
+        "state with no fp32 master copy ('half'). A method in included= is used whatever this says"))
     server_fallback: bool = Field(
         default=False, description="if the strategy server cannot be reached or fails: log it and search locally"
     )
@@ -163,6 +171,7 @@ class _Leader:
         self.strategy_server = strategy_server
         self.global_batch = int(setup.dataloader_args.get("batch_size", 1))
         self.progress = SearchProgress(profile.memory_per_rank)
+        self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
         from atorch.strategy_search.analyser import analyse
@@ -191,7 +200,8 @@ class _Leader:
         space = SearchSpace(self.setup.model, self.env.world_size, self.global_batch, supported_dtypes=supported,
                             excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
                             max_micro_batch_size=self.options.max_micro_batch_size,
-                            host_offload=self.profile.device_type != "cpu")
+                            host_offload=self.profile.device_type != "cpu", loop=self.options.loop,
+                            precision=self.options.precision)
         state_factor = optimizer_state_factor(self.setup)
 
         def predict(cand: Any) -> Any:
@@ -268,9 +278,35 @@ class _Leader:
         self.session.announce(f"next/{self.session.trials}", word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
                                  batch_size=batch_size)
-        measured = _Measured.of(trial)
+        measured = self._check_numerics(cand, trial, batch_size)
         self.progress.finished(cand, prediction, measured)
         return measured
+
+    def _check_numerics(self, cand: Any, trial: TrialResult, batch_size: int) -> _Measured:
+        """The dry-run's losses against the user's own model on the same samples (atorch.dryrun.numerics):
+        a candidate that computes something else is rejected with the reason, whatever its speed."""
+        from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, compute_dtype, loss_problem, reference_loss
+
+        measured = _Measured.of(trial)
+        if trial.status != "ok" or not trial.losses:
+            return measured
+        data_size = ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        key = (batch_size, cand.micro_batches, data_size)
+        if key not in self.references:
+            try:
+                self.references[key] = reference_loss(self.setup, self.env.device, batch_size, cand.micro_batches,
+                                                      data_size)
+            except Exception as exc:  # noqa: BLE001  (the check is skipped, said once per micro-batching)
+                logger.warning("numerics check skipped: the user's model could not compute the reference loss "
+                               "(%s: %s)", type(exc).__name__, exc)
+                self.references[key] = None
+        reference = self.references[key]
+        checked_first = self.options.warmup_steps >= MIN_WARMUP_FOR_CHECK
+        problem = loss_problem(trial.losses, reference, compute_dtype(cand.strategy), checked_first)
+        loss = trial.losses[0]
+        if problem is None:
+            return replace(measured, loss=loss, reference_loss=reference)
+        return replace(measured, status="numerics", reason=problem, loss=loss, reference_loss=reference)
 
 
 @dataclass(frozen=True)
@@ -286,6 +322,8 @@ class _Measured:
     peak_memory_bytes: float
     reason: str
     step_time_s: float
+    loss: float | None = None  # the first step's global loss
+    reference_loss: float | None = None  # the user's own model on the same samples
 
     @classmethod
     def of(cls, trial: TrialResult) -> _Measured:

@@ -24,6 +24,16 @@ def point_key(point: Point) -> str:
     return json.dumps(point, sort_keys=True)
 
 
+# Point keys that do not change how memory is laid out: a measurement corrects the predictions of the
+# candidates that share every other key (the same layout, sharding and recompute: a "family").
+NOT_FAMILY_KEYS = frozenset({"micro_batch_size", "precision", "module_replace"})
+
+
+def family_key(point: Point) -> str:
+    """The memory family of a point: its layout, sharding (with its options) and recompute."""
+    return json.dumps({k: v for k, v in point.items() if k not in NOT_FAMILY_KEYS}, sort_keys=True)
+
+
 def predicted_json(raw: Any, global_batch: int) -> dict[str, Any]:
     """The cost model's answer as JSON: peak memory, step time and samples/s, or why it could not predict."""
     step = float(raw.step_time_s)
@@ -79,21 +89,29 @@ class CandidateTable:
         return self.predictions[self.by_key[key]] if key in self.by_key else {"error": "not in the table"}
 
     @staticmethod
-    def fits(pred: dict[str, Any], budget: float) -> bool:
-        return "error" not in pred and pred["peak_memory_bytes"] <= budget
+    def fits(pred: dict[str, Any], budget: float, correction: float = 1.0) -> bool:
+        return "error" not in pred and pred["peak_memory_bytes"] * correction <= budget
 
-    def ranked(self, budget: float) -> list[str]:
-        """Keys of predicted-feasible points, highest predicted samples/s first (walk order breaks ties)."""
-        fitting = [i for i, pred in enumerate(self.predictions) if self.fits(pred, budget)]
+    def family(self, key: str) -> str:
+        return family_key(self.points[self.by_key[key]])
+
+    def ranked(self, budget: float, correction: Callable[[str], float] | None = None) -> list[str]:
+        """Keys of predicted-feasible points, highest predicted samples/s first (walk order breaks ties).
+        ``correction(key)`` scales a point's predicted peak (its family's measured / predicted)."""
+        scale = correction or (lambda key: 1.0)
+        fitting = [i for i, pred in enumerate(self.predictions) if self.fits(pred, budget, scale(self.keys[i]))]
         return [self.keys[i] for i in sorted(fitting, key=lambda i: -self.predictions[i]["samples_per_s"])]
 
-    def baseline(self, budget: float) -> str | None:
-        """Plain DDP (fp32, no checkpointing, no replacement) at the micro-batch the cost model likes best."""
+    def baseline(self, budget: float, correction: Callable[[str], float] | None = None) -> str | None:
+        """Plain data parallel (no tensor or pipeline split, no sharding, fp32, no checkpointing, no replacement)
+        at the micro-batch the cost model likes best."""
         ddp = [i for i, p in enumerate(self.points) if p.get("sharding") == "ddp" and p.get("precision") == "fp32"
-               and not p.get("checkpoint") and not p.get("module_replace")]
+               and not p.get("checkpoint") and not p.get("module_replace")
+               and int(p.get("tensor", 1)) == 1 and int(p.get("pipeline", 1)) == 1]
         if not ddp:
             return None
-        fitting = [i for i in ddp if self.fits(self.predictions[i], budget)]
+        scale = correction or (lambda key: 1.0)
+        fitting = [i for i in ddp if self.fits(self.predictions[i], budget, scale(self.keys[i]))]
         if fitting:
             return self.keys[max(fitting, key=lambda i: self.predictions[i]["samples_per_s"])]
         return self.keys[min(ddp, key=lambda i: self.points[i].get("micro_batch_size", 0))]

@@ -19,6 +19,11 @@ pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b
 blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
 at least one per stage.
 
+The user's contract decides which methods are searched at all (``loop``, ``precision``; a method declares
+``needs_train_step`` and ``numerics`` in its registry entry): by default only strategies under which the
+user's own training loop (README Quick start) runs unchanged and the weights and optimizer state stay fp32
+(mixed precision with fp32 master weights included). A method named in ``included`` is an opt-in by name.
+
 Activation checkpointing searches off / every repeated block. A subset of blocks (a fraction) is not
 searched: ``checkpoint``'s config chooses blocks by class only and has no field for a subset.
 """
@@ -37,6 +42,7 @@ from torch import nn
 from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.opt_lib import registry
+from atorch.opt_lib.base import NUMERICS_ORDER, Numerics
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.module_replace import replace_pairs
 from atorch.strategy import Strategy, StrategyItem
@@ -105,6 +111,10 @@ class SearchSpace:
     host_offload: whether the device has a host memory to offload to. On a CPU device it has not (the
     "offloaded" state stays in the same RAM, and the program is the same), so ``cpu_offload`` is not searched
     there: it would only add twins of candidates.
+    loop: "user" searches only methods under which the user's own loop runs (no pipeline schedule);
+    "train_step" adds the methods that need ``atorch.train_step``.
+    precision: the most the numerics may change: "exact" (the user's dtypes), "mixed" (16-bit compute, fp32
+    master weights and optimizer state), "low" (also 16-bit weights and optimizer state: ``half``).
     """
 
     def __init__(
@@ -119,7 +129,14 @@ class SearchSpace:
         half_dtypes: Sequence[str] = DEFAULT_HALF_DTYPES,
         max_micro_batch_size: int | None = None,
         host_offload: bool = True,
+        loop: str = "user",
+        precision: Numerics = "mixed",
     ) -> None:
+        if loop not in ("user", "train_step"):
+            raise SetupError([f"loop must be 'user' or 'train_step', got {loop!r}"])
+        if precision not in NUMERICS_ORDER:
+            raise SetupError([f"precision must be one of {list(NUMERICS_ORDER)}, got {precision!r}"])
+        self.loop, self.precision = loop, precision
         self.world_size = world_size
         self.global_batch = global_batch
         self.supported_dtypes = tuple(supported_dtypes)
@@ -218,7 +235,17 @@ class SearchSpace:
         return dims
 
     def _allowed(self, name: str) -> bool:
-        return registry.is_registered(name) and name not in self.excluded
+        """Searched: registered, not excluded, and within the user's contract (or included by name)."""
+        if not registry.is_registered(name) or name in self.excluded:
+            return False
+        return name in self.included or self.keeps_contract(name)
+
+    def keeps_contract(self, name: str) -> bool:
+        """Whether a method keeps the user's loop and numerics as this space's options allow."""
+        method = registry.get_method(name)
+        if method.needs_train_step and self.loop != "train_step":
+            return False
+        return NUMERICS_ORDER.index(method.numerics) <= NUMERICS_ORDER.index(self.precision)
 
     def _sharding_choices(self) -> tuple[str, ...]:
         forced = [m for m in SHARDING if m in self.included]
