@@ -91,6 +91,10 @@ class Measured(BaseModel):
     peak_memory_bytes: float = Field(0.0, ge=0)
     step_time_s: float = Field(0.0, ge=0)
     reason: str = Field("", max_length=10_000)
+    # the numerics check (atorch.dryrun.numerics): the first step's loss and the user's model's; a non-finite
+    # loss travels as its text ("nan", "inf")
+    loss: float | str | None = Field(None, description="first-step loss")
+    reference_loss: float | str | None = Field(None, description="the user's model on the same samples")
 
 
 class TellRequest(BaseModel):

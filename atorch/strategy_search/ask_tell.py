@@ -179,7 +179,7 @@ class SearchState:
 
     def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *,
                  on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
-                 trials: list[Any] | None = None) -> None:
+                 trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR) -> None:
         from optuna.trial import TrialState
 
         if memory_budget <= 0:
@@ -187,6 +187,7 @@ class SearchState:
         self.study, self.table, self.budget = study, table, float(memory_budget)
         self.on_trial = on_trial
         self.max_asks = max_asks
+        self.skip_slower_than = skip_slower_than  # None: dry-run whatever the sampler proposes
         self.asks = 0
         # Measured outcomes already in the study (an earlier or interrupted search): never measured again,
         # judged under this budget. Predicted OOMs are not reused: the budget may have changed.
@@ -286,11 +287,12 @@ class SearchState:
                 self._tell(trial, pred["samples_per_s"], constraints, attrs)
                 self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
                 continue
-            if (slower := self.slower_than_best(pred)) > HOPELESS_FACTOR:
+            slower = self.slower_than_best(pred)
+            if self.skip_slower_than is not None and slower > self.skip_slower_than:
                 best = self.done[self.best_key][2]["number"]  # type: ignore[index]
                 attrs.update(status="skipped", reason=(
                     f"predicted {slower:.1f}x slower than the best measured candidate (trial {best}); not dry-run "
-                    f"past {HOPELESS_FACTOR:g}x"))
+                    f"past {self.skip_slower_than:g}x"))
                 # Told on the measured scale (the best's measured value over the predicted factor), feasible: the
                 # sampler learns the region is slow, and the best is always a measured candidate.
                 value = float(self.best_value or 0.0) / slower

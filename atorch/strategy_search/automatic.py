@@ -63,6 +63,9 @@ class SearchOptions(BaseModel):
         default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
     )
     seed: int = 0
+    skip_slower_than: float | None = Field(default=4.0, gt=1, description=(
+        "a candidate the cost model predicts this many times slower than the best measured one is not dry-run "
+        "(recorded as skipped, with the factor); null: dry-run whatever the sampler proposes"))
     loop: Literal["user", "train_step"] = Field(default="user", description=(
         "'user': only strategies under which your own training loop (README Quick start: model(**data), "
         "loss.backward(), optim.step()) runs unchanged; 'train_step': you train with atorch.train_step, so "
@@ -221,7 +224,8 @@ class _Leader:
             args = dict(predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
                         storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
                         max_trials=self.options.max_trials, patience=self.options.patience,
-                        top_k=self.options.top_k, seed=self.options.seed)
+                        top_k=self.options.top_k, seed=self.options.seed,
+                        skip_slower_than=self.options.skip_slower_than)
             if not remote:
                 return Planner(space, **args, confirm_within=self.options.confirm_within)
             from atorch.server.client import RemotePlanner

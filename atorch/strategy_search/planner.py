@@ -40,6 +40,7 @@ from atorch.log import get_logger
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_RUNS,
     DEFAULT_TOP_K,
+    HOPELESS_FACTOR,
     OK_STATUSES,
     SearchState,
     StopRules,
@@ -129,6 +130,7 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         on_trial: Callable[[dict[str, Any]], None] | None = None,
         confirm_within: float | None = None,
+        skip_slower_than: float | None = HOPELESS_FACTOR,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -149,6 +151,7 @@ class Planner:
         self.clock = clock
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self.confirm_within = confirm_within
+        self.skip_slower_than = skip_slower_than
         self._predictions: dict[str, Predicted | str] | None = None
         self._table: CandidateTable | None = None
 
@@ -235,7 +238,7 @@ class Planner:
             return hit
         study = self.study()
         state = SearchState(study, self.table(), self.memory_budget, on_trial=self.on_trial,
-                            max_asks=max(50, 10 * self.max_trials))
+                            max_asks=max(50, 10 * self.max_trials), skip_slower_than=self.skip_slower_than)
         state.seed(self.top_k)
         while True:
             proposal = state.ask(stop=rules.reason)

@@ -90,7 +90,9 @@ def budget() -> dict[str, Any]:
     user = UserSetup(**{k: v for k, v in setup.items()})
     ddp = dry_run(user, env, Strategy.load(["parallel_mode"]), warmup=1, steps=1)
     limit = int(0.7 * ddp.peak_bytes)
-    _, result, strategy = atorch.auto_accelerate(**setup, memory_limit=limit, search={**QUICK, "max_trials": 6})
+    # two warm-up steps: the first runs deterministically and is checked against the user's model (numerics)
+    _, result, strategy = atorch.auto_accelerate(**setup, memory_limit=limit,
+                                                 search={**QUICK, "max_trials": 6, "warmup_steps": 2})
     trials = trials_of(result)
     best = result.args.search
     picked = [t for t in trials if t.get("status") == "ok" and t["candidate"]["strategy"] == json.loads(
@@ -100,6 +102,8 @@ def budget() -> dict[str, Any]:
     return {"ddp_peak": ddp.peak_bytes, "limit": limit, "strategy": strategy.to_list(), "search": best,
             "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
             "statuses": [t.get("status") for t in trials], "losses": losses,
+            "first_losses": [[t["measured"].get("loss"), t["measured"].get("reference_loss"),
+                              t["candidate"]["strategy"]] for t in trials if t.get("status") == "ok"],
             "measured_predicted_peaks": [t["predicted"].get("peak_memory_bytes") for t in trials
                                          if t.get("status") in ("ok", "oom") and t.get("predicted")]}
 
@@ -129,7 +133,8 @@ def faults() -> dict[str, Any]:
     setup["model"] = FaultyGPT2()
     setup["dataloader_args"] = {"batch_size": 4}
     # every one of the 8 candidates is measured: none of max_trials is kept back for a confirmation
-    options = {**QUICK, "max_trials": 8, "trial_timeout_s": 6.0, "confirm_within": 0}
+    options = {**QUICK, "max_trials": 8, "trial_timeout_s": 6.0, "confirm_within": 0, "skip_slower_than": None,
+               "precision": "low"}  # half bf16 is where rank 1 sleeps
     _, result, strategy = atorch.auto_accelerate(
         **setup, excluded=["zero1", "zero2", "fsdp", "checkpoint", "module_replace"], search=options)
     trials = trials_of(result)
