@@ -43,7 +43,7 @@ def describe_record(candidate: dict[str, Any], world_size: int | None = None) ->
     if candidate.get("description"):
         return str(candidate["description"])
     if "strategy" not in candidate:
-        return "?"
+        return "-"  # a trial never asked (enqueued): no candidate yet
     try:
         return describe_candidate(candidate["strategy"], int(candidate.get("micro_batch_size", 0)),
                                   int(candidate.get("micro_batches", 0)), world_size)
@@ -119,10 +119,11 @@ def _micro_batching(strategy: Strategy, micro_batch_size: int, micro_batches: in
 
 def search_json(outcome: Any, world_size: int) -> dict[str, Any]:
     """``result.args.search``: the outcome's JSON, the pick's description and, on rank 0, one record per trial
-    of the study (number, description, status and reason, predicted and measured), duplicates left out."""
+    of the study (number, description, status and reason, predicted and measured); duplicates and enqueued
+    trials never asked are left out."""
     trials = [{"number": t.get("number"), "description": describe_record(t.get("candidate") or {}, world_size),
                "status": t.get("status", t.get("state", "")), "reason": t.get("reason", ""),
                "predicted": t.get("predicted") or {}, "measured": t.get("measured") or {}}
-              for t in outcome.trials if t.get("status") != "duplicate"]
+              for t in outcome.trials if t.get("status") != "duplicate" and t.get("candidate")]
     description = describe_candidate(outcome.strategy, outcome.micro_batch_size, outcome.micro_batches, world_size)
     return {**outcome.to_json(), "description": description, "trials": trials}
