@@ -29,6 +29,7 @@ from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
+from atorch.strategy_search.describe import describe_record
 from atorch.strategy_search.progress import SearchProgress, rejudged
 
 logger = get_logger(__name__)
@@ -332,7 +333,7 @@ def _no_pick_problems(result: Any, budget: int) -> list[str]:
         if status in (None, "ok", "duplicate") or reason in seen:
             continue
         seen.add(reason)
-        problems.append(f"{status}: {trial.get('candidate', {}).get('strategy')} - {reason}")
+        problems.append(f"{status}: {describe_record(trial.get('candidate') or {})} - {reason}")
         if len(problems) > 6:
             break
     problems.append("fixes: raise memory_limit, allow more methods (excluded/included), lower the global batch, "
