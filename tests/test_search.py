@@ -6,6 +6,7 @@ scenario. The one-process tests run here, in this process.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 from pathlib import Path
@@ -121,6 +122,7 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
     trials = optuna.load_study(study_name=result.args.search["study_name"], storage=storage).get_trials()
     assert page.count("<tr>") == len(trials) + 1 and "samples/s" in page
     assert page.count('class="plotly-graph-div"') == 3
+    assert page.count(html.escape(search["description"])) >= 2  # the pick, and its trial's row
     assert cli.main(["search-report", "--storage", storage, "--study", "nope", "--out", str(out)]) == 1
 
     _, result, picked = atorch.auto_accelerate(mlp(), torch.optim.SGD, **args,
