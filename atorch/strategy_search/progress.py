@@ -2,7 +2,9 @@
 
 On a terminal the table is redrawn in place (rich ``Live``); elsewhere (a log file, CI) each finished
 dry-run is one log line. Either way the search ends with a summary table of every trial of the study:
-what the cost model predicted, what the dry-run measured, and why a trial was left out.
+what the cost model predicted, what the dry-run measured, and why a trial was left out (the whole reason,
+wrapped). Each candidate is named by its one description (``atorch.strategy_search.describe``), and a measured
+outcome is judged again under this search's memory limit: the study may hold trials told under another.
 """
 
 from __future__ import annotations
