@@ -78,7 +78,9 @@ class AccelerateArgs:
     # Micro-batches per optimizer step: the dataloader yields micro-batches of global_batch_size /
     # gradient_accumulation_steps; pass that many to train_step (automatic search may choose > 1).
     gradient_accumulation_steps: int = 1
-    search: dict[str, Any] | None = None  # how the strategy was found (automatic mode): source, study, dry-runs
+    # how the strategy was found (automatic mode): source, study, dry-runs, stop reason, the pick's description and
+    # (rank 0) every trial with its description, status and reason
+    search: dict[str, Any] | None = None
     data_parallel_group: Any = field(default=None, repr=False)  # process group of the data-parallel ranks
 
     # ATorch hands these out as a dict: ``result.args["use_optim_backward"]`` works too.
@@ -296,6 +298,7 @@ def _search(
     from dataclasses import replace
 
     from atorch.strategy_search.automatic import search_strategy
+    from atorch.strategy_search.describe import search_json
 
     outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
                               memory_limit=memory_limit, time_limit=time_limit, options=options,
@@ -309,7 +312,7 @@ def _search(
     problems = agreed_problems(problems)
     if problems:
         raise StrategyError(problems, what=f"the searched strategy {strategy} cannot be applied")
-    return strategy, setup, skipped, outcome.micro_batches, outcome.to_json()
+    return strategy, setup, skipped, outcome.micro_batches, search_json(outcome, env.world_size)
 
 
 def build_result(

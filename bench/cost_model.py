@@ -72,7 +72,7 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     from atorch.dryrun.runner import DryRunSession
     from atorch.strategy_search.analyser import analyse
     from atorch.strategy_search.automatic import _sample_batch, optimizer_state_factor
-    from atorch.strategy_search.progress import describe
+    from atorch.strategy_search.describe import describe_candidate
     from atorch.strategy_search.space import SearchSpace
 
     parts = builders()[name]()
@@ -88,7 +88,8 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
         dp = ParallelLayout.of(cand.strategy, env.world_size).data_size
         trial = session.run(cand.strategy, timeout_s=600, micro_batches=cand.micro_batches,
                             batch_size=cand.micro_batch_size * dp)
-        rows.append({"candidate": describe(dict(cand.point)), "strategy": cand.strategy.to_list(),
+        rows.append({"candidate": describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches,
+                                                     env.world_size), "strategy": cand.strategy.to_list(),
                      "micro_batches": cand.micro_batches, "micro_batch_size": cand.micro_batch_size,
                      "status": trial.status, "reason": trial.reason, "peak": trial.peak_bytes,
                      "step_s": trial.step_time_s})

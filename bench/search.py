@@ -53,7 +53,7 @@ from atorch.dryrun.runner import DryRunSession  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
 from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
-from atorch.strategy_search.progress import describe  # noqa: E402
+from atorch.strategy_search.describe import describe_candidate  # noqa: E402
 from atorch.strategy_search.space import SearchSpace  # noqa: E402
 
 # Two warm-up steps, as the search (SearchOptions.warmup_steps): the first step runs its forward before any
@@ -275,9 +275,9 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         pred = predict(stats, c.strategy, ParallelLayout.of(c.strategy, env.world_size), profile,
                        spec["global_batch"], c.micro_batches, optimizer_state_factor=factor)
         mem_err.append(abs(pred.memory.peak - row["peak"]) / row["peak"])
-        details.append({"candidate": describe(point_of(c)), "mbs": c.micro_batch_size, "pred_peak": pred.memory.peak,
-                        "peak": row["peak"], "pred_s": pred.time.step, "s": row["step_time_s"],
-                        "status": row["status"]})
+        details.append({"candidate": describe(c, env.world_size), "mbs": c.micro_batch_size,
+                        "pred_peak": pred.memory.peak, "peak": row["peak"], "pred_s": pred.time.step,
+                        "s": row["step_time_s"], "status": row["status"]})
         if row["status"] == "ok" and row["step_time_s"]:
             pred_t.append(pred.time.step)
             meas_t.append(row["step_time_s"])
@@ -291,9 +291,8 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
     return {
         "scenario": name, "params_M": sum(p.numel() for p in parts["model"].parameters()) / 1e6,
         "candidates": len(cands), "budget_MiB": budget / 2**20 if budget else None,
-        "pick": describe(by_key[search_key].to_json()["point"]) + f" mbs {by_key[search_key].micro_batch_size}"
-        if search_key else f"none: {picks['search']['error']}",
-        "best": describe(by_key[best_key].to_json()["point"]) + f" mbs {by_key[best_key].micro_batch_size}",
+        "pick": describe(by_key[search_key], env.world_size) if search_key else f"none: {picks['search']['error']}",
+        "best": describe(by_key[best_key], env.world_size),
         "pick_over_best": ratio(search_key), "cost_model_over_best": ratio(cost_key),
         "pick_over_ddp": against(ddp), "pick_over_size_rule": against(size_rule),
         "pick_over_stage_scan": against(stage_scan),
@@ -317,6 +316,10 @@ def _key(space: SearchSpace, pick: dict[str, Any]) -> str:
         if c.strategy == target and c.micro_batch_size == pick["micro_batch_size"]:
             return c.key
     raise RuntimeError(f"pick {pick} is not in the space")
+
+
+def describe(cand: Any, world_size: int) -> str:
+    return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, world_size)
 
 
 def _size_rule(space: SearchSpace, cands: list[Any], model: nn.Module, budget: int | None, world: int,

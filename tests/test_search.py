@@ -6,6 +6,7 @@ scenario. The one-process tests run here, in this process.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 from pathlib import Path
@@ -20,6 +21,7 @@ from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
 from atorch import cli
+from atorch.strategy_search.describe import describe_candidate
 
 WORKER = Path(__file__).resolve().parent / "workers" / "search_worker.py"
 
@@ -113,6 +115,11 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
         mlp(), torch.optim.SGD, **args, search={"storage": storage, "max_trials": 2, "warmup_steps": 1,
                                                "measure_steps": 1})
     assert result.args.search["source"] == "search" and 1 <= result.args.search["dry_runs"] <= 2
+    # What ran, described once: the pick, and every trial of the study (a dry-run or not).
+    search = result.args.search
+    assert search["description"] == describe_candidate(strategy, search["micro_batch_size"], search["micro_batches"], 1)
+    assert len(search["trials"]) >= search["dry_runs"] and all(" | mbs " in t["description"] for t in search["trials"])
+    assert search["description"] in [t["description"] for t in search["trials"]]
     result.close()
 
     # The report a person opens: every trial in the table, and three plots.
@@ -122,6 +129,7 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
     trials = optuna.load_study(study_name=result.args.search["study_name"], storage=storage).get_trials()
     assert page.count("<tr>") == len(trials) + 1 and "samples/s" in page
     assert page.count('class="plotly-graph-div"') == 3
+    assert page.count(html.escape(search["description"])) >= 2  # the pick, and its trial's row
     assert cli.main(["search-report", "--storage", storage, "--study", "nope", "--out", str(out)]) == 1
 
     _, result, picked = atorch.auto_accelerate(mlp(), torch.optim.SGD, **args,

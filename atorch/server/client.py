@@ -176,7 +176,7 @@ class RemotePlanner(Planner):
                 rules.record(False)
                 continue
             self._seen(told["record"])
-            logger.info("trial %d: %s -> %s %s", proposal["number"], cand, told["record"].get("status"),
+            logger.info("trial %d: %s -> %s %s", proposal["number"], self.describe(cand), told["record"].get("status"),
                         told["record"].get("reason", ""))
             rules.record(told["improved"])
         best_cand, best_value = None, None
@@ -185,7 +185,9 @@ class RemotePlanner(Planner):
             best_cand = self.space.from_point(stored["point"])
             stored = self.client.store_best(self.study_name, json.loads(best_cand.strategy.to_json(indent=None)))
             best_value = stored["samples_per_s"]
-        logger.info("strategy search on %s: %s; best %s", self.server_url, stop, best_cand)
+        stop = rules.ended(stop, "no confirmation (a strategy server's study decides on its trials)")
+        logger.info("strategy search on %s: %s; best %s", self.server_url, stop,
+                    self.describe(best_cand) if best_cand else None)
         return PlanResult(best_cand, best_value, "search", self.study_name, rules.dry_runs, stop, self.trials())
 
     def _seen(self, record: dict[str, Any]) -> None:

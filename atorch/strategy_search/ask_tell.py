@@ -159,14 +159,24 @@ class StopRules:
         return ""
 
     def reason(self) -> str:
+        """Which rule stops exploring now ("" while none does). It names the rule only: how many dry-runs ran
+        and whether a confirmation followed is said by ``ended``."""
         if late := self.out_of_time():
             return late
         if self.dry_runs >= self.max_trials - self.reserved:
-            kept = f" {self.max_trials}, {self.reserved} kept for the confirmation" if self.reserved else ""
-            return f"{self.dry_runs} dry-runs (max_trials{kept})"
+            if self.reserved:
+                return (f"max_trials {self.max_trials} reached ({self.dry_runs} to explore, "
+                        f"{self.reserved} kept for a confirmation)")
+            return f"max_trials {self.max_trials} reached"
         if self.patience is not None and self.found and self.since_best >= self.patience:
-            return f"no improvement in {self.since_best} dry-runs (patience)"
+            return f"patience {self.patience} reached: no improvement in the last {self.since_best} dry-runs"
         return ""
+
+    def ended(self, stop: str, confirmation: str = "") -> str:
+        """The whole stop message: how many dry-runs ran, the rule that stopped exploring, and what the
+        confirmation did (``confirmation``: "" where the loop has none)."""
+        runs = f"{self.dry_runs} dry-run{'' if self.dry_runs == 1 else 's'}"
+        return f"{runs}; exploration stopped: {stop}" + (f"; {confirmation}" if confirmation else "")
 
     def record(self, improved: bool) -> None:
         self.dry_runs += 1

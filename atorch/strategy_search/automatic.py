@@ -29,7 +29,8 @@ from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
-from atorch.strategy_search.progress import SearchProgress
+from atorch.strategy_search.describe import describe_record
+from atorch.strategy_search.progress import SearchProgress, rejudged
 
 logger = get_logger(__name__)
 
@@ -173,7 +174,7 @@ class _Leader:
         self.time_limit, self.options, self.start = time_limit, options, start
         self.strategy_server = strategy_server
         self.global_batch = int(setup.dataloader_args.get("batch_size", 1))
-        self.progress = SearchProgress(profile.memory_per_rank)
+        self.progress = SearchProgress(profile.memory_per_rank, world_size=env.world_size)
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
@@ -253,10 +254,12 @@ class _Leader:
             raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
                                 what="automatic strategy search found no strategy")
         cand = result.candidate
-        logger.info("automatic search picked %s (%s; %s)", cand, result.source, result.stop_reason)
+        logger.info("automatic search picked %s (%s; %s)", self.progress.describe(cand), result.source,
+                    result.stop_reason)
         where = storage if self.local else str(self.strategy_server)
+        trials = [rejudged(t, self.profile.memory_per_rank) for t in result.trials]  # under this search's limit
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
-                             result.study_name, where, result.dry_runs, result.stop_reason, result.trials)
+                             result.study_name, where, result.dry_runs, result.stop_reason, trials)
 
     def _plan(self, planner: Any) -> Any:
         result = planner.search(force=self.options.force) if self.options.dryrun else planner.plan_without_dryrun()
@@ -372,7 +375,7 @@ def _no_pick_problems(result: Any, budget: int) -> list[str]:
         if status in (None, "ok", "duplicate") or reason in seen:
             continue
         seen.add(reason)
-        problems.append(f"{status}: {trial.get('candidate', {}).get('strategy')} - {reason}")
+        problems.append(f"{status}: {describe_record(trial.get('candidate') or {})} - {reason}")
         if len(problems) > 6:
             break
     problems.append("fixes: raise memory_limit, allow more methods (excluded/included), lower the global batch, "

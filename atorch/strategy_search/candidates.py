@@ -46,7 +46,8 @@ class CandidateTable:
     points: list[Point]  # valid points, in the space's walk order
     predictions: list[dict[str, Any]]  # one per point: predicted_json(...) or {"error": reason}
     global_batch: int
-    details: list[dict[str, Any]] | None = None  # optional, per point: what a person reads (the strategy)
+    # optional, per point: what a person reads (the strategy, micro-batching and their one-line description)
+    details: list[dict[str, Any]] | None = None
     _prefixes: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
     _values: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
     _names: dict[str, str] | None = field(default=None, repr=False, compare=False)
@@ -65,9 +66,13 @@ class CandidateTable:
     @classmethod
     def from_space(cls, space: Any, predict: Callable[[Any], dict[str, Any]]) -> CandidateTable:
         """The table of a SearchSpace: ``predict(candidate)`` gives predicted_json(...) or {"error": ...}."""
+        from atorch.strategy_search.describe import describe_candidate
+
         cands, points = space.enumerate(), space.valid_points()  # the same order
-        return cls(points, [predict(c) for c in cands], space.global_batch,
-                   [{k: v for k, v in c.to_json().items() if k != "point"} for c in cands])
+        details = [{**{k: v for k, v in c.to_json().items() if k != "point"},
+                    "description": describe_candidate(c.strategy, c.micro_batch_size, c.micro_batches,
+                                                      space.world_size)} for c in cands]
+        return cls(points, [predict(c) for c in cands], space.global_batch, details)
 
     def to_json(self) -> dict[str, Any]:
         out = {"points": self.points, "predictions": self.predictions, "global_batch": self.global_batch}
@@ -80,7 +85,8 @@ class CandidateTable:
                    int(data["global_batch"]), [dict(d) for d in details] if details is not None else None)
 
     def describe(self, key: str) -> dict[str, Any]:
-        """The point, and its details when the table has them (stored with each trial)."""
+        """The point, and its details when the table has them (stored with each trial: the strategy, the
+        micro-batching and ``description``, the line every view shows)."""
         i = self.by_key[key]
         return {"point": self.points[i], **(self.details[i] if self.details is not None else {})}
 

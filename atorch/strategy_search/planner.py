@@ -50,6 +50,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     trial_record,
 )
 from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.describe import describe_candidate
 from atorch.strategy_search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
@@ -181,6 +182,10 @@ class Planner:
             self._table = CandidateTable.from_space(self.space, lambda c: _pred_json(preds[c.key]))
         return self._table
 
+    def describe(self, cand: Candidate) -> str:
+        """The one description of a candidate (atorch.strategy_search.describe), at this space's world size."""
+        return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.space.world_size)
+
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
 
@@ -247,34 +252,47 @@ class Planner:
                 break
             cand = self.space.from_point(proposal.point)
             record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
-            logger.info("trial %d: %s -> %s %s", proposal.number, cand, record["status"], record.get("reason", ""))
+            logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record["status"],
+                        record.get("reason", ""))
             rules.record(record["improved"])
-        if reserve:
-            self._confirm(state, rules)
+        stop = rules.ended(stop, self._confirm(state, rules) if reserve else self._no_confirmation())
         best_cand = None
         if (best := state.best()) is not None:
             best_cand = self.space.from_point(best["point"])
             state.store_best({"strategy": json.loads(best_cand.strategy.to_json(indent=None))})
-        logger.info("strategy search: %s; best %s", stop, best_cand)
+        logger.info("strategy search: %s; best %s", stop, self.describe(best_cand) if best_cand else None)
         return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
                           _trial_records(study))
 
-    def _confirm(self, state: SearchState, rules: StopRules) -> None:
-        """Measure the best and a close runner-up once more (the runner-up first) and choose again."""
+    def _no_confirmation(self) -> str:
+        if not self.confirm_within:
+            return "no confirmation (off)"
+        return f"no confirmation (max_trials {self.max_trials} leaves no room: it needs {4 + CONFIRM_RUNS})"
+
+    def _confirm(self, state: SearchState, rules: StopRules) -> str:
+        """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
+        it did (for the stop message)."""
         contenders = state.contenders(self.confirm_within or 0.0)
+        if not contenders:
+            measured = sum(v[2]["status"] == "ok" for v in state.done.values())
+            why = "fewer than two candidates ran" if measured < 2 else (
+                f"the runner-up was not within {self.confirm_within:.0%} of the best")
+            return f"no confirmation: {why}"
+        done = 0
         for key in reversed(contenders):
             if late := rules.out_of_time():
                 logger.info("strategy search: confirmation cut short: %s", late)
-                return
+                return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
             cand = self.space.from_point(json.loads(key))
             first = state.done[key][2]["measured"]["samples_per_s"]
             record = state.confirm(key, measure_safely(self.measure_fn, cand))
             rules.record(False)
-            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", cand, record["status"],
-                        record["measured"]["samples_per_s"], first)
-        if contenders:
-            logger.info("confirmation: best %s", self.space.from_point(json.loads(state.best_key))
-                        if state.best_key else None)
+            done += 1
+            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
+                        record["status"], record["measured"]["samples_per_s"], first)
+        logger.info("confirmation: best %s", self.describe(self.space.from_point(json.loads(state.best_key)))
+                    if state.best_key else None)
+        return f"confirmation: the best and the runner-up ran once more ({done} dry-runs)"
 
 
 def _pred_json(pred: Predicted | str) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 On a terminal the table is redrawn in place (rich ``Live``); elsewhere (a log file, CI) each finished
 dry-run is one log line. Either way the search ends with a summary table of every trial of the study:
-what the cost model predicted, what the dry-run measured, and why a trial was left out.
+what the cost model predicted, what the dry-run measured, and why a trial was left out (the whole reason,
+wrapped). Each candidate is named by its one description (``atorch.strategy_search.describe``), and a measured
+outcome is judged again under this search's memory limit: the study may hold trials told under another.
 """
 
 from __future__ import annotations
@@ -12,27 +14,15 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from atorch.log import get_logger
+from atorch.strategy_search.ask_tell import judge
+from atorch.strategy_search.describe import describe_candidate, describe_record
 
 logger = get_logger(__name__)
 
 MiB = 2**20
-
-
-def describe(point: dict[str, Any]) -> str:
-    """A short name of a search point, e.g. ``zero2/fsdp2 amp_bf16 ckpt``."""
-    if "sharding" not in point:  # a finetune point: its tunable fields
-        return " ".join(f"{k}={v}" for k, v in point.items() if k != "micro_batch_size") or "as loaded"
-    options = [f"{k.split('.', 1)[1]}={v}" for k, v in sorted(point.items()) if k.startswith(f"{point['sharding']}.")]
-    text = point["sharding"] + (f"({', '.join(options)})" if options else "")
-    if point.get("precision", "fp32") != "fp32":
-        text += f" {point['precision']}"
-    if point.get("checkpoint"):
-        text += " ckpt"
-    if point.get("module_replace"):
-        text += " replace"
-    return text
 
 
 def _mib(value: Any) -> str:
@@ -43,26 +33,43 @@ def _secs(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) and value else "-"
 
 
-def trial_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """A table of trial records (``PlanResult.trials`` or the live rows), one line each."""
-    table = Table(title=title, title_justify="left")
-    for name, justify in (("#", "right"), ("candidate", "left"), ("micro-batch", "right"), ("pred. s", "right"),
-                          ("pred. MiB", "right"), ("meas. s", "right"), ("meas. MiB", "right"),
-                          ("samples/s", "right"), ("status", "left")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+def rejudged(record: dict[str, Any], budget: float | None) -> dict[str, Any]:
+    """A trial record with its status and reason judged again under ``budget`` (the current memory limit):
+    a study's trials may have been told under another limit. Only measured outcomes are judged again; a
+    prediction told over the budget keeps its reason, which names the budget it was compared with."""
+    measured = record.get("measured")
+    if budget is None or not measured or record.get("status") in ("duplicate", "running"):
+        return record
+    _, _, attrs = judge(measured, record.get("predicted") or {}, budget)
+    return {**record, "status": attrs["status"], "reason": attrs.get("reason", "")}
+
+
+def status_text(record: dict[str, Any]) -> str:
+    """A trial's status with its whole reason (never cut: the table wraps it)."""
+    status = str(record.get("status", "running"))
+    reason = record.get("reason")
+    return f"{status}: {reason}" if reason and reason != status and status != "ok" else status
+
+
+def trial_table(rows: list[dict[str, Any]], title: str, world_size: int | None = None,
+                budget: float | None = None) -> Table:
+    """A table of trial records (``PlanResult.trials`` or the live rows), one per trial; with ``budget``
+    (bytes) each measured status is judged again under it. Cells are ``Text``: a ``[...]`` in a strategy or
+    a reason is shown as written, never read as rich markup."""
+    table = Table(title=Text(title), title_justify="left")
+    for name, justify in (("#", "right"), ("candidate", "left"), ("pred. s", "right"), ("pred. MiB", "right"),
+                          ("meas. s", "right"), ("meas. MiB", "right"), ("samples/s", "right"), ("status", "left")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for row in rows:
-        cand = row.get("candidate") or {}
+        row = rejudged(row, budget)
         pred = row.get("predicted") or {}
         meas = row.get("measured") or {}
-        status = row.get("status", "running")
-        if row.get("reason") and status != "ok":
-            status += f": {row['reason'][:70]}"
         sps = meas.get("samples_per_s")
         table.add_row(
-            str(row.get("number", "")), describe(cand.get("point", {})),
-            f"{cand.get('micro_batch_size', '?')}x{cand.get('micro_batches', '?')}",
-            _secs(pred.get("step_time_s")), _mib(pred.get("peak_memory_bytes")), _secs(meas.get("step_time_s")),
-            _mib(meas.get("peak_memory_bytes")), f"{sps:.1f}" if sps else "-", status,
+            Text(str(row.get("number", ""))), Text(describe_record(row.get("candidate") or {}, world_size)),
+            Text(_secs(pred.get("step_time_s"))), Text(_mib(pred.get("peak_memory_bytes"))),
+            Text(_secs(meas.get("step_time_s"))), Text(_mib(meas.get("peak_memory_bytes"))),
+            Text(f"{sps:.1f}" if sps else "-"), Text(status_text(row)),
         )
     return table
 
@@ -70,11 +77,12 @@ def trial_table(rows: list[dict[str, Any]], title: str) -> Table:
 class SearchProgress:
     """Live rows for the dry-runs of one search (rank 0)."""
 
-    def __init__(self, memory_budget: int, console: Console | None = None) -> None:
+    def __init__(self, memory_budget: int, console: Console | None = None, world_size: int | None = None) -> None:
         self.console = console or Console(stderr=True)
         if not self.console.is_terminal:  # a log file: wide enough for one line per trial
             self.console.width = max(self.console.width, 150)
         self.budget = memory_budget
+        self.world_size = world_size  # for the layout in each description (the data size)
         self.rows: list[dict[str, Any]] = []
         self._live: Live | None = None
 
@@ -90,40 +98,48 @@ class SearchProgress:
             self._live = None
 
     def _table(self) -> Table:
-        return trial_table(self.rows, f"strategy search: dry-runs (budget {self.budget / MiB:.0f} MiB per rank)")
+        return trial_table(self.rows, f"strategy search: dry-runs (budget {self.budget / MiB:.0f} MiB per rank)",
+                           self.world_size, self.budget)
 
     def _refresh(self) -> None:
         if self._live is not None:
             self._live.update(self._table(), refresh=True)
 
+    def describe(self, cand: Any) -> str:
+        """The one description of a Candidate at this search's world size."""
+        return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.world_size)
+
     def started(self, cand: Any, prediction: Any) -> None:
         pred = {} if prediction is None or isinstance(prediction, str) else {
             "step_time_s": prediction.step_time_s, "peak_memory_bytes": prediction.peak_memory_bytes}
-        self.rows.append({"number": f"d{len(self.rows) + 1}", "candidate": cand.to_json(), "predicted": pred,
-                          "status": "running"})
+        self.rows.append({"number": f"d{len(self.rows) + 1}", "predicted": pred, "status": "running",
+                          "candidate": {**cand.to_json(), "description": self.describe(cand)}})
         self._refresh()
 
     def finished(self, cand: Any, prediction: Any, measured: Any) -> None:
         row = self.rows[-1]
-        row["measured"] = {"step_time_s": measured.step_time_s, "peak_memory_bytes": measured.peak_memory_bytes,
-                           "samples_per_s": measured.samples_per_s}
+        row["measured"] = {"status": str(measured.status).lower(), "step_time_s": measured.step_time_s,
+                           "peak_memory_bytes": measured.peak_memory_bytes,
+                           "samples_per_s": measured.samples_per_s, "reason": measured.reason or ""}
         row["status"] = measured.status
         row["reason"] = measured.reason
         self._refresh()
         pred = row["predicted"]
         logger.info(
-            "dry-run %d: %s mbs %sx%s -> %s, %s s/step (predicted %s), peak %s MiB (predicted %s)%s",
-            len(self.rows), describe(cand.to_json()["point"]), cand.micro_batch_size, cand.micro_batches,
+            "dry-run %d: %s -> %s, %s s/step (predicted %s), peak %s MiB (predicted %s)%s",
+            len(self.rows), row["candidate"]["description"],
             measured.status, _secs(measured.step_time_s), _secs(pred.get("step_time_s")),
             _mib(measured.peak_memory_bytes), _mib(pred.get("peak_memory_bytes")),
             f": {measured.reason}" if measured.reason else "",
         )
 
     def summary(self, result: Any) -> None:
-        """Every trial of the study, then the pick."""
-        rows = [t for t in result.trials if t.get("status") != "duplicate"]
+        """Every trial of the study, judged again under this search's memory budget, then the pick."""
+        # Left out: duplicates (their outcome is another trial's) and enqueued trials never asked (no candidate).
+        rows = [t for t in result.trials if t.get("status") != "duplicate" and t.get("candidate")]
         if rows and result.source != "cache":
-            self.console.print(trial_table(rows, f"strategy search: {len(rows)} trials in study {result.study_name}"))
+            self.console.print(trial_table(rows, f"strategy search: {len(rows)} trials in study {result.study_name}",
+                                           self.world_size, self.budget))
         if result.candidate is not None:
-            logger.info("strategy search (%s, %d dry-runs, %s): %s", result.source, result.dry_runs,
-                        result.stop_reason, result.candidate)
+            logger.info("strategy search (%s): %s; picked %s", result.source, result.stop_reason,
+                        self.describe(result.candidate))

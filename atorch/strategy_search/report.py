@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from atorch.errors import SetupError
-from atorch.strategy_search.progress import MiB, describe
+from atorch.strategy_search.describe import describe_record
+from atorch.strategy_search.progress import MiB
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>atorch search report: {study}</title>
@@ -24,7 +25,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td.l,th.l{{text-a
 .ok{{color:#060}}.bad{{color:#a00}}</style></head><body>
 <h1>Strategy search: {study}</h1>
 <p>{summary}</p>
-<h2>Pick</h2><pre>{best}</pre>
+<h2>Pick</h2><p>{pick}</p><pre>{best}</pre>
 <h2>Trials</h2>{table}
 <h2>Plots</h2>{plots}
 </body></html>
@@ -60,17 +61,16 @@ def _num(value: Any, scale: float = 1.0) -> str:
 
 
 def trials_html(records: list[dict[str, Any]]) -> str:
-    heads = ["#", "candidate", "micro-batch", "predicted s/step", "predicted MiB", "measured s/step", "measured MiB",
+    heads = ["#", "candidate", "predicted s/step", "predicted MiB", "measured s/step", "measured MiB",
              "samples/s", "status", "reason"]
-    rows = ["<table><tr>" + "".join(f'<th class="{"l" if i in (1, 8, 9) else ""}">{h}</th>'
+    rows = ["<table><tr>" + "".join(f'<th class="{"l" if i in (1, 7, 8) else ""}">{h}</th>'
                                     for i, h in enumerate(heads)) + "</tr>"]
     for r in records:
         cand, pred, meas = r.get("candidate") or {}, r.get("predicted") or {}, r.get("measured") or {}
         status = r.get("status", r.get("state", ""))
         cls = "ok" if status == "ok" else "bad" if status in ("oom", "failed", "timeout", "predicted_oom") else ""
         rows.append("<tr>" + "".join([
-            _cell(r["number"]), _cell(describe(cand.get("point", {})), left=True),
-            _cell(f"{cand.get('micro_batch_size', '?')}x{cand.get('micro_batches', '?')}"),
+            _cell(r["number"]), _cell(describe_record(cand), left=True),
             _cell(_num(pred.get("step_time_s"))), _cell(_num(pred.get("peak_memory_bytes"), MiB)),
             _cell(_num(meas.get("step_time_s"))), _cell(_num(meas.get("peak_memory_bytes"), MiB)),
             _cell(_num(meas.get("samples_per_s"))), _cell(status, left=True, cls=cls),
@@ -82,7 +82,7 @@ def trials_html(records: list[dict[str, Any]]) -> str:
 def _scatter(records: list[dict[str, Any]], key: str, scale: float, title: str, unit: str) -> Any:
     import plotly.graph_objects as go
 
-    points = [(r["predicted"][key] / scale, r["measured"][key] / scale, describe(r["candidate"]["point"]))
+    points = [(r["predicted"][key] / scale, r["measured"][key] / scale, describe_record(r["candidate"]))
               for r in records if r.get("status") == "ok" and (r.get("predicted") or {}).get(key)
               and (r.get("measured") or {}).get(key)]
     fig = go.Figure()
@@ -114,8 +114,10 @@ def write_report(storage: str, out: str | Path, study_name: str | None = None) -
         counts[r.get("status", r["state"])] = counts.get(r.get("status", r["state"]), 0) + 1
     best = study.user_attrs.get("best")
     summary = f"{len(records)} trials: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    pick = next((describe_record(r["candidate"]) for r in records
+                 if best and r["number"] == best.get("trial") and r.get("candidate")), "")
     page = PAGE.format(
-        study=html.escape(study.study_name), summary=html.escape(summary),
+        study=html.escape(study.study_name), summary=html.escape(summary), pick=html.escape(pick),
         best=html.escape(json.dumps(best, indent=2) if best else "no finished search has stored a pick"),
         table=trials_html(records), plots=plots_html(study, records),
     )

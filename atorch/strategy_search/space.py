@@ -90,7 +90,11 @@ class Candidate:
         }
 
     def __str__(self) -> str:
-        return f"{self.strategy} mbs={self.micro_batch_size}x{self.micro_batches}"
+        """The one description (atorch.strategy_search.describe); the data size is ``*`` here, where the world
+        size is not known: callers that know it use ``describe_candidate`` with it."""
+        from atorch.strategy_search.describe import describe_candidate
+
+        return describe_candidate(self.strategy, self.micro_batch_size, self.micro_batches, None)
 
 
 def _prefix_key(items: list[tuple[str, Any]]) -> str:
