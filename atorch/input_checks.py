@@ -1,7 +1,8 @@
 """Up-front checks of the user's dataset, loss, model and launch environment.
 
 Each function returns problem strings (empty when all is well), each naming the fix; auto_accelerate
-reports them together with every other problem before anything is built. Nothing here runs the model.
+reports them together with every other problem before anything is built. The model runs here only on fake
+tensors (the analyser's fake-tensor step: shapes, no storage), on one collated sample batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
@@ -33,8 +35,8 @@ _WRAPPER_NAMES = {
 
 def input_problems(setup: Any, save_strategy_to_file: Any = None) -> list[str]:
     """Problems of the loss_func, dataset / dataloader_args (against the model) and save path of a UserSetup."""
-    problems = _loss_func_problems(setup.loss_func)
-    problems += _dataset_problems(setup)
+    loss_problems = _loss_func_problems(setup.loss_func)
+    problems = loss_problems + _dataset_problems(setup, run_loss=not loss_problems)
     problems += save_path_problems(save_strategy_to_file)
     return problems
 
@@ -82,7 +84,7 @@ def _loss_func_problems(loss_func: Any) -> list[str]:
     return []
 
 
-def _dataset_problems(setup: Any) -> list[str]:
+def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
     dataset, args = setup.dataset, setup.dataloader_args
     if dataset is None or not isinstance(args, dict):
         return []
@@ -106,8 +108,8 @@ def _dataset_problems(setup: Any) -> list[str]:
             problems.append("distributed_sampler_cls with an IterableDataset: a stream has no sampler (atorch "
                             "gives each rank every n-th sample); drop distributed_sampler_cls")
     known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict")
-    if not problems and known_format and setup.prepare_input is None and isinstance(setup.model, nn.Module):
-        problems += _batch_problems(setup)
+    if not problems and known_format and isinstance(setup.model, nn.Module):
+        problems += _batch_problems(setup, run_loss)
     return problems
 
 
@@ -137,12 +139,33 @@ def _describe(batch: Any) -> str:
     return f"a {type(batch).__name__}"
 
 
-def _batch_problems(setup: Any) -> list[str]:
-    """The structure of one collated batch against model_input_format and the model's forward."""
+def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
+    """One collated batch (through prepare_input, if given) against model_input_format and the model's forward:
+    its structure against forward's signature, then one forward and the loss on fake tensors."""
     collate_fn = setup.dataloader_args.get("collate_fn") or default_collate
     batch = _sample_batch(setup.dataset, collate_fn)
+    if batch is not None and setup.prepare_input is not None:
+        batch = _prepared(setup.prepare_input, batch)
     if batch is None:
         return []
+    problems = _structure_problems(setup, batch)
+    if problems:
+        return problems
+    from atorch.strategy_search.analyser import step_problems
+
+    return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None)
+
+
+def _prepared(prepare_input: Callable[[Any, Any], Any], batch: Any) -> Any:
+    """The user's prepare_input applied on the CPU, or None if it fails here (the real run shows its error)."""
+    try:
+        return prepare_input(batch, torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("sample batch not checked: prepare_input failed on the CPU: %s", exc)
+        return None
+
+
+def _structure_problems(setup: Any, batch: Any) -> list[str]:
     fmt = setup.model_input_format
     is_dict = isinstance(batch, Mapping)
     is_seq = isinstance(batch, (list, tuple)) and not is_dict

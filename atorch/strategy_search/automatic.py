@@ -165,7 +165,7 @@ class _Leader:
         self.progress = SearchProgress(profile.memory_per_rank)
 
     def plan(self) -> SearchOutcome:
-        from atorch.strategy_search.analyser import analyse
+        from atorch.strategy_search.analyser import StepError, analyse
         from atorch.strategy_search.planner import Planner, default_storage, study_key
         from atorch.strategy_search.space import SearchSpace
 
@@ -181,6 +181,8 @@ class _Leader:
                 try:
                     analysed.append(analyse(self.setup.model, batch, self.setup.model_input_format,
                                             self.setup.loss_func))
+                except StepError:  # the user's mistake (loss order, batch vs model_input_format): stop with it
+                    raise
                 except Exception as exc:  # noqa: BLE001  (the planner measures what the cost model cannot predict)
                     analysed.append(exc)
             if isinstance(analysed[0], Exception):
