@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
@@ -108,7 +107,7 @@ def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
             problems.append("distributed_sampler_cls with an IterableDataset: a stream has no sampler (atorch "
                             "gives each rank every n-th sample); drop distributed_sampler_cls")
     known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict")
-    if not problems and known_format and isinstance(setup.model, nn.Module):
+    if not problems and known_format and setup.prepare_input is None and isinstance(setup.model, nn.Module):
         problems += _batch_problems(setup, run_loss)
     return problems
 
@@ -140,12 +139,11 @@ def _describe(batch: Any) -> str:
 
 
 def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
-    """One collated batch (through prepare_input, if given) against model_input_format and the model's forward:
-    its structure against forward's signature, then one forward and the loss on fake tensors."""
+    """One collated batch against model_input_format and the model's forward: its structure against forward's
+    signature, then one forward and the loss on fake tensors. Not with a prepare_input (the user's function is
+    not called here: it may count its calls or need the training device)."""
     collate_fn = setup.dataloader_args.get("collate_fn") or default_collate
     batch = _sample_batch(setup.dataset, collate_fn)
-    if batch is not None and setup.prepare_input is not None:
-        batch = _prepared(setup.prepare_input, batch)
     if batch is None:
         return []
     problems = _structure_problems(setup, batch)
@@ -154,15 +152,6 @@ def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
     from atorch.strategy_search.analyser import step_problems
 
     return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None)
-
-
-def _prepared(prepare_input: Callable[[Any, Any], Any], batch: Any) -> Any:
-    """The user's prepare_input applied on the CPU, or None if it fails here (the real run shows its error)."""
-    try:
-        return prepare_input(batch, torch.device("cpu"))
-    except Exception as exc:  # noqa: BLE001
-        logger.debug("sample batch not checked: prepare_input failed on the CPU: %s", exc)
-        return None
 
 
 def _structure_problems(setup: Any, batch: Any) -> list[str]:

@@ -351,9 +351,11 @@ class StepError(SetupError):
 _ANALYSIS_GAPS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
                   UnsupportedFakeTensorException, GuardOnDataDependentSymNode, NotImplementedError)
 _GAP_WORDS = ("fake", "meta", "storage", "data pointer", "data-dependent", "symbolic", "symint")
-# A RuntimeError is the user's when it is about shapes or dtypes (torch's shape checks raise RuntimeError).
-_SHAPE_WORDS = ("shape", "size", "dimension", "must match", "expected", "dtype", "scalar type", "mat1",
-                "reduction dim", "out of range", "out of bounds")
+# A RuntimeError is the user's when it is about shapes (torch's shape checks raise RuntimeError). Not dtypes: a
+# strategy may cast for the real step (autocast of a bf16 model's fp32 inputs, 'half' casting the batch).
+_SHAPE_WORDS = ("shape", "size", "dimension", "must match", "mat1", "reduction dim", "out of range",
+                "out of bounds")
+_DTYPE_WORDS = ("dtype", "scalar type", "same type")
 _CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)"}
 # Parameter names of a loss in torch's (input, target) order.
 _INPUT_NAMES = {"input", "inputs", "pred", "preds", "prediction", "predictions", "logits", "output", "outputs",
@@ -365,11 +367,22 @@ class _NotATensor(TypeError):
     """loss_func returned something other than a tensor (the message is the fix)."""
 
 
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    """Raised inside torch.distributed: a forward that needs the process group (the check runs before it
+    exists) or a collective on fake tensors; the real step runs with both."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _users_mistake(exc: BaseException) -> bool:
-    if isinstance(exc, _ANALYSIS_GAPS):
+    if isinstance(exc, _ANALYSIS_GAPS) or _raised_in_torch_distributed(exc):
         return False
     text = str(exc).lower()
-    if any(word in text for word in _GAP_WORDS):
+    if any(word in text for word in _GAP_WORDS + _DTYPE_WORDS):
         return False
     if isinstance(exc, (TypeError, ValueError, IndexError, KeyError, AttributeError)):
         return True
