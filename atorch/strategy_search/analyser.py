@@ -27,6 +27,13 @@ model on the meta device. From that one step it reads:
 
 The user's model is never touched: the copy is made with the fake tensors in the deepcopy memo, so no
 parameter is moved or copied and no hook is left on the original.
+
+The same fake step checks the user's setup before anything is built (``step_problems``, run by
+input_checks on one collated sample batch in both modes): a failure that is the user's mistake (a loss in
+torch's ``(input, target)`` order, a batch that does not match ``model_input_format``, a shape mismatch) is a
+``StepError`` naming the batch's structure and shapes and the fix; a failure of the fake run itself (a forward
+that reads values, an op without a fake kernel) is not reported there, and the search measures what the
+analysis could not predict.
 """
 
 from __future__ import annotations
