@@ -147,7 +147,9 @@ def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
     if batch is None:
         return []
     problems = _structure_problems(setup, batch)
-    if problems:
+    if problems or (setup.loss_func is None and setup.model_input_format is None):
+        # Neither a loss_func nor an input format: the user's own loop calls the model (result.loss_func is
+        # None, so the documented loop cannot run); the dataset may feed it in any way.
         return problems
     from atorch.strategy_search.analyser import step_problems
 
