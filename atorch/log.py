@@ -52,6 +52,7 @@ class RepeatedWarnings:
         self.first: dict[str, str] = {}  # key -> the first message, in order of first appearance
         self.counts: dict[str, int] = {}
         self._catcher: Any = None
+        self._caught: list[warnings.WarningMessage] = []
 
     def __call__(self, key: str, message: str) -> None:
         self.first.setdefault(key, message)
