@@ -1,7 +1,8 @@
 """Up-front checks of the user's dataset, loss, model and launch environment.
 
 Each function returns problem strings (empty when all is well), each naming the fix; auto_accelerate
-reports them together with every other problem before anything is built. Nothing here runs the model.
+reports them together with every other problem before anything is built. The model runs here only on fake
+tensors (the analyser's fake-tensor step: shapes, no storage), on one collated sample batch.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ _WRAPPER_NAMES = {
 
 def input_problems(setup: Any, save_strategy_to_file: Any = None) -> list[str]:
     """Problems of the loss_func, dataset / dataloader_args (against the model) and save path of a UserSetup."""
-    problems = _loss_func_problems(setup.loss_func)
-    problems += _dataset_problems(setup)
+    loss_problems = _loss_func_problems(setup.loss_func)
+    problems = loss_problems + _dataset_problems(setup, run_loss=not loss_problems)
     problems += save_path_problems(save_strategy_to_file)
     return problems
 
@@ -82,7 +83,7 @@ def _loss_func_problems(loss_func: Any) -> list[str]:
     return []
 
 
-def _dataset_problems(setup: Any) -> list[str]:
+def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
     dataset, args = setup.dataset, setup.dataloader_args
     if dataset is None or not isinstance(args, dict):
         return []
@@ -107,7 +108,7 @@ def _dataset_problems(setup: Any) -> list[str]:
                             "gives each rank every n-th sample); drop distributed_sampler_cls")
     known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict")
     if not problems and known_format and setup.prepare_input is None and isinstance(setup.model, nn.Module):
-        problems += _batch_problems(setup)
+        problems += _batch_problems(setup, run_loss)
     return problems
 
 
@@ -137,12 +138,25 @@ def _describe(batch: Any) -> str:
     return f"a {type(batch).__name__}"
 
 
-def _batch_problems(setup: Any) -> list[str]:
-    """The structure of one collated batch against model_input_format and the model's forward."""
+def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
+    """One collated batch against model_input_format and the model's forward: its structure against forward's
+    signature, then one forward and the loss on fake tensors. Not with a prepare_input (the user's function is
+    not called here: it may count its calls or need the training device)."""
     collate_fn = setup.dataloader_args.get("collate_fn") or default_collate
     batch = _sample_batch(setup.dataset, collate_fn)
     if batch is None:
         return []
+    problems = _structure_problems(setup, batch)
+    if problems or (setup.loss_func is None and setup.model_input_format is None):
+        # Neither a loss_func nor an input format: the user's own loop calls the model (result.loss_func is
+        # None, so the documented loop cannot run); the dataset may feed it in any way.
+        return problems
+    from atorch.strategy_search.analyser import step_problems
+
+    return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None)
+
+
+def _structure_problems(setup: Any, batch: Any) -> list[str]:
     fmt = setup.model_input_format
     is_dict = isinstance(batch, Mapping)
     is_seq = isinstance(batch, (list, tuple)) and not is_dict

@@ -222,8 +222,8 @@ def test_loss_func_with_the_wrong_signature(loss):
 
 
 def test_loss_funcs_that_fit_or_have_no_signature_are_accepted():
-    for loss in (mlp_loss, lambda *args: args[1].sum(), lambda data, output, scale=1.0: output.sum() * scale,
-                 nn.CrossEntropyLoss()):  # a module: forward(input, target)
+    # (a loss module, forward(input, target), binds two arguments too, but fails on the batch: test_step_checks.py)
+    for loss in (mlp_loss, lambda *args: args[1].sum(), lambda data, output, scale=1.0: output.sum() * scale):
         accelerate(loss_func=loss)
     accelerate(loss_func=max)  # a builtin without a signature: not checked
 

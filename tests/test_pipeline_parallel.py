@@ -31,7 +31,7 @@ FP32_TOL = (1e-5, 1e-6)
 BF16_TOL = (3e-2, 1e-3)
 NPROC = {"pp2": 2, "pp2xdp2": 4, "tp2xpp2xdp2": 8}
 # GPT-2's tied wte/lm_head weight (vocabulary 128 × width 32) is held by the first and the last stage.
-TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0}
+TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0, "cnn": 0}
 REFUSED = {
     "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
     "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",
@@ -175,6 +175,31 @@ def test_stages_are_built_without_a_process_group() -> None:
         held[rank] = (ctx.model.indices, sum(p.numel() for p in ctx.model.parameters()))
     assert held[0][0] == [0] and held[3][0] == [1]
     assert held[0][1] + held[3][1] == sum(p.numel() for p in model.parameters()) + sm.VOCAB * 32  # tied: twice
+
+
+def test_checkpoint_finds_the_blocks_of_a_non_transformers_model_on_its_stages() -> None:
+    """Two stages on a rank (interleaved_1f1b) of a CNN without _no_split_modules: checkpoint wraps the model's
+    blocks, not the StageModules (which looked like repeated blocks: the wrapped stage then hid its index)."""
+    from workers.pp_worker import ConvBlock, SmallCNN
+
+    from atorch.apply import apply_strategy
+    from atorch.distributed import DistEnv
+    from atorch.model_context import ModelContext, UserSetup
+    from atorch.opt_lib.pipeline_split import StageModule
+    from atorch.parallel_layout import ParallelLayout
+
+    strategy = Strategy.load([("parallel_mode", {"dims": [["pipeline", 2]]}),
+                              ("pipeline_parallel", {"schedule": "interleaved_1f1b"}), "checkpoint"])
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    setup = UserSetup(model=SmallCNN(), optim_func=torch.optim.SGD, loss_func=sm.class_loss,
+                      model_input_format="unpack_sequence")
+    ctx = ModelContext(setup, env, ParallelLayout((("pipeline", 2),))).fresh()
+    apply_strategy(ctx, strategy, communicate=False)
+    stages = list(ctx.model.stages)
+    assert [type(s) for s in stages] == [StageModule, StageModule] and ctx.model.indices == [0, 2]
+    wrapped = [type(m._checkpoint_wrapped_module) for m in ctx.model.modules()
+               if hasattr(m, "_checkpoint_wrapped_module")]
+    assert wrapped == [ConvBlock, ConvBlock], wrapped
 
 
 def test_mixed_parallel_stands_for_tensor_and_pipeline_parallel() -> None:

@@ -184,9 +184,13 @@ def test_checkpoint_class_that_matches_nothing():
     assert problem == (
         "'checkpoint': wrap_class ['NoSuchBlock'] matches no module of the model; use class objects or names"
     )
-    # model_input_format=None: Sequential.forward takes the batch as one argument (checked up front too)
-    problem = only_problem(model=nn.Sequential(nn.Linear(16, 8)), model_input_format=None, load_strategy=["checkpoint"])
-    assert problem.startswith("'checkpoint': no wrap_class given and no repeated blocks found in the model")
+    # model_input_format=None: Sequential.forward binds the (x, y) batch as one argument, so only the fake-tensor
+    # step finds that it cannot run; the model is still probed for the strategy's problems.
+    problems = accelerate_problems(model=nn.Sequential(nn.Linear(16, 8)), model_input_format=None,
+                                   load_strategy=["checkpoint"])
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("the model's forward fails on a sample batch: model_input_format=None")
+    assert problems[1].startswith("'checkpoint': no wrap_class given and no repeated blocks found in the model")
 
 
 def test_fsdp_classes_that_match_nothing():

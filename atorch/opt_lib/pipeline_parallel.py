@@ -26,9 +26,11 @@ from pydantic import Field
 from torch import nn
 
 from atorch import grad_sync
+from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, is_transformers, plan_stages
 from atorch.opt_lib.registry import register
 
@@ -110,7 +112,7 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     total = size * config.stages_per_rank()
     owned = plan_stages(model, blocks, total)
     indices = _stage_indices(config, rank, size)
-    no_split = getattr(model, "_no_split_modules", None)
+    no_split = getattr(model, "_no_split_modules", None) or _block_class_names(model)
     stages = [StageModule(build_stage(model, blocks, owned[i], i == 0, i == total - 1), i, i == 0, i == total - 1,
                           no_split) for i in indices]
     pipelined = PipelinedModel(stages, no_split)
@@ -121,6 +123,14 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     ctx.model = pipelined
     logger.info("pipeline_parallel: %d stages over %d processes (blocks per stage %s), this rank holds %s",
                 total, size, [len(o) for o in owned], indices)
+
+
+def _block_class_names(model: nn.Module) -> list[str]:
+    """The class names of the whole model's repeated blocks, declared on the stages as transformers declares
+    ``_no_split_modules``: block detection on a stage or on this rank's stages (checkpoint, fsdp) must find the
+    model's blocks, not the stages themselves (two StageModules in a list look like repeated blocks)."""
+    classes = block_classes(model)
+    return sorted({type(m).__name__ for m in model.modules() if classes and matches(m, classes)})
 
 
 def _tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:

@@ -27,30 +27,49 @@ model on the meta device. From that one step it reads:
 
 The user's model is never touched: the copy is made with the fake tensors in the deepcopy memo, so no
 parameter is moved or copied and no hook is left on the original.
+
+The same fake step checks the user's setup before anything is built (``step_problems``, run by
+input_checks on one collated sample batch in both modes): a failure that is the user's mistake (a loss in
+torch's ``(input, target)`` order, a batch that does not match ``model_input_format``, a shape mismatch) is a
+``StepError`` naming the batch's structure and shapes and the fix; a failure of the fake run itself (a forward
+that reads values, an op without a fake kernel) is not reported there, and the search measures what the
+analysis could not predict.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import itertools
 import json
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from atorch.class_ref import class_path
 from atorch.errors import SetupError
+from atorch.log import get_logger
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
+
+logger = get_logger(__name__)
 
 
 class _Frozen(BaseModel):
@@ -188,6 +207,9 @@ def _loss_of(output: Any, batch: Any, loss_func: Callable[..., Any] | None) -> t
     """The scalar to run backward from: loss_func(batch, output) (ATorch's order), else the model's own loss."""
     if loss_func is not None:
         loss = loss_func(batch, output)
+        if not isinstance(loss, torch.Tensor):
+            raise _NotATensor(f"it returned a {type(loss).__name__}, not a tensor: return the loss as a scalar "
+                              "tensor (the one backward starts from)")
     elif isinstance(output, torch.Tensor):
         loss = output
     elif getattr(output, "loss", None) is not None:  # transformers ModelOutput with labels
@@ -324,6 +346,213 @@ def _block_instances(model: nn.Module) -> dict[str, str]:
     return found
 
 
+# ----- the user's step: forward and loss, and what is wrong with them ----------------------------------
+
+class StepError(SetupError):
+    """The user's model and loss_func cannot run one step on the sample batch the way atorch calls them (loss
+    argument order, batch structure against model_input_format, shapes): a mistake in the setup, named with
+    its fix, not a gap of the fake-tensor analysis (which the search answers by measuring instead)."""
+
+
+# Failures of the fake run itself, not of the user's step: values read in forward, ops without a fake kernel.
+_ANALYSIS_GAPS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException,
+                  UnsupportedFakeTensorException, GuardOnDataDependentSymNode, NotImplementedError)
+_GAP_WORDS = ("fake", "meta", "storage", "data pointer", "data-dependent", "symbolic", "symint")
+# A RuntimeError is the user's when it is about shapes (torch's shape checks raise RuntimeError). Not dtypes: a
+# strategy may cast for the real step (autocast of a bf16 model's fp32 inputs, 'half' casting the batch).
+_SHAPE_WORDS = ("shape", "size", "dimension", "must match", "mat1", "reduction dim", "out of range",
+                "out of bounds")
+_DTYPE_WORDS = ("dtype", "scalar type", "same type")
+_CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)"}
+# Parameter names of a loss in torch's (input, target) order.
+_INPUT_NAMES = {"input", "inputs", "pred", "preds", "prediction", "predictions", "logits", "output", "outputs",
+                "y_pred", "y_hat", "yhat"}
+_TARGET_NAMES = {"target", "targets", "label", "labels", "y", "y_true", "truth"}
+
+
+class _NotATensor(TypeError):
+    """loss_func returned something other than a tensor (the message is the fix)."""
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    """Raised inside torch.distributed: a forward that needs the process group (the check runs before it
+    exists) or a collective on fake tensors; the real step runs with both."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _users_mistake(exc: BaseException) -> bool:
+    if isinstance(exc, _ANALYSIS_GAPS) or _raised_in_torch_distributed(exc):
+        return False
+    text = str(exc).lower()
+    if any(word in text for word in _GAP_WORDS + _DTYPE_WORDS):
+        return False
+    if isinstance(exc, (TypeError, ValueError, IndexError, KeyError, AttributeError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in text for word in _SHAPE_WORDS)
+
+
+def describe(data: Any, limit: int = 6) -> str:
+    """A batch or an output, as structure, shapes and dtypes: ``tuple(tensor (8, 16) float32, ...)``."""
+    if isinstance(data, torch.Tensor):
+        return f"tensor {tuple(data.shape)} {str(data.dtype).removeprefix('torch.')}"
+    if isinstance(data, Mapping):
+        items = [f"{k!r}: {describe(v, limit)}" for k, v in list(data.items())[:limit]]
+        more = ", ..." if len(data) > limit else ""
+        return f"{type(data).__name__}({', '.join(items)}{more})"
+    if isinstance(data, (list, tuple)):
+        items = [describe(v, limit) for v in data[:limit]]
+        return f"{type(data).__name__}({', '.join(items)}{', ...' if len(data) > limit else ''})"
+    return type(data).__name__
+
+
+def _first_line(exc: BaseException, module: nn.Module | None = None, limit: int = 300) -> str:
+    """The exception in one line, ``module``'s repr in it (``model(**tuple)`` prints it) as its class name."""
+    text = str(exc) if module is None else str(exc).replace(repr(module), type(module).__name__)
+    text = " ".join(text.split()).rstrip(".")
+    text = text if len(text) <= limit else text[:limit] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _forward_hint(model: nn.Module, batch: Any, model_input_format: str | None) -> str:
+    is_dict, is_seq = isinstance(batch, Mapping), isinstance(batch, (list, tuple))
+    if is_dict and model_input_format != "unpack_dict":
+        return "The batch is a dict: use model_input_format='unpack_dict' (model(**batch))"
+    if model_input_format == "unpack_dict" and not is_dict:
+        return ("model(**batch) needs a dict batch: use model_input_format='unpack_sequence' (model(*batch)) or "
+                "None (model(batch)), or make the dataset / collate_fn yield dicts")
+    if model_input_format is None and is_seq:
+        return (f"model_input_format=None passes the whole {type(batch).__name__} as one argument; if it holds the "
+                "model's inputs and the target (a dataset of (x, y) samples), use "
+                "model_input_format='unpack_sequence' (model(*batch)) with a forward that takes them all and "
+                "ignores the target, e.g. forward(self, x, y=None) (wrap an nn.Sequential in such a module); "
+                "loss_func(data, output) then reads the target from data")
+    try:
+        sig = f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
+    except (TypeError, ValueError):
+        sig = f"{type(model).__name__}.forward"
+    return (f"Make the dataset's samples match {sig} as {_CALLS.get(model_input_format, 'model(batch)')} calls it "
+            "(number, order and shapes of the inputs), or change model_input_format")
+
+
+def _loss_name(loss_func: Any) -> str:
+    if isinstance(loss_func, nn.Module):
+        prefix = "nn." if type(loss_func).__module__.startswith("torch.nn") else ""
+        return f"{prefix}{type(loss_func).__name__}()"
+    name = getattr(loss_func, "__name__", type(loss_func).__name__)
+    if getattr(loss_func, "__module__", "") == "torch.nn.functional":
+        return f"F.{name}"
+    return "loss_func" if name == "<lambda>" else name
+
+
+def _torch_order(loss_func: Any) -> bool:
+    """Whether loss_func looks like torch's loss(input, target): a torch loss module or function, or a
+    function whose first two parameters are named so."""
+    if isinstance(loss_func, nn.Module) or str(getattr(loss_func, "__module__", "")).startswith("torch"):
+        return True
+    try:
+        names = list(inspect.signature(loss_func).parameters)[:2]
+    except (TypeError, ValueError):
+        return False
+    return len(names) == 2 and names[0].lower() in _INPUT_NAMES and names[1].lower() in _TARGET_NAMES
+
+
+def _target_expr(batch: Any) -> str:
+    if isinstance(batch, Mapping) and batch:
+        return "data['labels']" if "labels" in batch else f"data[{list(batch)[-1]!r}]"
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        return f"data[{len(batch) - 1}]"
+    return "<the target, from data>"
+
+
+def _loss_hint(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> str:
+    name = _loss_name(loss_func)
+    if isinstance(exc, _NotATensor):
+        return ""
+    if _torch_order(loss_func):
+        out = "output.logits" if hasattr(output, "logits") else "output"
+        call = f"{name}({out}, {_target_expr(batch)})" if name != "loss_func" else "..."
+        return (f"It looks like torch's (input, target) order; wrap it: "
+                f"`loss_func=lambda data, output: {call}`")
+    if isinstance(exc, TypeError) and "argument" in str(exc):
+        return "Give loss_func exactly two parameters, (data, output), in this order"
+    return "Make loss_func take the batch first and the model's output second, and return a scalar tensor"
+
+
+def _forward_and_loss(work: nn.Module, batch: Any, model_input_format: str | None,
+                      loss_func: Callable[..., Any] | None) -> torch.Tensor | None:
+    """The forward and the loss of one step, as atorch calls them; a failure that is the user's mistake is
+    raised as a StepError naming the fix, any other (the fake run's limits) as it came."""
+    try:
+        output = call_model(work, batch, model_input_format)
+    except Exception as exc:
+        if not _users_mistake(exc):
+            raise
+        raise StepError(
+            f"the model's forward fails on a sample batch: model_input_format={model_input_format!r} calls "
+            f"{_CALLS.get(model_input_format, 'model(batch)')} with the batch, {describe(batch)}, and "
+            f"{type(work).__name__}.forward raised {_first_line(exc, work)}. "
+            f"{_forward_hint(work, batch, model_input_format)}") from exc
+    try:
+        return _loss_of(output, batch, loss_func)
+    except Exception as exc:
+        if not _users_mistake(exc):
+            raise
+        name = _loss_name(loss_func)
+        what = "the model's own loss" if loss_func is None else "loss_func" + (
+            f" ({name})" if name != "loss_func" else "")
+        raise StepError(
+            f"{what} fails on a sample batch: atorch calls loss_func(data, output), data being the batch "
+            f"({describe(batch)}) and output the model's output ({describe(output)}); "
+            f"{str(exc) if isinstance(exc, _NotATensor) else 'it raised ' + _first_line(exc)}. "
+            f"{_loss_hint(loss_func, batch, output, exc)}".rstrip(". ")) from exc
+
+
+def _fake_setup(model: nn.Module, sample_batch: Any) -> tuple[FakeTensorMode, nn.Module, Any, torch.device]:
+    """A fake mode, the model's fake copy (train mode) and the batch as fake tensors, on the batch's device."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    batch_device = next((t.device for t in _leaves(sample_batch) if not t.is_meta), torch.device("cpu"))
+    work = _fake_copy(model, mode, batch_device)
+    work.train()
+    with mode:
+        batch = _map_tensors(sample_batch, lambda t: torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
+    return mode, work, batch, batch_device
+
+
+def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
+                  loss_func: Callable[..., Any] | None = None) -> list[str]:
+    """What is wrong with calling ``model`` and ``loss_func`` on ``sample_batch`` as atorch will: one forward
+    and the loss on fake tensors (no real memory, no arithmetic; the user's model is not touched). Empty when
+    the step runs, or when the fake run cannot tell (a forward that reads values: the real step will)."""
+    try:
+        with _quiet_fake_tensor_log(), torch.random.fork_rng(devices=[]):
+            mode, work, batch, _ = _fake_setup(model, sample_batch)
+            with mode:
+                _forward_and_loss(work, batch, model_input_format, loss_func)
+    except StepError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001  (the fake run's own limits: not the user's mistake)
+        logger.debug("the sample step was not checked on fake tensors: %s", _first_line(exc))
+    return []
+
+
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs every meta kernel that fails (a shape mistake) with its traceback; the error says it once."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+
+
 # ----- the analysis ------------------------------------------------------------------------------------
 
 def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func: Callable[..., Any] | None,
@@ -335,8 +564,7 @@ def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func
         saved.track(work, hooks)
         with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, fwd_ops, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            output = call_model(work, batch, model_input_format)
-            loss = _loss_of(output, batch, loss_func)
+            loss = _forward_and_loss(work, batch, model_input_format, loss_func)
     if loss is None:
         return fwd.get_total_flops(), 0, fwd_ops, bwd_ops
     with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd, bwd_ops:
@@ -385,16 +613,13 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     trainable = [p for p in params if p.requires_grad]
     blocks = _block_instances(model)
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    batch_device = next((t.device for t in _leaves(sample_batch) if not t.is_meta), torch.device("cpu"))
-    work = _fake_copy(model, mode, batch_device)
-    work.train()
-    with mode:
-        batch = _map_tensors(sample_batch, lambda t: torch.empty_strided(
-            t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
+    mode, work, batch, batch_device = _fake_setup(model, sample_batch)
     saved = _SavedTensors(work, blocks)
     try:
-        fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode, saved)
+        with _quiet_fake_tensor_log():
+            fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode, saved)
+    except StepError:
+        raise
     except Exception as exc:
         raise SetupError(
             f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "

@@ -178,7 +178,7 @@ class _Leader:
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
-        from atorch.strategy_search.analyser import analyse
+        from atorch.strategy_search.analyser import StepError, analyse
         from atorch.strategy_search.planner import Planner, default_storage, study_key
         from atorch.strategy_search.space import SearchSpace
 
@@ -194,6 +194,8 @@ class _Leader:
                 try:
                     analysed.append(analyse(self.setup.model, batch, self.setup.model_input_format,
                                             self.setup.loss_func))
+                except StepError:  # the user's mistake (loss order, batch vs model_input_format): stop with it
+                    raise
                 except Exception as exc:  # noqa: BLE001  (the planner measures what the cost model cannot predict)
                     analysed.append(exc)
             if isinstance(analysed[0], Exception):

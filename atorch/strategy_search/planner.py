@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atorch.log import get_logger
+from atorch.log import RepeatedWarnings, get_logger
+from atorch.strategy_search.analyser import StepError
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_RUNS,
     DEFAULT_TOP_K,
@@ -157,19 +158,23 @@ class Planner:
         self._table: CandidateTable | None = None
 
     # ----- the cost model ----------------------------------------------------------------------
-    def _predict(self, cand: Candidate) -> Predicted | str:
+    def _predict(self, cand: Candidate, warn: RepeatedWarnings) -> Predicted | str:
         """The prediction, or the reason the cost model could not predict (then it is measured)."""
         try:
             raw = self.predict_fn(cand)
             step = float(raw.step_time_s)
             return Predicted(float(raw.peak_memory_bytes), step, self.space.global_batch / step if step > 0 else 0.0)
+        except StepError:  # the user's model / loss_func cannot run a step: measuring would fail the same way
+            raise
         except Exception as exc:  # a cost model gap must not stop the search
-            logger.warning("cost model could not predict %s: %s", cand, exc)
-            return f"{type(exc).__name__}: {exc}"
+            reason = f"{type(exc).__name__}: {exc}"
+            warn(reason, f"cost model could not predict {cand}: {exc}")  # once, with the count, not per candidate
+            return reason
 
     def predictions(self) -> dict[str, Predicted | str]:
         if self._predictions is None:
-            self._predictions = {c.key: self._predict(c) for c in self.space.enumerate()}
+            with RepeatedWarnings(logger, "candidates") as warn:
+                self._predictions = {c.key: self._predict(c, warn) for c in self.space.enumerate()}
         return self._predictions
 
     def _fits(self, pred: Predicted | str) -> bool:

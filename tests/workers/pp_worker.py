@@ -33,7 +33,31 @@ GLOBAL_BATCH = 8
 LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)) + x
+
+
+class SmallCNN(nn.Module):
+    """A non-transformers CNN, its residual blocks in one nn.Sequential: 4 blocks make 4 stages of one
+    block (interleaved_1f1b on 2 ranks), so a rank holds two StageModules and no two blocks in one stage."""
+
+    def __init__(self, channels: int = 4, blocks: int = 4, classes: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvBlock(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.stem(x))).mean(dim=(2, 3)))
+
+
 MODELS = {
+    "cnn": sm.Setup(SmallCNN, sm.image_dataset, sm.class_loss, "unpack_sequence"),
     "gpt2": sm.Setup(functools.partial(sm.tiny_gpt2, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "llama": sm.Setup(functools.partial(sm.tiny_llama, layers=4), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "gpt2_2layers": sm.Setup(sm.tiny_gpt2, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
@@ -58,6 +82,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/pp2[1f1b]": ("gpt2", [PP2, pp("1f1b")]),
         "llama/pp2[gpipe]": ("llama", [PP2, pp("gpipe")]),
         "gpt2/pp2[interleaved_1f1b]+checkpoint": ("gpt2", [PP2, pp("interleaved_1f1b"), "checkpoint"]),
+        "cnn/pp2[interleaved_1f1b]+checkpoint": ("cnn", [PP2, pp("interleaved_1f1b"), "checkpoint"]),
         "gpt2/pp2+amp_native[bf16]": ("gpt2", [PP2, pp("1f1b"), ("amp_native", {"dtype": "bf16"})]),
         "forward/pp2": ("gpt2", [PP2, pp("1f1b")]),
         "refused/too few blocks": ("gpt2_2layers", [PP2, pp("interleaved_1f1b")]),
