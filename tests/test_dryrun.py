@@ -11,7 +11,7 @@ import pytest
 import torch
 from launcher import HERE, run_json
 from toy_models import mlp, mlp_dataset, mlp_loss
-from workers.dryrun_worker import PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
+from workers.dryrun_worker import FAILFAST_PLAN, FAILFAST_TIMEOUT_S, PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
 
 from atorch.distributed import init_distributed
 from atorch.dryrun import PeakMemory, TrialResult, dry_run
@@ -259,3 +259,36 @@ def test_a_rank_that_does_not_come_back_ends_the_series_without_hanging(report: 
         assert all("rank(s) 1 did not come back" in r.reason for r in results[1:])
     # Rank 0: the trial's 2 s, the 1 s wait for rank 1, then nothing more.
     assert views[0]["total_s"] < 2.0 + 1.0 + 3.0, views[0]["total_s"]
+
+
+FAILURE_COST_S = 10.0  # issue 18: a failure on one rank ends the trial on every rank within this
+
+
+@pytest.mark.distributed
+def test_a_failure_on_one_rank_ends_the_trial_on_every_rank_in_seconds(report: dict[str, Any]) -> None:
+    """Rank 1 raises in its build, then in a step, with a trial timeout of 120 s: every rank stops within
+    seconds (rank 1 announces the failure through the store and frees its trial groups; rank 0, waiting
+    in DDP's collective, gets an error at once), both record rank 1's error as the cause, and the next
+    candidate runs normally on the same ranks."""
+    views = _ok(report["failfast"])
+    assert FAILFAST_PLAN == ["raise_build", "ok", "raise_step", "ok"] and FAILFAST_TIMEOUT_S >= 100
+    results = [[TrialResult.model_validate(t["result"]) for t in view["trials"]] for view in views]
+    assert [[r.status for r in by_rank] for by_rank in results] == [["failed", "ok", "failed", "ok"]] * 2, results
+    for index, where in ((0, "build"), (2, "step")):
+        raised_at = views[1]["trials"][index]["raised_at"]
+        assert views[0]["trials"][index]["raised_at"] is None and raised_at is not None
+        stopped_after = max(view["trials"][index]["end"] for view in views) - raised_at
+        assert stopped_after < FAILURE_COST_S, (where, stopped_after)
+        for by_rank in results:
+            failed = by_rank[index]
+            assert failed.reason == f"rank 1: {failed.ranks[1].reason}", failed.reason
+            assert f"ValueError: injected {where} failure on rank 1" in failed.reason
+            assert failed.wall_s < FAILURE_COST_S, failed.wall_s
+            # rank 0's own outcome: stopped by rank 1's failure, not a cause of its own
+            rank0 = failed.ranks[0]
+            assert rank0 is not None and rank0.status == "failed" and not rank0.root_cause, rank0
+            assert "stopped: rank 1 failed (" in rank0.reason and f"injected {where} failure" in rank0.reason
+    for by_rank in results:  # the trial's groups were dropped early: the next candidate is untouched
+        for ok in (by_rank[1], by_rank[3]):
+            assert ok.samples_per_s and ok.peak_bytes and len(ok.losses) == 3, ok
+        assert by_rank[1].losses == by_rank[3].losses == results[0][1].losses  # same seed, same steps

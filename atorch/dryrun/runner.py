@@ -13,7 +13,10 @@ Each trial, on every rank:
 3. every collective is bounded by the time left until the trial's deadline, and a **watchdog** thread
    publishes "timeout" for its rank at the deadline if the main thread has not reported (with where it
    is stuck), so the other ranks learn of a hung rank within the timeout;
-4. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
+4. a rank whose trial raises its own error **announces it** through the store and frees its trial groups;
+   every other rank stops at its next step or in the collective it waits in, within seconds, and
+   reports "failed", naming that rank's error (coordination.py: ``AbortWatcher``; gloo and NCCL alike);
+5. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
 
 A rank stuck in Python (a sleep, a loop, a C call holding on) cannot be interrupted. The others record
 "timeout" at the deadline and wait for it at the next meeting: a rank that overslept rejoins when its
@@ -42,7 +45,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
-from atorch.dryrun.coordination import Coordinator
+from atorch.dryrun.coordination import AbortWatcher, Coordinator
 from atorch.dryrun.memory import PeakMemory
 from atorch.errors import SetupError
 from atorch.lifecycle import import_off_the_stack
@@ -200,6 +203,8 @@ class _Trial:
         self.min_measure_s, self.max_steps = 0.0, steps
         self.deadline = 0.0
         self.phase = "starting"
+        self.watcher = AbortWatcher(coordinator, index)
+        self.aborted = False  # the trial ended by this rank's failure, or by another's announced one
         self._reported = False
         self._lock = threading.Lock()
 
@@ -212,16 +217,20 @@ class _Trial:
         watchdog.daemon = True
         watchdog.start()
         try:
-            with self.coordinator.trial_world(self.timeout_s):
+            with self.watcher, self.coordinator.trial_world(self.timeout_s):
                 outcome = self._outcome()
-            self._report(outcome)
         except Exception as exc:  # noqa: BLE001  (making the trial's group, or a time-out before the build)
-            self._report(_classify(exc, self.phase))
+            outcome = self._failed(exc)
         except BaseException as exc:  # never leave the others waiting for this rank's report
+            with contextlib.suppress(Exception):
+                self.coordinator.announce_abort(self.index, _describe(exc))
             self._report(RankOutcome(status="failed", reason=_describe(exc), root_cause=True))
             raise
         finally:
             watchdog.cancel()
+        if self.aborted:
+            self.coordinator.drop_finished_groups()  # frees peers still waiting on this rank (gloo)
+        self._report(outcome)
         everyone = self.coordinator.collect(f"{self.index}/outcome", self.deadline + AGREE_GRACE_S - time.monotonic())
         ranks = [RankOutcome.model_validate(o) if o is not None else None for o in everyone]
         return _agree(self.strategy, ranks, self._global_batch(), memory_budget, time.monotonic() - start)
@@ -242,6 +251,36 @@ class _Trial:
 
     def _global_batch(self) -> int:
         return int(self.setup.dataloader_args.get("batch_size", 1)) * self.micro_batches
+
+    def _failed(self, exc: BaseException) -> RankOutcome:
+        """This rank's outcome for the error that ended its trial.
+
+        Its own error (not a deadline) is announced, so that the other ranks stop now instead of at the
+        deadline. An error that follows another rank's announced failure (the watcher's stop, or a
+        collective whose peer stopped) is reported as that: "failed", not this rank's cause.
+        """
+        if isinstance(exc, _Stopped):
+            self.aborted = True
+            return exc.outcome(self.phase)
+        outcome = _classify(exc, self.phase)
+        if outcome.root_cause and outcome.status != "timeout":
+            self.aborted = True
+            with contextlib.suppress(Exception):  # the store is gone: nobody is left to tell
+                self.coordinator.announce_abort(self.index, outcome.reason or "")
+            return outcome
+        first = self.watcher.stopped_by
+        if first is None and not outcome.root_cause:
+            with contextlib.suppress(Exception):
+                first = self.coordinator.abort_announced(self.index)
+        if first is not None and first["rank"] != self.env.rank and not outcome.root_cause:
+            self.aborted = True
+            return _Stopped(first).outcome(self.phase)
+        return outcome
+
+    def _check_stopped(self) -> None:
+        """Stop here if another rank announced a failure (its step would wait for that rank)."""
+        if self.watcher.stopped_by is not None:
+            raise _Stopped(self.watcher.stopped_by)
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -302,6 +341,7 @@ class _Trial:
                 step, planned = 0, self.steps
                 while step < planned:
                     self.phase = f"step {step}"
+                    self._check_stopped()
                     with collective_timeout(self._remaining()):
                         dist.barrier()  # the trial's group: every rank starts the step together
                     begin = time.perf_counter()
@@ -311,7 +351,7 @@ class _Trial:
                     if step == self.steps and self.min_measure_s > 0:
                         planned = self._steps_for(statistics.median(times))
         except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
-            return _classify(exc, self.phase)
+            return self._failed(exc)
         finally:
             if result is not None:
                 result.close()
@@ -346,11 +386,23 @@ class _Trial:
             if mine > self.memory_budget else "another rank is above the memory budget"))
 
     def _step(self, result: Any, batches: Iterator[Any]) -> float:
+        self._check_stopped()
         with collective_timeout(self._remaining()):
             loss = _train_step(result, [next(batches) for _ in range(self.micro_batches)])
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
             return float(loss.item())
+
+
+class _Stopped(Exception):
+    """Another rank announced a failure in this trial: this rank stops too."""
+
+    def __init__(self, first: dict[str, Any]) -> None:
+        super().__init__(f"stopped: rank {first['rank']} failed ({first['reason']})")
+        self.first = first
+
+    def outcome(self, phase: str) -> RankOutcome:
+        return RankOutcome(status="failed", reason=f"{phase}: {self}", root_cause=False)
 
 
 def _lower_loss_scale(optim: Any) -> None:
