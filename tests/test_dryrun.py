@@ -3,8 +3,11 @@ real ranks the failure, hang, budget, agreement and release cases (tests/workers
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
+import time
+import uuid
 from typing import Any
 
 import pytest
@@ -14,9 +17,14 @@ from toy_models import mlp, mlp_dataset, mlp_loss
 from workers.dryrun_worker import FAILFAST_PLAN, FAILFAST_TIMEOUT_S, PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
 
 from atorch.distributed import init_distributed
-from atorch.dryrun import PeakMemory, TrialResult, dry_run
+from atorch.dryrun import PeakMemory, TrialResult, dry_run, dry_run_many
 from atorch.model_context import UserSetup
-from atorch.strategy import Strategy
+from atorch.opt_lib.base import Preparation
+from atorch.opt_lib.deepspeed_zero import deepspeed_reason
+from atorch.opt_lib.parallel_mode import ParallelModeConfig
+from atorch.opt_lib.sharding import Zero2Config
+from atorch.opt_lib.zero1 import Zero1Config
+from atorch.strategy import Strategy, StrategyItem
 
 WORKER = HERE / "workers" / "dryrun_worker.py"
 F32 = 4
@@ -180,6 +188,55 @@ def test_fp16_that_never_lets_a_step_through_is_a_failed_trial_with_the_reason()
                      warmup=1, steps=1)
     assert result.status == "failed", result
     assert "fp16 loss scaling skipped every warm-up step" in result.reason and "bf16" in result.reason
+
+
+PREPARE_S = 3.0  # one-time work longer than the trial's timeout below
+_PREPARED_AT: list[float] = []
+
+
+def _prepare() -> None:
+    _PREPARED_AT.append(time.monotonic())
+    time.sleep(PREPARE_S)
+
+
+class _SlowToPrepare(ParallelModeConfig):
+    """parallel_mode, declaring PREPARE_S of one-time work, as DeepSpeed's op build does."""
+
+    def preparation(self) -> Preparation | None:
+        return Preparation(f"test work {_RUN_ID}", _prepare)
+
+
+_RUN_ID = uuid.uuid4()  # preparations are done once per process and name: a name no other test uses
+
+
+def test_one_time_preparation_runs_once_with_a_log_line_before_the_trials_clock() -> None:
+    what = f"test work {_RUN_ID}"
+    strategy = Strategy(methods=(StrategyItem(name="parallel_mode", config=_SlowToPrepare()),))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("atorch").addHandler(handler)
+    try:
+        # A timeout shorter than the preparation: counted in the trial, it would make the first one time out.
+        results = dry_run_many(_setup(mlp()), init_distributed(), [strategy, strategy], warmup=1, steps=1,
+                               timeout_s=PREPARE_S - 0.5)
+    finally:
+        logging.getLogger("atorch").removeHandler(handler)
+    assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
+    assert len(_PREPARED_AT) == 1  # once, for both trials
+    # Outside the clock: neither trial's time holds it (and the first did not time out).
+    assert all(r.wall_s < PREPARE_S for r in results), [r.wall_s for r in results]
+    messages = [r.getMessage() for r in records]
+    assert f"one-time preparation for parallel_mode: {what}; not counted in any trial's time" in messages, messages
+    assert any(m.startswith("one-time preparation for parallel_mode done in ") for m in messages), messages
+
+
+@pytest.mark.skipif(deepspeed_reason() is not None, reason="DeepSpeed is not installed")
+def test_deepspeed_zero_declares_its_op_build_as_one_time_work() -> None:
+    for config in (Zero1Config(implementation="deepspeed"), Zero2Config(implementation="deepspeed")):
+        preparation = config.preparation()
+        assert preparation is not None and "shm_comm" in preparation.what
+    assert Zero1Config().preparation() is None and Zero2Config().preparation() is None
 
 
 # ----- two real ranks ---------------------------------------------------------------------------

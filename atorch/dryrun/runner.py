@@ -2,6 +2,8 @@
 
 Each trial, on every rank:
 
+0. once per process, before the first trial that needs it, do a method's one-time **preparation**
+   (``MethodConfig.preparation``: DeepSpeed's op build), with a log line, outside every trial's clock;
 1. **meet** the other ranks (store, bounded by ``rejoin_timeout_s``) and open a fresh process group for
    the trial (coordination.py); agree on preflight problems, so an inapplicable candidate is reported
    by every rank and built by none;
@@ -49,9 +51,12 @@ from atorch.dryrun.coordination import AbortWatcher, Coordinator
 from atorch.dryrun.memory import PeakMemory
 from atorch.errors import SetupError
 from atorch.lifecycle import import_off_the_stack
+from atorch.log import get_logger
 from atorch.model_context import UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
+
+logger = get_logger(__name__)
 
 Status = Literal["ok", "oom", "failed", "timeout"]
 AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
@@ -176,6 +181,8 @@ class DryRunSession:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
         index = self.trials
         self.trials += 1
+        # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
+        unprepared = prepare_once(strategy, log=self.env.is_main) if self.lost is None else []
         if self.lost is None:
             verdict = self.coordinator.meet(f"{index}/meet", self.rejoin_timeout_s)
             if verdict is not None:
@@ -187,6 +194,7 @@ class DryRunSession:
             setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
         trial = _Trial(self.coordinator, index, setup, self.env, strategy, self.warmup, self.steps, timeout_s,
                        micro_batches)
+        trial.unprepared = unprepared
         trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
         return trial.run(self.memory_budget)
 
@@ -195,12 +203,42 @@ class DryRunSession:
             self.coordinator.close(self.rejoin_timeout_s)
 
 
+_prepared: dict[str, str | None] = {}  # per process: preparation -> None when done, else why it failed
+
+
+def prepare_once(strategy: Strategy, log: bool) -> list[str]:
+    """Do the one-time preparations the strategy's methods declare and this process has not done yet
+    (DeepSpeed's op build: up to a minute the first time, which a trial would count as its own);
+    the problems of those that failed, now or before."""
+    problems = []
+    for item in strategy.methods:
+        preparation = item.config.preparation()
+        if preparation is None:
+            continue
+        if preparation.what not in _prepared:
+            if log:
+                logger.info("one-time preparation for %s: %s; not counted in any trial's time", item.name,
+                            preparation.what)
+            start = time.monotonic()
+            try:
+                preparation.run()
+                _prepared[preparation.what] = None
+            except Exception as exc:  # noqa: BLE001  (the candidate fails with it, through the preflight agreement)
+                _prepared[preparation.what] = f"{item.name}: one-time preparation failed: {_describe(exc)}"
+            if log:
+                logger.info("one-time preparation for %s done in %.1f s", item.name, time.monotonic() - start)
+        if (problem := _prepared[preparation.what]) is not None:
+            problems.append(problem)
+    return problems
+
+
 class _Trial:
     def __init__(self, coordinator: Coordinator, index: int, setup: UserSetup, env: DistEnv, strategy: Strategy,
                  warmup: int, steps: int, timeout_s: float, micro_batches: int) -> None:
         self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
         self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
         self.min_measure_s, self.max_steps = 0.0, steps
+        self.unprepared: list[str] = []  # one-time preparations that failed: problems, as preflight's
         self.deadline = 0.0
         self.phase = "starting"
         self.watcher = AbortWatcher(coordinator, index)
@@ -295,7 +333,7 @@ class _Trial:
         self.phase = "preflight"
         layout = ParallelLayout.of(self.strategy, self.env.world_size)
         try:
-            problems = self.strategy.problems(self.env.world_size)
+            problems = self.strategy.problems(self.env.world_size) + self.unprepared
             skipped, found = preflight(self.setup, self.env, self.strategy, layout) if not problems else ({}, [])
             problems += found
         except Exception as exc:  # noqa: BLE001  (reported as a problem, through the agreement)
