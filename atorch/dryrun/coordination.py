@@ -34,6 +34,7 @@ import contextlib
 import gc
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -116,6 +117,10 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
         del groups
+        if "deepspeed.utils.groups" in sys.modules:  # DeepSpeed keeps its engine's groups in module globals
+            from atorch.opt_lib.deepspeed_zero import _forget_destroyed_groups
+
+            _forget_destroyed_groups()
         gc.collect()  # the trial's objects (a DDP reducer, a mesh) hold the groups in reference cycles
 
     # ----- the trial's process group -----------------------------------------------------------

@@ -159,6 +159,10 @@ class DryRunSession:
         self.trials = 0
         # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
         import_off_the_stack("torch._dynamo")
+        # Imported here, not inside a trial: ZeroRedundancyOptimizer's module binds ``dist.group.WORLD`` as a
+        # default argument when imported, which inside a trial is the trial's group; kept alive by it, that
+        # group's connections would never close after a failure, and its peers would wait until the deadline.
+        import_off_the_stack("torch.distributed.optim.zero_redundancy_optimizer")
 
     def announce(self, name: str, value: Any) -> None:
         """The leader (rank 0) tells every rank ``value``; the others read it with ``hear``."""
