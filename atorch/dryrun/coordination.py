@@ -19,7 +19,9 @@ at its next step. On NCCL, ``abort()`` (ncclCommAbort) is what ends a collective
 rank. On gloo ``abort()`` and ``shutdown()`` leave a pending collective waiting until its timeout (torch
 2.13, measured); what ends it is the peer's connections closing, which happens when the failed rank's
 group object is freed: hence the drop, done on every rank that stops (so a rank waiting on a rank that
-stopped is freed in turn). The same announcement, watcher and drop run on both backends.
+stopped is freed in turn). The same announcement, watcher and drop run on both backends. Not ended this
+way: a rank waiting in the store rendezvous of a group that is being made (DeepSpeed's engine makes its
+own groups) when the failed rank never comes; it waits for the store's timeout.
 
 This uses torch internals in one place (this module): the default group is swapped with
 ``_update_default_pg`` (meshes and every ``group=None`` collective follow it; atorch's mesh cache is
