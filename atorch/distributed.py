@@ -8,7 +8,7 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from atorch.errors import SetupError
 from atorch.log import get_logger
 
 logger = get_logger(__name__)
@@ -51,6 +52,8 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        if problem := launcher_env_problem(os.environ):
+            raise SetupError(problem)
         global _pg_timeout
         backend = "nccl" if use_cuda else "gloo"
         timeout = _pg_timeout = timedelta(seconds=timeout_s)
@@ -67,6 +70,36 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
         local_rank=local_rank,
         device=device,
         backend=dist.get_backend(),
+    )
+
+
+# What a process group made from the environment (env://) reads; torchrun sets all four for every process.
+_RENDEZVOUS_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+# Set by torchrun only (LOCAL_RANK is not one: DeepSpeed sets it in a plain one-process run too).
+_TORCHRUN_MARKERS = ("LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def launcher_env_problem(environ: Mapping[str, str]) -> str | None:
+    """Why this environment is a launcher's with variables missing, or None.
+
+    A process group is made from the environment only when it names both a rendezvous (MASTER_ADDR)
+    and a world (WORLD_SIZE); a process that lost one of them would otherwise start as a one-process
+    job and train alone while its peers wait for it (or, rank 0, finish as if it were the whole job).
+    """
+    present = [name for name in (*_RENDEZVOUS_VARS, *_TORCHRUN_MARKERS) if environ.get(name, "").strip()]
+    missing = [name for name in _RENDEZVOUS_VARS if not environ.get(name, "").strip()]
+    if not present or not missing:
+        return None
+    torchrun = any(name in present for name in _TORCHRUN_MARKERS)
+    if not torchrun and "MASTER_ADDR" in missing and environ.get("WORLD_SIZE", "").strip() == "1":
+        return None  # WORLD_SIZE=1 (RANK=0) and no rendezvous, outside torchrun: one process, as asked
+    names = " and ".join(missing) if len(missing) <= 2 else ", ".join(missing[:-1]) + " and " + missing[-1]
+    return (
+        f"the launcher's environment is incomplete: {names} {'is' if len(missing) == 1 else 'are'} not set while "
+        f"{', '.join(present)} {'is' if len(present) == 1 else 'are'}, so this process would start as a "
+        "one-process job and train alone; launch with torchrun (torchrun --nproc_per_node=N train.py), which "
+        f"sets {', '.join(_RENDEZVOUS_VARS)} for every process, without removing or overriding them, "
+        f"or unset {', '.join(present)} to run a single process with plain python"
     )
 
 

@@ -3,20 +3,28 @@ real ranks the failure, hang, budget, agreement and release cases (tests/workers
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
+import time
+import uuid
 from typing import Any
 
 import pytest
 import torch
 from launcher import HERE, run_json
 from toy_models import mlp, mlp_dataset, mlp_loss
-from workers.dryrun_worker import PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
+from workers.dryrun_worker import FAILFAST_PLAN, FAILFAST_TIMEOUT_S, PLAN, SLEEP_S, STRATEGIES, TIMEOUT_S
 
 from atorch.distributed import init_distributed
-from atorch.dryrun import PeakMemory, TrialResult, dry_run
+from atorch.dryrun import PeakMemory, TrialResult, dry_run, dry_run_many
 from atorch.model_context import UserSetup
-from atorch.strategy import Strategy
+from atorch.opt_lib.base import Preparation
+from atorch.opt_lib.deepspeed_zero import deepspeed_reason
+from atorch.opt_lib.parallel_mode import ParallelModeConfig
+from atorch.opt_lib.sharding import Zero2Config
+from atorch.opt_lib.zero1 import Zero1Config
+from atorch.strategy import Strategy, StrategyItem
 
 WORKER = HERE / "workers" / "dryrun_worker.py"
 F32 = 4
@@ -182,6 +190,55 @@ def test_fp16_that_never_lets_a_step_through_is_a_failed_trial_with_the_reason()
     assert "fp16 loss scaling skipped every warm-up step" in result.reason and "bf16" in result.reason
 
 
+PREPARE_S = 3.0  # one-time work longer than the trial's timeout below
+_PREPARED_AT: list[float] = []
+
+
+def _prepare() -> None:
+    _PREPARED_AT.append(time.monotonic())
+    time.sleep(PREPARE_S)
+
+
+class _SlowToPrepare(ParallelModeConfig):
+    """parallel_mode, declaring PREPARE_S of one-time work, as DeepSpeed's op build does."""
+
+    def preparation(self) -> Preparation | None:
+        return Preparation(f"test work {_RUN_ID}", _prepare)
+
+
+_RUN_ID = uuid.uuid4()  # preparations are done once per process and name: a name no other test uses
+
+
+def test_one_time_preparation_runs_once_with_a_log_line_before_the_trials_clock() -> None:
+    what = f"test work {_RUN_ID}"
+    strategy = Strategy(methods=(StrategyItem(name="parallel_mode", config=_SlowToPrepare()),))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("atorch").addHandler(handler)
+    try:
+        # A timeout shorter than the preparation: counted in the trial, it would make the first one time out.
+        results = dry_run_many(_setup(mlp()), init_distributed(), [strategy, strategy], warmup=1, steps=1,
+                               timeout_s=PREPARE_S - 0.5)
+    finally:
+        logging.getLogger("atorch").removeHandler(handler)
+    assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
+    assert len(_PREPARED_AT) == 1  # once, for both trials
+    # Outside the clock: neither trial's time holds it (and the first did not time out).
+    assert all(r.wall_s < PREPARE_S for r in results), [r.wall_s for r in results]
+    messages = [r.getMessage() for r in records]
+    assert f"one-time preparation for parallel_mode: {what}; not counted in any trial's time" in messages, messages
+    assert any(m.startswith("one-time preparation for parallel_mode done in ") for m in messages), messages
+
+
+@pytest.mark.skipif(deepspeed_reason() is not None, reason="DeepSpeed is not installed")
+def test_deepspeed_zero_declares_its_op_build_as_one_time_work() -> None:
+    for config in (Zero1Config(implementation="deepspeed"), Zero2Config(implementation="deepspeed")):
+        preparation = config.preparation()
+        assert preparation is not None and "shm_comm" in preparation.what
+    assert Zero1Config().preparation() is None and Zero2Config().preparation() is None
+
+
 # ----- two real ranks ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
@@ -259,3 +316,36 @@ def test_a_rank_that_does_not_come_back_ends_the_series_without_hanging(report: 
         assert all("rank(s) 1 did not come back" in r.reason for r in results[1:])
     # Rank 0: the trial's 2 s, the 1 s wait for rank 1, then nothing more.
     assert views[0]["total_s"] < 2.0 + 1.0 + 3.0, views[0]["total_s"]
+
+
+FAILURE_COST_S = 10.0  # issue 18: a failure on one rank ends the trial on every rank within this
+
+
+@pytest.mark.distributed
+def test_a_failure_on_one_rank_ends_the_trial_on_every_rank_in_seconds(report: dict[str, Any]) -> None:
+    """Rank 1 raises in its build, then in a step, with a trial timeout of 120 s: every rank stops within
+    seconds (rank 1 announces the failure through the store and frees its trial groups; rank 0, waiting
+    in DDP's collective, gets an error at once), both record rank 1's error as the cause, and the next
+    candidate runs normally on the same ranks."""
+    views = _ok(report["failfast"])
+    assert FAILFAST_PLAN == ["raise_build", "ok", "raise_step", "ok"] and FAILFAST_TIMEOUT_S >= 100
+    results = [[TrialResult.model_validate(t["result"]) for t in view["trials"]] for view in views]
+    assert [[r.status for r in by_rank] for by_rank in results] == [["failed", "ok", "failed", "ok"]] * 2, results
+    for index, where in ((0, "build"), (2, "step")):
+        raised_at = views[1]["trials"][index]["raised_at"]
+        assert views[0]["trials"][index]["raised_at"] is None and raised_at is not None
+        stopped_after = max(view["trials"][index]["end"] for view in views) - raised_at
+        assert stopped_after < FAILURE_COST_S, (where, stopped_after)
+        for by_rank in results:
+            failed = by_rank[index]
+            assert failed.reason == f"rank 1: {failed.ranks[1].reason}", failed.reason
+            assert f"ValueError: injected {where} failure on rank 1" in failed.reason
+            assert failed.wall_s < FAILURE_COST_S, failed.wall_s
+            # rank 0's own outcome: stopped by rank 1's failure, not a cause of its own
+            rank0 = failed.ranks[0]
+            assert rank0 is not None and rank0.status == "failed" and not rank0.root_cause, rank0
+            assert "stopped: rank 1 failed (" in rank0.reason and f"injected {where} failure" in rank0.reason
+    for by_rank in results:  # the trial's groups were dropped early: the next candidate is untouched
+        for ok in (by_rank[1], by_rank[3]):
+            assert ok.samples_per_s and ok.peak_bytes and len(ok.losses) == 3, ok
+        assert by_rank[1].losses == by_rank[3].losses == results[0][1].losses  # same seed, same steps

@@ -2,6 +2,8 @@
 
 Each trial, on every rank:
 
+0. once per process, before the first trial that needs it, do a method's one-time **preparation**
+   (``MethodConfig.preparation``: DeepSpeed's op build), with a log line, outside every trial's clock;
 1. **meet** the other ranks (store, bounded by ``rejoin_timeout_s``) and open a fresh process group for
    the trial (coordination.py); agree on preflight problems, so an inapplicable candidate is reported
    by every rank and built by none;
@@ -13,7 +15,10 @@ Each trial, on every rank:
 3. every collective is bounded by the time left until the trial's deadline, and a **watchdog** thread
    publishes "timeout" for its rank at the deadline if the main thread has not reported (with where it
    is stuck), so the other ranks learn of a hung rank within the timeout;
-4. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
+4. a rank whose trial raises its own error **announces it** through the store and frees its trial groups;
+   every other rank stops at its next step or in the collective it waits in, within seconds, and
+   reports "failed", naming that rank's error (coordination.py: ``AbortWatcher``; gloo and NCCL alike);
+5. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
 
 A rank stuck in Python (a sleep, a loop, a C call holding on) cannot be interrupted. The others record
 "timeout" at the deadline and wait for it at the next meeting: a rank that overslept rejoins when its
@@ -42,14 +47,17 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
-from atorch.dryrun.coordination import Coordinator
+from atorch.dryrun.coordination import AbortWatcher, Coordinator
 from atorch.dryrun.memory import PeakMemory
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
 from atorch.errors import SetupError
 from atorch.lifecycle import import_off_the_stack
+from atorch.log import get_logger
 from atorch.model_context import UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
+
+logger = get_logger(__name__)
 
 Status = Literal["ok", "oom", "failed", "timeout"]
 AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
@@ -152,6 +160,10 @@ class DryRunSession:
         self.trials = 0
         # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
         import_off_the_stack("torch._dynamo")
+        # Imported here, not inside a trial: ZeroRedundancyOptimizer's module binds ``dist.group.WORLD`` as a
+        # default argument when imported, which inside a trial is the trial's group; kept alive by it, that
+        # group's connections would never close after a failure, and its peers would wait until the deadline.
+        import_off_the_stack("torch.distributed.optim.zero_redundancy_optimizer")
 
     def announce(self, name: str, value: Any) -> None:
         """The leader (rank 0) tells every rank ``value``; the others read it with ``hear``."""
@@ -174,6 +186,8 @@ class DryRunSession:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
         index = self.trials
         self.trials += 1
+        # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
+        unprepared = prepare_once(strategy, log=self.env.is_main) if self.lost is None else []
         if self.lost is None:
             verdict = self.coordinator.meet(f"{index}/meet", self.rejoin_timeout_s)
             if verdict is not None:
@@ -185,6 +199,7 @@ class DryRunSession:
             setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
         trial = _Trial(self.coordinator, index, setup, self.env, strategy, self.warmup, self.steps, timeout_s,
                        micro_batches)
+        trial.unprepared = unprepared
         trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
         return trial.run(self.memory_budget)
 
@@ -193,14 +208,46 @@ class DryRunSession:
             self.coordinator.close(self.rejoin_timeout_s)
 
 
+_prepared: dict[str, str | None] = {}  # per process: preparation -> None when done, else why it failed
+
+
+def prepare_once(strategy: Strategy, log: bool) -> list[str]:
+    """Do the one-time preparations the strategy's methods declare and this process has not done yet
+    (DeepSpeed's op build: up to a minute the first time, which a trial would count as its own);
+    the problems of those that failed, now or before."""
+    problems = []
+    for item in strategy.methods:
+        preparation = item.config.preparation()
+        if preparation is None:
+            continue
+        if preparation.what not in _prepared:
+            if log:
+                logger.info("one-time preparation for %s: %s; not counted in any trial's time", item.name,
+                            preparation.what)
+            start = time.monotonic()
+            try:
+                preparation.run()
+                _prepared[preparation.what] = None
+            except Exception as exc:  # noqa: BLE001  (the candidate fails with it, through the preflight agreement)
+                _prepared[preparation.what] = f"{item.name}: one-time preparation failed: {_describe(exc)}"
+            if log:
+                logger.info("one-time preparation for %s done in %.1f s", item.name, time.monotonic() - start)
+        if (problem := _prepared[preparation.what]) is not None:
+            problems.append(problem)
+    return problems
+
+
 class _Trial:
     def __init__(self, coordinator: Coordinator, index: int, setup: UserSetup, env: DistEnv, strategy: Strategy,
                  warmup: int, steps: int, timeout_s: float, micro_batches: int) -> None:
         self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
         self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
         self.min_measure_s, self.max_steps = 0.0, steps
+        self.unprepared: list[str] = []  # one-time preparations that failed: problems, as preflight's
         self.deadline = 0.0
         self.phase = "starting"
+        self.watcher = AbortWatcher(coordinator, index)
+        self.aborted = False  # the trial ended by this rank's failure, or by another's announced one
         self._reported = False
         self._lock = threading.Lock()
 
@@ -213,16 +260,20 @@ class _Trial:
         watchdog.daemon = True
         watchdog.start()
         try:
-            with self.coordinator.trial_world(self.timeout_s):
+            with self.watcher, self.coordinator.trial_world(self.timeout_s):
                 outcome = self._outcome()
-            self._report(outcome)
         except Exception as exc:  # noqa: BLE001  (making the trial's group, or a time-out before the build)
-            self._report(_classify(exc, self.phase))
+            outcome = self._failed(exc)
         except BaseException as exc:  # never leave the others waiting for this rank's report
+            with contextlib.suppress(Exception):
+                self.coordinator.announce_abort(self.index, _describe(exc))
             self._report(RankOutcome(status="failed", reason=_describe(exc), root_cause=True))
             raise
         finally:
             watchdog.cancel()
+        if self.aborted:
+            self.coordinator.drop_finished_groups()  # frees peers still waiting on this rank (gloo)
+        self._report(outcome)
         everyone = self.coordinator.collect(f"{self.index}/outcome", self.deadline + AGREE_GRACE_S - time.monotonic())
         ranks = [RankOutcome.model_validate(o) if o is not None else None for o in everyone]
         return _agree(self.strategy, ranks, self._global_batch(), memory_budget, time.monotonic() - start)
@@ -244,6 +295,36 @@ class _Trial:
     def _global_batch(self) -> int:
         return int(self.setup.dataloader_args.get("batch_size", 1)) * self.micro_batches
 
+    def _failed(self, exc: BaseException) -> RankOutcome:
+        """This rank's outcome for the error that ended its trial.
+
+        Its own error (not a deadline) is announced, so that the other ranks stop now instead of at the
+        deadline. An error that follows another rank's announced failure (the watcher's stop, or a
+        collective whose peer stopped) is reported as that: "failed", not this rank's cause.
+        """
+        if isinstance(exc, _Stopped):
+            self.aborted = True
+            return exc.outcome(self.phase)
+        outcome = _classify(exc, self.phase)
+        if outcome.root_cause and outcome.status != "timeout":
+            self.aborted = True
+            with contextlib.suppress(Exception):  # the store is gone: nobody is left to tell
+                self.coordinator.announce_abort(self.index, outcome.reason or "")
+            return outcome
+        first = self.watcher.stopped_by
+        if first is None and not outcome.root_cause:
+            with contextlib.suppress(Exception):
+                first = self.coordinator.abort_announced(self.index)
+        if first is not None and first["rank"] != self.env.rank and not outcome.root_cause:
+            self.aborted = True
+            return _Stopped(first).outcome(self.phase)
+        return outcome
+
+    def _check_stopped(self) -> None:
+        """Stop here if another rank announced a failure (its step would wait for that rank)."""
+        if self.watcher.stopped_by is not None:
+            raise _Stopped(self.watcher.stopped_by)
+
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -257,7 +338,7 @@ class _Trial:
         self.phase = "preflight"
         layout = ParallelLayout.of(self.strategy, self.env.world_size)
         try:
-            problems = self.strategy.problems(self.env.world_size)
+            problems = self.strategy.problems(self.env.world_size) + self.unprepared
             skipped, found = preflight(self.setup, self.env, self.strategy, layout) if not problems else ({}, [])
             problems += found
         except Exception as exc:  # noqa: BLE001  (reported as a problem, through the agreement)
@@ -307,6 +388,7 @@ class _Trial:
                 step, planned = 0, self.steps
                 while step < planned:
                     self.phase = f"step {step}"
+                    self._check_stopped()
                     with collective_timeout(self._remaining()):
                         dist.barrier()  # the trial's group: every rank starts the step together
                     begin = time.perf_counter()
@@ -316,7 +398,7 @@ class _Trial:
                     if step == self.steps and self.min_measure_s > 0:
                         planned = self._steps_for(statistics.median(times))
         except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
-            return _classify(exc, self.phase)
+            return self._failed(exc)
         finally:
             if result is not None:
                 result.close()
@@ -351,11 +433,23 @@ class _Trial:
             if mine > self.memory_budget else "another rank is above the memory budget"))
 
     def _step(self, result: Any, batches: Iterator[Any]) -> float:
+        self._check_stopped()
         with collective_timeout(self._remaining()):
             loss = _train_step(result, [next(batches) for _ in range(self.micro_batches)])
             if self.env.device.type == "cuda":
                 torch.cuda.synchronize(self.env.device)
             return float(loss.item())
+
+
+class _Stopped(Exception):
+    """Another rank announced a failure in this trial: this rank stops too."""
+
+    def __init__(self, first: dict[str, Any]) -> None:
+        super().__init__(f"stopped: rank {first['rank']} failed ({first['reason']})")
+        self.first = first
+
+    def outcome(self, phase: str) -> RankOutcome:
+        return RankOutcome(status="failed", reason=f"{phase}: {self}", root_cause=False)
 
 
 def _lower_loss_scale(optim: Any) -> None:

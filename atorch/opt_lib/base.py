@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -12,10 +13,24 @@ if TYPE_CHECKING:
     from atorch.model_context import ModelContext
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """One-time work a config needs in a process before its first use (compiling an extension):
+    ``what`` names it for the log and keys it (done once per process), ``run`` does it."""
+
+    what: str
+    run: Callable[[], None]
+
+
 class MethodConfig(BaseModel):
     """Base of every method's config: unknown keys are errors, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def preparation(self) -> Preparation | None:
+        """One-time work this config needs before its first use, or None. A dry-run session does it
+        before the trial's clock starts, with a log line, so it counts in no candidate's time or timeout."""
+        return None
 
 
 class EmptyConfig(MethodConfig):

@@ -8,6 +8,9 @@
 - ``release``: live tensor bytes before and after several trials.
 - ``inapplicable``: a candidate preflight refuses is reported, not built.
 - ``lost``: rank 1 oversleeps the rejoin time too: both ranks record the rest as failed and return.
+- ``failfast``: with a trial timeout of 120 s, rank 1 raises in its build (making the optimizer), then
+  in a step, each followed by a candidate that must run normally. Reported per trial: every rank's
+  result and wall-clock end, and when rank 1 raised.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import toy_models
 from atorch.distributed import all_gather_json, init_distributed
 from atorch.dryrun import dry_run, dry_run_many
 from atorch.dryrun.memory import live_tensor_bytes
+from atorch.dryrun.runner import DryRunSession
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 
@@ -138,13 +142,54 @@ def lost(env: Any) -> dict[str, Any]:
     return {"results": [r.model_dump() for r in results], "total_s": time.monotonic() - start}
 
 
-SCENARIOS = [sequence, budget, mismatch, release, inapplicable, lost]
+FAILFAST_TIMEOUT_S = 120.0  # a failure must cost seconds, not this
+FAILFAST_PLAN = ["raise_build", "ok", "raise_step", "ok"]
+_failfast: dict[str, Any] = {"plan": "ok", "raised_at": None}
+
+
+def _fail_on_rank_1(where: str) -> None:
+    if dist.get_rank() == 1 and _failfast["plan"] == f"raise_{where}":
+        _failfast["raised_at"] = time.time()
+        raise ValueError(f"injected {where} failure on rank 1")
+
+
+class FailFastMLP(toy_models.MLP):
+    """The toy MLP; rank 1 raises in forward (warm-up step 0) in a "raise_step" trial."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        _fail_on_rank_1("step")
+        return super().forward(x, y)
+
+
+def failfast_adamw(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """AdamW; rank 1 raises making it in a "raise_build" trial (rank 0 goes on into DDP's first collective)."""
+    _fail_on_rank_1("build")
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def failfast(env: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    user = UserSetup(model=FailFastMLP(), optim_func=failfast_adamw, dataset=toy_models.mlp_dataset(),
+                     loss_func=toy_models.mlp_loss, model_input_format="unpack_sequence", optim_args={"lr": 1e-2},
+                     dataloader_args={"batch_size": 8})
+    session = DryRunSession(user, env, warmup=1, steps=2, rejoin_timeout_s=FAILFAST_TIMEOUT_S)
+    trials = []
+    for plan in FAILFAST_PLAN:
+        _failfast.update(plan=plan, raised_at=None)
+        result = session.run(Strategy.load(["parallel_mode"]), timeout_s=FAILFAST_TIMEOUT_S)
+        trials.append({"result": result.model_dump(), "end": time.time(), "raised_at": _failfast["raised_at"]})
+    session.close()
+    return {"trials": trials}
+
+
+SCENARIOS = [sequence, budget, mismatch, release, inapplicable, lost, failfast]
 
 
 def main() -> None:
     env = init_distributed()
     report: dict[str, Any] = {}
-    for scenario in SCENARIOS:
+    chosen = sys.argv[1:]  # scenario names to run (all by default)
+    for scenario in [s for s in SCENARIOS if not chosen or s.__name__ in chosen]:
         try:
             entry = scenario(env)
         except Exception as exc:  # reported per scenario; the others still run
