@@ -16,11 +16,12 @@ kept by whoever runs the loop.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from atorch.strategy_search.candidates import CandidateTable, Point, point_key
 
@@ -139,10 +140,12 @@ class StopRules:
         self.dry_runs = 0
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs
+        self.stopped = ""  # the kind of the last stop reason given: "time_limit", "max_trials" or "patience"
 
     def out_of_time(self) -> str:
         elapsed = self.clock() - self.start
         if self.time_limit_s is not None and elapsed >= self.time_limit_s:
+            self.stopped = "time_limit"
             return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
         return ""
 
@@ -150,9 +153,11 @@ class StopRules:
         if late := self.out_of_time():
             return late
         if self.dry_runs >= self.max_trials - self.reserved:
+            self.stopped = "max_trials"
             kept = f" {self.max_trials}, {self.reserved} kept for the confirmation" if self.reserved else ""
             return f"{self.dry_runs} dry-runs (max_trials{kept})"
         if self.patience is not None and self.found and self.since_best >= self.patience:
+            self.stopped = "patience"
             return f"no improvement in {self.since_best} dry-runs (patience)"
         return ""
 
@@ -359,9 +364,110 @@ class SearchState:
         return best
 
 
-def cached_best(study: Any, memory_budget: float) -> dict[str, Any] | None:
-    """The stored best of a finished search, if it fits ``memory_budget``."""
-    best = study.user_attrs.get("best")
-    if not best or best.get("peak_memory_bytes", math.inf) > memory_budget:
-        return None
-    return best
+# ----- the cache: how a search ended, and what a later call may reuse --------------------------------------
+
+FINISHING_STOPS = ("max_trials", "patience", "exhausted")
+SEARCH_ATTR = "search"  # the study attribute holding a SearchRecord
+
+
+class SearchRecord(BaseModel):
+    """How a study's last search ended (the study attribute ``search``). ``finished``: it stopped by
+    ``max_trials``, ``patience`` (with no cost-model favourite left untried) or because the sampler had nothing
+    new to propose, and something measured fits. A time limit, an interruption or an error leave it unfinished
+    (``stop``: "time_limit", "interrupted", "error"; "running" while a search runs, and after one that was
+    killed), and the next search resumes it instead of serving its best."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    finished: bool
+    stop: str
+    stop_reason: str = ""
+    memory_budget: float
+    # The smallest peak (predicted, corrected; or measured) of a candidate this budget ruled out; a later budget
+    # at or above it might admit that candidate, so the search is not finished for it. None: nothing ruled out.
+    fits_below: float | None = None
+    max_trials: int = 0
+    best_key: str | None = None
+    measured: int = 0  # candidates measured in the study
+    at: str = ""  # when it was stored (UTC, ISO 8601)
+
+    @classmethod
+    def stored(cls, study: Any) -> SearchRecord | None:
+        data = study.user_attrs.get(SEARCH_ATTR)
+        try:
+            return cls.model_validate(data) if data else None
+        except ValueError:  # written by another version: treated as unknown (the search is resumed)
+            return None
+
+    def store(self, study: Any) -> None:
+        study.set_user_attr(SEARCH_ATTR, self.model_dump(mode="json"))
+
+
+def reselect(study: Any, memory_budget: float) -> tuple[dict[str, Any] | None, int]:
+    """The best of a study's measured candidates judged under ``memory_budget`` (the budget they were measured
+    under does not matter: their stored peaks are compared with this one), and how many were measured. Reads
+    only the study (no cost model): a stored outcome keeps the prediction it was judged with."""
+    from optuna.trial import TrialState
+
+    outcomes: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}  # key -> (trial, measured, predicted)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        attrs = t.user_attrs
+        if "measured" in attrs and "key" in attrs and attrs.get("status") != "duplicate":
+            outcomes[attrs["key"]] = (t.number, attrs["measured"], attrs.get("predicted") or {})
+    for again in study.user_attrs.get("confirmations", []):  # re-measurements count as in SearchState
+        if again["key"] in outcomes:
+            number, measured, pred = outcomes[again["key"]]
+            outcomes[again["key"]] = (number, merge_runs(measured, again["measured"]), pred)
+    best: dict[str, Any] | None = None
+    for key, (number, measured, pred) in outcomes.items():
+        value, _, attrs = judge(measured, pred, memory_budget)
+        if attrs["status"] == "ok" and (best is None or value > best["samples_per_s"]):
+            best = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
+                    "peak_memory_bytes": measured["peak_memory_bytes"]}
+    return best, len(outcomes)
+
+
+@dataclass(frozen=True)
+class CacheVerdict:
+    """Whether a study answers a call: ``best`` (re-selected under the call's budget) when it does, else None
+    and ``reason`` says why the search must go on."""
+
+    best: dict[str, Any] | None
+    reason: str
+    measured: int
+    record: SearchRecord | None
+
+
+def cached_best(study: Any, memory_budget: float, max_trials: int | None = None) -> CacheVerdict:
+    """Serve a study only if its search finished and its answer holds under ``memory_budget``: the best is
+    re-selected among the measured candidates under this budget, and it must be the search's own best (a
+    smaller budget that the best no longer fits, or a larger one that admits a candidate the search ruled out,
+    need more search). ``max_trials``: a search that stopped at a smaller dry-run budget is not finished for
+    this call."""
+    mib = 2**20
+    record = SearchRecord.stored(study)
+    best, measured = reselect(study, memory_budget)
+    if record is None:
+        return CacheVerdict(None, "no finished search stored", measured, None)
+    if not record.finished:
+        why = record.stop_reason or record.stop
+        return CacheVerdict(None, f"the last search did not finish ({record.stop}: {why})", measured, record)
+    if max_trials is not None and record.stop == "max_trials" and record.max_trials < max_trials:
+        return CacheVerdict(None, f"the last search stopped at max_trials={record.max_trials}, this call allows "
+                                  f"{max_trials}", measured, record)
+    if record.fits_below is not None and memory_budget >= record.fits_below:
+        return CacheVerdict(None, (
+            f"this budget ({memory_budget / mib:.1f} MiB) admits candidates the search's budget "
+            f"({record.memory_budget / mib:.1f} MiB) ruled out (from {record.fits_below / mib:.1f} MiB)"),
+            measured, record)
+    if best is None:
+        return CacheVerdict(None, f"no measured candidate fits this budget ({memory_budget / mib:.1f} MiB)",
+                            measured, record)
+    if best["key"] != record.best_key:
+        return CacheVerdict(None, (
+            f"the search's best does not fit this budget ({memory_budget / mib:.1f} MiB; it searched under "
+            f"{record.memory_budget / mib:.1f} MiB)"), measured, record)
+    return CacheVerdict(best, (
+        f"finished search ({record.stop_reason or record.stop}), {measured} measured trials, best re-selected "
+        f"under this limit ({memory_budget / mib:.1f} MiB; searched under {record.memory_budget / mib:.1f} MiB)"),
+        measured, record)

@@ -203,15 +203,15 @@ class _Leader:
             return _Predicted(pred.memory.peak, pred.time.step)
 
         storage = self.options.storage or default_storage()
-        key = study_key(space.model_fingerprint, self.env.world_size, self.profile, self.global_batch,
-                        space.signature())
+        identity = self._identity(space, batch)
+        key = study_key(identity)
 
         def make_planner(remote: bool) -> Any:
             remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
             args = dict(predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
                         storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
                         max_trials=self.options.max_trials, patience=self.options.patience,
-                        top_k=self.options.top_k, seed=self.options.seed)
+                        top_k=self.options.top_k, seed=self.options.seed, identity=identity)
             if not remote:
                 return Planner(space, **args, confirm_within=self.options.confirm_within)
             from atorch.server.client import RemotePlanner
@@ -239,10 +239,22 @@ class _Leader:
             raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
                                 what="automatic strategy search found no strategy")
         cand = result.candidate
-        logger.info("automatic search picked %s (%s; %s)", cand, result.source, result.stop_reason)
+        logger.info("automatic search picked %s (%s, study %s; %s)", cand, result.source, result.study_name,
+                    result.stop_reason)
         where = storage if self.local else str(self.strategy_server)
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
                              result.study_name, where, result.dry_runs, result.stop_reason, result.trials)
+
+    def _identity(self, space: Any, batch: Any) -> Any:
+        """What this search is for, all but the memory budget: the study's key (planner.StudyIdentity)."""
+        from atorch.strategy_search.planner import StudyIdentity
+
+        setup = self.setup
+        return StudyIdentity.of(
+            space, model=setup.model, hardware=self.profile, sample=batch,
+            optimizer={"class": setup.optim_func, "args": setup.optim_args, "param_groups": setup.optim_param_func},
+            loss=setup.loss_func, model_input_format=setup.model_input_format,
+            options={"find_unused_parameters": setup.find_unused_parameters})
 
     def _plan(self, planner: Any) -> Any:
         result = planner.search(force=self.options.force) if self.options.dryrun else planner.plan_without_dryrun()
