@@ -367,13 +367,14 @@ class SearchState:
 # ----- the cache: how a search ended, and what a later call may reuse --------------------------------------
 
 FINISHING_STOPS = ("max_trials", "patience", "exhausted")
-SEARCH_ATTR = "search"  # the study attribute holding a SearchRecord
+SEARCH_ATTR = "searches"  # the study attribute: one SearchRecord per memory budget searched under, latest last
+KEPT_RECORDS = 16
 
 
 class SearchRecord(BaseModel):
-    """How a study's last search ended (the study attribute ``search``). ``finished``: it stopped by
-    ``max_trials``, ``patience`` (with no cost-model favourite left untried) or because the sampler had nothing
-    new to propose, and something measured fits. A time limit, an interruption or an error leave it unfinished
+    """How a search of a study under one memory budget ended. ``finished``: it stopped by ``max_trials``,
+    ``patience`` (with no cost-model favourite left untried) or because the sampler had nothing new to
+    propose, and something measured fits. A time limit, an interruption or an error leave it unfinished
     (``stop``: "time_limit", "interrupted", "error"; "running" while a search runs, and after one that was
     killed), and the next search resumes it instead of serving its best."""
 
@@ -383,30 +384,51 @@ class SearchRecord(BaseModel):
     stop: str
     stop_reason: str = ""
     memory_budget: float
-    # The smallest peak (predicted, corrected; or measured) of a candidate this budget ruled out; a later budget
-    # at or above it might admit that candidate, so the search is not finished for it. None: nothing ruled out.
+    # The smallest peak (predicted, corrected; or measured) of a candidate this budget ruled out; a budget at or
+    # above it might admit that candidate, so the search does not answer for it. None: nothing ruled out.
     fits_below: float | None = None
     max_trials: int = 0
     best_key: str | None = None
-    measured: int = 0  # candidates measured in the study
+    measured: int = 0  # candidates measured in the study when it ended
     at: str = ""  # when it was stored (UTC, ISO 8601)
 
     @classmethod
-    def stored(cls, study: Any) -> SearchRecord | None:
-        data = study.user_attrs.get(SEARCH_ATTR)
-        try:
-            return cls.model_validate(data) if data else None
-        except ValueError:  # written by another version: treated as unknown (the search is resumed)
-            return None
+    def stored(cls, study: Any) -> list[SearchRecord]:
+        """The study's records, latest last (one written by another version is left out: it answers nothing)."""
+        records = []
+        for data in study.user_attrs.get(SEARCH_ATTR, []):
+            try:
+                records.append(cls.model_validate(data))
+            except ValueError:
+                continue
+        return records
 
     def store(self, study: Any) -> None:
-        study.set_user_attr(SEARCH_ATTR, self.model_dump(mode="json"))
+        """Keep this record as the latest, replacing the one of the same budget."""
+        kept = [r for r in self.stored(study) if r.memory_budget != self.memory_budget][-(KEPT_RECORDS - 1):]
+        study.set_user_attr(SEARCH_ATTR, [r.model_dump(mode="json") for r in (*kept, self)])
+
+    def answers(self, memory_budget: float, max_trials: int | None, best_fits: bool) -> str:
+        """Why this record does not answer a call under ``memory_budget`` ("" when it does). ``best_fits``:
+        its best is measured to fit ``memory_budget``."""
+        mib = 2**20
+        if not self.finished:
+            return (f"the search under {self.memory_budget / mib:.1f} MiB did not finish "
+                    f"({self.stop_reason or self.stop})")
+        if max_trials is not None and self.stop == "max_trials" and self.max_trials < max_trials:
+            return f"the search stopped at max_trials={self.max_trials}, this call allows {max_trials}"
+        if self.fits_below is not None and memory_budget >= self.fits_below:
+            return (f"this budget admits candidates that the search's ({self.memory_budget / mib:.1f} MiB) ruled out "
+                    f"(from {self.fits_below / mib:.1f} MiB)")
+        if not best_fits:
+            return f"the best of the search under {self.memory_budget / mib:.1f} MiB does not fit this budget"
+        return ""
 
 
-def reselect(study: Any, memory_budget: float) -> tuple[dict[str, Any] | None, int]:
-    """The best of a study's measured candidates judged under ``memory_budget`` (the budget they were measured
-    under does not matter: their stored peaks are compared with this one), and how many were measured. Reads
-    only the study (no cost model): a stored outcome keeps the prediction it was judged with."""
+def reselect(study: Any, memory_budget: float) -> dict[str, dict[str, Any]]:
+    """The study's measured candidates judged under ``memory_budget`` (not the budget they were measured under:
+    their stored peaks are compared with this one), by key: trial number, value, status, peak. Reads only the
+    study (no cost model): a stored outcome keeps the prediction it was judged with."""
     from optuna.trial import TrialState
 
     outcomes: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}  # key -> (trial, measured, predicted)
@@ -418,13 +440,12 @@ def reselect(study: Any, memory_budget: float) -> tuple[dict[str, Any] | None, i
         if again["key"] in outcomes:
             number, measured, pred = outcomes[again["key"]]
             outcomes[again["key"]] = (number, merge_runs(measured, again["measured"]), pred)
-    best: dict[str, Any] | None = None
+    judged = {}
     for key, (number, measured, pred) in outcomes.items():
         value, _, attrs = judge(measured, pred, memory_budget)
-        if attrs["status"] == "ok" and (best is None or value > best["samples_per_s"]):
-            best = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
-                    "peak_memory_bytes": measured["peak_memory_bytes"]}
-    return best, len(outcomes)
+        judged[key] = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
+                       "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"]}
+    return judged
 
 
 @dataclass(frozen=True)
@@ -439,35 +460,26 @@ class CacheVerdict:
 
 
 def cached_best(study: Any, memory_budget: float, max_trials: int | None = None) -> CacheVerdict:
-    """Serve a study only if its search finished and its answer holds under ``memory_budget``: the best is
-    re-selected among the measured candidates under this budget, and it must be the search's own best (a
-    smaller budget that the best no longer fits, or a larger one that admits a candidate the search ruled out,
-    need more search). ``max_trials``: a search that stopped at a smaller dry-run budget is not finished for
-    this call."""
-    mib = 2**20
-    record = SearchRecord.stored(study)
-    best, measured = reselect(study, memory_budget)
-    if record is None:
-        return CacheVerdict(None, "no finished search stored", measured, None)
-    if not record.finished:
-        why = record.stop_reason or record.stop
-        return CacheVerdict(None, f"the last search did not finish ({record.stop}: {why})", measured, record)
-    if max_trials is not None and record.stop == "max_trials" and record.max_trials < max_trials:
-        return CacheVerdict(None, f"the last search stopped at max_trials={record.max_trials}, this call allows "
-                                  f"{max_trials}", measured, record)
-    if record.fits_below is not None and memory_budget >= record.fits_below:
-        return CacheVerdict(None, (
-            f"this budget ({memory_budget / mib:.1f} MiB) admits candidates the search's budget "
-            f"({record.memory_budget / mib:.1f} MiB) ruled out (from {record.fits_below / mib:.1f} MiB)"),
-            measured, record)
-    if best is None:
-        return CacheVerdict(None, f"no measured candidate fits this budget ({memory_budget / mib:.1f} MiB)",
-                            measured, record)
-    if best["key"] != record.best_key:
-        return CacheVerdict(None, (
-            f"the search's best does not fit this budget ({memory_budget / mib:.1f} MiB; it searched under "
-            f"{record.memory_budget / mib:.1f} MiB)"), measured, record)
-    return CacheVerdict(best, (
-        f"finished search ({record.stop_reason or record.stop}), {measured} measured trials, best re-selected "
-        f"under this limit ({memory_budget / mib:.1f} MiB; searched under {record.memory_budget / mib:.1f} MiB)"),
-        measured, record)
+    """Serve a study only where a finished search answers for ``memory_budget``: its best measured fits this
+    budget, and the budget admits nothing that search ruled out. The answer is then the best of every measured
+    candidate under this budget (the finished search's best, or one measured since that is better and fits).
+    A smaller budget the best does not fit, a larger one that admits a candidate the search ruled out, or a
+    search cut short are not served: the search is resumed. ``max_trials``: a search that stopped at a smaller
+    dry-run budget does not answer for this call."""
+    judged = reselect(study, memory_budget)
+    ok = [j for j in judged.values() if j["status"] == "ok"]
+    records = SearchRecord.stored(study)
+    if not records:
+        return CacheVerdict(None, "no search stored", len(judged), None)
+    why = ""
+    for record in reversed(records):  # the latest first
+        fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
+        if not (why_not := record.answers(memory_budget, max_trials, fits)):
+            best = max(ok, key=lambda j: j["samples_per_s"])
+            mib = 2**20
+            return CacheVerdict(best, (
+                f"finished search ({record.stop_reason or record.stop}), {len(judged)} measured trials, best "
+                f"re-selected under this limit ({memory_budget / mib:.1f} MiB; searched under "
+                f"{record.memory_budget / mib:.1f} MiB)"), len(judged), record)
+        why = why or why_not
+    return CacheVerdict(None, why, len(judged), records[-1])

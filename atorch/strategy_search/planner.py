@@ -399,3 +399,58 @@ def _untried(study: Any) -> bool:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ----- the cache on disk (atorch cache list / clear) ------------------------------------------------------
+
+def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
+    """Every study in ``storage`` (default: the cache's SQLite file): what it is for, how its last search
+    ended and its best, as JSON."""
+    import optuna
+
+    storage = storage or default_storage()
+    rows = []
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        attrs = summary.user_attrs
+        identity = attrs.get("identity") or {}
+        records = SearchRecord.stored(study)
+        last = records[-1] if records else None
+        measured = sum(1 for t in study.get_trials(deepcopy=False)
+                       if "measured" in t.user_attrs and t.user_attrs.get("status") != "duplicate")
+        best = attrs.get("best") or {}
+        rows.append({
+            "study": summary.study_name,
+            "created": attrs.get("created") or (summary.datetime_start.isoformat(timespec="seconds")
+                                                if summary.datetime_start else ""),
+            "model": identity.get("model_class", ""), "fingerprint": identity.get("model", "")[:12],
+            "world_size": identity.get("world_size"), "global_batch": identity.get("global_batch"),
+            "trials": summary.n_trials, "measured": measured,
+            "finished": [r.memory_budget for r in records if r.finished],  # the budgets it answers for
+            "last_stop": f"{last.stop}: {last.stop_reason}" if last else "",
+            "best": _strategy_names(best.get("strategy")), "best_samples_per_s": best.get("samples_per_s"),
+            "identity": identity,
+        })
+    return rows
+
+
+def clear_studies(storage: str | None = None, study: str | None = None) -> list[str]:
+    """Delete one study (``study``) or every study in ``storage``; returns the names deleted."""
+    import optuna
+
+    storage = storage or default_storage()
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    if study is not None:
+        if study not in names:
+            raise KeyError(f"no study {study!r} in {storage} (atorch cache list shows the studies)")
+        names = [study]
+    for name in names:
+        optuna.delete_study(study_name=name, storage=storage)
+    return names
+
+
+def _strategy_names(strategy: Any) -> str:
+    """A stored strategy (Strategy.to_json's form) by its methods' names."""
+    if not isinstance(strategy, dict):
+        return ""
+    return " + ".join(str(m.get("name")) for m in strategy.get("methods", []))
