@@ -109,6 +109,14 @@ def test_an_interrupted_or_failing_search_is_resumed(space, tmp_path) -> None:
     rest = Measure()
     assert planner(space, tmp_path, rest).search().source == "search"
     assert first.calls[0].key not in {c.key for c in rest.calls}
+    # An error in the search itself (here: the caller's on_trial hook) is stored as such, then raised.
+    def broken(record):
+        raise RuntimeError("hook failed")
+
+    with pytest.raises(RuntimeError, match="hook failed"):
+        planner(space, tmp_path, Measure(), study_key="error", on_trial=broken).search()
+    stored = record(planner(space, tmp_path, Measure(), study_key="error"))
+    assert not stored.finished and stored.stop == "error" and "hook failed" in stored.stop_reason
     # A search killed outright (no exception handler ran) leaves the record it wrote when it started.
     p = planner(space, tmp_path, Measure(), study_key="killed")
     SearchRecord(finished=False, stop="running", memory_budget=BUDGET).store(p.study())
