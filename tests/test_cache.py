@@ -226,3 +226,23 @@ def test_the_search_finds_the_unconstrained_best_after_a_constrained_one(space, 
     truth, truth_sps = exhaustive_best(space, budget)
     result = planner(space, tmp_path, Measure(), memory_budget=budget, max_trials=8).search()
     assert result.samples_per_s >= 0.95 * truth_sps and true_speed(dict(result.candidate.point)) >= 0.95 * truth_sps
+
+
+def test_fingerprint_covers_module_settings_and_the_transformers_config() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atorch.strategy_search.analyser import fingerprint
+
+    def llama(**kw) -> nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64, **kw))
+
+    base = fingerprint(llama())
+    assert fingerprint(llama()) == base  # another instance of one config
+    assert fingerprint(llama(attn_implementation="eager")) != base  # to_dict() leaves this out
+    assert fingerprint(llama(use_cache=False)) != base
+    assert fingerprint(llama(rms_norm_eps=1e-5)) != base
+    # Settings that no parameter shows: a dropout's p.
+    assert fingerprint(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))) != fingerprint(
+        nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2)))
