@@ -21,6 +21,7 @@ from toy_models import mlp
 
 import atorch
 from atorch import cli
+from atorch.prebuilt_optimizer import factory_from_optimizer
 from atorch.strategy_search.ask_tell import SearchRecord
 from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
 from atorch.strategy_search.space import SearchSpace
@@ -143,18 +144,25 @@ def test_patience_with_untried_favourites_and_a_smaller_max_trials_are_not_final
     assert wider.cached() is None and wider.search().source == "search" and len(more.calls) >= 1
 
 
-def test_sample_shapes_optimizer_args_and_loss_name_different_studies(tmp_path, atorch_log) -> None:
+def test_sample_shapes_optimizer_args_groups_and_loss_name_different_studies(tmp_path, atorch_log) -> None:
     """auto_accelerate in this process: a change of sample shape or optimizer arguments is a new study; the
     same job again is served from its study, and the log says which and why."""
     atorch_log.set_level(logging.INFO, logger="atorch")
     storage = f"sqlite:///{tmp_path / 'auto.db'}"
 
-    def run(seq: int, lr: float, loss=None) -> dict:
+    def run(seq: int, lr: float, loss=None, decay: float | None = None) -> dict:
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(32, seq, 16, generator=g), torch.randint(0, 8, (32, seq), generator=g))
+        model = mlp()
+        optimizer = {"optim_func": torch.optim.SGD, "optim_args": {"lr": lr}}
+        if decay is not None:  # a prebuilt optimizer with two parameter groups
+            biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+            weights = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+            prebuilt = torch.optim.SGD([{"params": weights, "weight_decay": decay}, {"params": biases}], lr=lr)
+            optimizer = factory_from_optimizer(prebuilt, model).as_kwargs()
         _, result, _ = atorch.auto_accelerate(
-            mlp(), torch.optim.SGD, dataset=data, loss_func=loss or seq_loss, model_input_format="unpack_sequence",
-            optim_args={"lr": lr}, dataloader_args={"batch_size": GLOBAL_BATCH},
+            model, dataset=data, loss_func=loss or seq_loss, model_input_format="unpack_sequence",
+            dataloader_args={"batch_size": GLOBAL_BATCH}, **optimizer,
             search={"storage": storage, "max_trials": 1, "warmup_steps": 0, "measure_steps": 1, "min_measure_s": 0,
                     "confirm_within": 0})
         result.close()
@@ -163,8 +171,9 @@ def test_sample_shapes_optimizer_args_and_loss_name_different_studies(tmp_path, 
     base = run(4, 0.1)
     assert base["source"] == "search"
     longer, slower, other_loss = run(16, 0.1), run(4, 0.01), run(4, 0.1, other_seq_loss)
-    names = {base["study_name"], longer["study_name"], slower["study_name"], other_loss["study_name"]}
-    assert len(names) == 4 and {longer["source"], slower["source"], other_loss["source"]} == {"search"}
+    decayed, other_decay = run(4, 0.1, decay=0.1), run(4, 0.1, decay=0.01)  # groups inside a closure
+    runs = [base, longer, slower, other_loss, decayed, other_decay]
+    assert len({r["study_name"] for r in runs}) == len(runs) and {r["source"] for r in runs} == {"search"}
     atorch_log.clear()
     again = run(4, 0.1)
     assert again["source"] == "cache" and again["study_name"] == base["study_name"] and again["dry_runs"] == 0

@@ -252,9 +252,25 @@ class _Leader:
         setup = self.setup
         return StudyIdentity.of(
             space, model=setup.model, hardware=self.profile, sample=batch,
-            optimizer={"class": setup.optim_func, "args": setup.optim_args, "param_groups": setup.optim_param_func},
+            optimizer={"class": setup.optim_func, "args": setup.optim_args, "param_groups": self._param_groups()},
             loss=setup.loss_func, model_input_format=setup.model_input_format,
             options={"find_unused_parameters": setup.find_unused_parameters})
+
+    def _param_groups(self) -> Any:
+        """The user's parameter groups as they change the answer: each group's settings and size (a prebuilt
+        optimizer's groups live in a closure, whose name alone would not tell two of them apart)."""
+        func = self.setup.optim_param_func
+        if func is None:
+            return None
+        try:
+            groups = list(func(self.setup.model))
+        except Exception as exc:  # noqa: BLE001  (building the optimizer reports it; the key keeps the name)
+            logger.debug("could not list the parameter groups for the search's key: %s", exc)
+            return func
+        if not all(isinstance(g, dict) for g in groups):  # plain parameters: one group
+            return {"params": len(groups)}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "numel": sum(p.numel() for p in g["params"])}
+                for g in groups]
 
     def _plan(self, planner: Any) -> Any:
         result = planner.search(force=self.options.force) if self.options.dryrun else planner.plan_without_dryrun()
