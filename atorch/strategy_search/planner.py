@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     CONFIRM_RUNS,
     DEFAULT_TOP_K,
     FINISHING_STOPS,
+    MAX_MEMORY_CORRECTION,
     OK_STATUSES,
     SearchRecord,
     SearchState,
@@ -349,14 +351,20 @@ class Planner:
 
     def _fits_below(self, state: SearchState) -> float | None:
         """The smallest peak of a candidate this budget ruled out: measured over it, or predicted over it (with
-        the search's memory correction) and never measured. None when the budget ruled nothing out."""
-        correction = float(getattr(state, "memory_correction", 1.0))
+        the search's memory correction) and never measured. None when the budget ruled nothing out. Where the
+        state has no single correction factor, any never-measured candidate the largest correction could have
+        ruled out counts, at the lowest budget above this one (a larger budget then resumes the search)."""
+        correction = getattr(state, "memory_correction", None)
         peaks = [v[2]["measured"]["peak_memory_bytes"] for v in state.done.values()
                  if v[2].get("status") == "oom" and "measured" in v[2]]
         for key, pred in zip(self.table().keys, self.table().predictions, strict=True):
-            measured = key in state.done and "measured" in state.done[key][2]
-            if not measured and "error" not in pred and pred["peak_memory_bytes"] * correction > self.memory_budget:
-                peaks.append(pred["peak_memory_bytes"] * correction)
+            if (key in state.done and "measured" in state.done[key][2]) or "error" in pred:
+                continue
+            peak = pred["peak_memory_bytes"]
+            if isinstance(correction, float) and peak * correction > self.memory_budget:
+                peaks.append(peak * correction)
+            elif not isinstance(correction, float) and peak * MAX_MEMORY_CORRECTION > self.memory_budget:
+                peaks.append(max(peak, math.nextafter(self.memory_budget, math.inf)))
         return min(peaks) if peaks else None
 
     def _confirm(self, state: SearchState, rules: StopRules) -> str:
