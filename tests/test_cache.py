@@ -124,7 +124,7 @@ def test_an_interrupted_or_failing_search_is_resumed(space, tmp_path) -> None:
     assert p.cached() is None and p.search().source == "search" and record(p).finished
 
 
-def test_patience_with_untried_favourites_and_a_smaller_max_trials_are_not_final(space, tmp_path) -> None:
+def test_patience_with_untried_favourites_is_not_final_and_max_trials_is(space, tmp_path) -> None:
     class FirstBest(Measure):  # the first dry-run is the best: patience stops at the second
         def __call__(self, cand):
             run = super().__call__(cand)
@@ -136,12 +136,15 @@ def test_patience_with_untried_favourites_and_a_smaller_max_trials_are_not_final
     assert record(p).stop == "patience" and not record(p).finished  # cost-model favourites were left untried
     assert p.cached() is None
 
+    # Stopping at max_trials finishes a search, whatever a later call's max_trials (strategy="atorch" takes the
+    # pick of a search made with other options); force=True searches more, reusing what was measured.
     one = planner(space, tmp_path, Measure(), study_key="one", max_trials=1)
-    assert one.search().dry_runs == 1 and record(one).finished
-    assert planner(space, tmp_path, Measure(), study_key="one", max_trials=1).search().source == "cache"
+    first = one.search()
+    assert first.dry_runs == 1 and record(one).finished
+    assert planner(space, tmp_path, Measure(), study_key="one", max_trials=4).search().source == "cache"
     more = Measure()
-    wider = planner(space, tmp_path, more, study_key="one", max_trials=4)
-    assert wider.cached() is None and wider.search().source == "search" and len(more.calls) >= 1
+    forced = planner(space, tmp_path, more, study_key="one", max_trials=4).search(force=True)
+    assert forced.source == "search" and more.calls and first.candidate.key not in {c.key for c in more.calls}
 
 
 def test_sample_shapes_optimizer_args_groups_and_loss_name_different_studies(tmp_path, atorch_log) -> None:

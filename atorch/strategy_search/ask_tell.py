@@ -408,15 +408,13 @@ class SearchRecord(BaseModel):
         kept = [r for r in self.stored(study) if r.memory_budget != self.memory_budget][-(KEPT_RECORDS - 1):]
         study.set_user_attr(SEARCH_ATTR, [r.model_dump(mode="json") for r in (*kept, self)])
 
-    def answers(self, memory_budget: float, max_trials: int | None, best_fits: bool) -> str:
+    def answers(self, memory_budget: float, best_fits: bool) -> str:
         """Why this record does not answer a call under ``memory_budget`` ("" when it does). ``best_fits``:
         its best is measured to fit ``memory_budget``."""
         mib = 2**20
         if not self.finished:
             return (f"the search under {self.memory_budget / mib:.1f} MiB did not finish "
                     f"({self.stop_reason or self.stop})")
-        if max_trials is not None and self.stop == "max_trials" and self.max_trials < max_trials:
-            return f"the search stopped at max_trials={self.max_trials}, this call allows {max_trials}"
         if self.fits_below is not None and memory_budget >= self.fits_below:
             return (f"this budget admits candidates that the search's ({self.memory_budget / mib:.1f} MiB) ruled out "
                     f"(from {self.fits_below / mib:.1f} MiB)")
@@ -459,13 +457,13 @@ class CacheVerdict:
     record: SearchRecord | None
 
 
-def cached_best(study: Any, memory_budget: float, max_trials: int | None = None) -> CacheVerdict:
+def cached_best(study: Any, memory_budget: float) -> CacheVerdict:
     """Serve a study only where a finished search answers for ``memory_budget``: its best measured fits this
     budget, and the budget admits nothing that search ruled out. The answer is then the best of every measured
     candidate under this budget (the finished search's best, or one measured since that is better and fits).
     A smaller budget the best does not fit, a larger one that admits a candidate the search ruled out, or a
-    search cut short are not served: the search is resumed. ``max_trials``: a search that stopped at a smaller
-    dry-run budget does not answer for this call."""
+    search cut short are not served: the search is resumed. A search that stopped at its ``max_trials`` is
+    finished whatever a later call's ``max_trials`` (``force=True`` searches more)."""
     judged = reselect(study, memory_budget)
     ok = [j for j in judged.values() if j["status"] == "ok"]
     records = SearchRecord.stored(study)
@@ -474,7 +472,7 @@ def cached_best(study: Any, memory_budget: float, max_trials: int | None = None)
     why = ""
     for record in reversed(records):  # the latest first
         fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
-        if not (why_not := record.answers(memory_budget, max_trials, fits)):
+        if not (why_not := record.answers(memory_budget, fits)):
             best = max(ok, key=lambda j: j["samples_per_s"])
             mib = 2**20
             return CacheVerdict(best, (

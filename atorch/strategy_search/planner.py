@@ -282,7 +282,7 @@ class Planner:
         return self._reuse(self.study())[0]
 
     def _reuse(self, study: Any) -> tuple[PlanResult | None, str]:
-        verdict = cached_best(study, self.memory_budget, self.max_trials)
+        verdict = cached_best(study, self.memory_budget)
         if verdict.best is None:
             return None, verdict.reason
         cand = self.space.from_point(verdict.best["point"])
