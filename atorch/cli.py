@@ -1,4 +1,5 @@
-"""``atorch`` command line: list the methods, check a strategy, report on a search, run the strategy server."""
+"""``atorch`` command line: list the methods, check a strategy, report on a search, list or clear the search
+cache, run the strategy server."""
 
 from __future__ import annotations
 
@@ -81,6 +82,47 @@ def _cmd_search_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache_list(args: argparse.Namespace) -> int:
+    from atorch.strategy_search.planner import list_studies
+
+    rows = list_studies(args.storage)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no studies in the search cache")
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="atorch search cache")
+    table.add_column("study", no_wrap=True)  # whole: it is what `atorch cache clear` takes
+    for column in ("created", "model", "world", "batch", "measured", "finished under", "last stop", "best"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        finished = ", ".join(f"{b / 2**20:.0f} MiB" for b in r["finished"]) or "no"
+        best = f"{r['best']} ({r['best_samples_per_s']:.3g} samples/s)" if r["best"] else "-"
+        model = f"{r['model'].rsplit('.', 1)[-1]} {r['fingerprint']}".strip() or "-"
+        table.add_row(*(escape(str(v)) for v in (
+            r["study"], r["created"], model, r["world_size"] or "-", r["global_batch"] or "-", r["measured"],
+            finished, r["last_stop"] or "-", best)))
+    Console(width=max(160, Console().width)).print(table)
+    return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+    from atorch.strategy_search.planner import clear_studies
+
+    try:
+        names = clear_studies(args.storage, args.study)
+    except KeyError as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 1
+    print(f"deleted {len(names)} stud{'y' if len(names) == 1 else 'ies'}" + "".join(f"\n  {n}" for n in names))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from atorch.server.serve import serve
 
@@ -102,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--study", help="study name (default: the only atorch study in the storage)")
     report.add_argument("--out", default="search-report.html", help="HTML file to write")
     report.set_defaults(run=_cmd_search_report)
+    cache = sub.add_parser("cache", help="list or clear the strategy search's stored studies")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    listing = cache_sub.add_parser("list", help="each study: what it is for, its last search, its best")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    clear = cache_sub.add_parser("clear", help="delete one study, or every study when none is named")
+    clear.add_argument("study", nargs="?", help="the study's name (atorch cache list shows them)")
+    for p, run in ((listing, _cmd_cache_list), (clear, _cmd_cache_clear)):
+        p.add_argument("--storage", help="Optuna storage URL (default: the search cache's SQLite file)")
+        p.set_defaults(run=run)
     serve = sub.add_parser("serve", help="run the strategy server (HTTP + JSON, Optuna storage)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)")
     serve.add_argument("--port", type=int, default=8765)

@@ -18,7 +18,7 @@ import toy_models
 
 from atorch.strategy_search.ask_tell import SearchState
 from atorch.strategy_search.candidates import CandidateTable, family_key, predicted_json
-from atorch.strategy_search.planner import Planner, study_key
+from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
 from atorch.strategy_search.space import Candidate, SearchSpace
 
 WORLD, GLOBAL_BATCH = 2, 8
@@ -255,7 +255,7 @@ def test_time_limit_is_enforced_in_real_time(space, tmp_path) -> None:
 
 
 def test_cached_second_run_does_no_dry_run_and_force_searches_again(space, tmp_path) -> None:
-    key = study_key(space.model_fingerprint, WORLD, "cpu-test", GLOBAL_BATCH, space.signature())
+    key = study_key(StudyIdentity.of(space, hardware="cpu-test"))
     first = Planner(space, storage=storage(tmp_path), study_key=key, predict=predict, measure=Measure(),
                     memory_budget=BUDGET, max_trials=4).search()
     measure = Measure()
@@ -280,11 +280,22 @@ def test_cached_second_run_does_no_dry_run_and_force_searches_again(space, tmp_p
 
 
 def test_study_key_depends_on_everything_a_plan_depends_on(space) -> None:
-    base = ("fp", WORLD, "hw", GLOBAL_BATCH, space.signature())
-    keys = {study_key(*base)}
-    for i, other in enumerate(("fp2", 4, "hw2", 16, "sig2")):
-        keys.add(study_key(*(base[:i] + (other,) + base[i + 1:])))
-    assert len(keys) == 6 and study_key(*base) == study_key(*base)
+    import torch
+
+    base = StudyIdentity.of(space, hardware="hw", sample={"input_ids": torch.zeros(4, 16, dtype=torch.long)},
+                            optimizer={"class": torch.optim.AdamW, "args": {"lr": 1e-3}}, loss=torch.nn.MSELoss(),
+                            model_input_format="unpack_dict")
+    changes = {"model": "fp2", "sample": StudyIdentity.of(space, sample={"input_ids": torch.zeros(4, 32)}).sample,
+               "optimizer": "x", "loss": "y", "model_input_format": None, "global_batch": 16, "world_size": 4,
+               "hardware": "hw2", "space": "sig2", "options": {"excluded": ["fsdp"]}, "versions": {"torch": "0"}}
+    assert set(changes) == set(StudyIdentity.model_fields) - {"model_class"}  # every part is covered below
+    keys = {study_key(base)} | {study_key(base.model_copy(update={k: v})) for k, v in changes.items()}
+    assert len(keys) == len(changes) + 1
+    # Stable: built again from equal (not identical) objects, the key is the same.
+    again = StudyIdentity.of(space, hardware="hw", sample={"input_ids": torch.ones(4, 16, dtype=torch.long)},
+                             optimizer={"class": torch.optim.AdamW, "args": {"lr": 1e-3}}, loss=torch.nn.MSELoss(),
+                             model_input_format="unpack_dict")
+    assert study_key(again) == study_key(base)
 
 
 def test_patience_stops_after_dry_runs_without_improvement(space, tmp_path) -> None:

@@ -39,11 +39,14 @@ analysis could not predict.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import itertools
 import json
 import logging
+import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -146,16 +149,62 @@ class ModelStats(_Frozen):
 # ----- fingerprint -------------------------------------------------------------------------------------
 
 def fingerprint(model: nn.Module) -> str:
-    """A stable hash of the module tree: classes, parameter/buffer names, shapes, dtypes, trainable flags.
+    """A stable hash of what the model is: the module tree (classes and each module's settings, as its
+    ``extra_repr`` shows them: features, eps, dropout p, ...), parameter/buffer names, shapes, dtypes,
+    trainable flags, and a transformers ``config`` where there is one (its fields plus the attention
+    implementation, which ``to_dict`` leaves out).
 
     Values are not read, so two instances of one config (and a meta-device instance) share a fingerprint.
     """
     tree = {
-        "modules": [[name, class_path(type(m))] for name, m in model.named_modules()],
+        "modules": [[name, class_path(type(m)), _no_address(m.extra_repr())] for name, m in model.named_modules()],
         "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+        "config": _config_json(getattr(model, "config", None)),
     }
     return hashlib.sha256(json.dumps(tree, separators=(",", ":")).encode()).hexdigest()
+
+
+_CONFIG_NOT_KEYED = ("_name_or_path", "_commit_hash")  # where it was loaded from, not what it is
+
+
+def _config_json(config: Any) -> Any:
+    """A transformers-style config as JSON (None when the model has none)."""
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    data = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_NOT_KEYED}
+    data["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    return identity_json(data)
+
+
+def _no_address(text: str) -> str:
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+
+
+def identity_json(value: Any) -> Any:
+    """``value`` as plain, stable JSON for a cache key: containers recursively (dict keys sorted), tensors as
+    shape and dtype (never values), classes and functions by qualified name, other objects by their
+    class and repr with memory addresses removed (so a closure or a fresh instance keys the same each run)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, torch.Tensor):
+        return {"tensor": list(value.shape), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {str(k): identity_json(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [identity_json(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(json.dumps(identity_json(v)) for v in value)
+    if isinstance(value, functools.partial):
+        return {"partial": identity_json(value.func), "args": identity_json(value.args),
+                "kwargs": identity_json(value.keywords)}
+    if isinstance(value, nn.Module):  # a loss module: its class and settings
+        return {"module": class_path(type(value)), "settings": _no_address(value.extra_repr())}
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return {"object": class_path(type(value)), "repr": _no_address(repr(value))}
 
 
 # ----- the fake copy and the batch ---------------------------------------------------------------------

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from atorch.strategy_search.candidates import CandidateTable, Point, point_key
 
 OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
@@ -151,10 +153,12 @@ class StopRules:
         self.dry_runs = 0
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs
+        self.stopped = ""  # the kind of the last stop reason given: "time_limit", "max_trials" or "patience"
 
     def out_of_time(self) -> str:
         elapsed = self.clock() - self.start
         if self.time_limit_s is not None and elapsed >= self.time_limit_s:
+            self.stopped = "time_limit"
             return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
         return ""
 
@@ -164,11 +168,13 @@ class StopRules:
         if late := self.out_of_time():
             return late
         if self.dry_runs >= self.max_trials - self.reserved:
+            self.stopped = "max_trials"
             if self.reserved:
                 return (f"max_trials {self.max_trials} reached ({self.dry_runs} to explore, "
                         f"{self.reserved} kept for a confirmation)")
             return f"max_trials {self.max_trials} reached"
         if self.patience is not None and self.found and self.since_best >= self.patience:
+            self.stopped = "patience"
             return f"patience {self.patience} reached: no improvement in the last {self.since_best} dry-runs"
         return ""
 
@@ -406,9 +412,120 @@ class SearchState:
         return best
 
 
-def cached_best(study: Any, memory_budget: float) -> dict[str, Any] | None:
-    """The stored best of a finished search, if it fits ``memory_budget``."""
-    best = study.user_attrs.get("best")
-    if not best or best.get("peak_memory_bytes", math.inf) > memory_budget:
-        return None
-    return best
+# ----- the cache: how a search ended, and what a later call may reuse --------------------------------------
+
+FINISHING_STOPS = ("max_trials", "patience", "exhausted")
+SEARCH_ATTR = "searches"  # the study attribute: one SearchRecord per memory budget searched under, latest last
+KEPT_RECORDS = 16
+
+
+class SearchRecord(BaseModel):
+    """How a search of a study under one memory budget ended. ``finished``: it stopped by ``max_trials``,
+    ``patience`` (with no cost-model favourite left untried) or because the sampler had nothing new to
+    propose, and something measured fits. A time limit, an interruption or an error leave it unfinished
+    (``stop``: "time_limit", "interrupted", "error"; "running" while a search runs, and after one that was
+    killed), and the next search resumes it instead of serving its best."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    finished: bool
+    stop: str
+    stop_reason: str = ""
+    memory_budget: float
+    # The smallest peak (predicted, corrected; or measured) of a candidate this budget ruled out; a budget at or
+    # above it might admit that candidate, so the search does not answer for it. None: nothing ruled out.
+    fits_below: float | None = None
+    max_trials: int = 0
+    best_key: str | None = None
+    measured: int = 0  # candidates measured in the study when it ended
+    at: str = ""  # when it was stored (UTC, ISO 8601)
+
+    @classmethod
+    def stored(cls, study: Any) -> list[SearchRecord]:
+        """The study's records, latest last (one written by another version is left out: it answers nothing)."""
+        records = []
+        for data in study.user_attrs.get(SEARCH_ATTR, []):
+            try:
+                records.append(cls.model_validate(data))
+            except ValueError:
+                continue
+        return records
+
+    def store(self, study: Any) -> None:
+        """Keep this record as the latest, replacing the one of the same budget."""
+        kept = [r for r in self.stored(study) if r.memory_budget != self.memory_budget][-(KEPT_RECORDS - 1):]
+        study.set_user_attr(SEARCH_ATTR, [r.model_dump(mode="json") for r in (*kept, self)])
+
+    def answers(self, memory_budget: float, best_fits: bool) -> str:
+        """Why this record does not answer a call under ``memory_budget`` ("" when it does). ``best_fits``:
+        its best is measured to fit ``memory_budget``."""
+        mib = 2**20
+        if not self.finished:
+            return (f"the search under {self.memory_budget / mib:.1f} MiB did not finish "
+                    f"({self.stop_reason or self.stop})")
+        if self.fits_below is not None and memory_budget >= self.fits_below:
+            return (f"this budget admits candidates that the search's ({self.memory_budget / mib:.1f} MiB) ruled out "
+                    f"(from {self.fits_below / mib:.1f} MiB)")
+        if not best_fits:
+            return f"the best of the search under {self.memory_budget / mib:.1f} MiB does not fit this budget"
+        return ""
+
+
+def reselect(study: Any, memory_budget: float) -> dict[str, dict[str, Any]]:
+    """The study's measured candidates judged under ``memory_budget`` (not the budget they were measured under:
+    their stored peaks are compared with this one), by key: trial number, value, status, peak. Reads only the
+    study (no cost model): a stored outcome keeps the prediction it was judged with."""
+    from optuna.trial import TrialState
+
+    outcomes: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}  # key -> (trial, measured, predicted)
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        attrs = t.user_attrs
+        if "measured" in attrs and "key" in attrs and attrs.get("status") != "duplicate":
+            outcomes[attrs["key"]] = (t.number, attrs["measured"], attrs.get("predicted") or {})
+    for again in study.user_attrs.get("confirmations", []):  # re-measurements count as in SearchState
+        if again["key"] in outcomes:
+            number, measured, pred = outcomes[again["key"]]
+            outcomes[again["key"]] = (number, merge_runs(measured, again["measured"]), pred)
+    judged = {}
+    for key, (number, measured, pred) in outcomes.items():
+        value, _, attrs = judge(measured, pred, memory_budget)
+        judged[key] = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
+                       "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"]}
+    return judged
+
+
+@dataclass(frozen=True)
+class CacheVerdict:
+    """Whether a study answers a call: ``best`` (re-selected under the call's budget) when it does, else None
+    and ``reason`` says why the search must go on."""
+
+    best: dict[str, Any] | None
+    reason: str
+    measured: int
+    record: SearchRecord | None
+
+
+def cached_best(study: Any, memory_budget: float) -> CacheVerdict:
+    """Serve a study only where a finished search answers for ``memory_budget``: its best measured fits this
+    budget, and the budget admits nothing that search ruled out. The answer is then the best of every measured
+    candidate under this budget (the finished search's best, or one measured since that is better and fits).
+    A smaller budget the best does not fit, a larger one that admits a candidate the search ruled out, or a
+    search cut short are not served: the search is resumed. A search that stopped at its ``max_trials`` is
+    finished whatever a later call's ``max_trials`` (``force=True`` searches more)."""
+    judged = reselect(study, memory_budget)
+    ok = [j for j in judged.values() if j["status"] == "ok"]
+    records = SearchRecord.stored(study)
+    if not records:
+        return CacheVerdict(None, "no search stored", len(judged), None)
+    why = ""
+    for record in reversed(records):  # the latest first
+        fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
+        if not (why_not := record.answers(memory_budget, fits)):
+            best = max(ok, key=lambda j: j["samples_per_s"])
+            mib = 2**20
+            return CacheVerdict(best, (
+                f"finished search ({record.stop_reason or record.stop}), {len(judged)} measured trials, best "
+                f"re-selected under this limit ({memory_budget / mib:.1f} MiB; searched under "
+                f"{record.memory_budget / mib:.1f} MiB)"), len(judged), record)
+        why = why or why_not
+    return CacheVerdict(None, why, len(judged), records[-1])

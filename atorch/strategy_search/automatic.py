@@ -219,8 +219,8 @@ class _Leader:
             return _Predicted(pred.memory.peak, pred.time.step)
 
         storage = self.options.storage or default_storage()
-        key = study_key(space.model_fingerprint, self.env.world_size, self.profile, self.global_batch,
-                        space.signature())
+        identity = self._identity(space, batch)
+        key = study_key(identity)
 
         def make_planner(remote: bool) -> Any:
             remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
@@ -228,7 +228,7 @@ class _Leader:
                         storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
-                        skip_slower_than=self.options.skip_slower_than)
+                        skip_slower_than=self.options.skip_slower_than, identity=identity)
             if not remote:
                 return Planner(space, **args, confirm_within=self.options.confirm_within)
             from atorch.server.client import RemotePlanner
@@ -256,12 +256,40 @@ class _Leader:
             raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
                                 what="automatic strategy search found no strategy")
         cand = result.candidate
-        logger.info("automatic search picked %s (%s; %s)", self.progress.describe(cand), result.source,
+        logger.info("automatic search picked %s (%s, study %s; %s)", self.progress.describe(cand), result.source,
+                    result.study_name,
                     result.stop_reason)
         where = storage if self.local else str(self.strategy_server)
         trials = [rejudged(t, self.profile.memory_per_rank) for t in result.trials]  # under this search's limit
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
                              result.study_name, where, result.dry_runs, result.stop_reason, trials)
+
+    def _identity(self, space: Any, batch: Any) -> Any:
+        """What this search is for, all but the memory budget: the study's key (planner.StudyIdentity)."""
+        from atorch.strategy_search.planner import StudyIdentity
+
+        setup = self.setup
+        return StudyIdentity.of(
+            space, model=setup.model, hardware=self.profile, sample=batch,
+            optimizer={"class": setup.optim_func, "args": setup.optim_args, "param_groups": self._param_groups()},
+            loss=setup.loss_func, model_input_format=setup.model_input_format,
+            options={"find_unused_parameters": setup.find_unused_parameters})
+
+    def _param_groups(self) -> Any:
+        """The user's parameter groups as they change the answer: each group's settings and size (a prebuilt
+        optimizer's groups live in a closure, whose name alone would not tell two of them apart)."""
+        func = self.setup.optim_param_func
+        if func is None:
+            return None
+        try:
+            groups = list(func(self.setup.model))
+        except Exception as exc:  # noqa: BLE001  (building the optimizer reports it; the key keeps the name)
+            logger.debug("could not list the parameter groups for the search's key: %s", exc)
+            return func
+        if not all(isinstance(g, dict) for g in groups):  # plain parameters: one group
+            return {"params": len(groups)}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "numel": sum(p.numel() for p in g["params"])}
+                for g in groups]
 
     def _plan(self, planner: Any) -> Any:
         result = planner.search(force=self.options.force) if self.options.dryrun else planner.plan_without_dryrun()

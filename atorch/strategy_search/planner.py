@@ -20,9 +20,13 @@ Constraints (Trial.set_constraint, feasible when <= 0): ``memory_over`` = (peak 
 predicted or measured; ``failed`` = 1 for a failed or timed-out run, else 0.
 
 The study lives in an Optuna storage (default: SQLite in the cache directory; any SQLAlchemy URL),
-named by ``study_key``. A finished search stores its best as a study attribute; a later planner with
-the same storage and key returns it with no dry-run (``force=True`` searches again, reusing every
-stored trial). Everything stored is JSON (user attributes), never pickle.
+named by ``study_key(StudyIdentity)``: a hash of everything that changes the answer except the memory
+budget. Every search stores how it ended (``SearchRecord``: finished or not, why it stopped, its budget).
+A later planner with the same key serves the study only if that search finished, re-selecting the best
+among the measured candidates under *its* budget (``cached_best``); otherwise (a time limit, an interruption,
+a budget the old best does not fit or that admits candidates the old budget ruled out) it resumes the
+search, reusing every stored trial (``force=True`` searches again in any case). Everything stored is JSON
+(user attributes), never pickle.
 """
 
 from __future__ import annotations
@@ -33,16 +37,23 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from atorch.class_ref import class_path
 from atorch.log import RepeatedWarnings, get_logger
-from atorch.strategy_search.analyser import StepError
+from atorch.strategy_search.analyser import StepError, identity_json
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_RUNS,
     DEFAULT_TOP_K,
+    FINISHING_STOPS,
     HOPELESS_FACTOR,
+    MAX_MEMORY_CORRECTION,
     OK_STATUSES,
+    SearchRecord,
     SearchState,
     StopRules,
     cached_best,
@@ -72,7 +83,7 @@ def hardware_key(profile: Any) -> str:
     """The parts of a hardware profile that identify the machines (a HardwareProfile, or a string as is).
 
     The memory budget is not part of it (free RAM differs from run to run): stored outcomes are judged
-    again under each search's budget, and a cached best is used only if it fits."""
+    again under each search's budget (``cached_best``)."""
     if isinstance(profile, str):
         return profile
     parts = [getattr(profile, k, None) for k in (
@@ -81,9 +92,52 @@ def hardware_key(profile: Any) -> str:
     return json.dumps(parts)
 
 
-def study_key(model_fingerprint: str, world_size: int, hardware: Any, global_batch: int, space_signature: str) -> str:
-    """The study name: a hash of everything a plan depends on."""
-    payload = json.dumps([model_fingerprint, world_size, hardware_key(hardware), global_batch, space_signature])
+class StudyIdentity(BaseModel):
+    """Everything a search's answer depends on, except the memory budget (stored measurements are judged again
+    under each call's budget). Hashed into the study's name and stored as its ``identity`` attribute, so
+    ``atorch cache list`` can say what a study is for. Build it with ``StudyIdentity.of``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str  # analyser.fingerprint: module tree and settings, parameter shapes/dtypes, transformers config
+    model_class: str
+    sample: Any = None  # the per-rank sample batch: structure, shapes and dtypes (never values of tensors)
+    optimizer: Any = None  # class, arguments, parameter-group function
+    loss: Any = None  # qualified name (a loss module: class and settings)
+    model_input_format: str | None = None
+    global_batch: int
+    world_size: int
+    hardware: str  # hardware_key
+    space: str  # SearchSpace.signature(): its valid points
+    options: dict[str, Any] = Field(default_factory=dict)  # what built the space (excluded, included, ...)
+    versions: dict[str, str] = Field(default_factory=dict)  # atorch and torch
+
+    @classmethod
+    def of(cls, space: SearchSpace, *, model: Any = None, hardware: Any = "", sample: Any = None,
+           optimizer: Any = None, loss: Any = None, model_input_format: str | None = None,
+           options: dict[str, Any] | None = None) -> StudyIdentity:
+        """The identity of a search over ``space`` (its model, batch, world size, points and the options that
+        built it); the other parts as the caller has them, reduced to stable JSON (tensors by shape and dtype,
+        functions and classes by qualified name). ``options``: further search options that change the answer."""
+        import torch
+
+        import atorch
+
+        built = {"excluded": sorted(space.excluded), "included": sorted(space.included),
+                 "supported_dtypes": list(space.supported_dtypes), "half_dtypes": list(space.half_dtypes),
+                 "host_offload": space.host_offload, "max_micro_batch_size": space.max_micro_batch_size,
+                 "finetune": space.finetune.to_list() if space.finetune is not None else None}
+        return cls(model=space.model_fingerprint, model_class=class_path(type(model)) if model is not None else "",
+                   sample=identity_json(sample), optimizer=identity_json(optimizer), loss=identity_json(loss),
+                   model_input_format=model_input_format, global_batch=space.global_batch,
+                   world_size=space.world_size, hardware=hardware_key(hardware), space=space.signature(),
+                   options=identity_json({**built, **(options or {})}),
+                   versions={"atorch": atorch.__version__, "torch": torch.__version__})
+
+
+def study_key(identity: StudyIdentity) -> str:
+    """The study name: a hash of the identity's JSON."""
+    payload = json.dumps(identity.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return "atorch-search-" + hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
@@ -133,6 +187,7 @@ class Planner:
         on_trial: Callable[[dict[str, Any]], None] | None = None,
         confirm_within: float | None = None,
         skip_slower_than: float | None = HOPELESS_FACTOR,
+        identity: StudyIdentity | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -141,9 +196,9 @@ class Planner:
         self.measure_fn = measure
         self.memory_budget = int(memory_budget)
         self.storage = storage if storage is not None else default_storage()
-        self.study_name = study_key or _study_key(
-            space.model_fingerprint, space.world_size, "", space.global_batch, space.signature()
-        )
+        # ``identity``: what the study is for (named by its hash unless ``study_key`` names it; stored with it)
+        self.identity = identity
+        self.study_name = study_key or _study_key(identity or StudyIdentity.of(space))
         self.sampler = sampler
         self.time_limit_s = time_limit_s
         self.max_trials = max_trials
@@ -223,49 +278,68 @@ class Planner:
     def study(self) -> Any:
         import optuna
 
-        return optuna.create_study(
+        study = optuna.create_study(
             direction="maximize", storage=self.storage, study_name=self.study_name,
             load_if_exists=True, sampler=self._make_sampler(),
         )
+        if "created" not in study.user_attrs:  # a new study: say when, and what it is for (atorch cache list)
+            study.set_user_attr("created", _now())
+            if self.identity is not None:
+                study.set_user_attr("identity", self.identity.model_dump(mode="json"))
+        return study
 
     def cached(self) -> PlanResult | None:
-        """The stored best of a finished search with this key, if it fits the memory budget."""
-        study = self.study()
-        best = cached_best(study, self.memory_budget)
-        if best is None:
-            return None
-        cand = self.space.from_point(best["point"])
-        return PlanResult(cand, best["samples_per_s"], "cache", self.study_name, stop_reason="cached",
-                          trials=_trial_records(study))
+        """This study's answer under this budget, if its search finished and the answer holds (``cached_best``)."""
+        return self._reuse(self.study())[0]
+
+    def _reuse(self, study: Any) -> tuple[PlanResult | None, str]:
+        verdict = cached_best(study, self.memory_budget)
+        if verdict.best is None:
+            return None, verdict.reason
+        cand = self.space.from_point(verdict.best["point"])
+        reason = f"reused: {verdict.reason}"
+        return PlanResult(cand, verdict.best["samples_per_s"], "cache", self.study_name, stop_reason=reason,
+                          trials=_trial_records(study)), reason
 
     def search(self, force: bool = False) -> PlanResult:
-        """The local loop over SearchState (ask/tell shared with the strategy server)."""
+        """The local loop over SearchState (ask/tell shared with the strategy server). A study whose search
+        finished and whose answer holds under this budget is served with no dry-run; any other is resumed."""
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
-        if not force and (hit := self.cached()) is not None:
-            logger.info("strategy search: cached best %s (%.3g samples/s)", hit.candidate, hit.samples_per_s)
-            return hit
         study = self.study()
+        if not force:
+            hit, why = self._reuse(study)
+            if hit is not None:
+                logger.info("strategy search: %s from study %s: %s (%.3g samples/s); %s", hit.candidate,
+                            self.study_name, hit.source, hit.samples_per_s, why)
+                return hit
+            measured = sum(1 for t in _trial_records(study) if "measured" in t and t.get("status") != "duplicate")
+            if measured:
+                logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
+                            self.study_name, measured, why)
+        self._record(study, False, "running", "started; not finished (a search killed before its end stays so)")
         state = SearchState(study, self.table(), self.memory_budget, on_trial=self.on_trial,
                             max_asks=max(50, 10 * self.max_trials), skip_slower_than=self.skip_slower_than)
-        state.seed(self.top_k)
-        while True:
-            proposal = state.ask(stop=rules.reason)
-            if proposal.number is None:
-                stop = proposal.stop
-                break
-            cand = self.space.from_point(proposal.point)
-            record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
-            logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record["status"],
-                        record.get("reason", ""))
-            rules.record(record["improved"])
-        stop = rules.ended(stop, self._confirm(state, rules) if reserve else self._no_confirmation())
+        try:
+            stop, kind = self._explore(state, rules)
+            confirmation = self._confirm(state, rules) if reserve else self._no_confirmation()
+            if confirmation.startswith("confirmation cut short"):
+                kind = "time_limit"
+            stop = rules.ended(stop, confirmation)
+        except BaseException as exc:  # an interrupted or failed search is stored as unfinished, then raised
+            kind = "error" if isinstance(exc, Exception) else "interrupted"
+            self._record(study, False, kind, f"{type(exc).__name__}: {exc}", state)
+            raise
         best_cand = None
         if (best := state.best()) is not None:
             best_cand = self.space.from_point(best["point"])
             state.store_best({"strategy": json.loads(best_cand.strategy.to_json(indent=None))})
-        logger.info("strategy search: %s; best %s", stop, self.describe(best_cand) if best_cand else None)
+        finished = kind in FINISHING_STOPS and best is not None and not (kind == "patience" and _untried(study))
+        self._record(study, finished, kind, stop, state)
+        logger.info("strategy search: %s (%s in study %s); best %s", stop,
+                    "finished" if finished else "not finished: the next search resumes it", self.study_name,
+                    self.describe(best_cand) if best_cand else None)
         return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
                           _trial_records(study))
 
@@ -273,6 +347,39 @@ class Planner:
         if not self.confirm_within:
             return "no confirmation (off)"
         return f"no confirmation (max_trials {self.max_trials} leaves no room: it needs {4 + CONFIRM_RUNS})"
+
+    def _explore(self, state: SearchState, rules: StopRules) -> tuple[str, str]:
+        """Ask, measure, tell until a stop rule or the sampler stops it: (the stop reason, its kind)."""
+        state.seed(self.top_k)
+        while True:
+            proposal = state.ask(stop=rules.reason)
+            if proposal.number is None:
+                return proposal.stop, rules.stopped or "exhausted"
+            cand = self.space.from_point(proposal.point)
+            record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
+            logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record["status"],
+                        record.get("reason", ""))
+            rules.record(record["improved"])
+
+    def _record(self, study: Any, finished: bool, stop: str, reason: str, state: SearchState | None = None) -> None:
+        best = state.best() if state is not None else None
+        measured = sum(1 for v in state.done.values() if "measured" in v[2]) if state is not None else 0
+        SearchRecord(finished=finished, stop=stop, stop_reason=reason, memory_budget=self.memory_budget,
+                     fits_below=self._fits_below(state) if state is not None else None, max_trials=self.max_trials,
+                     best_key=best["key"] if best else None, measured=measured, at=_now()).store(study)
+
+    def _fits_below(self, state: SearchState) -> float | None:
+        """The smallest peak of a candidate this budget ruled out: measured over it, or predicted over it (scaled
+        by its family's memory correction) and never measured. None when the budget ruled nothing out."""
+        peaks = [v[2]["measured"]["peak_memory_bytes"] for v in state.done.values()
+                 if v[2].get("status") == "oom" and "measured" in v[2]]
+        for key, pred in zip(self.table().keys, self.table().predictions, strict=True):
+            if (key in state.done and "measured" in state.done[key][2]) or "error" in pred:
+                continue
+            peak = pred["peak_memory_bytes"] * state.correction(key)
+            if peak > self.memory_budget:
+                peaks.append(peak)
+        return min(peaks) if peaks else None
 
     def _confirm(self, state: SearchState, rules: StopRules) -> str:
         """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
@@ -309,3 +416,69 @@ def _pred_json(pred: Predicted | str) -> dict[str, Any]:
 
 def _trial_records(study: Any) -> list[dict[str, Any]]:
     return [trial_record(t) for t in study.get_trials(deepcopy=False)]
+
+
+def _untried(study: Any) -> bool:
+    """Enqueued candidates (the cost model's favourites) that no ask has taken yet."""
+    from optuna.trial import TrialState
+
+    return bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ----- the cache on disk (atorch cache list / clear) ------------------------------------------------------
+
+def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
+    """Every study in ``storage`` (default: the cache's SQLite file): what it is for, how its last search
+    ended and its best, as JSON."""
+    import optuna
+
+    storage = storage or default_storage()
+    rows = []
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        attrs = summary.user_attrs
+        identity = attrs.get("identity") or {}
+        records = SearchRecord.stored(study)
+        last = records[-1] if records else None
+        measured = sum(1 for t in study.get_trials(deepcopy=False)
+                       if "measured" in t.user_attrs and t.user_attrs.get("status") != "duplicate")
+        best = attrs.get("best") or {}
+        rows.append({
+            "study": summary.study_name,
+            "created": attrs.get("created") or (summary.datetime_start.isoformat(timespec="seconds")
+                                                if summary.datetime_start else ""),
+            "model": identity.get("model_class", ""), "fingerprint": identity.get("model", "")[:12],
+            "world_size": identity.get("world_size"), "global_batch": identity.get("global_batch"),
+            "trials": summary.n_trials, "measured": measured,
+            "finished": [r.memory_budget for r in records if r.finished],  # the budgets it answers for
+            "last_stop": f"{last.stop}: {last.stop_reason}" if last else "",
+            "best": _strategy_names(best.get("strategy")), "best_samples_per_s": best.get("samples_per_s"),
+            "identity": identity,
+        })
+    return rows
+
+
+def clear_studies(storage: str | None = None, study: str | None = None) -> list[str]:
+    """Delete one study (``study``) or every study in ``storage``; returns the names deleted."""
+    import optuna
+
+    storage = storage or default_storage()
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    if study is not None:
+        if study not in names:
+            raise KeyError(f"no study {study!r} in {storage} (atorch cache list shows the studies)")
+        names = [study]
+    for name in names:
+        optuna.delete_study(study_name=name, storage=storage)
+    return names
+
+
+def _strategy_names(strategy: Any) -> str:
+    """A stored strategy (Strategy.to_json's form) by its methods' names."""
+    if not isinstance(strategy, dict):
+        return ""
+    return " + ".join(str(m.get("name")) for m in strategy.get("methods", []))
