@@ -1,0 +1,322 @@
+"""Peak memory per rank traced from the real training step on fake tensors (the one home of torch's private
+``torch.distributed._tools``).
+
+``MemoryTracer(setup, sample_batch, world_size).trace(strategy, micro_batch_size, micro_batches)`` builds the
+candidate the way a dry-run does — a fresh copy of the user's model (``ModelContext.fresh``), the strategy's
+real transformations (``atorch.apply.apply_strategy``), the optimizer from the user's factory, the
+``AcceleratedOptimizer`` (``ModelContext.finish``, ``build_result``) — and runs two steps of ``atorch.training.
+train_step`` (forward, loss, backward, optimizer step; the second step runs with the optimizer state there, as
+in steady state), all on fake tensors (``FakeTensorMode``: shapes and dtypes, no storage, no arithmetic) and on
+torch's ``"fake"`` process group of the job's world size (collectives return at once). torch's ``MemTracker``
+counts the live tensor bytes of this rank (rank 0: the larger shard where a split is uneven) over build and both
+steps; its peak is what the dry-run measures (``atorch.dryrun.memory.PeakMemory``: the peak increase of live
+tensor bytes over a baseline taken before the build). ``MemTracker`` attributes the peak to parameters, buffers,
+gradients, activations, temporaries and optimizer state; FSDP2's unsharded parameters and gradients show as
+activations / temporaries (it gathers them in its hooks).
+
+What the trace cannot see, and is added here or left to the analytical model (``cost_model.predict``):
+
+* DDP's reducer (C++, allocated outside the dispatcher; its constructor also reads parameter storages, which
+  fake tensors have none of): the build runs with ``communicate=False`` (apply.py's named communication steps
+  left out: the broadcast of the initial weights, DDP's constructor, DeepSpeed's engine, the pipeline
+  schedule), and DDP's buckets are added as ``cost_model.DDP_PERSISTENT`` × the trainable parameter bytes
+  (measured: one gradient-sized copy, alive from construction on).
+* Not traced (the analytical figure stays): pipeline parallel (``pipeline_parallel``, ``mixed_parallel`` with
+  a pipeline dimension, ``ds_3d_parallel``: the schedule is built by a communicating step), DeepSpeed's ZeRO
+  (``implementation: deepspeed``: its engine communicates in its constructor and keeps flat buffers of its
+  own), tensor parallel replicated over data-parallel ranks without sharding (its replication is a
+  communicating step), fp8. Collective buffers of gloo / NCCL and the allocator's caching are outside both
+  the trace and the dry-run's CPU counter.
+
+Inside a job that already has a real default process group (the search runs on rank 0 of a torchrun job while
+the other ranks wait for its word), ``fake_world`` swaps torch's process-group registry (``c10d._world``) for a
+fresh one holding a fake default group of the wanted size, and swaps it back afterwards: the job's groups are
+never used, destroyed or renamed (the fake groups get names far from the job's, and only they are unregistered
+from torch's name registry on the way out). No subprocess is needed, so the user's objects (model, loss,
+optimizer factory) never leave the process: nothing is pickled. The same holds in a process with no group.
+
+Cost: one trace runs four forward/backward passes' worth of Python on fake tensors; on this 2-core machine a
+0.9M-parameter GPT-2 (4 blocks) traces in ~1.5-2.5 s (bench/README.md). ``trace_candidates`` therefore traces
+each memory family (the strategy, and whether micro-batches accumulate) at its smallest and largest micro-batch
+size only and interpolates linearly in between (activations are linear in the micro-batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.model_context import UserSetup
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy
+
+# Group names in the fake registry start this far above the job's own group count, so no fake group is ever
+# registered under (and then unregistered from) a name one of the job's groups holds.
+_NAME_OFFSET = 1_000_000
+_worlds_opened = 0
+TRACE_STEPS = 2  # the second step runs with the optimizer state there (steady state)
+MAX_TRACED_MICRO_BATCHES = 2  # past the second micro-batch, accumulation repeats the same peak
+
+
+class TraceError(RuntimeError):
+    """A candidate could not be traced (the analytical figure is used for it)."""
+
+
+@dataclass(frozen=True)
+class TracedMemory:
+    """Peak live tensor bytes of rank 0 over build and two steps, and what made them."""
+
+    peak: int  # traced peak + ``untraced``
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporary: int = 0
+    other: int = 0
+    untraced: int = 0  # added analytically: DDP's buckets
+    seconds: float = 0.0  # how long the trace took
+    traced: bool = True  # False: interpolated in the micro-batch size between two traces
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
+    """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
+    layout = ParallelLayout.of(strategy, world_size)
+    if layout.size("pipeline") > 1 or "pipeline_parallel" in strategy or "ds_3d_parallel" in strategy:
+        return "pipeline schedules are built by a communicating step"
+    for name in ("zero1", "zero2"):
+        if getattr(strategy.get(name), "implementation", None) == "deepspeed":
+            return "DeepSpeed's engine communicates as it is built"
+    if "fp8" in strategy:
+        return "fp8 layers are not traced"
+    if layout.size("tensor") > 1 and layout.data_size > 1 and not any(n in strategy for n in ("fsdp", "zero2")):
+        return "tensor-parallel replicas are joined by a communicating step"
+    return None
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """Run the block with torch's ``"fake"`` process group of ``world_size`` ranks as the default group (rank 0).
+
+    A job's real groups (if any) stand aside and come back untouched: see the module's docstring.
+    """
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from atorch.parallel_layout import forget_meshes
+
+    global _worlds_opened
+    _worlds_opened += 1
+    saved = c10d._world
+    fresh = c10d._World()
+    fresh.group_count = saved.group_count + _NAME_OFFSET * _worlds_opened  # never a name used before
+    c10d._world = fresh
+    forget_meshes()
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        yield
+    finally:
+        fake_names = list(fresh.pg_names.values())
+        c10d._world = saved
+        forget_meshes()
+        for name in fake_names:
+            _unregister_process_group(name)
+        for pg, name in saved.pg_names.items():  # a name hashed from ranks alone could have been taken: restore it
+            if name in fake_names:
+                _register_process_group(name, pg)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """atorch's INFO lines of every build (one per method) would repeat for each traced candidate."""
+    log = logging.getLogger("atorch")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    from atorch.strategy_search.analyser import _map_tensors as map_tensors
+
+    return map_tensors(data, fn)
+
+
+class MemoryTracer:
+    """Traces candidates of one job: the user's setup, one sample batch (as the model receives it), world size."""
+
+    def __init__(self, setup: UserSetup, sample_batch: Any, world_size: int,
+                 device: torch.device | None = None) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from atorch.strategy_search.analyser import _batch_shape, _fake_copy
+
+        self.world_size = world_size
+        self.device = device or torch.device("cpu")
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.sample = sample_batch
+        self.sample_size = _batch_shape(sample_batch)[0]
+        # The user's model is never touched: a copy whose parameters and buffers are fake (not counted: the
+        # dry-run's baseline is taken with the user's model there). The build copies it again, as it does for real.
+        model = _fake_copy(setup.model, self.mode, self.device)
+        self.setup = replace(setup, model=model, dataset=None)
+        self._cache: dict[tuple[str, int], TracedMemory | str] = {}
+
+    # ----- one candidate -----------------------------------------------------------------------------------
+    def trace(self, strategy: Strategy, micro_batch_size: int, micro_batches: int = 1) -> TracedMemory:
+        """Trace one candidate (inside ``fake_world``, or opening one for this call). Raises TraceError."""
+        reason = untraced_reason(strategy, self.world_size)
+        if reason is not None:
+            raise TraceError(reason)
+        if dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == self.world_size:
+            return self._trace(strategy, micro_batch_size, micro_batches)
+        with fake_world(self.world_size):
+            return self._trace(strategy, micro_batch_size, micro_batches)
+
+    def _batch(self, size: int) -> Any:
+        """A fake micro-batch of ``size`` samples shaped like the sample batch."""
+        def resize(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() >= 1 and t.shape[0] == self.sample_size:
+                return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            return self.mode.from_tensor(t) if not t.is_meta else torch.empty_like(t, device=self.device)
+
+        return _map_tensors(self.sample, resize)
+
+    def _trace(self, strategy: Strategy, micro_batch_size: int, micro_batches: int) -> TracedMemory:
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        from atorch.accelerate import build_result, preflight
+        from atorch.apply import apply_strategy
+        from atorch.distributed import DistEnv
+        from atorch.model_context import ModelContext
+        from atorch.training import train_step
+
+        start = time.perf_counter()
+        env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
+        layout = ParallelLayout.of(strategy, self.world_size)
+        setup = replace(self.setup, dataloader_args={**self.setup.dataloader_args,
+                                                     "batch_size": micro_batch_size * layout.data_size})
+        skipped, problems = preflight(setup, env, strategy, layout)
+        if problems:
+            raise TraceError("; ".join(problems))
+        layout.mesh(self.device.type)  # outside the fake mode: the mesh is made from real rank tensors
+        tracker = _tracker()
+        result = None
+        try:
+            with _quiet(), warnings.catch_warnings(), self.mode, tracker:
+                warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")  # torch's own checks
+                ctx = ModelContext(setup, env, layout).fresh()
+                ctx.skipped = dict(skipped)
+                apply_strategy(ctx, strategy, communicate=False)
+                ctx.finish()
+                result = build_result(ctx, setup)
+                for _ in range(TRACE_STEPS):
+                    count = min(micro_batches, MAX_TRACED_MICRO_BATCHES)
+                    train_step(result, [self._batch(micro_batch_size) for _ in range(count)])
+                ddp = _ddp_buckets(ctx, strategy, layout)
+        except TraceError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise TraceError(f"{type(exc).__name__}: {first}") from exc
+        finally:
+            # Not ``result.close()``: emptying fake modules crashes torch (seen with FSDP2); fake tensors hold no
+            # memory, and the references go with this frame.
+            result = None
+        snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
+        total = int(snap.get("Total", 0))
+        return TracedMemory(
+            peak=total + ddp, parameters=snap.get(_MemRefType.PARAM, 0), buffers=snap.get(_MemRefType.BUFFER, 0),
+            gradients=snap.get(_MemRefType.GRAD, 0), optimizer_state=snap.get(_MemRefType.OPT, 0),
+            activations=snap.get(_MemRefType.ACT, 0), temporary=snap.get(_MemRefType.TEMP, 0),
+            other=snap.get(_MemRefType.OTH, 0), untraced=ddp, seconds=time.perf_counter() - start)
+
+    # ----- a search's candidates ---------------------------------------------------------------------------
+    def trace_candidates(self, candidates: Sequence[Any]) -> dict[str, TracedMemory | str]:
+        """Every candidate's traced memory (by ``candidate.key``), or the reason it is not traced.
+
+        A family (the strategy, and whether micro-batches accumulate) is traced at its smallest and largest
+        micro-batch size; the sizes between are interpolated linearly. One fake world serves all traces.
+        """
+        families: dict[str, list[Any]] = {}
+        for cand in candidates:
+            families.setdefault(_family(cand.strategy, cand.micro_batches), []).append(cand)
+        out: dict[str, TracedMemory | str] = {}
+        with fake_world(self.world_size):
+            for family, members in families.items():
+                sizes = sorted({c.micro_batch_size for c in members})
+                ends = {m: self._cached(family, members, m) for m in {sizes[0], sizes[-1]}}
+                for cand in members:
+                    out[cand.key] = ends.get(cand.micro_batch_size) or _interpolate(
+                        cand.micro_batch_size, sizes[0], ends[sizes[0]], sizes[-1], ends[sizes[-1]])
+        return out
+
+    def _cached(self, family: str, members: list[Any], size: int) -> TracedMemory | str:
+        key = (family, size)
+        if key not in self._cache:
+            cand = next(c for c in members if c.micro_batch_size == size)
+            try:
+                self._cache[key] = self.trace(cand.strategy, size, cand.micro_batches)
+            except TraceError as exc:
+                self._cache[key] = str(exc)
+        return self._cache[key]
+
+
+def _tracker() -> Any:
+    """torch's MemTracker, made to follow several forwards of the root module (micro-batches, steps): it refuses a
+    root's second forward; its per-module statistics (which this module does not read) are reset there instead."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _Tracker(MemTracker):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and \
+                    set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return _Tracker()
+
+
+def _family(strategy: Strategy, micro_batches: int) -> str:
+    return json.dumps([strategy.to_list(), micro_batches > 1], sort_keys=True, default=str)
+
+
+def _interpolate(size: int, low: int, at_low: TracedMemory | str, high: int,
+                 at_high: TracedMemory | str) -> TracedMemory | str:
+    if isinstance(at_low, str):
+        return at_low
+    if isinstance(at_high, str):
+        return at_high
+    w = (size - low) / (high - low)
+    fields = {k: round(getattr(at_low, k) + w * (getattr(at_high, k) - getattr(at_low, k)))
+              for k in ("peak", "parameters", "buffers", "gradients", "optimizer_state", "activations", "temporary",
+                        "other", "untraced")}
+    return TracedMemory(**fields, seconds=0.0, traced=False)
+
+
+def _ddp_buckets(ctx: Any, strategy: Strategy, layout: ParallelLayout) -> int:
+    """DDP's reducer buckets, which the trace cannot see (see the module's docstring); 0 where DDP is not used."""
+    from atorch.strategy_search.cost_model import DDP_PERSISTENT
+
+    sharded = any(n in strategy for n in ("fsdp", "zero2"))
+    if sharded or layout.data_size <= 1 or layout.size("tensor") > 1 or layout.size("pipeline") > 1:
+        return 0
+    model: nn.Module = ctx.model
+    return round(DDP_PERSISTENT * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
