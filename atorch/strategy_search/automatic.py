@@ -193,6 +193,25 @@ class _Leader:
                             max_micro_batch_size=self.options.max_micro_batch_size,
                             host_offload=self.profile.device_type != "cpu")
         state_factor = optimizer_state_factor(self.setup)
+        traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
+
+        def traced_peak(cand: Any) -> float | None:
+            # Memory from the program: every candidate of the space traced once, on the first prediction
+            # (tracing.py: the real build and step on fake tensors; a family at its two end micro-batch sizes).
+            if not traced:
+                from atorch.strategy_search.tracing import MemoryTracer
+
+                begin = time.monotonic()
+                try:
+                    tracer = MemoryTracer(self.setup, batch, self.env.world_size, self.env.device)
+                    traced.update(tracer.trace_candidates(space.enumerate()))
+                except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
+                    traced["*"] = f"{type(exc).__name__}: {exc}"
+                done = sum(not isinstance(t, str) for t in traced.values())
+                logger.info("cost model: memory of %d of %d candidates traced in %.1f s (the rest analytical)",
+                            done, len(traced), time.monotonic() - begin)
+            found = traced.get(cand.key)
+            return None if found is None or isinstance(found, str) else float(found.peak)
 
         def predict(cand: Any) -> Any:
             from atorch.strategy_search.cost_model import predict as cost_model
@@ -200,7 +219,8 @@ class _Leader:
             pred = cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
                               optimizer_state_factor=state_factor)
-            return _Predicted(pred.memory.peak, pred.time.step)
+            peak = traced_peak(cand)
+            return _Predicted(pred.memory.peak if peak is None else peak, pred.time.step)
 
         storage = self.options.storage or default_storage()
         key = study_key(space.model_fingerprint, self.env.world_size, self.profile, self.global_batch,

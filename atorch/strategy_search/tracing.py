@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,7 @@ from atorch.strategy import Strategy
 # registered under (and then unregistered from) a name one of the job's groups holds.
 _NAME_OFFSET = 1_000_000
 _worlds_opened = 0
+DEFAULT_TIME_LIMIT_S = 120.0  # for all of a search's traces; the rest stays analytical
 TRACE_STEPS = 2  # the second step runs with the optimizer state there (steady state)
 MAX_TRACED_MICRO_BATCHES = 2  # past the second micro-batch, accumulation repeats the same peak
 
@@ -248,24 +250,37 @@ class MemoryTracer:
             other=snap.get(_MemRefType.OTH, 0), untraced=ddp, seconds=time.perf_counter() - start)
 
     # ----- a search's candidates ---------------------------------------------------------------------------
-    def trace_candidates(self, candidates: Sequence[Any]) -> dict[str, TracedMemory | str]:
+    def trace_candidates(self, candidates: Sequence[Any], time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+                         isolate: bool = True) -> dict[str, TracedMemory | str]:
         """Every candidate's traced memory (by ``candidate.key``), or the reason it is not traced.
 
         A family (the strategy, and whether micro-batches accumulate) is traced at its smallest and largest
-        micro-batch size; the sizes between are interpolated linearly. One fake world serves all traces.
+        micro-batch size; the sizes between are interpolated linearly. With ``isolate`` (where ``os.fork``
+        exists) the traces run in a forked child: a crash inside torch on some fake program (seen: a segfault)
+        costs that family, not the job, and the child is stopped after ``time_limit_s`` (the families not
+        reached are left to the analytical model). Nothing is pickled: the child has the parent's objects.
         """
         families: dict[str, list[Any]] = {}
         for cand in candidates:
             families.setdefault(_family(cand.strategy, cand.micro_batches), []).append(cand)
+        plans = {family: sorted({c.micro_batch_size for c in members}) for family, members in families.items()}
+        if isolate and hasattr(os, "fork"):
+            ends = _in_children(self, families, plans, time_limit_s)
+        else:
+            ends = {}
+            with fake_world(self.world_size):
+                for family, members in families.items():
+                    ends[family] = self._family_ends(family, members, plans[family])
         out: dict[str, TracedMemory | str] = {}
-        with fake_world(self.world_size):
-            for family, members in families.items():
-                sizes = sorted({c.micro_batch_size for c in members})
-                ends = {m: self._cached(family, members, m) for m in {sizes[0], sizes[-1]}}
-                for cand in members:
-                    out[cand.key] = ends.get(cand.micro_batch_size) or _interpolate(
-                        cand.micro_batch_size, sizes[0], ends[sizes[0]], sizes[-1], ends[sizes[-1]])
+        for family, members in families.items():
+            sizes, found = plans[family], ends[family]
+            for cand in members:
+                out[cand.key] = found.get(cand.micro_batch_size) or _interpolate(
+                    cand.micro_batch_size, sizes[0], found[sizes[0]], sizes[-1], found[sizes[-1]])
         return out
+
+    def _family_ends(self, family: str, members: list[Any], sizes: list[int]) -> dict[int, TracedMemory | str]:
+        return {m: self._cached(family, members, m) for m in sorted({sizes[0], sizes[-1]})}
 
     def _cached(self, family: str, members: list[Any], size: int) -> TracedMemory | str:
         key = (family, size)
@@ -276,6 +291,77 @@ class MemoryTracer:
             except TraceError as exc:
                 self._cache[key] = str(exc)
         return self._cache[key]
+
+
+def _in_children(tracer: MemoryTracer, families: dict[str, list[Any]], plans: dict[str, list[int]],
+                 time_limit_s: float) -> dict[str, dict[int, TracedMemory | str]]:
+    """Trace the families in forked children, one JSON line per family back through a pipe; a child that dies
+    loses the family it was in (recorded with the signal) and the next child goes on after it."""
+    deadline = time.monotonic() + time_limit_s
+    order = list(families)
+    ends: dict[str, dict[int, TracedMemory | str]] = {}
+    while len(ends) < len(order):
+        todo = [f for f in order if f not in ends]
+        if time.monotonic() >= deadline:
+            for family in todo:
+                ends[family] = {m: f"not traced within {time_limit_s:g} s" for m in plans[family]}
+            break
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: trace, report, leave without running the parent's exit handlers
+            os.close(read)
+            code = 0
+            try:
+                with os.fdopen(write, "w") as out, fake_world(tracer.world_size):
+                    for family in todo:
+                        out.write(json.dumps({"start": family}) + "\n")
+                        out.flush()
+                        found = tracer._family_ends(family, families[family], plans[family])
+                        out.write(json.dumps({"family": family, "ends": {
+                            str(m): v if isinstance(v, str) else v.to_json() for m, v in found.items()}}) + "\n")
+                        out.flush()
+            except BaseException:  # noqa: BLE001  (the parent records what was not reported)
+                code = 1
+            os._exit(code)
+        os.close(write)
+        started = _collect(read, pid, deadline, ends)
+        _, status = os.waitpid(pid, 0)
+        if started is not None and started not in ends:  # the child died (or ran out of time) inside this family
+            why = f"tracing crashed (signal {-os.waitstatus_to_exitcode(status)})" if os.WIFSIGNALED(status) \
+                else f"not traced within {time_limit_s:g} s" if time.monotonic() >= deadline else "tracing failed"
+            ends[started] = {m: why for m in plans[started]}
+        elif started is None and len(ends) < len(order):
+            for family in todo:  # the child could not start at all
+                ends[family] = {m: "tracing could not start" for m in plans[family]}
+    return ends
+
+
+def _collect(fd: int, pid: int, deadline: float, ends: dict[str, dict[int, TracedMemory | str]]) -> str | None:
+    """Read the child's lines until it closes the pipe (or the deadline: then it is killed); the last family
+    it started."""
+    import select
+    import signal
+
+    started, buffer = None, b""
+    with os.fdopen(fd, "rb") as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            ready = select.select([pipe], [], [], max(0.0, left))[0] if left > 0 else []
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                return started
+            chunk = os.read(pipe.fileno(), 1 << 16)
+            if not chunk:
+                return started
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                message = json.loads(line)
+                if "start" in message:
+                    started = message["start"]
+                else:
+                    ends[message["family"]] = {int(m): v if isinstance(v, str) else TracedMemory(**v)
+                                               for m, v in message["ends"].items()}
 
 
 def _tracker() -> Any:
