@@ -377,6 +377,26 @@ def _tracker() -> Any:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
+        _aliasing = False
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            # A view or an in-place operation allocates nothing: its output is an input's memory. MemTracker
+            # tells storages apart by their Python objects, and on fake tensors an alias comes back as a new one:
+            # every nn.Linear's ``W.t()``, saved for backward, was counted as a new weight (Llama, one rank:
+            # traced 18.4 MiB against 16.3 measured).
+            schema = getattr(func, "_schema", None)
+            if schema is None or not any(r.alias_info is not None for r in schema.returns):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            self._aliasing = True
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._aliasing = False
+
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            if not self._aliasing:
+                super()._track(reftype, t)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             # Only the rank's peak is read here; MemTracker's per-module peaks (a walk over every module after
             # every operation: a third of a trace's time on a 4-block Llama) are skipped.
