@@ -30,7 +30,7 @@ def _sample(setup: UserSetup, size: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.stack([setup.dataset[i][k] for i in range(size)]) for k in range(2))
 
 
-def _measured(setup: UserSetup, strategy: Strategy, batch: tuple[torch.Tensor, ...]) -> int:
+def _measured(setup: UserSetup, strategy: Strategy, batch: tuple[torch.Tensor, ...], micro_batches: int) -> int:
     """The dry-run's measurement (PeakMemory over build and two steps) of the real program, one process."""
     env = init_distributed()
     skipped, problems = preflight(setup, env, strategy, ParallelLayout.of(strategy, env.world_size))
@@ -38,20 +38,24 @@ def _measured(setup: UserSetup, strategy: Strategy, batch: tuple[torch.Tensor, .
     with PeakMemory() as peak:
         result = build_result(build_context(setup, env, strategy, skipped), setup)
         for _ in range(2):
-            train_step(result, [batch])
+            train_step(result, [batch] * micro_batches)
     result.close()
     return peak.increase
 
 
-@pytest.mark.parametrize("names", [["parallel_mode"], ["parallel_mode", "checkpoint"]])
-def test_trace_matches_the_real_step_at_one_rank(names: list[str]) -> None:
+@pytest.mark.parametrize(("names", "micro_batches"), [
+    (["parallel_mode"], 1), (["parallel_mode", "checkpoint"], 1),
+    # with accumulation the forward runs with the gradients there: every Linear's saved ``W.t()`` (a view) was
+    # counted as a new weight before views were left out (the peak 20% high)
+    (["parallel_mode"], 2)])
+def test_trace_matches_the_real_step_at_one_rank(names: list[str], micro_batches: int) -> None:
     setup = _setup()
     batch = _sample(setup, 8)
     strategy = Strategy.load(names)
-    measured = _measured(setup, strategy, batch)
-    traced = MemoryTracer(setup, batch, 1).trace(strategy, 8, 1)
+    measured = _measured(setup, strategy, batch, micro_batches)
+    traced = MemoryTracer(setup, batch, 1).trace(strategy, 8, micro_batches)
     assert traced.untraced == 0  # one rank: no DDP buckets
-    assert abs(traced.peak - measured) <= 0.02 * measured, (traced, measured)
+    assert abs(traced.peak - measured) <= 0.01 * measured, (traced, measured)
     # the breakdown adds up; the AdamW state (2 x the parameters, fp32) is in it (with the step's temporaries:
     # MemTracker counts what the step allocates as optimizer state)
     params = sum(p.numel() * 4 for p in setup.model.parameters())
