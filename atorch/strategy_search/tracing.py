@@ -21,8 +21,9 @@ What the trace cannot see, and is added here or left to the analytical model (``
   left out: the broadcast of the initial weights, DDP's constructor, DeepSpeed's engine, the pipeline
   schedule), and DDP's buckets are added as ``cost_model.DDP_PERSISTENT`` × the trainable parameter bytes
   (measured: one gradient-sized copy, alive from construction on).
-* Not traced (the analytical figure stays): pipeline parallel (``pipeline_parallel``, ``mixed_parallel`` with
-  a pipeline dimension, ``ds_3d_parallel``: the schedule is built by a communicating step), DeepSpeed's ZeRO
+* Not traced (the analytical figure stays): fp16 autocast (see below), pipeline parallel (``pipeline_parallel``,
+  ``mixed_parallel`` with a pipeline dimension, ``ds_3d_parallel``: the schedule is built by a communicating
+  step), DeepSpeed's ZeRO
   (``implementation: deepspeed``: its engine communicates in its constructor and keeps flat buffers of its
   own), tensor parallel replicated over data-parallel ranks without sharding (its replication is a
   communicating step), fp8. Collective buffers of gloo / NCCL and the allocator's caching are outside both
@@ -32,13 +33,27 @@ Inside a job that already has a real default process group (the search runs on r
 the other ranks wait for its word), ``fake_world`` swaps torch's process-group registry (``c10d._world``) for a
 fresh one holding a fake default group of the wanted size, and swaps it back afterwards: the job's groups are
 never used, destroyed or renamed (the fake groups get names far from the job's, and only they are unregistered
-from torch's name registry on the way out). No subprocess is needed, so the user's objects (model, loss,
-optimizer factory) never leave the process: nothing is pickled. The same holds in a process with no group.
+from torch's name registry on the way out). ``trace_candidates`` runs the traces in a child made with
+``os.fork``: the child has the user's objects (model, loss, optimizer factory) as they are, so nothing is
+pickled, and its results come back as JSON lines through a pipe. Why a child: torch can crash on a fake program
+(seen: a segfault tracing FSDP2 with fp16 autocast, and a segfault in ``release()`` of fake FSDP2 modules), which
+in the job's own process would end the job; in a child it costs one family (recorded "tracing crashed"). A
+fresh interpreter instead of a fork would need the user's objects pickled (never) or rebuilt, and ~3 s for
+``import torch``; the fork costs milliseconds. ``trace`` (one candidate, in this process) is what the tests use.
 
-Cost: one trace runs four forward/backward passes' worth of Python on fake tensors; on this 2-core machine a
-0.9M-parameter GPT-2 (4 blocks) traces in ~1.5-2.5 s (bench/README.md). ``trace_candidates`` therefore traces
-each memory family (the strategy, and whether micro-batches accumulate) at its smallest and largest micro-batch
-size only and interpolates linearly in between (activations are linear in the micro-batch).
+Counting: torch's ``MemTracker`` keys storages by their Python objects; on fake tensors a view or an in-place
+result comes back as a new one, so every nn.Linear's saved ``W.t()`` counted as a new weight (Llama, one rank:
+traced 18.4 MiB, measured 16.3). The tracker here leaves the outputs of aliasing operations (views, in-place)
+out, keeps only the rank's peak (its per-module peaks cost a third of a trace), and follows several forwards of
+the root module (micro-batches, steps). Not traced (analytical): fp16 autocast (the loss scaler reads
+``found_inf`` with ``.item()``, which fake tensors cannot answer).
+
+Cost (this 2-core machine, shared with four other jobs): one trace is build + two steps (at most two
+micro-batches each) of Python on fake tensors: 0.2-0.6 s for the held-out CNN / LSTM, 2-7 s for the 3-4-block
+transformers of bench/cost_model.py (a third less since the per-module peaks are skipped). ``trace_candidates``
+traces each memory family (the strategy, and whether micro-batches accumulate) at its smallest and largest
+micro-batch size only and interpolates linearly in between (activations are linear in the micro-batch), within
+``DEFAULT_TIME_LIMIT_S`` for all of them; families not reached keep the analytical figure.
 """
 
 from __future__ import annotations
@@ -102,6 +117,8 @@ def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
     for name in ("zero1", "zero2"):
         if getattr(strategy.get(name), "implementation", None) == "deepspeed":
             return "DeepSpeed's engine communicates as it is built"
+    if getattr(strategy.get("amp_native"), "dtype", None) == "fp16":
+        return "fp16 loss scaling reads a value (found_inf.item()) that fake tensors do not have"
     if "fp8" in strategy:
         return "fp8 layers are not traced"
     if layout.size("tensor") > 1 and layout.data_size > 1 and not any(n in strategy for n in ("fsdp", "zero2")):
