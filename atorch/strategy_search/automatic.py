@@ -195,16 +195,25 @@ class _Leader:
         state_factor = optimizer_state_factor(self.setup)
         traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
 
+        def analytical(cand: Any) -> Any:
+            from atorch.strategy_search.cost_model import predict as cost_model
+
+            return cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
+                              self.profile, self.global_batch, cand.micro_batches,
+                              optimizer_state_factor=state_factor)
+
         def traced_peak(cand: Any) -> float | None:
-            # Memory from the program: every candidate of the space traced once, on the first prediction
-            # (tracing.py: the real build and step on fake tensors; a family at its two end micro-batch sizes).
+            # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
+            # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
+            # predicted first, for at most 30 s: the rest keep the analytical figure.
             if not traced:
                 from atorch.strategy_search.tracing import MemoryTracer
 
                 begin = time.monotonic()
                 try:
+                    cands = sorted(space.enumerate(), key=lambda c: analytical(c).time.step)
                     tracer = MemoryTracer(self.setup, batch, self.env.world_size, self.env.device)
-                    traced.update(tracer.trace_candidates(space.enumerate()))
+                    traced.update(tracer.trace_candidates(cands, time_limit_s=30.0))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
@@ -214,11 +223,7 @@ class _Leader:
             return None if found is None or isinstance(found, str) else float(found.peak)
 
         def predict(cand: Any) -> Any:
-            from atorch.strategy_search.cost_model import predict as cost_model
-
-            pred = cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
-                              self.profile, self.global_batch, cand.micro_batches,
-                              optimizer_state_factor=state_factor)
+            pred = analytical(cand)
             peak = traced_peak(cand)
             return _Predicted(pred.memory.peak if peak is None else peak, pred.time.step)
 
