@@ -99,6 +99,9 @@ def test_candidates_interpolate_between_the_family_ends_and_name_what_is_not_tra
     with pytest.raises(TraceError, match="pipeline"):
         tracer.trace(Strategy.load([("parallel_mode", {"dims": [["pipeline", 2]]}), "pipeline_parallel"]), 2, 2)
     assert untraced_reason(plain, 2) is None
+    # fp16 autocast is traced as bf16 autocast (the same bytes; its loss scaler reads values fake tensors lack)
+    fp16, bf16 = (Strategy.load(["parallel_mode", ("amp_native", {"dtype": d})]) for d in ("fp16", "bf16"))
+    assert tracer.trace(fp16, 2, 1).peak == tracer.trace(bf16, 2, 1).peak
 
 
 def test_fake_world_without_a_group() -> None:

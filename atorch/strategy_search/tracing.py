@@ -21,7 +21,7 @@ What the trace cannot see, and is added here or left to the analytical model (``
   left out: the broadcast of the initial weights, DDP's constructor, DeepSpeed's engine, the pipeline
   schedule), and DDP's buckets are added as ``cost_model.DDP_PERSISTENT`` × the trainable parameter bytes
   (measured: one gradient-sized copy, alive from construction on).
-* Not traced (the analytical figure stays): fp16 autocast (see below), pipeline parallel (``pipeline_parallel``,
+* Not traced (the analytical figure stays): pipeline parallel (``pipeline_parallel``,
   ``mixed_parallel`` with a pipeline dimension, ``ds_3d_parallel``: the schedule is built by a communicating
   step), DeepSpeed's ZeRO
   (``implementation: deepspeed``: its engine communicates in its constructor and keeps flat buffers of its
@@ -45,8 +45,8 @@ Counting: torch's ``MemTracker`` keys storages by their Python objects; on fake 
 result comes back as a new one, so every nn.Linear's saved ``W.t()`` counted as a new weight (Llama, one rank:
 traced 18.4 MiB, measured 16.3). The tracker here leaves the outputs of aliasing operations (views, in-place)
 out, keeps only the rank's peak (its per-module peaks cost a third of a trace), and follows several forwards of
-the root module (micro-batches, steps). Not traced (analytical): fp16 autocast (the loss scaler reads
-``found_inf`` with ``.item()``, which fake tensors cannot answer).
+the root module (micro-batches, steps). fp16 autocast is traced as bf16 autocast (``memory_twin``: the same
+bytes; fp16's loss scaler reads ``found_inf.item()``, which fake tensors cannot answer).
 
 Cost (this 2-core machine, shared with four other jobs): one trace is build + two steps (at most two
 micro-batches each) of Python on fake tensors: 0.2-0.6 s for the held-out CNN / LSTM, 2-7 s for the 3-4-block
@@ -109,6 +109,17 @@ class TracedMemory:
         return dict(self.__dict__)
 
 
+def memory_twin(strategy: Strategy) -> Strategy:
+    """The strategy traced for ``strategy``: fp16 autocast is traced as bf16 autocast. Both keep the same bytes
+    (16-bit casts and activations, fp32 weights and state); fp16's loss scaler adds a few scalars, and its
+    overflow check reads a value (``found_inf.item()``) that fake tensors do not have."""
+    items = strategy.to_list()
+    if not any(name == "amp_native" and config.get("dtype") == "fp16" for name, config in items):
+        return strategy
+    return Strategy.load([(name, {**config, "dtype": "bf16"} if name == "amp_native" else config)
+                          for name, config in items])
+
+
 def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
     """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
     layout = ParallelLayout.of(strategy, world_size)
@@ -117,8 +128,6 @@ def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
     for name in ("zero1", "zero2"):
         if getattr(strategy.get(name), "implementation", None) == "deepspeed":
             return "DeepSpeed's engine communicates as it is built"
-    if getattr(strategy.get("amp_native"), "dtype", None) == "fp16":
-        return "fp16 loss scaling reads a value (found_inf.item()) that fake tensors do not have"
     if "fp8" in strategy:
         return "fp8 layers are not traced"
     if layout.size("tensor") > 1 and layout.data_size > 1 and not any(n in strategy for n in ("fsdp", "zero2")):
@@ -203,6 +212,7 @@ class MemoryTracer:
         reason = untraced_reason(strategy, self.world_size)
         if reason is not None:
             raise TraceError(reason)
+        strategy = memory_twin(strategy)
         if dist.is_initialized() and dist.get_backend() == "fake" and dist.get_world_size() == self.world_size:
             return self._trace(strategy, micro_batch_size, micro_batches)
         with fake_world(self.world_size):
@@ -279,7 +289,7 @@ class MemoryTracer:
         """
         families: dict[str, list[Any]] = {}
         for cand in candidates:
-            families.setdefault(_family(cand.strategy, cand.micro_batches), []).append(cand)
+            families.setdefault(_family(memory_twin(cand.strategy), cand.micro_batches), []).append(cand)
         plans = {family: sorted({c.micro_batch_size for c in members}) for family, members in families.items()}
         if isolate and hasattr(os, "fork"):
             ends = _in_children(self, families, plans, time_limit_s)
