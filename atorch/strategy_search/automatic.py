@@ -205,15 +205,17 @@ class _Leader:
         def traced_peak(cand: Any) -> float | None:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
             # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
-            # predicted first, for at most 30 s: the rest keep the analytical figure.
+            # predicted first, for at most 30 s (a fifth of what time_limit leaves): the rest stay analytical.
             if not traced:
                 from atorch.strategy_search.tracing import MemoryTracer
 
                 begin = time.monotonic()
+                limit = 30.0 if self.time_limit is None else max(0.0, min(
+                    30.0, 0.2 * (self.time_limit - (begin - self.start))))
                 try:
                     cands = sorted(space.enumerate(), key=lambda c: analytical(c).time.step)
                     tracer = MemoryTracer(self.setup, batch, self.env.world_size, self.env.device)
-                    traced.update(tracer.trace_candidates(cands, time_limit_s=30.0))
+                    traced.update(tracer.trace_candidates(cands, time_limit_s=limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
