@@ -59,6 +59,7 @@ micro-batch size only and interpolates linearly in between (activations are line
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -191,20 +192,29 @@ class MemoryTracer:
 
     def __init__(self, setup: UserSetup, sample_batch: Any, world_size: int,
                  device: torch.device | None = None) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from atorch.strategy_search.analyser import _batch_shape, _fake_copy
+        from atorch.strategy_search.analyser import _batch_shape
 
         self.world_size = world_size
         self.device = device or torch.device("cpu")
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.user_setup = setup
         self.sample = sample_batch
         self.sample_size = _batch_shape(sample_batch)[0]
-        # The user's model is never touched: a copy whose parameters and buffers are fake (not counted: the
-        # dry-run's baseline is taken with the user's model there). The build copies it again, as it does for real.
-        model = _fake_copy(setup.model, self.mode, self.device)
-        self.setup = replace(setup, model=model, dataset=None)
+        self._fresh_mode()
         self._cache: dict[tuple[str, int], TracedMemory | str] = {}
+        self._keep: list[Any] | None = None  # in a forked child: every build, kept until the child exits
+
+    def _fresh_mode(self) -> None:
+        """A fake mode, and a fake copy of the user's model in it, for one trace: the user's model is never
+        touched (its copy's parameters are fake; not counted: the dry-run's baseline is taken with the user's
+        model there; the build copies it again, as it does for real). One mode per trace: a fake FSDP2 build
+        with recompute and autocast crashed torch (segfault) after another candidate had run in the same mode."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from atorch.strategy_search.analyser import _fake_copy
+
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = _fake_copy(self.user_setup.model, self.mode, self.device)
+        self.setup = replace(self.user_setup, model=model, dataset=None)
 
     # ----- one candidate -----------------------------------------------------------------------------------
     def trace(self, strategy: Strategy, micro_batch_size: int, micro_batches: int = 1) -> TracedMemory:
@@ -237,6 +247,7 @@ class MemoryTracer:
         from atorch.training import train_step
 
         start = time.perf_counter()
+        self._fresh_mode()
         env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
         layout = ParallelLayout.of(strategy, self.world_size)
         setup = replace(self.setup, dataloader_args={**self.setup.dataloader_args,
@@ -266,7 +277,9 @@ class MemoryTracer:
             raise TraceError(f"{type(exc).__name__}: {first}") from exc
         finally:
             # Not ``result.close()``: emptying fake modules crashes torch (seen with FSDP2); fake tensors hold no
-            # memory, and the references go with this frame.
+            # memory. In a forked child nothing is freed at all (``_keep``): freeing fake FSDP2 state crashed it too.
+            if self._keep is not None:
+                self._keep.append(result)
             result = None
         snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
         total = int(snap.get("Total", 0))
@@ -337,6 +350,8 @@ def _in_children(tracer: MemoryTracer, families: dict[str, list[Any]], plans: di
         pid = os.fork()
         if pid == 0:  # the child: trace, report, leave without running the parent's exit handlers
             os.close(read)
+            gc.disable()  # the child frees nothing: it exits with os._exit when done
+            tracer._keep = []
             code = 0
             try:
                 with os.fdopen(write, "w") as out, fake_world(tracer.world_size):
