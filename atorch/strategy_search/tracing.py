@@ -36,10 +36,12 @@ never used, destroyed or renamed (the fake groups get names far from the job's, 
 from torch's name registry on the way out). ``trace_candidates`` runs the traces in a child made with
 ``os.fork``: the child has the user's objects (model, loss, optimizer factory) as they are, so nothing is
 pickled, and its results come back as JSON lines through a pipe. Why a child: torch can crash on a fake program
-(seen: a segfault tracing FSDP2 with fp16 autocast, and a segfault in ``release()`` of fake FSDP2 modules), which
-in the job's own process would end the job; in a child it costs one family (recorded "tracing crashed"). A
-fresh interpreter instead of a fork would need the user's objects pickled (never) or rebuilt, and ~3 s for
-``import torch``; the fork costs milliseconds. ``trace`` (one candidate, in this process) is what the tests use.
+(seen: segfaults in fake FSDP2 builds with recompute and autocast once another candidate had run in the same
+fake mode — each trace now has a mode of its own — and in ``release()`` of fake FSDP2 modules), which in the
+job's own process would end the job; in a child it costs one family (recorded "tracing crashed"), the next
+child goes on after it. A fresh interpreter instead of a fork would need the user's objects pickled (never) or
+rebuilt, and ~3 s for ``import torch``; the fork costs milliseconds. ``trace`` (one candidate, in this
+process) is what the tests use.
 
 Counting: torch's ``MemTracker`` keys storages by their Python objects; on fake tensors a view or an in-place
 result comes back as a new one, so every nn.Linear's saved ``W.t()`` counted as a new weight (Llama, one rank:
