@@ -43,6 +43,15 @@ def _measured(setup: UserSetup, strategy: Strategy, batch: tuple[torch.Tensor, .
     return peak.increase
 
 
+def test_fake_world_without_a_group() -> None:
+    # first in this file: the tests below make this process's (real, one-process) group
+    if dist.is_initialized():
+        pytest.skip("this process already has a group")
+    with fake_world(4):
+        assert dist.get_world_size() == 4 and dist.get_backend() == "fake"
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize(("names", "micro_batches"), [
     (["parallel_mode"], 1), (["parallel_mode", "checkpoint"], 1),
     # with accumulation the forward runs with the gradients there: every Linear's saved ``W.t()`` (a view) was
@@ -102,11 +111,3 @@ def test_candidates_interpolate_between_the_family_ends_and_name_what_is_not_tra
     # fp16 autocast is traced as bf16 autocast (the same bytes; its loss scaler reads values fake tensors lack)
     fp16, bf16 = (Strategy.load(["parallel_mode", ("amp_native", {"dtype": d})]) for d in ("fp16", "bf16"))
     assert tracer.trace(fp16, 2, 1).peak == tracer.trace(bf16, 2, 1).peak
-
-
-def test_fake_world_without_a_group() -> None:
-    if dist.is_initialized():
-        pytest.skip("this process already has a group")
-    with fake_world(4):
-        assert dist.get_world_size() == 4 and dist.get_backend() == "fake"
-    assert not dist.is_initialized()
