@@ -54,8 +54,12 @@ def _tensors(model: nn.Module) -> Iterable[torch.Tensor]:
 
 
 def to_device(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model.to(device)``, except that a meta model stays on meta (materialised later)."""
-    return model if is_meta(model) else model.to(device)
+    """``model.to(device)``, except that a meta model stays on meta (materialised later), and a model already
+    on ``device`` is returned as it is (a fake-tensor copy traced by the cost model cannot be moved: ``.to``
+    swaps fake parameters, which fails)."""
+    if is_meta(model) or all(t.device == device for t in _tensors(model)):
+        return model
+    return model.to(device)
 
 
 def _hf_owner_map(model: nn.Module) -> dict[int, Any]:

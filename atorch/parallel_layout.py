@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from atorch.errors import StrategyError
 
@@ -83,14 +84,15 @@ class ParallelLayout:
     def ranks(self) -> torch.Tensor:
         """The global rank at each mesh position, shaped like the mesh."""
         order = self.rank_order if self.rank_order is not None else range(self.world_size)
-        return torch.tensor(list(order), dtype=torch.int64).reshape(self.shape)
+        with unset_fake_temporarily():  # rank arithmetic, also while the cost model traces on fake tensors
+            return torch.tensor(list(order), dtype=torch.int64).reshape(self.shape)
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """The mesh coordinate of a global rank, by dimension name."""
-        flat = (self.ranks().flatten() == rank).nonzero()
-        if len(flat) != 1:
+        order = list(self.rank_order if self.rank_order is not None else range(self.world_size))
+        if order.count(rank) != 1:
             raise ValueError(f"rank {rank} is not in a layout of {self.world_size} processes")
-        index, coords = int(flat[0]), []
+        index, coords = order.index(rank), []
         for size in reversed(self.shape):
             coords.append(index % size)
             index //= size
@@ -109,8 +111,9 @@ class ParallelLayout:
         """
         if name not in self.names:
             return True
-        lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name))
-        return bool((lines[:, 1:] > lines[:, :-1]).all())
+        with unset_fake_temporarily():
+            lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name))
+            return bool((lines[:, 1:] > lines[:, :-1]).all())
 
     def __str__(self) -> str:
         dims = " × ".join(f"{n} {s}" for n, s in self.dims)

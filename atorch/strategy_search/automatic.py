@@ -209,14 +209,41 @@ class _Leader:
                             host_offload=self.profile.device_type != "cpu", loop=self.options.loop,
                             precision=self.options.precision)
         state_factor = optimizer_state_factor(self.setup)
+        traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
 
-        def predict(cand: Any) -> Any:
+        def analytical(cand: Any) -> Any:
             from atorch.strategy_search.cost_model import predict as cost_model
 
-            pred = cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
+            return cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
                               optimizer_state_factor=state_factor)
-            return _Predicted(pred.memory.peak, pred.time.step)
+
+        def traced_peak(cand: Any) -> float | None:
+            # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
+            # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
+            # predicted first, for at most 30 s (a fifth of what time_limit leaves): the rest stay analytical.
+            if not traced:
+                from atorch.strategy_search.tracing import MemoryTracer
+
+                begin = time.monotonic()
+                limit = 30.0 if self.time_limit is None else max(0.0, min(
+                    30.0, 0.2 * (self.time_limit - (begin - self.start))))
+                try:
+                    cands = sorted(space.enumerate(), key=lambda c: analytical(c).time.step)
+                    tracer = MemoryTracer(self.setup, batch, self.env.world_size, self.env.device)
+                    traced.update(tracer.trace_candidates(cands, time_limit_s=limit))
+                except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
+                    traced["*"] = f"{type(exc).__name__}: {exc}"
+                done = sum(not isinstance(t, str) for t in traced.values())
+                logger.info("cost model: memory of %d of %d candidates traced in %.1f s (the rest analytical)",
+                            done, len(traced), time.monotonic() - begin)
+            found = traced.get(cand.key)
+            return None if found is None or isinstance(found, str) else float(found.peak)
+
+        def predict(cand: Any) -> Any:
+            pred = analytical(cand)
+            peak = traced_peak(cand)
+            return _Predicted(pred.memory.peak if peak is None else peak, pred.time.step)
 
         storage = self.options.storage or default_storage()
         identity = self._identity(space, batch)

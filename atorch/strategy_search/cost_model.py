@@ -9,6 +9,16 @@ dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor byt
 before the candidate is built, over build and warm-up, max over ranks; median step time after
 warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
+Memory from the program: the search (``automatic.py``) takes a candidate's peak memory from
+``tracing.py`` wherever tracing covers it — the real build and two training steps on fake tensors and the
+fake process group, counted by torch's ``MemTracker`` — and from this model only where tracing does not
+(DeepSpeed's ZeRO, pipeline schedules, fp16 autocast, tensor-parallel replicas without sharding; see
+tracing.py) or a family's trace failed. This analytical memory stays pure and fast for those, for plans made
+without the model's code (a cluster planner), and for step time, which is analytical throughout. Of the
+constants below, only ``DDP_PERSISTENT`` enters a traced figure (DDP's C++ reducer is invisible to the trace):
+measured, not fitted. The ones marked "calibrated" were fitted on bench/cost_model.py's ``gpt2``, ``mlp`` and
+``cnn`` (the bench reports those models apart from the held-out ones).
+
 Notation: ``dp`` = data-parallel size, ``P`` = trainable parameter bytes (fp32 as built), ``F`` = frozen
 parameter bytes, ``B`` = buffer bytes, ``k`` = ``optimizer_state_factor`` (states per parameter: AdamW 2,
 SGD with momentum 1, plain SGD 0), ``m`` = samples per micro-batch on one rank =
@@ -143,7 +153,9 @@ from atorch.strategy import Strategy
 from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.hardware import HardwareProfile
 
-# Calibrated against bench/cost_model.py (see bench/README.md "Cost model").
+# Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
+# "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.
+# Traced memory (tracing.py) uses DDP_PERSISTENT only; the memory constants serve the untraced candidates.
 AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
