@@ -61,7 +61,9 @@ def test_reference_loss_is_the_mean_over_ranks_and_micro_batches_of_the_users_mo
     with torch.no_grad():
         want = (_mse((x[:4], y[:4]), model(x[:4])) + _mse((x[4:8], y[4:8]), model(x[4:8]))) / 2
     assert got == pytest.approx(float(want), rel=1e-6)
-    assert model.training is False  # the user's own mode is restored (here: the eval() above)
+    # It runs on a copy: a forward with side effects (a LightningModule's training_step records its losses,
+    # logs through its Trainer) leaves the user's module as it was.
+    assert setup.model.calls == 0 and model.training is False
 
 
 class _FirstInput(nn.Module):
@@ -70,8 +72,10 @@ class _FirstInput(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.calls = 0
 
     def forward(self, batch):
+        self.calls += 1
         return self.inner(batch[0])
 
 

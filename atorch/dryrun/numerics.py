@@ -2,8 +2,8 @@
 
 Every dry-run records the global loss of each step (``TrialResult.losses``). Its first warm-up step runs in
 eval mode (dropout off: ``deterministic_step``), before any optimizer update, on the first global batch of
-the candidate's dataloader. The reference is the same loss computed by the user's own model, untouched and
-in its own dtypes, on the same samples split the same way (``reference_loss``: no gradients, rank 0 only).
+the candidate's dataloader. The reference is the same loss computed by a copy of the user's own model,
+unchanged and in its own dtypes, on the same samples split the same way (``reference_loss``: no gradients, rank 0 only).
 
 ``loss_problem`` rejects a candidate whose loss is not finite at any step, or whose first loss departs from
 the reference by more than the tolerance of the dtype it computes in (``LOSS_RTOL``). What each tolerance
@@ -26,6 +26,7 @@ has no deterministic step and is checked for finite losses only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -59,16 +60,21 @@ def deterministic_step(model: nn.Module) -> Iterator[None]:
 
 
 def reference_loss(setup: Any, device: torch.device, batch_size: int, micro_batches: int, data_size: int) -> float:
-    """The first step's global loss with the user's own model (eval mode, no gradients): the mean over
-    ``data_size`` ranks of the mean over ``micro_batches`` batches of each rank's dataloader, as
-    ``atorch.train_step`` reports it. ``batch_size`` is the global batch of one micro-batch."""
+    """The first step's global loss with a copy of the user's own model (eval mode, no gradients): the mean
+    over ``data_size`` ranks of the mean over ``micro_batches`` batches of each rank's dataloader, as
+    ``atorch.train_step`` reports it. ``batch_size`` is the global batch of one micro-batch.
+
+    A copy, as every trial gets: a forward may have side effects on its module (a LightningModule's
+    training_step records its losses, logs through its Trainer), and the user's object must come out of
+    the search exactly as it went in."""
+    from atorch import meta_init
     from atorch.data import build_dataloader
     from atorch.model_context import InputPreparer, call_model
 
     prepare = InputPreparer(setup.prepare_input, device, None)
     args = {**setup.dataloader_args, "batch_size": batch_size, "num_workers": 0}
     total = 0.0
-    model = setup.model
+    model = meta_init.to_device(copy.deepcopy(setup.model), device)
     with deterministic_step(model), torch.no_grad():
         for rank in range(data_size):
             loader = build_dataloader(setup.dataset, args, data_size, rank, setup.distributed_sampler_cls)

@@ -134,7 +134,14 @@ def trainer(strategy: Any, epochs: int, accumulate: int = 1, **extra: Any) -> pl
 
 
 def global_losses(module: Module) -> list[float]:
-    """The mean over ranks of each training pass's loss (the loss of the global batch)."""
+    """The mean over ranks of each training pass's loss (the loss of the global batch).
+
+    The pass counts are compared first: a rank whose module ran training_step more often (the search must
+    never call the user's own module) fails here on every rank instead of hanging the launch."""
+    counts = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([float(len(module.passes))]))
+    if len({int(c.item()) for c in counts}) != 1:
+        raise AssertionError(f"training_step ran {[int(c.item()) for c in counts]} times on the ranks")
     local = torch.stack(module.passes)
     dist.all_reduce(local)
     return (local / dist.get_world_size()).tolist()
