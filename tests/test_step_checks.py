@@ -4,9 +4,11 @@ repeated for many candidates logged once with its count."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -171,6 +173,19 @@ def test_auto_accelerate_names_the_mistake_in_both_modes(load_strategy) -> None:
     assert "`loss_func=lambda data, output: F.cross_entropy(output.logits, data['labels'])`" in problem
 
 
+@contextlib.contextmanager
+def captured(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records a logger emits in the block (atorch's loggers do not propagate to pytest's caplog)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
 # ----- the search: a user's mistake stops it; a cost-model gap is measured, warned once ------------------
 def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path) -> None:
     from atorch.strategy_search.planner import Planner
@@ -193,15 +208,8 @@ def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path)
         warnings.warn("a per-candidate warning", UserWarning, stacklevel=1)
         raise SetupError("analyse: one training step could not run on fake tensors")
 
-    logger = logging.getLogger("atorch")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    try:
+    with captured("atorch") as records:
         predictions = planner(gap).predictions()
-    finally:
-        logger.removeHandler(handler)
     assert all(p == "SetupError: analyse: one training step could not run on fake tensors"
                for p in predictions.values())  # every candidate left to measuring
     lines = [r.getMessage() for r in records if r.levelno == logging.WARNING]
@@ -213,16 +221,9 @@ def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path)
 
 def test_repeated_warnings_counts_by_key() -> None:
     logger = logging.getLogger("atorch.test_repeated")
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger.addHandler(handler)
-    try:
-        with RepeatedWarnings(logger, "items") as warn:
-            for i in range(3):
-                warn("a", f"first kind, item {i}")
-            warn("b", "second kind")
-            assert records == []  # nothing until the end
-    finally:
-        logger.removeHandler(handler)
+    with captured(logger.name) as records, RepeatedWarnings(logger, "items") as warn:
+        for i in range(3):
+            warn("a", f"first kind, item {i}")
+        warn("b", "second kind")
+        assert records == []  # nothing until the end
     assert [r.getMessage() for r in records] == ["first kind, item 0 (repeated for 3 items)", "second kind"]
