@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from atorch import opt_lib
+from atorch import __version__, opt_lib
 from atorch.errors import StrategyError
 from atorch.opt_lib.compatibility import RULES
 from atorch.strategy import Strategy
@@ -22,7 +22,7 @@ def _default(field: Any) -> str:
 
 
 def methods_markdown() -> str:
-    """The methods reference in the README: generated from the registry, so it cannot drift."""
+    """The methods reference in docs/methods.md: generated from the registry, so it cannot drift."""
     lines = ["| method | group | what it does |", "|---|---|---|"]
     for name in opt_lib.method_names():
         method = opt_lib.get_method(name)
@@ -131,9 +131,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="atorch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"atorch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     methods = sub.add_parser("methods", help="list the optimization methods with their configs")
-    methods.add_argument("--markdown", action="store_true", help="print the README's reference tables")
+    methods.add_argument("--markdown", action="store_true", help="print the reference tables of docs/methods.md")
     methods.set_defaults(run=_cmd_methods)
     check = sub.add_parser("check", help="validate a strategy (JSON text or .json path) for a world size")
     check.add_argument("strategy")
