@@ -67,7 +67,7 @@ def test_search_space_grid_gives_valid_distinct_configs_with_optuna(name: str, c
 
 @pytest.mark.parametrize("name", method_names())
 def test_every_config_key_is_documented(name: str) -> None:
-    """The README's reference tables are generated from these descriptions."""
+    """The reference tables of docs/methods.md are generated from these descriptions."""
     for key, field in get_method(name).Config.model_fields.items():
         assert field.description, f"{name}.{key} has no description"
 
