@@ -43,14 +43,14 @@ def test_on_trial_sees_every_told_trial_with_its_record(space, tmp_path) -> None
 
 def test_tell_twice_is_harmless_and_a_state_is_rebuilt_from_the_study(space, tmp_path) -> None:
     table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
-    storage = f"sqlite:///{tmp_path / 's.db'}"
+    storage = optuna.storages.get_storage(f"sqlite:///{tmp_path / 's.db'}")
     study = optuna.create_study(storage=storage, study_name="k", direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    state = SearchState(study, table, BUDGET, storage=storage)
     state.seed()
     prop = state.ask()
     measured = {"status": "ok", "samples_per_s": 42.0, "peak_memory_bytes": 1.0, "reason": ""}
     first = state.tell(prop.number, measured)
     second = state.tell(prop.number, {**measured, "samples_per_s": 1.0})
     assert first["value"] == second["value"] == 42.0 and second["already_told"]
-    rebuilt = SearchState(optuna.load_study(study_name="k", storage=storage), table, BUDGET)
+    rebuilt = SearchState(optuna.load_study(study_name="k", storage=storage), table, BUDGET, storage=storage)
     assert rebuilt.best()["key"] == prop.key and rebuilt.best_value == 42.0

@@ -365,8 +365,9 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
     """One family measured 1.5x its prediction: its members are scaled, every other family is predicted as is
     (a badly predicted pipeline trial must not rule out FSDP with checkpointing unrun)."""
     table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
-    study = optuna.create_study(direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize")
+    state = SearchState(study, table, BUDGET, storage=storage)
     ddp = [k for k, p in zip(table.keys, table.points, strict=True)
            if p["sharding"] == "ddp" and not p["checkpoint"] and not p.get("module_replace")]
     fsdp = [k for k, p in zip(table.keys, table.points, strict=True) if p["sharding"] == "fsdp" and p["checkpoint"]]
@@ -384,8 +385,9 @@ def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(spac
     factor, on the measured scale, and never measured."""
     table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
     ranked = table.ranked(BUDGET)
-    best, study = ranked[0], optuna.create_study(direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    storage = optuna.storages.InMemoryStorage()
+    best, study = ranked[0], optuna.create_study(storage=storage, direction="maximize")
+    state = SearchState(study, table, BUDGET, storage=storage)
     state._remember(best, 0, {"status": "ok", "samples_per_s": 50.0, "reason": "", "step_time_s": 1.0,
                               "peak_memory_bytes": table.prediction(best)["peak_memory_bytes"]})
     slow = min(ranked, key=lambda k: table.prediction(k)["samples_per_s"])

@@ -276,17 +276,22 @@ class Planner:
         return make_sampler(self.sampler, self.max_trials, self.seed)
 
     def study(self) -> Any:
+        return self._open()[0]
+
+    def _open(self) -> tuple[Any, Any]:
+        """The study and its Optuna storage object (SearchState finds trials by number through it)."""
         import optuna
 
+        storage = optuna.storages.get_storage(self.storage)  # a URL's storage; a storage object as it is
         study = optuna.create_study(
-            direction="maximize", storage=self.storage, study_name=self.study_name,
+            direction="maximize", storage=storage, study_name=self.study_name,
             load_if_exists=True, sampler=self._make_sampler(),
         )
         if "created" not in study.user_attrs:  # a new study: say when, and what it is for (atorch cache list)
             study.set_user_attr("created", _now())
             if self.identity is not None:
                 study.set_user_attr("identity", self.identity.model_dump(mode="json"))
-        return study
+        return study, storage
 
     def cached(self) -> PlanResult | None:
         """This study's answer under this budget, if its search finished and the answer holds (``cached_best``)."""
@@ -307,7 +312,7 @@ class Planner:
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
-        study = self.study()
+        study, storage = self._open()
         if not force:
             hit, why = self._reuse(study)
             if hit is not None:
@@ -319,7 +324,7 @@ class Planner:
                 logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
                             self.study_name, measured, why)
         self._record(study, False, "running", "started; not finished (a search killed before its end stays so)")
-        state = SearchState(study, self.table(), self.memory_budget, on_trial=self.on_trial,
+        state = SearchState(study, self.table(), self.memory_budget, storage=storage, on_trial=self.on_trial,
                             max_asks=max(50, 10 * self.max_trials), skip_slower_than=self.skip_slower_than)
         try:
             stop, kind = self._explore(state, rules)
