@@ -17,7 +17,8 @@ import pytest
 import toy_models
 
 from atorch.strategy_search.ask_tell import SearchState
-from atorch.strategy_search.candidates import CandidateTable, family_key, predicted_json
+from atorch.strategy_search.candidates import CandidateTable, family_key
+from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
 from atorch.strategy_search.space import Candidate, SearchSpace
 
@@ -364,7 +365,7 @@ def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_pat
 def test_a_memory_correction_stays_in_its_family(space) -> None:
     """One family measured 1.5x its prediction: its members are scaled, every other family is predicted as is
     (a badly predicted pipeline trial must not rule out FSDP with checkpointing unrun)."""
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(storage=storage, direction="maximize")
     state = SearchState(study, table, BUDGET, storage=storage)
@@ -383,7 +384,7 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
 def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
     """Past HOPELESS_FACTOR times the best measured one's predicted time, a candidate is told 'skipped' with the
     factor, on the measured scale, and never measured."""
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
     ranked = table.ranked(BUDGET)
     storage = optuna.storages.InMemoryStorage()
     best, study = ranked[0], optuna.create_study(storage=storage, direction="maximize")

@@ -18,7 +18,6 @@ kept by whoever runs the loop.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from atorch.strategy_search.candidates import CandidateTable, Point, point_key
+from atorch.strategy_search.outcome import Measured
 
 OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
 DEFAULT_TOP_K = 3
@@ -41,26 +41,12 @@ class Proposal:
     stop: str = ""
 
 
-def measured_json(result: Any) -> dict[str, Any]:
-    """A dry-run's result (``.status``, ``.samples_per_s``, ``.peak_memory_bytes``, ``.reason``) as JSON."""
-    out = {"status": str(result.status).lower(), "samples_per_s": float(result.samples_per_s or 0.0),
-           "peak_memory_bytes": float(result.peak_memory_bytes or 0.0),
-           "step_time_s": float(getattr(result, "step_time_s", 0.0) or 0.0),
-           "reason": str(getattr(result, "reason", "") or "")}
-    for name in ("loss", "reference_loss"):  # the numerics check's figures (JSON has no NaN: kept as text)
-        value = getattr(result, name, None)
-        if value is not None:
-            out[name] = float(value) if math.isfinite(value) else str(value)
-    return out
-
-
-def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> dict[str, Any]:
+def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> Measured:
     """Run ``measure``; one that raises is a failed trial with its reason, and the search goes on."""
     try:
-        return measured_json(measure(candidate))
+        return Measured.of(measure(candidate))
     except Exception as exc:
-        return {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0, "step_time_s": 0.0,
-                "reason": f"{type(exc).__name__}: {exc}"}
+        return Measured.failure(exc)
 
 
 def judge(
@@ -324,9 +310,10 @@ class SearchState:
         best = self.table.prediction(self.best_key)
         return float(best.get("samples_per_s") or 0.0) / float(pred["samples_per_s"])
 
-    def tell(self, number: int, measured: dict[str, Any]) -> dict[str, Any]:
-        """Judge and tell a measured outcome; returns the trial's record plus ``improved``. Telling a
-        finished trial again returns its record and changes nothing."""
+    def tell(self, number: int, measured: Measured | dict[str, Any]) -> dict[str, Any]:
+        """Judge and tell a measured outcome (a ``Measured``, or its JSON as a server receives it); returns the
+        trial's record plus ``improved``. Telling a finished trial again returns its record and changes nothing."""
+        measured = measured.to_json() if isinstance(measured, Measured) else measured
         import optuna
         from optuna.trial import TrialState
 
@@ -379,9 +366,10 @@ class SearchState:
             return []
         return [ranked[0][1], ranked[1][1]]
 
-    def confirm(self, key: str, measured: dict[str, Any]) -> dict[str, Any]:
+    def confirm(self, key: str, measured: Measured | dict[str, Any]) -> dict[str, Any]:
         """Record a re-measurement of a measured candidate (``merge_runs`` with its first run; the best is chosen
         again). Kept in the study's ``confirmations`` attribute, so a rebuilt state knows it."""
+        measured = measured.to_json() if isinstance(measured, Measured) else measured
         self._merge(key, measured)
         record = {"key": key, "measured": measured, "status": self.done[key][2]["status"]}
         self.study.set_user_attr("confirmations", [*self.study.user_attrs.get("confirmations", []), record])

@@ -34,17 +34,10 @@ def family_key(point: Point) -> str:
     return json.dumps({k: v for k, v in point.items() if k not in NOT_FAMILY_KEYS}, sort_keys=True)
 
 
-def predicted_json(raw: Any, global_batch: int) -> dict[str, Any]:
-    """The cost model's answer as JSON: peak memory, step time and samples/s, or why it could not predict."""
-    step = float(raw.step_time_s)
-    return {"peak_memory_bytes": float(raw.peak_memory_bytes), "step_time_s": step,
-            "samples_per_s": global_batch / step if step > 0 else 0.0}
-
-
 @dataclass
 class CandidateTable:
     points: list[Point]  # valid points, in the space's walk order
-    predictions: list[dict[str, Any]]  # one per point: predicted_json(...) or {"error": reason}
+    predictions: list[dict[str, Any]]  # one per point: Predicted.to_json() (atorch.strategy_search.outcome)
     global_batch: int
     # optional, per point: what a person reads (the strategy, micro-batching and their one-line description)
     details: list[dict[str, Any]] | None = None
@@ -65,7 +58,7 @@ class CandidateTable:
     # ----- JSON ------------------------------------------------------------------------------
     @classmethod
     def from_space(cls, space: Any, predict: Callable[[Any], dict[str, Any]]) -> CandidateTable:
-        """The table of a SearchSpace: ``predict(candidate)`` gives predicted_json(...) or {"error": ...}."""
+        """The table of a SearchSpace: ``predict(candidate)`` gives a ``Predicted``'s JSON."""
         from atorch.strategy_search.describe import describe_candidate
 
         cands, points = space.enumerate(), space.valid_points()  # the same order
