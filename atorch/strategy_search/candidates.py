@@ -24,9 +24,24 @@ def point_key(point: Point) -> str:
     return json.dumps(point, sort_keys=True)
 
 
-# Point keys that do not change how memory is laid out: a measurement corrects the predictions of the
-# candidates that share every other key (the same layout, sharding and recompute: a "family").
-NOT_FAMILY_KEYS = frozenset({"micro_batch_size", "precision", "module_replace"})
+
+
+def _dimensions() -> list[Any]:
+    import atorch.opt_lib  # noqa: F401  (registers every method)
+    from atorch.opt_lib.registry import search_dimensions
+
+    return search_dimensions()
+
+
+# Point keys that do not change how memory is laid out (the micro-batch size, and the dimensions whose methods'
+# search roles say so: precision, module_replace): a measurement corrects the predictions of the candidates that
+# share every other key (the same layout, sharding and recompute: a "family").
+NOT_FAMILY_KEYS = frozenset({"micro_batch_size"} | {
+    d.name for d in _dimensions() if not any(d.role(m).in_family for m in d.methods)})
+# Plain data parallel: every searched dimension at its "off" value (no tensor or pipeline split, no sharding,
+# fp32, no checkpointing, no replacement). A choice dimension must be there (a fine-tuning space's points have
+# none: no baseline); a switch or a layout size may be left out.
+BASELINE = tuple((d.name, d.off, d.kind == "choice") for d in _dimensions())
 
 
 def family_key(point: Point) -> str:
@@ -104,9 +119,8 @@ class CandidateTable:
     def baseline(self, budget: float, correction: Callable[[str], float] | None = None) -> str | None:
         """Plain data parallel (no tensor or pipeline split, no sharding, fp32, no checkpointing, no replacement)
         at the micro-batch the cost model likes best."""
-        ddp = [i for i, p in enumerate(self.points) if p.get("sharding") == "ddp" and p.get("precision") == "fp32"
-               and not p.get("checkpoint") and not p.get("module_replace")
-               and int(p.get("tensor", 1)) == 1 and int(p.get("pipeline", 1)) == 1]
+        ddp = [i for i, p in enumerate(self.points) if all(
+            (p.get(name) if required else p.get(name, off)) == off for name, off, required in BASELINE)]
         if not ddp:
             return None
         scale = correction or (lambda key: 1.0)
