@@ -11,6 +11,7 @@ A parameter's Optuna name is the dimension's name when every value of the dimens
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,27 +27,40 @@ def point_key(point: Point) -> str:
 
 
 
-def _dimensions() -> list[Any]:
+def _dimensions() -> tuple[tuple[str, Any, str, bool], ...]:
+    """The registry's search dimensions as (name, off value, kind, whether it changes the memory layout)."""
     import atorch.opt_lib  # noqa: F401  (registers every method)
+    from atorch.opt_lib import registry
+
+    return _dimensions_of(tuple(registry.method_names()))  # a method registered later counts too
+
+
+@functools.cache
+def _dimensions_of(_names: tuple[str, ...]) -> tuple[tuple[str, Any, str, bool], ...]:
     from atorch.opt_lib.registry import search_dimensions
 
-    return search_dimensions()
+    return tuple((d.name, d.off, d.kind, any(d.role(m).in_family for m in d.methods)) for d in search_dimensions())
 
 
-# Point keys that do not change how memory is laid out (the micro-batch size, and the dimensions whose methods'
-# search roles say so: precision, module_replace): a measurement corrects the predictions of the candidates that
-# share every other key (the same layout, sharding and recompute: a "family").
-NOT_FAMILY_KEYS = frozenset({"micro_batch_size"} | {
-    d.name for d in _dimensions() if not any(d.role(m).in_family for m in d.methods)})
-# Plain data parallel: every searched dimension at its "off" value (no tensor or pipeline split, no sharding,
-# fp32, no checkpointing, no replacement). A choice dimension must be there (a fine-tuning space's points have
-# none: no baseline); a switch or a layout size may be left out.
-BASELINE = tuple((d.name, d.off, d.kind == "choice") for d in _dimensions())
+def not_family_keys() -> frozenset[str]:
+    """Point keys that do not change how memory is laid out (the micro-batch size, and the dimensions whose
+    methods' search roles say so: precision, module_replace): a measurement corrects the predictions of the
+    candidates that share every other key (the same layout, sharding and recompute: a "family")."""
+    return frozenset({"micro_batch_size"} | {name for name, _, _, in_family in _dimensions() if not in_family})
+
+
+def is_baseline(point: Point) -> bool:
+    """Plain data parallel: every searched dimension at its "off" value (no tensor or pipeline split, no
+    sharding, fp32, no checkpointing, no replacement). A choice dimension must be there (a fine-tuning space's
+    points have none: no baseline); a switch or a layout size may be left out."""
+    return all((point.get(name) if kind == "choice" else point.get(name, off)) == off
+               for name, off, kind, _ in _dimensions())
 
 
 def family_key(point: Point) -> str:
     """The memory family of a point: its layout, sharding (with its options) and recompute."""
-    return json.dumps({k: v for k, v in point.items() if k not in NOT_FAMILY_KEYS}, sort_keys=True)
+    excluded = not_family_keys()
+    return json.dumps({k: v for k, v in point.items() if k not in excluded}, sort_keys=True)
 
 
 @dataclass
@@ -119,8 +133,7 @@ class CandidateTable:
     def baseline(self, budget: float, correction: Callable[[str], float] | None = None) -> str | None:
         """Plain data parallel (no tensor or pipeline split, no sharding, fp32, no checkpointing, no replacement)
         at the micro-batch the cost model likes best."""
-        ddp = [i for i, p in enumerate(self.points) if all(
-            (p.get(name) if required else p.get(name, off)) == off for name, off, required in BASELINE)]
+        ddp = [i for i, p in enumerate(self.points) if is_baseline(p)]
         if not ddp:
             return None
         scale = correction or (lambda key: 1.0)
