@@ -313,10 +313,10 @@ class SearchState:
     def tell(self, number: int, measured: Measured | dict[str, Any]) -> dict[str, Any]:
         """Judge and tell a measured outcome (a ``Measured``, or its JSON as a server receives it); returns the
         trial's record plus ``improved``. Telling a finished trial again returns its record and changes nothing."""
-        measured = measured.to_json() if isinstance(measured, Measured) else measured
         import optuna
         from optuna.trial import TrialState
 
+        measured = measured.to_json() if isinstance(measured, Measured) else measured
         trial_id, frozen = self._trial(number)
         if frozen.state != TrialState.RUNNING:
             return {**trial_record(frozen), "improved": False, "already_told": True}
