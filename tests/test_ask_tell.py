@@ -9,7 +9,8 @@ import pytest
 from test_planner import BUDGET, GLOBAL_BATCH, Measure, landscape_space, predict
 
 from atorch.strategy_search.ask_tell import SearchState
-from atorch.strategy_search.candidates import CandidateTable, predicted_json
+from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.planner import Planner
 from atorch.strategy_search.space import SearchSpace
 
@@ -20,7 +21,7 @@ def space() -> SearchSpace:
 
 
 def test_table_is_json_and_its_optuna_view_proposes_only_valid_points(space) -> None:
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
     again = CandidateTable.from_json(json.loads(json.dumps(table.to_json())))
     assert again.keys == table.keys and len(table.keys) == len(space)
     valid = set(table.keys)
@@ -42,15 +43,15 @@ def test_on_trial_sees_every_told_trial_with_its_record(space, tmp_path) -> None
 
 
 def test_tell_twice_is_harmless_and_a_state_is_rebuilt_from_the_study(space, tmp_path) -> None:
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
-    storage = f"sqlite:///{tmp_path / 's.db'}"
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
+    storage = optuna.storages.get_storage(f"sqlite:///{tmp_path / 's.db'}")
     study = optuna.create_study(storage=storage, study_name="k", direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    state = SearchState(study, table, BUDGET, storage=storage)
     state.seed()
     prop = state.ask()
     measured = {"status": "ok", "samples_per_s": 42.0, "peak_memory_bytes": 1.0, "reason": ""}
     first = state.tell(prop.number, measured)
     second = state.tell(prop.number, {**measured, "samples_per_s": 1.0})
     assert first["value"] == second["value"] == 42.0 and second["already_told"]
-    rebuilt = SearchState(optuna.load_study(study_name="k", storage=storage), table, BUDGET)
+    rebuilt = SearchState(optuna.load_study(study_name="k", storage=storage), table, BUDGET, storage=storage)
     assert rebuilt.best()["key"] == prop.key and rebuilt.best_value == 42.0

@@ -17,7 +17,8 @@ import pytest
 import toy_models
 
 from atorch.strategy_search.ask_tell import SearchState
-from atorch.strategy_search.candidates import CandidateTable, family_key, predicted_json
+from atorch.strategy_search.candidates import CandidateTable, family_key
+from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
 from atorch.strategy_search.space import Candidate, SearchSpace
 
@@ -364,9 +365,10 @@ def test_a_measured_oom_turns_its_look_alikes_into_predicted_ooms(space, tmp_pat
 def test_a_memory_correction_stays_in_its_family(space) -> None:
     """One family measured 1.5x its prediction: its members are scaled, every other family is predicted as is
     (a badly predicted pipeline trial must not rule out FSDP with checkpointing unrun)."""
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
-    study = optuna.create_study(direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize")
+    state = SearchState(study, table, BUDGET, storage=storage)
     ddp = [k for k, p in zip(table.keys, table.points, strict=True)
            if p["sharding"] == "ddp" and not p["checkpoint"] and not p.get("module_replace")]
     fsdp = [k for k, p in zip(table.keys, table.points, strict=True) if p["sharding"] == "fsdp" and p["checkpoint"]]
@@ -382,10 +384,11 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
 def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
     """Past HOPELESS_FACTOR times the best measured one's predicted time, a candidate is told 'skipped' with the
     factor, on the measured scale, and never measured."""
-    table = CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH))
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
     ranked = table.ranked(BUDGET)
-    best, study = ranked[0], optuna.create_study(direction="maximize")
-    state = SearchState(study, table, BUDGET)
+    storage = optuna.storages.InMemoryStorage()
+    best, study = ranked[0], optuna.create_study(storage=storage, direction="maximize")
+    state = SearchState(study, table, BUDGET, storage=storage)
     state._remember(best, 0, {"status": "ok", "samples_per_s": 50.0, "reason": "", "step_time_s": 1.0,
                               "peak_memory_bytes": table.prediction(best)["peak_memory_bytes"]})
     slow = min(ranked, key=lambda k: table.prediction(k)["samples_per_s"])

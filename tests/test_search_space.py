@@ -183,3 +183,35 @@ def test_signature_follows_the_space(gpt2) -> None:
     assert a.signature() == SearchSpace(gpt2, WORLD, GLOBAL_BATCH).signature()
     assert a.signature() != SearchSpace(gpt2, WORLD, 16).signature()
     assert a.signature() != SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fsdp"]).signature()
+
+
+def test_a_method_joins_the_search_by_its_registry_entry_alone(monkeypatch) -> None:
+    """A method registered with a search role is searched, built into strategies, kept out of the baseline and
+    described, with no edit to the space, the candidate table or the descriptions."""
+    from atorch.opt_lib import registry
+    from atorch.opt_lib.base import Method, SearchRole
+    from atorch.strategy_search.candidates import CandidateTable, family_key
+    from atorch.strategy_search.describe import describe_candidate
+
+    class Toy(Method):
+        name = "toy_switch"
+        group = "memory"
+        summary = "a method that changes nothing (for this test)"
+        search_role = SearchRole("switch", "toy_switch", position=35, off=False)
+
+    model = toy_models.mlp()
+    before = SearchSpace(model, WORLD, GLOBAL_BATCH).valid_points()
+    monkeypatch.setattr(registry, "APPLY_ORDER", (*registry.APPLY_ORDER, "toy_switch"))
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # the registration is undone after
+    registry.register(Toy)
+    space = SearchSpace(model, WORLD, GLOBAL_BATCH)
+    points = space.valid_points()
+    assert len(points) == 2 * len(before)
+    assert list(points[0]) == ["sharding", "checkpoint", "toy_switch", "precision", "micro_batch_size"]
+    on = [c for c in space.enumerate() if dict(c.point)["toy_switch"]]
+    assert on and all(c.strategy.get("toy_switch") is not None for c in on)
+    assert "toy_switch" in describe_candidate(on[0].strategy, on[0].micro_batch_size, on[0].micro_batches, WORLD)
+    assert family_key(dict(on[0].point)) != family_key({**dict(on[0].point), "toy_switch": False})
+    preds = [{"peak_memory_bytes": 1.0, "step_time_s": 1.0, "samples_per_s": 1.0} for _ in points]
+    baseline = CandidateTable(points, preds, GLOBAL_BATCH).baseline(2.0)
+    assert baseline is not None and '"toy_switch": false' in baseline

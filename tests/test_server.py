@@ -24,7 +24,8 @@ from atorch.cli import main
 from atorch.errors import SetupError
 from atorch.server.client import RemotePlanner, StrategyClient
 from atorch.server.serve import check_bind
-from atorch.strategy_search.candidates import CandidateTable, predicted_json
+from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.planner import Planner
 from atorch.strategy_search.space import SearchSpace
 
@@ -39,7 +40,7 @@ def space() -> SearchSpace:
 
 @pytest.fixture(scope="module")
 def table(space) -> dict:
-    return CandidateTable.from_space(space, lambda c: predicted_json(predict(c), GLOBAL_BATCH)).to_json()
+    return CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json()).to_json()
 
 
 def sqlite(tmp_path) -> str:

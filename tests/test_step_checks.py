@@ -210,7 +210,7 @@ def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path)
 
     with captured("atorch") as records:
         predictions = planner(gap).predictions()
-    assert all(p == "SetupError: analyse: one training step could not run on fake tensors"
+    assert all(p.error == "SetupError: analyse: one training step could not run on fake tensors"
                for p in predictions.values())  # every candidate left to measuring
     lines = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(lines) == 2, lines

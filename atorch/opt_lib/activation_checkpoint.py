@@ -11,7 +11,7 @@ from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
-from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
 
@@ -62,6 +62,10 @@ class ActivationCheckpoint(Method):
     name = "checkpoint"
     group = "memory"
     summary = "Activation checkpointing of repeated blocks: recompute activations in backward."
+    search_role = SearchRole("switch", "checkpoint", position=30, off=False)
+
+    def searchable(self, model: Any) -> bool:
+        return bool(block_classes(model))  # off or every repeated block: none, nothing to search
     Config = CheckpointConfig
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:

@@ -74,6 +74,38 @@ Dimension = Categorical | IntRange
 
 
 @dataclass(frozen=True)
+class SearchRole:
+    """How the automatic search (atorch.strategy_search.space) offers a method: the point key that carries it and
+    its value there. Adding a method to the search is this entry (and the method's ``search_space``), no edit to
+    the space, the candidate table or the descriptions.
+
+    ``kind``:
+    - "choice": one of several methods on one dimension (``dimension``, e.g. "sharding"); the point's value is
+      ``value`` (default: the method's name), or ``{value}_{dtype}`` once per searched dtype when ``per_dtype``
+      (the method's ``dtype`` search field folds into the value: "amp_bf16"); ``off``: the value when none of the
+      dimension's methods is used ("ddp", "fp32"). The chosen method's other search fields follow it in the tree.
+    - "switch": an on/off dimension named ``dimension`` (``off`` False), its search fields following when on.
+    - "layout": a model-parallel size (``dimension``: "tensor" or "pipeline", ``off`` 1), which the space builds
+      from the sizes the model admits.
+    ``position``: where the dimension sits in the tree, smaller first (layout sizes always come first, the
+    micro-batch size last); ``rank``: the order of a method among its dimension's choices.
+    ``in_family``: whether the choice changes how memory is laid out; a measured peak corrects the predictions
+    of the candidates that agree on every such key (a "family", atorch.strategy_search.candidates.family_key)."""
+
+    kind: Literal["choice", "switch", "layout"]
+    dimension: str
+    position: int = 0
+    rank: int = 0
+    value: str = ""
+    off: Any = None
+    per_dtype: bool = False
+    in_family: bool = True
+
+    def value_of(self, name: str) -> str:
+        return self.value or name
+
+
+@dataclass(frozen=True)
 class StrategyCheck:
     """What config validation may look at before anything is built."""
 
@@ -91,6 +123,8 @@ class Method(ABC):
     - ``applicable(ctx)``: None if the method can run here, else the reason it cannot.
     - ``model_problems(ctx, config)``: config problems with the user's model (e.g. no such class).
     - ``search_space(ctx)``: config fields a planner may vary, with their choices.
+    - ``search_role``: how the automatic search offers the method (``SearchRole``), with ``searchable(model)``
+      and ``offered_at(partial, space)`` where the model or earlier choices decide.
 
     A method is data only; ``atorch.apply.apply_strategy`` applies every method, in one fixed order,
     through the transformation functions next to each method's class.
@@ -108,6 +142,20 @@ class Method(ABC):
     # loop) or changes the numerics is searched only when the user opts in (SearchOptions.loop / .precision).
     needs_train_step: ClassVar[bool] = False
     numerics: ClassVar[Numerics] = "exact"
+    search_role: ClassVar[SearchRole | None] = None  # None: searched only when included or fine-tuned
+
+    def searchable(self, model: Any) -> bool:
+        """Whether the automatic search offers this method for ``model`` at all (checked once per space:
+        checkpointing needs repeated blocks)."""
+        return True
+
+    def offered_at(self, partial: dict[str, Any], space: Any) -> bool:
+        """Whether its search dimension is offered after the choices in ``partial`` (a SearchSpace's point)."""
+        return True
+
+    def schedule_micro_batches(self, config: MethodConfig) -> int:
+        """The micro-batches a pipeline schedule splits one batch into under ``config`` (0: it runs none)."""
+        return 0
 
     def requires_train_step(self, config: MethodConfig) -> bool:
         """Whether this config needs ``atorch.train_step`` (a config field may decide: loss_parallel)."""

@@ -246,6 +246,9 @@ class Ds3dParallel(Method):
     name = "ds_3d_parallel"
     group = "parallel"
     summary = "DeepSpeed's pipeline engine on the 'pipeline' dimension (layers converted), ZeRO-1 on 'data'."
+
+    def schedule_micro_batches(self, config: MethodConfig) -> int:
+        return int(getattr(config, "micro_batches", None) or 0)
     Config = Ds3dParallelConfig
     mesh_dims = (PIPELINE, TENSOR)
     needs_train_step = True  # DeepSpeed's engine.train_batch runs the step

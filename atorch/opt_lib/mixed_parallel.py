@@ -73,6 +73,9 @@ class MixedParallel(Method):
     name = "mixed_parallel"
     group = "parallel"
     summary = "Tensor × pipeline (× data) on one mesh: tensor_parallel and pipeline_parallel on their dimensions."
+
+    def schedule_micro_batches(self, config: MethodConfig) -> int:
+        return int(getattr(getattr(config, "pipeline", None), "micro_batches", None) or 0)
     Config = MixedParallelConfig
     mesh_dims = (TENSOR, PIPELINE)
     needs_train_step = True  # its pipeline dimension runs a schedule

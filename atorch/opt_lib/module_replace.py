@@ -16,7 +16,7 @@ from torch import nn
 
 from atorch.class_ref import class_path, matches
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, MethodConfig
+from atorch.opt_lib.base import Method, MethodConfig, SearchRole
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -114,6 +114,14 @@ class ModuleReplace(Method):
     name = "module_replace"
     group = "module"
     summary = "Replace modules by registered equivalents (built in: transformers Conv1D -> nn.Linear)."
+    search_role = SearchRole("switch", "module_replace", position=50, off=False, in_family=False)
+
+    def searchable(self, model: Any) -> bool:
+        return any(matches(m, (pair.source,)) for pair in replace_pairs().values() for m in model.modules())
+
+    def offered_at(self, partial: dict[str, Any], space: Any) -> bool:
+        # tensor parallel on a model with Conv1D swaps it already (SearchSpace.strategy_of): no twin candidates
+        return not (space.conv1d and int(partial.get("tensor", 1)) > 1)
     Config = ModuleReplaceConfig
 
     def check(self, config: ModuleReplaceConfig, check: Any) -> list[str]:  # type: ignore[override]

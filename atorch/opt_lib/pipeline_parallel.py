@@ -29,7 +29,7 @@ from atorch import grad_sync
 from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, is_transformers, plan_stages
 from atorch.opt_lib.registry import register
@@ -403,6 +403,10 @@ class PipelineParallel(Method):
     name = "pipeline_parallel"
     group = "parallel"
     summary = "Pipeline parallel (torch.distributed.pipelining) on the 'pipeline' dimension: automatic balanced split."
+    search_role = SearchRole("layout", "pipeline", off=1)
+
+    def schedule_micro_batches(self, config: MethodConfig) -> int:
+        return int(getattr(config, "micro_batches", None) or 0)
     Config = PipelineParallelConfig
     mesh_dims = (PIPELINE,)
     needs_train_step = True  # a schedule runs the stages: the model cannot be called in the user's loop

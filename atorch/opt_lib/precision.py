@@ -9,7 +9,7 @@ import torch
 from pydantic import BeforeValidator, Field, model_validator
 
 from atorch.log import get_logger
-from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
 
@@ -73,6 +73,9 @@ class AmpNative(Method):
     name = "amp_native"
     group = "precision"
     summary = "Automatic mixed precision: forward under torch.autocast; GradScaler for fp16."
+    # point value "amp_bf16" / "amp_fp16"; "fp32": no precision method (in_family: the layout of memory stays)
+    search_role = SearchRole("choice", "precision", position=40, rank=0, value="amp", off="fp32", per_dtype=True,
+                             in_family=False)
     Config = AmpConfig
     numerics = "mixed"  # 16-bit compute; fp32 weights and optimizer state
 
@@ -117,6 +120,7 @@ class Half(Method):
     name = "half"
     group = "precision"
     summary = "Whole model and floating inputs in fp16 or bf16 (no fp32 master weights)."
+    search_role = SearchRole("choice", "precision", position=40, rank=1, off="fp32", per_dtype=True, in_family=False)
     Config = HalfConfig
     numerics = "low"  # weights and optimizer state in 16 bits: no fp32 master copy
 

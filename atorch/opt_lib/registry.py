@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from atorch.opt_lib.base import Method
+from dataclasses import dataclass
+
+from atorch.opt_lib.base import Method, SearchRole
 
 # The order atorch.apply.apply_strategy applies methods in (the reasons are commented there):
 # layout first; module swaps, then the pipeline split (every later method sees this rank's stages), or
@@ -50,3 +52,35 @@ def method_names() -> list[str]:
 
 def is_registered(name: str) -> bool:
     return name in _METHODS
+
+
+@dataclass(frozen=True)
+class SearchDimension:
+    """One dimension the automatic search builds from the methods' search roles: its name, kind ("choice",
+    "switch" or "layout"), value when none of its methods is used, and its methods in rank order."""
+
+    name: str
+    kind: str
+    off: object
+    methods: tuple[Method, ...]
+
+    def role(self, method: Method) -> SearchRole:
+        return method.search_role  # type: ignore[return-value]
+
+
+def search_dimensions() -> list[SearchDimension]:
+    """The registered methods' search roles grouped by dimension, in tree order (``SearchRole.position``)."""
+    grouped: dict[str, list[Method]] = {}
+    for name in method_names():
+        method = _METHODS[name]
+        if method.search_role is not None:
+            grouped.setdefault(method.search_role.dimension, []).append(method)
+    dims = []
+    for name, methods in grouped.items():
+        methods.sort(key=lambda m: m.search_role.rank)  # type: ignore[union-attr]
+        roles = {m.search_role.kind for m in methods}, {repr(m.search_role.off) for m in methods}  # type: ignore[union-attr]
+        if len(roles[0]) > 1 or len(roles[1]) > 1:
+            raise RuntimeError(f"the methods of search dimension {name!r} disagree on its kind or 'off' value")
+        first = methods[0].search_role
+        dims.append((first.position, SearchDimension(name, first.kind, first.off, tuple(methods))))  # type: ignore[union-attr]
+    return [d for _, d in sorted(dims, key=lambda pd: pd[0])]

@@ -13,7 +13,7 @@ from torch import nn
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
 from atorch.meta_init import ShardMaterialiser, is_meta
-from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.registry import register
@@ -246,6 +246,7 @@ class FSDP(Method):
     name = "fsdp"
     group = "parallel"
     summary = "Fully sharded data parallel (FSDP2 fully_shard): parameters, gradients, optimizer state."
+    search_role = SearchRole("choice", "sharding", position=20, rank=2, off="ddp")
     Config = FSDPConfig
     mesh_dims = ("data",)
 
@@ -261,6 +262,7 @@ class Zero2(Method):
     name = "zero2"
     group = "parallel"
     summary = "ZeRO-2: gradients and optimizer state sharded (FSDP2 without resharding after forward, or DeepSpeed)."
+    search_role = SearchRole("choice", "sharding", position=20, rank=1, off="ddp")
     Config = Zero2Config
     mesh_dims = ("data",)
 

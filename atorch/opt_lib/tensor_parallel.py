@@ -29,7 +29,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
@@ -282,6 +282,7 @@ class TensorParallel(Method):
     name = "tensor_parallel"
     group = "parallel"
     summary = "Megatron-style tensor parallel (DTensor) on the 'tensor' dimension: plans derived from the model."
+    search_role = SearchRole("layout", "tensor", off=1)
     Config = TensorParallelConfig
     mesh_dims = (TENSOR,)
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from atorch.opt_lib.base import Categorical, Dimension, Method
+from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.registry import register
 
@@ -25,6 +25,8 @@ class Zero1(Method):
     name = "zero1"
     group = "parallel"
     summary = "ZeRO-1: optimizer state sharded across data-parallel ranks; gradients all-reduced by DDP."
+    # "ddp": none of the sharding methods (parallel_mode alone: plain data parallel)
+    search_role = SearchRole("choice", "sharding", position=20, rank=0, off="ddp")
     Config = Zero1Config
     mesh_dims = ("data",)
 

@@ -166,7 +166,7 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     async def tell(body: models.TellRequest, study_key: str = StudyKey,
                    number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
         """A measured result or failure; telling a finished trial again changes nothing."""
-        answer, recorded = studies.tell(study_key, number, body.measured.model_dump(exclude_none=True))
+        answer, recorded = studies.tell(study_key, number, body.measured.to_json())
         await asyncio.wrap_future(recorded)
         return answer
 

@@ -167,7 +167,7 @@ class RemotePlanner(Planner):
             cand = self.space.from_point(proposal["point"])
             measured = measure_safely(self.measure_fn, cand)
             try:
-                told = self.client.tell(self.study_name, proposal["number"], measured)
+                told = self.client.tell(self.study_name, proposal["number"], measured.to_json())
             except ServerError as exc:
                 if exc.status_code != 409:
                     raise

@@ -62,7 +62,7 @@ def study_html(study: Any) -> str:
                  if best else "none yet")
     name = html.escape(study.study_name)
     return (f'<h2 id="{name}">{name}</h2><p>best strategy: <b class="best">{best_text}</b> &middot; '
-            f'<a href="/dashboard/studies/{study._study_id}">plots in optuna-dashboard</a></p>'
+            f'<a href="/dashboard/studies/{study.study_id}">plots in optuna-dashboard</a></p>'
             f"<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{''.join(rows)}</table>")
 
 

@@ -34,7 +34,9 @@ class Mirror:
         self.storage, self.interval_s = storage, interval_s
         self.write_lock = write_lock if write_lock is not None else contextlib.nullcontext()
         self._pending: dict[str, _Pending] = {}
-        self._known: dict[str, tuple[int, dict[int, tuple[int, dict[str, Any]]]]] = {}  # key -> (id, n -> (tid, snap))
+        # key -> (study id, number -> (trial id, snapshot)); a trial id found by number when first needed (None
+        # until then: public storage API, one query for a trial that changes, not one per trial of a study loaded)
+        self._known: dict[str, tuple[int, dict[int, tuple[int | None, dict[str, Any]]]]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -86,13 +88,14 @@ class Mirror:
                 if not self._pending:
                     self._idle.set()
 
-    def _study(self, key: str) -> tuple[int, dict[int, tuple[int, dict[str, Any]]]]:
+    def _study(self, key: str) -> tuple[int, dict[int, tuple[int | None, dict[str, Any]]]]:
         if key not in self._known:
             try:
                 sid = self.storage.get_study_id_from_name(key)
             except KeyError:
                 sid = self.storage.create_new_study([StudyDirection.MAXIMIZE], key)
-            trials = {t.number: (t._trial_id, trial_json(t)) for t in self.storage.get_all_trials(sid, deepcopy=False)}
+            trials: dict[int, tuple[int | None, dict[str, Any]]] = {
+                t.number: (None, trial_json(t)) for t in self.storage.get_all_trials(sid, deepcopy=False)}
             self._known[key] = (sid, trials)
         return self._known[key]
 
@@ -114,11 +117,16 @@ class Mirror:
             with self.write_lock:
                 self._copy(key, sid, known, number, p.trials[number])
 
-    def _copy(self, key: str, sid: int, known: dict[int, tuple[int, dict[str, Any]]], number: int,
+    def _copy(self, key: str, sid: int, known: dict[int, tuple[int | None, dict[str, Any]]], number: int,
               snap: dict[str, Any]) -> None:
         if number in known:
-            self._update(known[number][0], known[number][1], snap)
-            known[number] = (known[number][0], snap)
+            tid, old = known[number]
+            if TrialState[old["state"]].is_finished() or old == snap:
+                return
+            if tid is None:
+                tid = self.storage.get_trial_id_from_study_id_trial_number(sid, number)
+            self._update(tid, old, snap)
+            known[number] = (tid, snap)
         elif number == len(known):
             tid = self.storage.create_new_trial(sid, template_trial=trial_from_json(snap))
             known[number] = (tid, snap)
@@ -126,8 +134,6 @@ class Mirror:
             self.push(key, trials=[snap])
 
     def _update(self, tid: int, old: dict[str, Any], new: dict[str, Any]) -> None:
-        if TrialState[old["state"]].is_finished() or old == new:
-            return
         s = self.storage
         if old["state"] == "WAITING" and new["state"] != "WAITING":
             s.set_trial_state_values(tid, TrialState.RUNNING)

@@ -6,29 +6,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from atorch.strategy_search import outcome
+from atorch.strategy_search.outcome import Predicted
+
 Scalar = str | bool | int | float
 STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
 MAX_POINTS = 100_000
 
 
-class Prediction(BaseModel):
-    """The cost model's answer for one point, or why it could not predict."""
+class Prediction(Predicted):
+    """The cost model's answer for one point, or why it could not predict (a ``Predicted`` with the wire's
+    limits)."""
 
-    model_config = ConfigDict(extra="forbid")
-    peak_memory_bytes: float | None = Field(None, ge=0)
-    step_time_s: float | None = Field(None, ge=0)
-    samples_per_s: float | None = Field(None, ge=0)
     error: str | None = Field(None, max_length=2000)
-
-    @model_validator(mode="after")
-    def _one_of(self) -> Prediction:
-        numbers = (self.peak_memory_bytes, self.step_time_s, self.samples_per_s)
-        if self.error is None and any(v is None for v in numbers):
-            raise ValueError("give peak_memory_bytes, step_time_s and samples_per_s, or error")
-        return self
-
-    def as_json(self) -> dict[str, Any]:
-        return {"error": self.error} if self.error is not None else self.model_dump(exclude={"error"})
 
 
 class Table(BaseModel):
@@ -48,7 +38,7 @@ class Table(BaseModel):
         return self
 
     def as_json(self) -> dict[str, Any]:
-        out = {"points": self.points, "predictions": [p.as_json() for p in self.predictions],
+        out = {"points": self.points, "predictions": [p.to_json() for p in self.predictions],
                "global_batch": self.global_batch}
         return {**out, "details": self.details} if self.details is not None else out
 
@@ -84,15 +74,16 @@ class AskResponse(BaseModel):
     told: list[dict[str, Any]] = Field(default_factory=list, description="trials told on the way (no dry-run)")
 
 
-class Measured(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Measured(outcome.Measured):
+    """A dry-run's outcome (``atorch.strategy_search.outcome.Measured``) with the wire's limits; a non-finite loss
+    travels as its text ("nan", "inf")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
     status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")
     samples_per_s: float = Field(0.0, ge=0)
     peak_memory_bytes: float = Field(0.0, ge=0)
     step_time_s: float = Field(0.0, ge=0)
     reason: str = Field("", max_length=10_000)
-    # the numerics check (atorch.dryrun.numerics): the first step's loss and the user's model's; a non-finite
-    # loss travels as its text ("nan", "inf")
     loss: float | str | None = Field(None, description="first-step loss")
     reference_loss: float | str | None = Field(None, description="the user's model on the same samples")
 

@@ -108,7 +108,9 @@ class _Proposer:
 @dataclass
 class Live:
     key: str
-    study: Any  # on an InMemoryStorage
+    study: Any  # on ``storage``
+    storage: Any  # an InMemoryStorage
+    study_id: int  # the study's id in it
     config: dict[str, Any]
     table: CandidateTable
     proposer: _Proposer
@@ -119,8 +121,7 @@ class Live:
     deleted: bool = False
 
     def trial(self, number: int) -> Any:
-        storage = self.study._storage
-        return storage.get_trial(storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number))
+        return self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
 
 
 class Studies:
@@ -208,10 +209,10 @@ class Studies:
                seed_top_k: int | None = None) -> Live:
         config = attrs[CONFIG_ATTR]
         table = CandidateTable.from_json(attrs[TABLE_ATTR])
-        study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), study_name=key,
-                                    direction="maximize")
+        storage = optuna.storages.InMemoryStorage()
+        study = optuna.create_study(storage=storage, study_name=key, direction="maximize")
         for k, v in attrs.items():
-            study._storage.set_study_user_attr(study._study_id, k, v)
+            study.set_user_attr(k, v)
         gaps = []
         for number in range(max(snaps, default=-1) + 1):
             if number not in snaps:  # no row holds it: kept failed so later numbers stay where they were
@@ -221,21 +222,21 @@ class Studies:
         if gaps:
             self.log.append(key, "trials", gaps)
         proposer = _Proposer(study)
-        state = self._state(proposer, config, table)
-        live = Live(key, study, config, table, proposer, state, dict(snaps))
+        state = self._state(proposer, storage, config, table)
+        live = Live(key, study, storage, state.study_id, config, table, proposer, state, dict(snaps))
         for number, snap in snaps.items():
             if snap["state"] == "RUNNING" and "key" in snap["user_attrs"]:
                 live.running[number] = (snap["user_attrs"]["key"], snap["user_attrs"].get("lease_expires"))
         return live
 
     @staticmethod
-    def _state(proposer: _Proposer, config: dict[str, Any], table: CandidateTable) -> SearchState:
+    def _state(proposer: _Proposer, storage: Any, config: dict[str, Any], table: CandidateTable) -> SearchState:
         study = proposer._study
         trials = study.get_trials(deepcopy=False)
         # Seeded by the trial count, so a sampler rebuilt after a restart does not repeat itself.
         study.sampler = make_sampler(config["sampler"], config["max_trials"], config["seed"] + len(trials))
-        return SearchState(proposer, table, config["memory_budget"], max_asks=max(50, 10 * config["max_trials"]),
-                           trials=trials)
+        return SearchState(proposer, table, config["memory_budget"], storage=storage,
+                           max_asks=max(50, 10 * config["max_trials"]), trials=trials)
 
     # ----- recording -------------------------------------------------------------------------
     def _record(self, live: Live, numbers: list[int]) -> Future:
@@ -290,8 +291,8 @@ class Studies:
                         live.config, live.table = config, CandidateTable.from_json(table)
                         attrs = {TABLE_ATTR: table, CONFIG_ATTR: config}
                         for k, v in attrs.items():
-                            live.study._storage.set_study_user_attr(live.study._study_id, k, v)
-                        live.state = self._state(live.proposer, config, live.table)
+                            live.study.set_user_attr(k, v)
+                        live.state = self._state(live.proposer, live.storage, config, live.table)
                         self.log.append(key, "study", {"table": table, "config": config})
                         self.mirror.push(key, attrs)
             with live.lock:
@@ -327,7 +328,7 @@ class Studies:
 
     @staticmethod
     def _attrs(live: Live) -> dict[str, Any]:
-        return live.study._storage.get_study_user_attrs(live.study._study_id)  # Study.user_attrs deep-copies
+        return live.storage.get_study_user_attrs(live.study_id)  # Study.user_attrs deep-copies
 
     # ----- leases ----------------------------------------------------------------------------
     def _expire(self, live: Live) -> list[int]:
@@ -412,12 +413,15 @@ class Studies:
         return [_listed(trial_from_json(s)) for s in snaps]
 
     def view(self, key: str) -> Any:
-        """What the /ui page shows of a study: its attributes and recorded trials (an Optuna study
-        from the storage for a study this server does not serve)."""
+        """What the /ui page shows of a study: its attributes and recorded trials (as the storage holds them
+        for a study this server does not serve)."""
         try:
             live = self._get(key)
         except UnknownStudy:
-            return optuna.load_study(study_name=key, storage=self.storage)
+            found = rdb_trials(self.storage, key)
+            if found is None:
+                raise
+            return _View(key, self.storage.get_study_id_from_name(key), dict(found[0]), list(found[1]))
         with live.lock:
             snaps = [live.logged[n] for n in sorted(live.logged)]
             attrs = dict(self._attrs(live))
@@ -432,7 +436,7 @@ class Studies:
 @dataclass
 class _View:
     study_name: str
-    _study_id: int
+    study_id: int  # in the Optuna storage (optuna-dashboard's link); 0 until copied
     user_attrs: dict[str, Any]
     trials: list[Any]
 

@@ -18,7 +18,6 @@ kept by whoever runs the loop.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from atorch.strategy_search.candidates import CandidateTable, Point, point_key
+from atorch.strategy_search.outcome import Measured
 
 OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
 DEFAULT_TOP_K = 3
@@ -41,26 +41,12 @@ class Proposal:
     stop: str = ""
 
 
-def measured_json(result: Any) -> dict[str, Any]:
-    """A dry-run's result (``.status``, ``.samples_per_s``, ``.peak_memory_bytes``, ``.reason``) as JSON."""
-    out = {"status": str(result.status).lower(), "samples_per_s": float(result.samples_per_s or 0.0),
-           "peak_memory_bytes": float(result.peak_memory_bytes or 0.0),
-           "step_time_s": float(getattr(result, "step_time_s", 0.0) or 0.0),
-           "reason": str(getattr(result, "reason", "") or "")}
-    for name in ("loss", "reference_loss"):  # the numerics check's figures (JSON has no NaN: kept as text)
-        value = getattr(result, name, None)
-        if value is not None:
-            out[name] = float(value) if math.isfinite(value) else str(value)
-    return out
-
-
-def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> dict[str, Any]:
+def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> Measured:
     """Run ``measure``; one that raises is a failed trial with its reason, and the search goes on."""
     try:
-        return measured_json(measure(candidate))
+        return Measured.of(measure(candidate))
     except Exception as exc:
-        return {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0.0, "step_time_s": 0.0,
-                "reason": f"{type(exc).__name__}: {exc}"}
+        return Measured.failure(exc)
 
 
 def judge(
@@ -99,26 +85,17 @@ def make_sampler(sampler: Any, max_trials: int, seed: int) -> Any:
     raise ValueError(f"sampler must be 'tpe', 'gp' or an Optuna sampler, got {sampler!r}")
 
 
-def set_user_attrs(study: Any, trial_id: int, attrs: dict[str, Any]) -> None:
-    """Set a running trial's user attributes in one transaction on an RDB storage (one commit instead of
-    one per attribute, each with its own read of the trial: most of a server request's time), else one by one."""
-    storage = study._storage
-    rdb = getattr(storage, "_backend", storage)
-    try:
-        from optuna.storages import RDBStorage
-        from optuna.storages._rdb import models
-        from optuna.storages._rdb.storage import _create_scoped_session
+def set_user_attrs(trial: Any, attrs: dict[str, Any]) -> None:
+    """Set a running trial's user attributes, one public ``Trial.set_user_attr`` each.
 
-        batched = isinstance(rdb, RDBStorage) and hasattr(rdb, "_set_trial_attr_without_commit")
-    except ImportError:  # another Optuna layout: the public path below is always right
-        batched = False
-    if not batched:
-        for k, v in attrs.items():
-            storage.set_trial_user_attr(trial_id, k, v)
-        return
-    with _create_scoped_session(rdb.scoped_session, True) as session:
-        for k, v in attrs.items():
-            rdb._set_trial_attr_without_commit(session, models.TrialUserAttributeModel, trial_id, k, v)
+    One call per attribute is enough: the server's studies live on an ``InMemoryStorage`` (a dict write each;
+    the durable record is one event-log row per request, atorch.server.store), and a local search's SQLite study
+    pays one commit per attribute, about ten per trial, milliseconds next to a dry-run of seconds. It is not one
+    transaction: another process may see a running trial with part of its attributes for a moment, but every
+    reader that judges outcomes reads finished trials only, and ``study.tell`` finishes a trial after all of its
+    attributes are written."""
+    for k, v in attrs.items():
+        trial.set_user_attr(k, v)
 
 
 MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out its whole family
@@ -191,9 +168,13 @@ class StopRules:
 
 
 class SearchState:
-    """Ask/tell on one study. ``on_trial(record)`` is called after every told trial."""
+    """Ask/tell on one study. ``on_trial(record)`` is called after every told trial.
 
-    def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *,
+    ``storage``: the study's Optuna storage (what ``optuna.storages.get_storage`` returned for it, or the storage
+    object the study was created on). A trial told by number (after a restart, or by another server request) is
+    found through it: Optuna's public API names a trial by its number only there."""
+
+    def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *, storage: Any,
                  on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
                  trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR) -> None:
         from optuna.trial import TrialState
@@ -201,6 +182,7 @@ class SearchState:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
         self.study, self.table, self.budget = study, table, float(memory_budget)
+        self.storage, self.study_id = storage, storage.get_study_id_from_name(study.study_name)
         self.on_trial = on_trial
         self.max_asks = max_asks
         self.skip_slower_than = skip_slower_than  # None: dry-run whatever the sampler proposes
@@ -317,7 +299,7 @@ class SearchState:
                 self._tell(trial, value, constraints, attrs)
                 self.done[key] = (value, constraints, {"number": trial.number, **attrs})
                 continue
-            set_user_attrs(self.study, trial._trial_id, {**attrs, "status": "running", **(lease_attrs or {})})
+            set_user_attrs(trial, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
 
     def slower_than_best(self, pred: dict[str, Any]) -> float:
@@ -328,19 +310,20 @@ class SearchState:
         best = self.table.prediction(self.best_key)
         return float(best.get("samples_per_s") or 0.0) / float(pred["samples_per_s"])
 
-    def tell(self, number: int, measured: dict[str, Any]) -> dict[str, Any]:
-        """Judge and tell a measured outcome; returns the trial's record plus ``improved``. Telling a
-        finished trial again returns its record and changes nothing."""
+    def tell(self, number: int, measured: Measured | dict[str, Any]) -> dict[str, Any]:
+        """Judge and tell a measured outcome (a ``Measured``, or its JSON as a server receives it); returns the
+        trial's record plus ``improved``. Telling a finished trial again returns its record and changes nothing."""
         import optuna
         from optuna.trial import TrialState
 
-        frozen = self.study._storage.get_trial(self._trial_id(number))
+        measured = measured.to_json() if isinstance(measured, Measured) else measured
+        trial_id, frozen = self._trial(number)
         if frozen.state != TrialState.RUNNING:
             return {**trial_record(frozen), "improved": False, "already_told": True}
         key = frozen.user_attrs["key"]
         value, constraints, attrs = self._remember(key, number, measured)
         improved = attrs.pop("improved")
-        trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        trial = optuna.trial.Trial(self.study, trial_id)
         record = self._tell(trial, value, constraints, {"measured": measured, **attrs})
         return {**record, "improved": improved}
 
@@ -349,22 +332,26 @@ class SearchState:
         import optuna
         from optuna.trial import TrialState
 
-        frozen = self.study._storage.get_trial(self._trial_id(number))
+        trial_id, frozen = self._trial(number)
         if frozen.state != TrialState.RUNNING:
             return None
-        trial = optuna.trial.Trial(self.study, frozen._trial_id)
+        trial = optuna.trial.Trial(self.study, trial_id)
         return self._tell(trial, None, None, {"status": status, "reason": reason}, state=TrialState.FAIL)
 
-    def _trial_id(self, number: int) -> int:
-        return self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+    def _trial(self, number: int) -> tuple[int, Any]:
+        """A trial's id and its frozen state, by number (public storage API; ``optuna.trial.Trial(study, id)``
+        then gives the object that constraints and attributes are set on, as ``study.ask()`` would)."""
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+        return trial_id, self.storage.get_trial(trial_id)
 
     def _tell(self, trial: Any, value: float | None, constraints: dict[str, float] | None, attrs: dict[str, Any],
               state: Any = None) -> dict[str, Any]:
         for k, v in (constraints or {}).items():
             trial.set_constraint(k, float(v))
-        set_user_attrs(self.study, trial._trial_id, attrs)
+        set_user_attrs(trial, attrs)
         tell = {"state": state} if state is not None else {"values": float(value)}  # type: ignore[arg-type]
-        frozen = self.study.tell(trial, **tell)
+        # skip_if_finished: a trial that another process on the same storage told first is left as it was told
+        frozen = self.study.tell(trial, **tell, skip_if_finished=True)
         record = trial_record(frozen)
         if self.on_trial is not None:
             self.on_trial(record)
@@ -379,9 +366,10 @@ class SearchState:
             return []
         return [ranked[0][1], ranked[1][1]]
 
-    def confirm(self, key: str, measured: dict[str, Any]) -> dict[str, Any]:
+    def confirm(self, key: str, measured: Measured | dict[str, Any]) -> dict[str, Any]:
         """Record a re-measurement of a measured candidate (``merge_runs`` with its first run; the best is chosen
         again). Kept in the study's ``confirmations`` attribute, so a rebuilt state knows it."""
+        measured = measured.to_json() if isinstance(measured, Measured) else measured
         self._merge(key, measured)
         record = {"key": key, "measured": measured, "status": self.done[key][2]["status"]}
         self.study.set_user_attr("confirmations", [*self.study.user_attrs.get("confirmations", []), record])

@@ -16,7 +16,7 @@ The followers wait for the leader's next word with a bound, so a leader that die
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -30,6 +30,7 @@ from atorch.model_context import InputPreparer, UserSetup
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.describe import describe_record
+from atorch.strategy_search.outcome import Measured, Predicted
 from atorch.strategy_search.progress import SearchProgress, rejudged
 
 logger = get_logger(__name__)
@@ -243,7 +244,7 @@ class _Leader:
         def predict(cand: Any) -> Any:
             pred = analytical(cand)
             peak = traced_peak(cand)
-            return _Predicted(pred.memory.peak if peak is None else peak, pred.time.step)
+            return Predicted.of(pred.memory.peak if peak is None else peak, pred.time.step, space.global_batch)
 
         storage = self.options.storage or default_storage()
         identity = self._identity(space, batch)
@@ -329,7 +330,7 @@ class _Leader:
                 result = fallback
         return result
 
-    def _measure(self, cand: Any) -> _Measured:
+    def _measure(self, cand: Any) -> Measured:
         """Every rank dry-runs ``cand``: announce it, run it here too."""
         timeout = self.options.trial_timeout_s
         if self.time_limit is not None:  # a trial never runs past the job's time limit
@@ -346,12 +347,12 @@ class _Leader:
         self.progress.finished(cand, prediction, measured)
         return measured
 
-    def _check_numerics(self, cand: Any, trial: TrialResult, batch_size: int) -> _Measured:
+    def _check_numerics(self, cand: Any, trial: TrialResult, batch_size: int) -> Measured:
         """The dry-run's losses against the user's own model on the same samples (atorch.dryrun.numerics):
         a candidate that computes something else is rejected with the reason, whatever its speed."""
         from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, compute_dtype, loss_problem, reference_loss
 
-        measured = _Measured.of(trial)
+        measured = Measured.of(trial)
         if trial.status != "ok" or not trial.losses:
             return measured
         data_size = ParallelLayout.of(cand.strategy, self.env.world_size).data_size
@@ -369,30 +370,9 @@ class _Leader:
         problem = loss_problem(trial.losses, reference, compute_dtype(cand.strategy), checked_first)
         loss = trial.losses[0]
         if problem is None:
-            return replace(measured, loss=loss, reference_loss=reference)
-        return replace(measured, status="numerics", reason=problem, loss=loss, reference_loss=reference)
-
-
-@dataclass(frozen=True)
-class _Predicted:
-    peak_memory_bytes: float
-    step_time_s: float
-
-
-@dataclass(frozen=True)
-class _Measured:
-    status: str
-    samples_per_s: float
-    peak_memory_bytes: float
-    reason: str
-    step_time_s: float
-    loss: float | None = None  # the first step's global loss
-    reference_loss: float | None = None  # the user's own model on the same samples
-
-    @classmethod
-    def of(cls, trial: TrialResult) -> _Measured:
-        return cls(trial.status, trial.samples_per_s or 0.0, float(trial.peak_bytes or 0), trial.reason or "",
-                   trial.step_time_s or 0.0)
+            return measured.model_copy(update={"loss": loss, "reference_loss": reference})
+        return measured.model_copy(update={"status": "numerics", "reason": problem, "loss": loss,
+                                           "reference_loss": reference})
 
 
 def _sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:

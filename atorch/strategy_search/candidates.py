@@ -11,6 +11,7 @@ A parameter's Optuna name is the dimension's name when every value of the dimens
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,27 +25,48 @@ def point_key(point: Point) -> str:
     return json.dumps(point, sort_keys=True)
 
 
-# Point keys that do not change how memory is laid out: a measurement corrects the predictions of the
-# candidates that share every other key (the same layout, sharding and recompute: a "family").
-NOT_FAMILY_KEYS = frozenset({"micro_batch_size", "precision", "module_replace"})
+
+
+def _dimensions() -> tuple[tuple[str, Any, str, bool], ...]:
+    """The registry's search dimensions as (name, off value, kind, whether it changes the memory layout)."""
+    import atorch.opt_lib  # noqa: F401  (registers every method)
+    from atorch.opt_lib import registry
+
+    return _dimensions_of(tuple(registry.method_names()))  # a method registered later counts too
+
+
+@functools.cache
+def _dimensions_of(_names: tuple[str, ...]) -> tuple[tuple[str, Any, str, bool], ...]:
+    from atorch.opt_lib.registry import search_dimensions
+
+    return tuple((d.name, d.off, d.kind, any(d.role(m).in_family for m in d.methods)) for d in search_dimensions())
+
+
+def not_family_keys() -> frozenset[str]:
+    """Point keys that do not change how memory is laid out (the micro-batch size, and the dimensions whose
+    methods' search roles say so: precision, module_replace): a measurement corrects the predictions of the
+    candidates that share every other key (the same layout, sharding and recompute: a "family")."""
+    return frozenset({"micro_batch_size"} | {name for name, _, _, in_family in _dimensions() if not in_family})
+
+
+def is_baseline(point: Point) -> bool:
+    """Plain data parallel: every searched dimension at its "off" value (no tensor or pipeline split, no
+    sharding, fp32, no checkpointing, no replacement). A choice dimension must be there (a fine-tuning space's
+    points have none: no baseline); a switch or a layout size may be left out."""
+    return all((point.get(name) if kind == "choice" else point.get(name, off)) == off
+               for name, off, kind, _ in _dimensions())
 
 
 def family_key(point: Point) -> str:
     """The memory family of a point: its layout, sharding (with its options) and recompute."""
-    return json.dumps({k: v for k, v in point.items() if k not in NOT_FAMILY_KEYS}, sort_keys=True)
-
-
-def predicted_json(raw: Any, global_batch: int) -> dict[str, Any]:
-    """The cost model's answer as JSON: peak memory, step time and samples/s, or why it could not predict."""
-    step = float(raw.step_time_s)
-    return {"peak_memory_bytes": float(raw.peak_memory_bytes), "step_time_s": step,
-            "samples_per_s": global_batch / step if step > 0 else 0.0}
+    excluded = not_family_keys()
+    return json.dumps({k: v for k, v in point.items() if k not in excluded}, sort_keys=True)
 
 
 @dataclass
 class CandidateTable:
     points: list[Point]  # valid points, in the space's walk order
-    predictions: list[dict[str, Any]]  # one per point: predicted_json(...) or {"error": reason}
+    predictions: list[dict[str, Any]]  # one per point: Predicted.to_json() (atorch.strategy_search.outcome)
     global_batch: int
     # optional, per point: what a person reads (the strategy, micro-batching and their one-line description)
     details: list[dict[str, Any]] | None = None
@@ -65,7 +87,7 @@ class CandidateTable:
     # ----- JSON ------------------------------------------------------------------------------
     @classmethod
     def from_space(cls, space: Any, predict: Callable[[Any], dict[str, Any]]) -> CandidateTable:
-        """The table of a SearchSpace: ``predict(candidate)`` gives predicted_json(...) or {"error": ...}."""
+        """The table of a SearchSpace: ``predict(candidate)`` gives a ``Predicted``'s JSON."""
         from atorch.strategy_search.describe import describe_candidate
 
         cands, points = space.enumerate(), space.valid_points()  # the same order
@@ -111,9 +133,7 @@ class CandidateTable:
     def baseline(self, budget: float, correction: Callable[[str], float] | None = None) -> str | None:
         """Plain data parallel (no tensor or pipeline split, no sharding, fp32, no checkpointing, no replacement)
         at the micro-batch the cost model likes best."""
-        ddp = [i for i, p in enumerate(self.points) if p.get("sharding") == "ddp" and p.get("precision") == "fp32"
-               and not p.get("checkpoint") and not p.get("module_replace")
-               and int(p.get("tensor", 1)) == 1 and int(p.get("pipeline", 1)) == 1]
+        ddp = [i for i, p in enumerate(self.points) if is_baseline(p)]
         if not ddp:
             return None
         scale = correction or (lambda key: 1.0)

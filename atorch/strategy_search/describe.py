@@ -31,7 +31,8 @@ def describe_candidate(strategy: Any, micro_batch_size: int, micro_batches: int,
     ``micro_batch_size`` per rank (a Candidate's fields). Without ``world_size`` the data size is ``*``."""
     strategy = Strategy.load(strategy) if not isinstance(strategy, Strategy) else strategy
     # The model-parallel methods first (they go with the layout), the rest in the strategy's order.
-    items = sorted((i for i in strategy.methods if i.name != "parallel_mode"), key=lambda i: "parallel" not in i.name)
+    items = sorted((i for i in strategy.methods if i.name != "parallel_mode"),
+                   key=lambda i: not _model_parallel(i.name))
     methods = [_method(item.name, item.config) for item in items]
     return " | ".join((_layout(strategy, world_size), ", ".join(methods) or "ddp",
                        _micro_batching(strategy, micro_batch_size, micro_batches)))
@@ -95,17 +96,21 @@ def _field(path: str, key: str, value: Any) -> str:
     return f"{path}={value}"
 
 
+def _model_parallel(name: str) -> bool:
+    """A method that splits the model over a parallel_mode dimension other than data (its registry entry)."""
+    from atorch.opt_lib.registry import get_method
+
+    return any(dim != "data" for dim in get_method(name).mesh_dims)
+
+
 def _pipeline_micro_batches(strategy: Strategy) -> int:
-    """The pipeline schedule's micro-batches per step (1 without pipeline parallel or when not set)."""
-    for name, path in (("pipeline_parallel", ()), ("mixed_parallel", ("pipeline",)), ("ds_3d_parallel", ())):
-        config = strategy.get(name)
-        if config is None:
-            continue
-        for step in path:
-            config = getattr(config, step, None)
-        value = getattr(config, "micro_batches", None)
-        if value:
-            return int(value)
+    """The pipeline schedule's micro-batches per step (1 without pipeline parallel or when not set): what the
+    strategy's method says (``Method.schedule_micro_batches``)."""
+    from atorch.opt_lib.registry import get_method
+
+    for item in strategy.methods:
+        if value := get_method(item.name).schedule_micro_batches(item.config):
+            return value
     return 1
 
 

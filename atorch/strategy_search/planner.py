@@ -63,6 +63,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
 )
 from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.describe import describe_candidate
+from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
@@ -144,13 +145,6 @@ def study_key(identity: StudyIdentity) -> str:
 _study_key = study_key  # Planner's argument of the same name shadows it
 
 
-@dataclass(frozen=True)
-class Predicted:
-    peak_memory_bytes: float
-    step_time_s: float
-    samples_per_s: float
-
-
 @dataclass
 class PlanResult:
     candidate: Candidate | None
@@ -163,10 +157,10 @@ class PlanResult:
 
 
 class Planner:
-    """Plans a strategy for one job. ``predict(candidate)`` returns something with
+    """Plans a strategy for one job. ``predict(candidate)`` returns a ``Predicted`` or something with
     ``.peak_memory_bytes`` and ``.step_time_s`` (one optimizer step over the global batch);
-    ``measure(candidate)`` returns something with ``.status``, ``.samples_per_s``,
-    ``.peak_memory_bytes`` and ``.reason``."""
+    ``measure(candidate)`` returns a ``Measured`` or something with ``.status``, ``.samples_per_s``,
+    ``.peak_memory_bytes`` and ``.reason`` (atorch.strategy_search.outcome)."""
 
     def __init__(
         self,
@@ -209,37 +203,35 @@ class Planner:
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self.confirm_within = confirm_within
         self.skip_slower_than = skip_slower_than
-        self._predictions: dict[str, Predicted | str] | None = None
+        self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
 
     # ----- the cost model ----------------------------------------------------------------------
-    def _predict(self, cand: Candidate, warn: RepeatedWarnings) -> Predicted | str:
-        """The prediction, or the reason the cost model could not predict (then it is measured)."""
+    def _predict(self, cand: Candidate, warn: RepeatedWarnings) -> Predicted:
+        """The prediction, or the reason the cost model could not predict (``error``: then it is measured)."""
         try:
-            raw = self.predict_fn(cand)
-            step = float(raw.step_time_s)
-            return Predicted(float(raw.peak_memory_bytes), step, self.space.global_batch / step if step > 0 else 0.0)
+            return Predicted.estimate(self.predict_fn(cand), self.space.global_batch)
         except StepError:  # the user's model / loss_func cannot run a step: measuring would fail the same way
             raise
         except Exception as exc:  # a cost model gap must not stop the search
             reason = f"{type(exc).__name__}: {exc}"
             warn(reason, f"cost model could not predict {cand}: {exc}")  # once, with the count, not per candidate
-            return reason
+            return Predicted.failed(reason)
 
-    def predictions(self) -> dict[str, Predicted | str]:
+    def predictions(self) -> dict[str, Predicted]:
         if self._predictions is None:
             with RepeatedWarnings(logger, "candidates") as warn:
                 self._predictions = {c.key: self._predict(c, warn) for c in self.space.enumerate()}
         return self._predictions
 
-    def _fits(self, pred: Predicted | str) -> bool:
-        return isinstance(pred, Predicted) and pred.peak_memory_bytes <= self.memory_budget
+    def _fits(self, pred: Predicted) -> bool:
+        return pred.ok and pred.peak_memory_bytes <= self.memory_budget  # type: ignore[operator]
 
     def table(self) -> CandidateTable:
         """The space's valid points with the cost model's predictions (what ask/tell works from)."""
         if self._table is None:
             preds = self.predictions()
-            self._table = CandidateTable.from_space(self.space, lambda c: _pred_json(preds[c.key]))
+            self._table = CandidateTable.from_space(self.space, lambda c: preds[c.key].to_json())
         return self._table
 
     def describe(self, cand: Candidate) -> str:
@@ -263,7 +255,7 @@ class Planner:
                 f"no candidate is predicted to fit {100 * (1 - COST_MODEL_ONLY_MARGIN):.0f}% of the memory budget"))
         best = ranked[0]
         pred = self.predictions()[best.key]
-        return PlanResult(best, pred.samples_per_s, "cost_model", self.study_name,  # type: ignore[union-attr]
+        return PlanResult(best, pred.samples_per_s, "cost_model", self.study_name,
                           stop_reason="picked by the cost model")
 
     def baseline(self) -> Candidate | None:
@@ -276,17 +268,22 @@ class Planner:
         return make_sampler(self.sampler, self.max_trials, self.seed)
 
     def study(self) -> Any:
+        return self._open()[0]
+
+    def _open(self) -> tuple[Any, Any]:
+        """The study and its Optuna storage object (SearchState finds trials by number through it)."""
         import optuna
 
+        storage = optuna.storages.get_storage(self.storage)  # a URL's storage; a storage object as it is
         study = optuna.create_study(
-            direction="maximize", storage=self.storage, study_name=self.study_name,
+            direction="maximize", storage=storage, study_name=self.study_name,
             load_if_exists=True, sampler=self._make_sampler(),
         )
         if "created" not in study.user_attrs:  # a new study: say when, and what it is for (atorch cache list)
             study.set_user_attr("created", _now())
             if self.identity is not None:
                 study.set_user_attr("identity", self.identity.model_dump(mode="json"))
-        return study
+        return study, storage
 
     def cached(self) -> PlanResult | None:
         """This study's answer under this budget, if its search finished and the answer holds (``cached_best``)."""
@@ -307,7 +304,7 @@ class Planner:
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
-        study = self.study()
+        study, storage = self._open()
         if not force:
             hit, why = self._reuse(study)
             if hit is not None:
@@ -319,7 +316,7 @@ class Planner:
                 logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
                             self.study_name, measured, why)
         self._record(study, False, "running", "started; not finished (a search killed before its end stays so)")
-        state = SearchState(study, self.table(), self.memory_budget, on_trial=self.on_trial,
+        state = SearchState(study, self.table(), self.memory_budget, storage=storage, on_trial=self.on_trial,
                             max_asks=max(50, 10 * self.max_trials), skip_slower_than=self.skip_slower_than)
         try:
             stop, kind = self._explore(state, rules)
@@ -405,13 +402,6 @@ class Planner:
         logger.info("confirmation: best %s", self.describe(self.space.from_point(json.loads(state.best_key)))
                     if state.best_key else None)
         return f"confirmation: the best and the runner-up ran once more ({done} dry-runs)"
-
-
-def _pred_json(pred: Predicted | str) -> dict[str, Any]:
-    if isinstance(pred, str):
-        return {"error": pred}
-    return {"peak_memory_bytes": pred.peak_memory_bytes, "step_time_s": pred.step_time_s,
-            "samples_per_s": pred.samples_per_s}
 
 
 def _trial_records(study: Any) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from rich.text import Text
 from atorch.log import get_logger
 from atorch.strategy_search.ask_tell import judge
 from atorch.strategy_search.describe import describe_candidate, describe_record
+from atorch.strategy_search.outcome import Measured, Predicted
 
 logger = get_logger(__name__)
 
@@ -109,14 +110,14 @@ class SearchProgress:
         """The one description of a Candidate at this search's world size."""
         return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.world_size)
 
-    def started(self, cand: Any, prediction: Any) -> None:
-        pred = {} if prediction is None or isinstance(prediction, str) else {
+    def started(self, cand: Any, prediction: Predicted | None) -> None:
+        pred = {} if prediction is None or not prediction.ok else {
             "step_time_s": prediction.step_time_s, "peak_memory_bytes": prediction.peak_memory_bytes}
         self.rows.append({"number": f"d{len(self.rows) + 1}", "predicted": pred, "status": "running",
                           "candidate": {**cand.to_json(), "description": self.describe(cand)}})
         self._refresh()
 
-    def finished(self, cand: Any, prediction: Any, measured: Any) -> None:
+    def finished(self, cand: Any, prediction: Predicted | None, measured: Measured) -> None:
         row = self.rows[-1]
         row["measured"] = {"status": str(measured.status).lower(), "step_time_s": measured.step_time_s,
                            "peak_memory_bytes": measured.peak_memory_bytes,

@@ -4,7 +4,9 @@ A *point* is a flat dict of choices, e.g. ``{"sharding": "zero2", "zero2.impleme
 "checkpoint": True, "precision": "amp_bf16", "module_replace": False, "micro_batch_size": 2}``.
 Which keys a point has depends on earlier choices (``zero2.implementation`` only with zero2), so the
 space is a tree of dimensions walked in a fixed order. Each method's tunable fields come from its
-``search_space()`` in the registry; nothing here lists a method's options by hand.
+``search_space()`` in the registry, and the dimension that carries it, its point key and value, from its
+``search_role`` (``atorch.opt_lib.base.SearchRole``): nothing here lists a method or its options by hand,
+except the model-parallel layout (tensor and pipeline sizes, their methods' plans and schedules).
 
 Validity is data, not code: a point becomes a Strategy and ``Strategy.problems(world_size)`` (the
 method checks and the compatibility RULES) decides. ``enumerate()`` keeps only valid candidates, and
@@ -39,22 +41,18 @@ from typing import Any
 
 from torch import nn
 
-from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.opt_lib import registry
-from atorch.opt_lib.base import NUMERICS_ORDER, Numerics
-from atorch.opt_lib.blocks import block_classes
-from atorch.opt_lib.module_replace import replace_pairs
+from atorch.opt_lib.base import NUMERICS_ORDER, Method, Numerics, SearchRole
+from atorch.opt_lib.registry import SearchDimension, search_dimensions
 from atorch.strategy import Strategy, StrategyItem
 from atorch.strategy_search.analyser import fingerprint
 
 Point = dict[str, Any]
 
-SHARDING = ("zero1", "zero2", "fsdp")  # methods that shard; "ddp" is parallel_mode alone
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # searched under pipeline parallel
-PRECISION = ("amp_native", "half")  # fp8 is left out: it needs CUDA sm >= 8.9 and is opt-in
-# half fp16 keeps no fp32 master weights: Adam's state underflows (see Half.model_problems), so by
-# default only bf16 is searched for 'half'.
+# A method that keeps weights in 16 bits (numerics "low": half) has no fp32 master weights: in fp16 Adam's state
+# underflows (see Half.model_problems), so by default only bf16 is searched for it.
 DEFAULT_HALF_DTYPES = ("bf16",)
 
 
@@ -157,10 +155,9 @@ class SearchSpace:
         self.finetune = Strategy.load(finetune_strategy) if finetune_strategy is not None else None
         self.model_fingerprint = fingerprint(model)
         self._ctx = SimpleNamespace(model=model)  # what Method.search_space may look at
-        self.blocks = block_classes(model)
-        self.replaceable = any(
-            matches(m, (pair.source,)) for pair in replace_pairs().values() for m in model.modules()
-        )
+        # the registry's choice and switch dimensions, in tree order, with the methods the model gives anything
+        self.dimensions = [d for d in search_dimensions() if d.kind != "layout"]
+        self._searchable = {m.name: m.searchable(model) for d in self.dimensions for m in d.methods}
         self.max_micro_batch_size = max_micro_batch_size
         self.dp = world_size  # the data size of the all-data-parallel layout
         if global_batch % self.dp:
@@ -251,22 +248,32 @@ class SearchSpace:
             return False
         return NUMERICS_ORDER.index(method.numerics) <= NUMERICS_ORDER.index(self.precision)
 
-    def _sharding_choices(self) -> tuple[str, ...]:
-        forced = [m for m in SHARDING if m in self.included]
-        if forced:
-            return tuple(forced)  # more than one: every candidate breaks a rule, reported as empty space
-        return ("ddp",) + tuple(m for m in SHARDING if self._allowed(m))
+    def _choices(self, dim: SearchDimension) -> tuple[Any, ...]:
+        """A choice dimension's values: ``off`` and every allowed method's; only the included ones' where the
+        user included any (more than one: every candidate breaks a rule, reported as an empty space)."""
+        forced = [m for m in dim.methods if m.name in self.included]
+        values: list[Any] = [] if forced else [dim.off]
+        for method in forced or [m for m in dim.methods if self._allowed(m.name)]:
+            values += self._values(method, dim.role(method))
+        return tuple(values)
 
-    def _precision_choices(self) -> tuple[str, ...]:
-        choices: list[str] = [] if any(m in self.included for m in PRECISION) else ["fp32"]
-        for method in PRECISION:
-            if not self._allowed(method) or (self.included & set(PRECISION) and method not in self.included):
-                continue
-            dtypes = registry.get_method(method).search_space(self._ctx).get("dtype")
-            for dtype in getattr(dtypes, "choices", ()):
-                if dtype in self.supported_dtypes and (method != "half" or dtype in self.half_dtypes):
-                    choices.append(f"{'amp' if method == 'amp_native' else method}_{dtype}")
-        return tuple(choices)
+    def _values(self, method: Method, role: SearchRole) -> list[str]:
+        """A method's values on its choice dimension: its name (or ``role.value``), or one per searched dtype."""
+        if not role.per_dtype:
+            return [role.value_of(method.name)]
+        dtypes = method.search_space(self._ctx).get("dtype")
+        return [f"{role.value_of(method.name)}_{dtype}" for dtype in getattr(dtypes, "choices", ())
+                if dtype in self.supported_dtypes and (method.numerics != "low" or dtype in self.half_dtypes)]
+
+    @staticmethod
+    def _chosen(dim: SearchDimension, value: Any) -> tuple[Method, str | None]:
+        """The method a choice dimension's ``value`` stands for, and its dtype where the value carries one."""
+        for method in dim.methods:
+            role = dim.role(method)
+            prefix, _, dtype = str(value).rpartition("_") if role.per_dtype else (str(value), "", None)
+            if prefix == role.value_of(method.name):
+                return method, dtype
+        raise SetupError([f"{dim.name}={value!r} names no registered method"])
 
     def _on_off(self, name: str) -> tuple[bool, ...]:
         if name in self.included:
@@ -288,16 +295,20 @@ class SearchSpace:
             yield Dim("micro_batch_size", self.micro_batch_sizes)
             return
         yield from self._layout_dims(partial)
-        yield Dim("sharding", self._sharding_choices())
-        if partial.get("sharding", "ddp") != "ddp":
-            yield from self._method_dims(partial["sharding"])
-        if self.blocks:
-            yield Dim("checkpoint", self._on_off("checkpoint"))
-            if partial.get("checkpoint"):
-                yield from self._method_dims("checkpoint")
-        yield Dim("precision", self._precision_choices())
-        if self.replaceable and not (self.conv1d and int(partial.get("tensor", 1)) > 1):
-            yield Dim("module_replace", self._on_off("module_replace"))
+        for dim in self.dimensions:
+            if dim.kind == "switch":
+                method = dim.methods[0]
+                if not (self._searchable[method.name] and method.offered_at(partial, self)):
+                    continue
+                yield Dim(dim.name, self._on_off(method.name))
+                if partial.get(dim.name):
+                    yield from self._method_dims(method.name)
+                continue
+            yield Dim(dim.name, self._choices(dim))
+            if dim.name in partial and partial[dim.name] != dim.off:
+                chosen, dtype = self._chosen(dim, partial[dim.name])
+                folded = f"{chosen.name}.dtype" if dtype is not None else None  # carried by the value
+                yield from (d for d in self._method_dims(chosen.name) if d.name != folded)
         yield Dim("micro_batch_size", self._micro_batch_sizes(int(partial.get("tensor", 1)),
                                                               int(partial.get("pipeline", 1))))
 
@@ -343,18 +354,16 @@ class SearchSpace:
                 configs["pipeline_parallel"] = schedule
             if tensor > 1 and self.conv1d:
                 names.add("module_replace")  # DTensor cannot split transformers' Conv1D: swapped for nn.Linear
-        if point["sharding"] != "ddp":
-            names.add(point["sharding"])
-        if point.get("checkpoint"):
-            names.add("checkpoint")
-        if point.get("module_replace"):
-            names.add("module_replace")
-        precision = point["precision"]
-        if precision != "fp32":
-            method, dtype = precision.rsplit("_", 1)
-            method = "amp_native" if method == "amp" else method
-            names.add(method)
-            configs.setdefault(method, {})["dtype"] = dtype
+        for dim in self.dimensions:
+            value = point.get(dim.name, dim.off)
+            if dim.kind == "switch":
+                if value:
+                    names.add(dim.methods[0].name)
+            elif value != dim.off:
+                chosen, dtype = self._chosen(dim, value)
+                names.add(chosen.name)
+                if dtype is not None:
+                    configs.setdefault(chosen.name, {})["dtype"] = dtype
         # Every included method is in every candidate (fp8 say, or two that the rules then refuse).
         names |= self.included
         items = [
