@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import toy_models
 from rich.console import Console
+from search_doubles import Pred, Run
 
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
@@ -176,20 +177,6 @@ def test_search_json_carries_the_pick_and_every_trial_described() -> None:
 
 
 # ----- the stop message ------------------------------------------------------------------------------------
-@dataclass
-class Pred:
-    peak_memory_bytes: float
-    step_time_s: float
-
-
-@dataclass
-class Run:
-    status: str
-    samples_per_s: float
-    peak_memory_bytes: float
-    reason: str = ""
-
-
 def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[PlanResult, list]:
     """A search whose cost model ranks two candidates first; the first measures 100 samples/s, the second
     ``runner_up``, everything else 10."""

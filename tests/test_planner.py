@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 
 import optuna
 import pytest
 import toy_models
+from search_doubles import Pred, Run
 
 from atorch.strategy_search.ask_tell import SearchState
 from atorch.strategy_search.candidates import CandidateTable, family_key
@@ -24,20 +24,6 @@ from atorch.strategy_search.space import Candidate, SearchSpace
 
 WORLD, GLOBAL_BATCH = 2, 8
 MiB = 2**20
-
-
-@dataclass
-class Pred:
-    peak_memory_bytes: float
-    step_time_s: float
-
-
-@dataclass
-class Run:
-    status: str
-    samples_per_s: float
-    peak_memory_bytes: float
-    reason: str = ""
 
 
 def true_memory(p: dict) -> float:
