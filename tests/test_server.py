@@ -18,11 +18,21 @@ import httpx
 import pytest
 import toy_models
 from server_harness import ProcessServer, ThreadServer
-from test_planner import BUDGET, GLOBAL_BATCH, WORLD, Measure, landscape_space, predict, true_memory, true_speed
+from test_planner import (
+    BUDGET,
+    GLOBAL_BATCH,
+    WORLD,
+    Measure,
+    SlowFirstRun,
+    landscape_space,
+    predict,
+    true_memory,
+    true_speed,
+)
 
 from atorch.cli import main
 from atorch.errors import SetupError
-from atorch.server.client import RemotePlanner, StrategyClient
+from atorch.server.client import RemotePlanner, ServerError, StrategyClient
 from atorch.server.serve import check_bind
 from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.outcome import Predicted
@@ -125,6 +135,39 @@ def test_remote_search_matches_local_and_a_second_job_gets_the_cached_best(space
         assert second.source == "cache" and second.candidate == first.candidate and not second_measure.calls
         assert RemotePlanner(space, server_url=server.url, token=TOKEN, study_key="k", predict=predict,
                              measure=second_measure, memory_budget=BUDGET).plan_without_dryrun().candidate
+
+
+def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, tmp_path) -> None:
+    """test_planner's confirmation on a server's study: the fastest of the cost model's favourites has one slow
+    run; the best and the runner-up run once more (within max_trials), the server records both second runs
+    (and replays them after a restart), and the pick is the truly fastest, as in the local search."""
+    local_db = f"sqlite:///{tmp_path / 'local.db'}"
+    seeds = Planner(space, storage=local_db, study_key="probe", predict=predict, measure=Measure(),
+                    memory_budget=BUDGET).ranked_by_cost_model()[:3]
+    slowed = max(seeds, key=lambda c: true_speed(dict(c.point)))
+    args = dict(study_key="c", predict=predict, memory_budget=BUDGET, max_trials=8, confirm_within=0.3)
+    local = Planner(space, storage=local_db, measure=SlowFirstRun(slowed.key), **args).search()
+    confirmed_line = "; confirmation: the best and the runner-up ran once more (2 dry-runs)"
+    assert local.stop_reason.endswith(confirmed_line)
+    with ThreadServer(sqlite(tmp_path)) as server:
+        measure = SlowFirstRun(slowed.key)
+        remote = RemotePlanner(space, server_url=server.url, measure=measure, **args).search()
+        best = max(measure.calls, key=lambda c: true_speed(dict(c.point)))
+        assert remote.stop_reason.endswith(confirmed_line) and remote.dry_runs == len(measure.calls) == 8
+        assert remote.candidate == best == local.candidate
+        assert remote.samples_per_s == pytest.approx(true_speed(dict(best.point)))
+        confirmed = [c.key for c in measure.calls[-2:]]  # the runner-up, then the best, once more each
+        assert best.key in confirmed and len({c.key for c in measure.calls}) == 6
+        client = StrategyClient(server.url)
+        # Each keeps its faster run on the server: the slowed candidate's first run no longer counts.
+        kept = {c["key"]: c["samples_per_s"] for c in client.contenders("c", 0.99)["contenders"]}
+        assert kept == {k: pytest.approx(true_speed(json.loads(k))) for k in confirmed}
+        with pytest.raises(ServerError, match="no measured candidate") as refused:
+            client.confirm("c", '{"unknown": 1}', {"status": "ok"})
+        assert refused.value.status_code == 404
+    with ThreadServer(sqlite(tmp_path)) as restarted:  # the confirmations are in the event log
+        replayed = StrategyClient(restarted.url).contenders("c", 0.99)["contenders"]
+        assert {c["key"]: c["samples_per_s"] for c in replayed} == kept
 
 
 def test_restart_mid_search_loses_nothing(table, tmp_path) -> None:

@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from atorch.server import models
-from atorch.server.store import LeaseExpired, Studies, StudyBusy, UnknownStudy, UnknownTrial
+from atorch.server.store import LeaseExpired, Studies, StudyBusy, UnknownCandidate, UnknownStudy, UnknownTrial
 
 API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
@@ -118,6 +118,11 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     async def _unknown_trial(_: Request, exc: UnknownTrial) -> JSONResponse:
         return JSONResponse({"detail": f"no asked trial number {exc.args[0]} in this study"}, 404)
 
+    @app.exception_handler(UnknownCandidate)
+    async def _unknown_candidate(_: Request, exc: UnknownCandidate) -> JSONResponse:
+        return JSONResponse({"detail": f"no measured candidate with key {exc.args[0]!r} in this study "
+                                       "(confirm re-measures one that a tell measured)"}, 404)
+
     @app.exception_handler(LeaseExpired)
     async def _expired(_: Request, exc: LeaseExpired) -> JSONResponse:
         return JSONResponse({"detail": f"{exc}: the trial was marked failed; ask again"}, 409)
@@ -167,6 +172,20 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
                    number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
         """A measured result or failure; telling a finished trial again changes nothing."""
         answer, recorded = studies.tell(study_key, number, body.measured.to_json())
+        await asyncio.wrap_future(recorded)
+        return answer
+
+    @app.get("/v1/studies/{study_key}/contenders", response_model=models.Contenders, dependencies=v1,
+             tags=["search"])
+    def contenders(study_key: str = StudyKey, within: float = Query(ge=0, lt=1)) -> dict[str, Any]:
+        """The candidates a confirmation re-measures: the best and a runner-up within ``within`` of it."""
+        return studies.contenders(study_key, within)
+
+    @app.post("/v1/studies/{study_key}/confirm", response_model=models.ConfirmResponse, dependencies=v1,
+              tags=["search"])
+    async def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
+        """A second measurement of a measured candidate: its faster run counts, and the best is chosen again."""
+        answer, recorded = studies.confirm(study_key, body.key, body.measured.to_json())
         await asyncio.wrap_future(recorded)
         return answer
 

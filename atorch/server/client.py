@@ -1,21 +1,23 @@
-"""The strategy server's client (httpx) and RemotePlanner: the local planner's search, asked and told remotely.
+"""The strategy server's client (httpx) and RemotePlanner: the planner's search loop over a study on a server.
 
-RemotePlanner measures on this side (the ``measure`` callback: a dry-run on the job's ranks) and keeps the
-search's own stop rules (time limit, dry-run budget, patience); the server keeps the study, decides what to
-run next, and answers a later job with the same key from its stored best, with no dry-run.
+RemotePlanner runs ``Planner.search`` (the same loop as a local search: stop rules, dry-runs on this side through
+the ``measure`` callback, the confirmation of a close runner-up) over ``RemoteStudy``: the server keeps the study,
+decides what to run next, records confirmations, and answers a later job with the same key from its stored best,
+with no dry-run.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.strategy_search.ask_tell import StopRules, measure_safely
+from atorch.strategy_search.ask_tell import Proposal
 from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.planner import Planner, PlanResult
+from atorch.strategy_search.outcome import Measured
+from atorch.strategy_search.planner import Planner, PlanResult, SearchStudy
 from atorch.strategy_search.space import SearchSpace
 
 logger = get_logger(__name__)
@@ -82,6 +84,12 @@ class StrategyClient:
     def tell(self, key: str, number: int, measured: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell", {"measured": measured})
 
+    def contenders(self, key: str, within: float) -> dict[str, Any]:
+        return self._call("GET", f"/v1/studies/{key}/contenders", params={"within": within})
+
+    def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/confirm", {"key": candidate, "measured": measured})
+
     def best(self, key: str, memory_budget: float | None = None) -> dict[str, Any] | None:
         params = {"memory_budget": memory_budget} if memory_budget else None
         return self._call("GET", f"/v1/studies/{key}/best", params=params)["best"]
@@ -141,58 +149,76 @@ class RemotePlanner(Planner):
         return [_record(t) for t in self.client.trials(self.study_name)]
 
     def cached(self) -> PlanResult | None:
-        best = self._create()["cached"]
-        if best is None:
-            return None
-        return PlanResult(self.space.from_point(best["point"]), best["samples_per_s"], "cache", self.study_name,
-                          stop_reason="cached", trials=self.trials())
+        return self.search_study().start(force=False)
 
-    def search(self, force: bool = False) -> PlanResult:
-        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock)
-        info = self._create()
-        if not force and info["cached"] is not None:
-            best = info["cached"]
-            logger.info("strategy search: cached best on %s (%.3g samples/s)", self.server_url, best["samples_per_s"])
-            return PlanResult(self.space.from_point(best["point"]), best["samples_per_s"], "cache", self.study_name,
-                              stop_reason="cached", trials=self.trials())
-        while True:
-            if stop := rules.reason():
-                break
-            proposal = self.client.ask(self.study_name, self.lease_s)
-            for record in proposal["told"]:
-                self._seen(record)
-            if proposal["number"] is None:
-                stop = proposal["stop"]
-                break
-            cand = self.space.from_point(proposal["point"])
-            measured = measure_safely(self.measure_fn, cand)
-            try:
-                told = self.client.tell(self.study_name, proposal["number"], measured.to_json())
-            except ServerError as exc:
-                if exc.status_code != 409:
-                    raise
-                # The dry-run outlived its lease: the server marked the trial failed; the search goes on.
-                logger.warning("trial %d: %s (raise lease_s above the longest dry-run)", proposal["number"], exc)
-                rules.record(False)
-                continue
-            self._seen(told["record"])
-            logger.info("trial %d: %s -> %s %s", proposal["number"], self.describe(cand), told["record"].get("status"),
-                        told["record"].get("reason", ""))
-            rules.record(told["improved"])
-        best_cand, best_value = None, None
-        stored = self.client.store_best(self.study_name, None)
+    def search_study(self) -> RemoteStudy:
+        return RemoteStudy(self)
+
+
+class RemoteStudy(SearchStudy):
+    """The study on a strategy server, as ``Planner.search`` drives it: ask, tell and confirm over HTTP (the
+    server runs ``SearchState`` on its side). Trials told on the server's side (known candidates, predicted OOMs)
+    reach ``on_trial`` as an ask lists them."""
+
+    def __init__(self, planner: RemotePlanner) -> None:
+        self.planner, self.client, self.key = planner, planner.client, planner.study_name
+
+    def start(self, force: bool) -> PlanResult | None:
+        p = self.planner
+        info = p._create()
+        if force or info["cached"] is None:
+            return None
+        best = info["cached"]
+        logger.info("strategy search: cached best on %s (%.3g samples/s)", p.server_url, best["samples_per_s"])
+        return PlanResult(p.space.from_point(best["point"]), best["samples_per_s"], "cache", self.key,
+                          stop_reason="cached", trials=p.trials())
+
+    def ask(self, stop: Callable[[], str]) -> Proposal:
+        if reason := stop():
+            return Proposal(None, stop=reason)
+        answer = self.client.ask(self.key, self.planner.lease_s)
+        for record in answer["told"]:
+            self._seen(record)
+        if answer["number"] is None:
+            return Proposal(None, stop=answer["stop"])
+        return Proposal(answer["number"], answer["point"], answer["key"], answer["predicted"])
+
+    def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
+        try:
+            told = self.client.tell(self.key, number, measured.to_json())
+        except ServerError as exc:
+            if exc.status_code != 409:
+                raise
+            # The dry-run outlived its lease: the server marked the trial failed; the search goes on.
+            logger.warning("trial %d: %s (raise lease_s above the longest dry-run)", number, exc)
+            return None
+        self._seen(told["record"])
+        return {**told["record"], "improved": told["improved"]}
+
+    def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
+        answer = self.client.contenders(self.key, within)
+        return answer["contenders"], answer["measured_ok"]
+
+    def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        answer = self.client.confirm(self.key, key, measured.to_json())
+        return answer["record"], answer["best"]
+
+    def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
+               ) -> tuple[dict[str, Any] | None, str]:
+        stored = self.client.store_best(self.key, None)  # the best measured, chosen on the server
         if stored is not None:
-            best_cand = self.space.from_point(stored["point"])
-            stored = self.client.store_best(self.study_name, json.loads(best_cand.strategy.to_json(indent=None)))
-            best_value = stored["samples_per_s"]
-        stop = rules.ended(stop, "no confirmation (a strategy server's study decides on its trials)")
-        logger.info("strategy search on %s: %s; best %s", self.server_url, stop,
-                    self.describe(best_cand) if best_cand else None)
-        return PlanResult(best_cand, best_value, "search", self.study_name, rules.dry_runs, stop, self.trials())
+            stored = self.client.store_best(self.key, strategy_of(stored["point"]))
+        return stored, f"study {self.key} on {self.planner.server_url}"
+
+    def abort(self, kind: str, reason: str) -> None:
+        """Nothing to store: the server keeps every told trial, and a later search asks it again."""
+
+    def trials(self) -> list[dict[str, Any]]:
+        return self.planner.trials()
 
     def _seen(self, record: dict[str, Any]) -> None:
-        if self.on_trial is not None:
-            self.on_trial(record)
+        if self.planner.on_trial is not None:
+            self.planner.on_trial(record)
 
 
-__all__ = ["CandidateTable", "RemotePlanner", "ServerError", "StrategyClient"]
+__all__ = ["CandidateTable", "RemotePlanner", "RemoteStudy", "ServerError", "StrategyClient"]

@@ -26,7 +26,7 @@ events = sa.Table(
     TABLE, _meta,
     sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
     sa.Column("study", sa.String(255), nullable=False, index=True),
-    sa.Column("kind", sa.String(16), nullable=False),  # study | trials | best
+    sa.Column("kind", sa.String(16), nullable=False),  # study | trials | best | confirm
     sa.Column("body", sa.Text(), nullable=False),
 )
 

@@ -98,6 +98,23 @@ class TellResponse(BaseModel):
     already_told: bool = False
 
 
+class Contenders(BaseModel):
+    contenders: list[dict[str, Any]] = Field(description=(
+        "the best and the runner-up (key, point, samples_per_s) when the runner-up measured within ``within`` of "
+        "the best; else empty"))
+    measured_ok: int = Field(description="how many candidates measured ok")
+
+
+class ConfirmRequest(BaseModel):
+    key: str = Field(min_length=1, max_length=10_000, description="a measured candidate's key (its trial's ``key``)")
+    measured: Measured
+
+
+class ConfirmResponse(BaseModel):
+    record: dict[str, Any] = Field(description="the re-measurement as stored in the study's ``confirmations``")
+    best: dict[str, Any] | None = Field(description="the best measured candidate, chosen again")
+
+
 class StoreBest(BaseModel):
     strategy: dict[str, Any] | None = None
 

@@ -21,6 +21,7 @@ session advisory lock taken when it is loaded; a second server asking for it get
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import queue
@@ -39,7 +40,7 @@ from atorch.server.snapshot import placeholder, trial_from_json, trial_json
 from atorch.strategy_search.ask_tell import SearchState, make_sampler
 from atorch.strategy_search.candidates import CandidateTable
 
-TABLE_ATTR, CONFIG_ATTR = "atorch_table", "atorch_config"
+TABLE_ATTR, CONFIG_ATTR, CONFIRM_ATTR = "atorch_table", "atorch_config", "confirmations"
 
 
 class UnknownStudy(KeyError):
@@ -47,6 +48,10 @@ class UnknownStudy(KeyError):
 
 
 class UnknownTrial(KeyError):
+    pass
+
+
+class UnknownCandidate(KeyError):
     pass
 
 
@@ -184,6 +189,8 @@ class Studies:
                 attrs.update({TABLE_ATTR: body["table"], CONFIG_ATTR: body["config"]})
             elif kind == "best":
                 attrs["best"] = body
+            elif kind == "confirm":
+                attrs.setdefault(CONFIRM_ATTR, []).append(body)
             elif kind == "trials":
                 snaps.update({t["number"]: t for t in body})
         live = self._build(key, attrs, snaps)
@@ -202,6 +209,8 @@ class Studies:
         self.log.append(key, "study", {"table": attrs[TABLE_ATTR], "config": attrs[CONFIG_ATTR]})
         if "best" in attrs:
             self.log.append(key, "best", attrs["best"])
+        for record in attrs.get(CONFIRM_ATTR, []):
+            self.log.append(key, "confirm", record)
         self.log.append(key, "trials", list(live.logged.values())).result()
         return live
 
@@ -380,6 +389,30 @@ class Studies:
         if not already:
             self._prepare(key)
         return {"record": record, "improved": improved, "already_told": already}, done
+
+    def contenders(self, key: str, within: float) -> dict[str, Any]:
+        """The best and the runner-up when it measured within ``within`` of the best (SearchState.contenders)."""
+        live = self._get(key)
+        with live.lock:
+            state = live.state
+            found = [{"key": k, "point": json.loads(k), "samples_per_s": state.done[k][2]["measured"]["samples_per_s"]}
+                     for k in state.contenders(within)]
+            return {"contenders": found, "measured_ok": sum(v[2]["status"] == "ok" for v in state.done.values())}
+
+    def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> tuple[dict[str, Any], Future]:
+        """A re-measurement of a measured candidate (SearchState.confirm): one "confirm" row."""
+        live = self._get(key)
+        with live.lock:
+            if live.deleted:
+                raise UnknownStudy(key)
+            known = live.state.done.get(candidate)
+            if known is None or "measured" not in known[2]:
+                raise UnknownCandidate(candidate)
+            record = live.state.confirm(candidate, measured)
+            best = live.state.best()
+            done = self.log.append(key, "confirm", record)
+            self.mirror.push(key, {CONFIRM_ATTR: self._attrs(live)[CONFIRM_ATTR]})
+        return {"record": record, "best": best}, done
 
     def store_best(self, key: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
         live = self._get(key)

@@ -54,7 +54,7 @@ class SearchOptions(BaseModel):
     trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
     confirm_within: float = Field(default=0.15, ge=0, lt=1, description=(
         "when the runner-up measured within this fraction of the best, both run once more and keep their faster "
-        "run (two of max_trials; 0: off; local search only: a strategy server's study decides on its trials)"))
+        "run (two of max_trials; 0: off; with a strategy server too: the server records the second runs)"))
     sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
     storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
     force: bool = Field(default=False, description="search again even if a finished search has the same key")
@@ -256,9 +256,10 @@ class _Leader:
                         storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
-                        skip_slower_than=self.options.skip_slower_than, identity=identity)
+                        skip_slower_than=self.options.skip_slower_than, identity=identity,
+                        confirm_within=self.options.confirm_within)
             if not remote:
-                return Planner(space, **args, confirm_within=self.options.confirm_within)
+                return Planner(space, **args)
             from atorch.server.client import RemotePlanner
 
             return RemotePlanner(space, **args, server_url=self.strategy_server)

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -53,6 +54,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     HOPELESS_FACTOR,
     MAX_MEMORY_CORRECTION,
     OK_STATUSES,
+    Proposal,
     SearchRecord,
     SearchState,
     StopRules,
@@ -63,7 +65,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
 )
 from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.describe import describe_candidate
-from atorch.strategy_search.outcome import Predicted
+from atorch.strategy_search.outcome import Measured, Predicted
 from atorch.strategy_search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
@@ -299,109 +301,208 @@ class Planner:
                           trials=_trial_records(study)), reason
 
     def search(self, force: bool = False) -> PlanResult:
-        """The local loop over SearchState (ask/tell shared with the strategy server). A study whose search
-        finished and whose answer holds under this budget is served with no dry-run; any other is resumed."""
+        """The search loop, over this planner's study (``search_study``: a local Optuna study here, a strategy
+        server's in RemotePlanner). A study whose search finished and whose answer holds under this budget is
+        served with no dry-run; any other is resumed: explore, then confirm a close runner-up."""
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
-        study, storage = self._open()
-        if not force:
-            hit, why = self._reuse(study)
-            if hit is not None:
-                logger.info("strategy search: %s from study %s: %s (%.3g samples/s); %s", hit.candidate,
-                            self.study_name, hit.source, hit.samples_per_s, why)
-                return hit
-            measured = sum(1 for t in _trial_records(study) if "measured" in t and t.get("status") != "duplicate")
-            if measured:
-                logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
-                            self.study_name, measured, why)
-        self._record(study, False, "running", "started; not finished (a search killed before its end stays so)")
-        state = SearchState(study, self.table(), self.memory_budget, storage=storage, on_trial=self.on_trial,
-                            max_asks=max(50, 10 * self.max_trials), skip_slower_than=self.skip_slower_than)
+        study = self.search_study()
+        if (hit := study.start(force)) is not None:
+            return hit
         try:
-            stop, kind = self._explore(state, rules)
-            confirmation = self._confirm(state, rules) if reserve else self._no_confirmation()
+            stop, kind = self._explore(study, rules)
+            confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
             if confirmation.startswith("confirmation cut short"):
                 kind = "time_limit"
             stop = rules.ended(stop, confirmation)
         except BaseException as exc:  # an interrupted or failed search is stored as unfinished, then raised
-            kind = "error" if isinstance(exc, Exception) else "interrupted"
-            self._record(study, False, kind, f"{type(exc).__name__}: {exc}", state)
+            study.abort("error" if isinstance(exc, Exception) else "interrupted", f"{type(exc).__name__}: {exc}")
             raise
-        best_cand = None
-        if (best := state.best()) is not None:
-            best_cand = self.space.from_point(best["point"])
-            state.store_best({"strategy": json.loads(best_cand.strategy.to_json(indent=None))})
-        finished = kind in FINISHING_STOPS and best is not None and not (kind == "patience" and _untried(study))
-        self._record(study, finished, kind, stop, state)
-        logger.info("strategy search: %s (%s in study %s); best %s", stop,
-                    "finished" if finished else "not finished: the next search resumes it", self.study_name,
-                    self.describe(best_cand) if best_cand else None)
-        return PlanResult(best_cand, state.best_value, "search", self.study_name, rules.dry_runs, stop,
-                          _trial_records(study))
+        best, ended = study.finish(kind, stop, lambda point: json.loads(
+            self.space.from_point(point).strategy.to_json(indent=None)))
+        best_cand = self.space.from_point(best["point"]) if best is not None else None
+        logger.info("strategy search: %s (%s); best %s", stop, ended, self.describe(best_cand) if best_cand else None)
+        return PlanResult(best_cand, best["samples_per_s"] if best is not None else None, "search", self.study_name,
+                          rules.dry_runs, stop, study.trials())
+
+    def search_study(self) -> SearchStudy:
+        """The study ``search`` drives: this planner's Optuna study (RemotePlanner: a strategy server's)."""
+        return LocalStudy(self)
 
     def _no_confirmation(self) -> str:
         if not self.confirm_within:
             return "no confirmation (off)"
         return f"no confirmation (max_trials {self.max_trials} leaves no room: it needs {4 + CONFIRM_RUNS})"
 
-    def _explore(self, state: SearchState, rules: StopRules) -> tuple[str, str]:
+    def _explore(self, study: SearchStudy, rules: StopRules) -> tuple[str, str]:
         """Ask, measure, tell until a stop rule or the sampler stops it: (the stop reason, its kind)."""
-        state.seed(self.top_k)
         while True:
-            proposal = state.ask(stop=rules.reason)
+            proposal = study.ask(stop=rules.reason)
             if proposal.number is None:
                 return proposal.stop, rules.stopped or "exhausted"
             cand = self.space.from_point(proposal.point)
-            record = state.tell(proposal.number, measure_safely(self.measure_fn, cand))
-            logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record["status"],
+            record = study.tell(proposal.number, measure_safely(self.measure_fn, cand))
+            if record is None:  # the study refused the result (a server's lease expired): the dry-run counts
+                rules.record(False)
+                continue
+            logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record.get("status"),
                         record.get("reason", ""))
             rules.record(record["improved"])
 
-    def _record(self, study: Any, finished: bool, stop: str, reason: str, state: SearchState | None = None) -> None:
+    def _confirm(self, study: SearchStudy, rules: StopRules) -> str:
+        """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
+        it did (for the stop message)."""
+        contenders, measured = study.contenders(self.confirm_within or 0.0)
+        if not contenders:
+            why = "fewer than two candidates ran" if measured < 2 else (
+                f"the runner-up was not within {self.confirm_within:.0%} of the best")
+            return f"no confirmation: {why}"
+        done, best = 0, None
+        for contender in reversed(contenders):
+            if late := rules.out_of_time():
+                logger.info("strategy search: confirmation cut short: %s", late)
+                return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
+            cand = self.space.from_point(contender["point"])
+            record, best = study.confirm(contender["key"], measure_safely(self.measure_fn, cand))
+            rules.record(False)
+            done += 1
+            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
+                        record["status"], record["measured"]["samples_per_s"], contender["samples_per_s"])
+        logger.info("confirmation: best %s", self.describe(self.space.from_point(best["point"])) if best else None)
+        return f"confirmation: the best and the runner-up ran once more ({done} dry-runs)"
+
+
+class SearchStudy(ABC):
+    """A study as ``Planner.search`` drives it: where the trials are kept and the next candidate is decided.
+    ``LocalStudy``: an Optuna study in this process (``SearchState``); ``atorch.server.client.RemoteStudy``: a
+    strategy server's, over HTTP. The loop (stop rules, dry-runs, confirmation) is the planner's, the same for
+    both."""
+
+    @abstractmethod
+    def start(self, force: bool) -> PlanResult | None:
+        """The stored answer when the study serves this search (never with ``force``); else None, and the study
+        is ready to be asked (the cost model's favourites enqueued)."""
+
+    @abstractmethod
+    def ask(self, stop: Callable[[], str]) -> Proposal:
+        """The next candidate to measure, or (``number`` None) why to stop; ``stop()``: the search's stop rules."""
+
+    @abstractmethod
+    def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
+        """Tell a measured outcome: the trial's record plus ``improved``; None when the study refused it (a
+        server's lease expired: the trial is failed there and the search goes on)."""
+
+    @abstractmethod
+    def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
+        """The best and the runner-up (``key``, ``point``, ``samples_per_s``) when the runner-up measured within
+        ``within`` of the best (``SearchState.contenders``), else none; and how many candidates ran ok."""
+
+    @abstractmethod
+    def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Record a re-measurement (``SearchState.confirm``): its record and the best chosen again."""
+
+    @abstractmethod
+    def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
+               ) -> tuple[dict[str, Any] | None, str]:
+        """Store the best (with its strategy, ``strategy_of(point)``) and how the search ended (``kind``: the
+        stop rule's); returns the best (``point``, ``samples_per_s``) or None, and what the log says of it."""
+
+    @abstractmethod
+    def abort(self, kind: str, reason: str) -> None:
+        """The search ended by an error or an interruption (``kind``) before ``finish``."""
+
+    @abstractmethod
+    def trials(self) -> list[dict[str, Any]]:
+        """Every trial's record (``trial_record``'s shape)."""
+
+
+class LocalStudy(SearchStudy):
+    """The planner's Optuna study (its storage: SQLite by default) with ``SearchState``; every search stores how it
+    ended (``SearchRecord``), so a later one serves it (``cached_best``) or resumes it."""
+
+    def __init__(self, planner: Planner) -> None:
+        self.planner = planner
+        self.study, self.storage = planner._open()
+        self.state: SearchState | None = None
+
+    def start(self, force: bool) -> PlanResult | None:
+        p, study = self.planner, self.study
+        if not force:
+            hit, why = p._reuse(study)
+            if hit is not None:
+                logger.info("strategy search: %s from study %s: %s (%.3g samples/s); %s", hit.candidate,
+                            p.study_name, hit.source, hit.samples_per_s, why)
+                return hit
+            measured = sum(1 for t in _trial_records(study) if "measured" in t and t.get("status") != "duplicate")
+            if measured:
+                logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
+                            p.study_name, measured, why)
+        self._record(False, "running", "started; not finished (a search killed before its end stays so)")
+        self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
+                                 max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than)
+        self.state.seed(p.top_k)
+        return None
+
+    def _state(self) -> SearchState:
+        if self.state is None:
+            raise RuntimeError("LocalStudy.start() first")
+        return self.state
+
+    def ask(self, stop: Callable[[], str]) -> Proposal:
+        return self._state().ask(stop=stop)
+
+    def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
+        return self._state().tell(number, measured)
+
+    def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
+        state = self._state()
+        keys = state.contenders(within)
+        found = [{"key": k, "point": json.loads(k), "samples_per_s": state.done[k][2]["measured"]["samples_per_s"]}
+                 for k in keys]
+        return found, sum(v[2]["status"] == "ok" for v in state.done.values())
+
+    def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        state = self._state()
+        return state.confirm(key, measured), state.best()
+
+    def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
+               ) -> tuple[dict[str, Any] | None, str]:
+        state = self._state()
+        if (best := state.best()) is not None:
+            state.store_best({"strategy": strategy_of(best["point"])})
+        finished = kind in FINISHING_STOPS and best is not None and not (kind == "patience" and _untried(self.study))
+        self._record(finished, kind, stop)
+        ended = "finished" if finished else "not finished: the next search resumes it"
+        return best, f"{ended} in study {self.planner.study_name}"
+
+    def abort(self, kind: str, reason: str) -> None:
+        self._record(False, kind, reason)
+
+    def trials(self) -> list[dict[str, Any]]:
+        return _trial_records(self.study)
+
+    def _record(self, finished: bool, stop: str, reason: str) -> None:
+        p, state = self.planner, self.state
         best = state.best() if state is not None else None
         measured = sum(1 for v in state.done.values() if "measured" in v[2]) if state is not None else 0
-        SearchRecord(finished=finished, stop=stop, stop_reason=reason, memory_budget=self.memory_budget,
-                     fits_below=self._fits_below(state) if state is not None else None, max_trials=self.max_trials,
-                     best_key=best["key"] if best else None, measured=measured, at=_now()).store(study)
+        SearchRecord(finished=finished, stop=stop, stop_reason=reason, memory_budget=p.memory_budget,
+                     fits_below=self._fits_below(state) if state is not None else None, max_trials=p.max_trials,
+                     best_key=best["key"] if best else None, measured=measured, at=_now()).store(self.study)
 
     def _fits_below(self, state: SearchState) -> float | None:
         """The smallest peak of a candidate this budget ruled out: measured over it, or predicted over it (scaled
         by its family's memory correction) and never measured. None when the budget ruled nothing out."""
+        budget, table = self.planner.memory_budget, self.planner.table()
         peaks = [v[2]["measured"]["peak_memory_bytes"] for v in state.done.values()
                  if v[2].get("status") == "oom" and "measured" in v[2]]
-        for key, pred in zip(self.table().keys, self.table().predictions, strict=True):
+        for key, pred in zip(table.keys, table.predictions, strict=True):
             if (key in state.done and "measured" in state.done[key][2]) or "error" in pred:
                 continue
             peak = pred["peak_memory_bytes"] * state.correction(key)
-            if peak > self.memory_budget:
+            if peak > budget:
                 peaks.append(peak)
         return min(peaks) if peaks else None
-
-    def _confirm(self, state: SearchState, rules: StopRules) -> str:
-        """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
-        it did (for the stop message)."""
-        contenders = state.contenders(self.confirm_within or 0.0)
-        if not contenders:
-            measured = sum(v[2]["status"] == "ok" for v in state.done.values())
-            why = "fewer than two candidates ran" if measured < 2 else (
-                f"the runner-up was not within {self.confirm_within:.0%} of the best")
-            return f"no confirmation: {why}"
-        done = 0
-        for key in reversed(contenders):
-            if late := rules.out_of_time():
-                logger.info("strategy search: confirmation cut short: %s", late)
-                return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
-            cand = self.space.from_point(json.loads(key))
-            first = state.done[key][2]["measured"]["samples_per_s"]
-            record = state.confirm(key, measure_safely(self.measure_fn, cand))
-            rules.record(False)
-            done += 1
-            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
-                        record["status"], record["measured"]["samples_per_s"], first)
-        logger.info("confirmation: best %s", self.describe(self.space.from_point(json.loads(state.best_key)))
-                    if state.best_key else None)
-        return f"confirmation: the best and the runner-up ran once more ({done} dry-runs)"
 
 
 def _trial_records(study: Any) -> list[dict[str, Any]]:
