@@ -4,9 +4,11 @@ A study lives in this process as an Optuna study on an in-memory storage with it
 or tell is an in-memory operation plus one durable row (``atorch.server.events``: the trials it changed,
 as snapshots), and is answered once that row is committed. The first touch of a study after a start
 rebuilds it by replaying its rows (a study only in the Optuna storage, from an earlier server version, is
-imported once), so a restart loses nothing. An asked trial carries a lease (unix time in its user attrs);
-a lease past due is marked FAILED before the study is asked or listed, so the candidate can be asked again
-(until then a late result is still taken; after, it is a 409).
+imported once), so a restart loses nothing. A confirmation (a second run of a measured candidate,
+``SearchState.confirm``) is one "confirm" row, replayed into the study's ``confirmations`` attribute.
+An asked trial carries a lease (unix time in its user attrs); a lease past due is marked FAILED before the
+study is asked or listed, so the candidate can be asked again (until then a late result is still taken;
+after, it is a 409).
 
 The sampler works ahead: after each ask or tell a thread prepares the next suggestion (an Optuna trial
 with its point), and the next ask takes it, falling back to sampling inline when none is ready. The

@@ -16,6 +16,10 @@
    on a shared machine: on the bench, a 5% lead in the search was a 20% deficit when re-measured. The two
    runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget holds.
 
+The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
+``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
+HTTP; the server runs the same ``SearchState``).
+
 Constraints (Trial.set_constraint, feasible when <= 0): ``memory_over`` = (peak - budget) / budget,
 predicted or measured; ``failed`` = 1 for a failed or timed-out run, else 0.
 
