@@ -196,12 +196,16 @@ def test_deepspeed_keeps_whole_parameters_a_master_shard_and_a_bucket() -> None:
     fsdp2 = _predict(["parallel_mode", ("zero2", {"implementation": "fsdp2"})])
     assert ds.memory.parameters == 4000 and fsdp2.memory.parameters == 2000
     assert ds.memory.optimizer_state == fsdp2.memory.optimizer_state == 4000
-    # The step holds the gradient partition (2000) and one partition-sized temporary (2000) on top of the
-    # parameters, state, master shard and bucket (4000 + 4000 + 2000 + 4000); under accumulation ZeRO-2 also
-    # keeps the accumulated partition (measured on a 206M GPT-2: bench/README.md).
-    assert (ds.memory.peak, ds.memory.peak_phase) == (18000, "optimizer")
+    # Parameters, state, master shard and bucket (4000 + 4000 + 2000 + 4000), then the reduction at the end of
+    # the backward (DeepSpeed 0.19's stage_1_and_2.py): allreduce_bucket's flattened copy of the bucket (4000)
+    # and grads_in_partition (2000); that is above the step (gradient partition + its temporary: 4000).
+    assert (ds.memory.peak, ds.memory.peak_phase, ds.memory.temporary) == (20000, "epilogue", 12000)
+    # Under accumulation ZeRO-2 reduces every micro-batch and still holds the previous one's partition.
     acc = _predict(["parallel_mode", ("zero2", {"implementation": "deepspeed"})], global_batch=16, micro_batches=2)
-    assert (acc.memory.peak, acc.memory.peak_phase) == (20000, "optimizer")
+    assert (acc.memory.peak, acc.memory.peak_phase) == (22000, "epilogue")
+    # ZeRO-1 reduces once per step, at the boundary: one partition.
+    zero1 = _predict(["parallel_mode", ("zero1", {"implementation": "deepspeed"})])
+    assert (zero1.memory.peak, zero1.memory.peak_phase) == (20000, "epilogue")
 
 
 def _layout_predict(dims: list, items: list, micro_batches: int = 1) -> Prediction:
