@@ -106,8 +106,10 @@ activations; in steady state (the second step on) the optimizer state exists dur
   gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the
   ResNet's convolution blocks fit within 4% without it).
 
-Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's ZeRO with recompute
-is within ±8%; an fp16 trial whose loss scale never lets a warm-up step through is failed, not measured.
+Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's ZeRO-2 under gradient
+accumulation is over by up to 9% where the rank that peaks has already freed the previous micro-batch's
+partition (the two partitions are the source's upper bound); an fp16 trial whose loss scale never lets a
+warm-up step through is failed, not measured.
 
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
@@ -162,7 +164,8 @@ from atorch.strategy_search.hardware import HardwareProfile
 
 # Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
 # "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.
-# Traced memory (tracing.py) uses DDP_PERSISTENT only; the memory constants serve the untraced candidates.
+# Traced memory (tracing.py) uses DDP_PERSISTENT only; the memory constants serve the untraced candidates. DeepSpeed's
+# memory terms have no constant of their own: its bucket size is atorch's (DEEPSPEED_BUCKET_ELEMENTS, imported).
 AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
