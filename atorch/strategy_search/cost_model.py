@@ -68,9 +68,11 @@ activations; in steady state (the second step on) the optimizer state exists dur
   elements), so ``P`` here); gradients ``P / dp`` (zero2) or ``P`` (zero1). The reduction at the end of a
   backward (``independent_gradient_partition_epilogue``) is a phase of its own: ``allreduce_bucket`` flattens
   the bucket's gradients (one more bucket) and ``copy_grads_in_partition`` copies this rank's part into
-  ``grads_in_partition`` (``P / dp``); ZeRO-2 does this every micro-batch and under accumulation still holds
-  the previous micro-batch's partition then (``all_grad_tensors``), two of them; ZeRO-1 reduces at the
-  boundary only. Its step holds the gradient partition (``P / dp``, zero1 too: the full gradients are
+  ``grads_in_partition`` (the parameters of its partition, whole: ``P / dp`` and the ones straddling its start
+  or end; ``get_partition_info``); ZeRO-2 does this every micro-batch, and under accumulation the previous
+  micro-batch's partition is freed only by Python's cycle collector, so one or two exist then, by its timing
+  (``ZERO2_ACCUMULATED_PARTITIONS``: the midpoint); ZeRO-1 reduces at the boundary only. Its step holds the
+  gradient partition (``P / dp``, zero1 too: the full gradients are
   reduced into it and freed) and, zero2 under gradient accumulation, the accumulated partition besides.
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; the root unit (everything
   outside the repeated blocks) stays gathered across steps (calibrated ``FSDP_ROOT_PERSISTENT`` = 2 × its
@@ -106,10 +108,10 @@ activations; in steady state (the second step on) the optimizer state exists dur
   gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the
   ResNet's convolution blocks fit within 4% without it).
 
-Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's ZeRO-2 under gradient
-accumulation is over by up to 9% where the rank that peaks has already freed the previous micro-batch's
-partition (the two partitions are the source's upper bound); an fp16 trial whose loss scale never lets a
-warm-up step through is failed, not measured.
+Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's memory on a CPU depends on
+when Python's cycle collector runs (ZeRO-2 under accumulation: one or two gradient partitions; the bench's rows
+flip between runs), predicted within half a partition of either outcome; an fp16 trial whose loss scale never
+lets a warm-up step through is failed, not measured.
 
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
@@ -174,6 +176,9 @@ OPTIMIZER_TEMP_PER_STATE = 0.5  # foreach step's temporaries per state x owned b
 SINGLE_TENSOR_TEMP_PER_STATE = 1.0  # single-tensor loop's, per state x the largest tensor (AdamW: sqrt, then / c)
 DDP_PERSISTENT = 1.0  # DDP reducer's buckets (x P), alive from construction on
 FSDP_ROOT_PERSISTENT = 2.0  # FSDP2's root unit: gathered bytes kept across steps (the parameters and their buffer)
+# DeepSpeed ZeRO-2 under accumulation: grads_in_partition buffers alive at a reduction: 1 or 2 by the cycle
+# collector's timing (see predict); the midpoint of the two outcomes, not fitted
+ZERO2_ACCUMULATED_PARTITIONS = 1.5
 DEFAULT_MEMORY_BYTES_PER_S = 5e9  # a profile without memory_bytes_per_s (an older table)
 AMP_CAST_OPS = 4  # per autocast matmul: its two inputs cast in forward, and those casts' backward
 OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per state (AdamW: 10)
@@ -257,6 +262,27 @@ def _schedule_micro_batches(strategy: Strategy, pipeline: int) -> int:
     return config.micro_batch_count(pipeline) if config is not None and pipeline > 1 else 1
 
 
+def _deepspeed_grads_in_partition(stats: ModelStats, dp: int) -> float:
+    """Bytes of DeepSpeed's ``grads_in_partition`` on the rank with most: every parameter whose elements start in
+    the rank's part of the flat buffer, or that straddles its start, counts whole (stage_1_and_2.py's
+    ``get_partition_info``, which ``copy_grads_in_partition`` sizes it by); the parts are ``P / dp`` each, in
+    ``parameters()`` order. Statistics without the tensor sizes: ``P / dp``."""
+    sizes = stats.trainable_tensor_bytes
+    if not sizes or dp <= 1:
+        return stats.trainable_param_bytes / dp
+    part = math.ceil(sum(sizes) / dp)
+    most = 0
+    for rank in range(dp):
+        low, high = rank * part, (rank + 1) * part
+        held, offset = 0, 0
+        for size in sizes:
+            if low <= offset < high or offset < low < offset + size:
+                held += size
+            offset += size
+        most = max(most, held)
+    return float(most)
+
+
 def _compute_dtype(strategy: Strategy) -> str:
     for name in ("half", "amp_native"):
         config = strategy.get(name)
@@ -334,11 +360,15 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         persistent = trainable / dp + bucket
         # The reduction at the end of a backward (independent_gradient_partition_epilogue -> reduce_ipg_grads ->
         # allreduce_bucket, whose flatten() copies the bucket's gradients: one bucket) copies this rank's part
-        # into grads_in_partition (copy_grads_in_partition: the parameters of its partition, P / dp). ZeRO-2
-        # reduces every micro-batch; under accumulation the previous micro-batch's partition is still held
-        # (all_grad_tensors, accumulated into after the copy), so two exist then. ZeRO-1 reduces at the boundary.
-        partitions = 2 if sharding == "zero2" and micro_batches > 1 else 1
-        epilogue = bucket + partitions * trainable / dp
+        # into grads_in_partition (copy_grads_in_partition: the parameters of its partition, whole). ZeRO-2
+        # reduces every micro-batch; under accumulation the previous micro-batch's grads_in_partition is dropped
+        # by DeepSpeed but still referenced from a reference cycle, so it is alive at this copy only until
+        # Python's cycle collector next runs: two partitions or one, by the collector's timing (seen with the
+        # collector off: two, and with it run after every allocation: one; the bench's DeepSpeed ZeRO-2 rows
+        # flip between the two from run to run). Predicted: the midpoint, so either outcome is within half a
+        # partition. ZeRO-1 reduces once, at the boundary.
+        partitions = ZERO2_ACCUMULATED_PARTITIONS if sharding == "zero2" and micro_batches > 1 else 1
+        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, dp)
     elif sharding and dp > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
         # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
