@@ -119,7 +119,9 @@ def test_candidates_interpolate_between_the_family_ends_and_name_what_is_not_tra
 def test_fsdp2_autocast_on_a_cnn_matches_two_real_gloo_ranks() -> None:
     # A VGG-like CNN under FSDP2 + autocast, two micro-batches: rank 0's trace against the dry-run's measurement
     # (tests/workers/tracing_worker.py). Without gloo's reduce-scatter copy in the trace the first was 6% under;
-    # with DTensor's global-shape metadata tensors counted, the second's trace peaked at the step, 11% over.
+    # with DTensor's global-shape metadata tensors counted, the second's trace peaked at the step, 4-11% over.
+    # The dry-run's own figure for the first moves by 36 KB (1.8%) between runs of the same program (2,056,598 and
+    # 2,093,334 bytes seen: FSDP2's collectives run asynchronously on gloo), hence 2.5%.
     report = run_json(HERE / "workers" / "tracing_worker.py", timeout=240)
     for name, row in report.items():
-        assert abs(row["traced"] - row["measured"]) <= 0.01 * row["measured"], (name, row)
+        assert abs(row["traced"] - row["measured"]) <= 0.025 * row["measured"], (name, row)
