@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from launcher import HERE, run_json
 from toy_models import MLP, mlp_dataset, mlp_loss
 
 from atorch.accelerate import build_context, build_result, preflight
@@ -82,7 +83,9 @@ def test_sharding_and_ddp_at_two_ranks_inside_a_real_group() -> None:
     fsdp = tracer.trace(Strategy.load(["parallel_mode", "fsdp"]), 4, 1)
     assert ddp.untraced == params  # DDP's buckets, added: the trace cannot see its C++ reducer
     assert ddp.optimizer_state >= 2 * params
-    assert fsdp.untraced == 0 and fsdp.parameters == params // 2  # a shard of every parameter (even sizes here)
+    # AdamW's state is a shard of every parameter (even sizes here), its step counts aside; DTensor's global-shape
+    # metadata tensors (three unsharded copies of the largest parameter in each step) are not counted
+    assert fsdp.untraced == 0 and params <= fsdp.optimizer_state < params + 1024
     assert fsdp.peak < ddp.peak
     # The job's group is back and works; its name still resolves in torch's registry.
     assert dist.get_backend() == "gloo" and dist.get_world_size() == env.world_size
@@ -111,3 +114,14 @@ def test_candidates_interpolate_between_the_family_ends_and_name_what_is_not_tra
     # fp16 autocast is traced as bf16 autocast (the same bytes; its loss scaler reads values fake tensors lack)
     fp16, bf16 = (Strategy.load(["parallel_mode", ("amp_native", {"dtype": d})]) for d in ("fp16", "bf16"))
     assert tracer.trace(fp16, 2, 1).peak == tracer.trace(bf16, 2, 1).peak
+
+
+def test_fsdp2_autocast_on_a_cnn_matches_two_real_gloo_ranks() -> None:
+    # A VGG-like CNN under FSDP2 + autocast, two micro-batches: rank 0's trace against the dry-run's measurement
+    # (tests/workers/tracing_worker.py). Without gloo's reduce-scatter copy in the trace the first was 6% under;
+    # with DTensor's global-shape metadata tensors counted, the second's trace peaked at the step, 4-11% over.
+    # The dry-run's own figure for the first moves by 36 KB (1.8%) between runs of the same program (2,056,598 and
+    # 2,093,334 bytes seen: FSDP2's collectives run asynchronously on gloo), hence 2.5%.
+    report = run_json(HERE / "workers" / "tracing_worker.py", timeout=240)
+    for name, row in report.items():
+        assert abs(row["traced"] - row["measured"]) <= 0.025 * row["measured"], (name, row)

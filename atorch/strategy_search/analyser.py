@@ -132,6 +132,8 @@ class ModelStats(_Frozen):
     block_fwd_ops: int = 0  # forward operations run inside the repeated blocks (recompute runs them again)
     fwd_lowp_ops: int = 0  # forward matmuls / convolutions / attention: what autocast runs in 16 bits
     param_tensors: int = 0  # trainable parameter tensors (the optimizer's per-tensor work)
+    # their bytes in ``parameters()`` order: DeepSpeed's ZeRO partitions them in this order (cost_model.py)
+    trainable_tensor_bytes: tuple[int, ...] = ()
     activation_bytes: int  # all tensors saved for backward in one step at the measured batch
     activation_bytes_outside_blocks: int
     # saved for backward by the same step's forward under bf16 autocast, 16-bit weight casts left out (the
@@ -719,6 +721,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         block_fwd_ops=fwd_ops.in_blocks,
         fwd_lowp_ops=fwd_ops.lowp,
         param_tensors=len(trainable),
+        trainable_tensor_bytes=tuple(_nbytes(p) for p in trainable),
         activation_bytes=saved.total,
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
         amp_activation_bytes=amp_saved,

@@ -60,12 +60,20 @@ activations; in steady state (the second step on) the optimizer state exists dur
   the other ranks' updated parameters as they are broadcast (calibrated ``ZERO1_BROADCAST_FRACTION`` ×
   ``P (dp−1)/dp``: ZeroRedundancyOptimizer broadcasts per parameter, so how many coexist with the step's
   temporaries depends on the partition); the rest as DDP.
-* zero1 / zero2 with ``implementation: deepspeed``: DeepSpeed's ZeRO-1/2 keep every parameter in the
-  module (``P + F + B``), an fp32 master copy of the rank's partition (``P / dp``) and one reduce bucket
-  (``DEEPSPEED_BUCKETS`` × ``P``: opt_lib/deepspeed_zero.py caps it at the model's parameter count);
-  state ``k·P / dp``; gradients ``P / dp`` (zero2) or ``P`` (zero1). Its step holds only the gradient
-  partition (``P / dp``, zero1 too: the full gradients are reduced into it and freed) and, zero2 under
-  gradient accumulation, the accumulated partition besides (measured on bench/search.py's 206M GPT-2).
+* zero1 / zero2 with ``implementation: deepspeed`` (tracing cannot build its engine; derived from DeepSpeed
+  0.19's deepspeed/runtime/zero/stage_1_and_2.py, each term checked against the live storages at the
+  dry-run's peak): every parameter stays in the module (one flat buffer, ``P + F + B``), an fp32 copy of the
+  rank's partition (``P / dp``), state ``k·P / dp``, and from the first gradient hook on the reduce bucket
+  (``setup_buckets``: ``reduce_bucket_size`` fp32 elements; atorch passes min(DeepSpeed's default, the trainable
+  elements), so ``P`` here); gradients ``P / dp`` (zero2) or ``P`` (zero1). The reduction at the end of a
+  backward (``independent_gradient_partition_epilogue``) is a phase of its own: ``allreduce_bucket`` flattens
+  the bucket's gradients (one more bucket) and ``copy_grads_in_partition`` copies this rank's part into
+  ``grads_in_partition`` (the parameters of its partition, whole: ``P / dp`` and the ones straddling its start
+  or end; ``get_partition_info``); ZeRO-2 does this every micro-batch, and under accumulation the previous
+  micro-batch's partition is freed only by Python's cycle collector, so one or two exist then, by its timing
+  (``ZERO2_ACCUMULATED_PARTITIONS``: the midpoint); ZeRO-1 reduces at the boundary only. Its step holds the
+  gradient partition (``P / dp``, zero1 too: the full gradients are
+  reduced into it and freed) and, zero2 under gradient accumulation, the accumulated partition besides.
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; the root unit (everything
   outside the repeated blocks) stays gathered across steps (calibrated ``FSDP_ROOT_PERSISTENT`` = 2 × its
   gathered bytes: the parameters and their all-gather buffer); a block unit is gathered while it runs, so
@@ -100,8 +108,10 @@ activations; in steady state (the second step on) the optimizer state exists dur
   gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the
   ResNet's convolution blocks fit within 4% without it).
 
-Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's ZeRO with recompute
-is within ±8%; an fp16 trial whose loss scale never lets a warm-up step through is failed, not measured.
+Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's memory on a CPU depends on
+when Python's cycle collector runs (ZeRO-2 under accumulation: one or two gradient partitions; the bench's rows
+flip between runs), predicted within half a partition of either outcome; an fp16 trial whose loss scale never
+lets a warm-up step through is failed, not measured.
 
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
@@ -148,6 +158,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.analyser import ModelStats
@@ -155,16 +166,19 @@ from atorch.strategy_search.hardware import HardwareProfile
 
 # Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
 # "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.
-# Traced memory (tracing.py) uses DDP_PERSISTENT only; the memory constants serve the untraced candidates.
+# Traced memory (tracing.py) uses DDP_PERSISTENT only; the memory constants serve the untraced candidates. DeepSpeed's
+# memory terms have no constant of their own: its bucket size is atorch's (DEEPSPEED_BUCKET_ELEMENTS, imported).
 AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
 ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
-DEEPSPEED_BUCKETS = 1.0  # DeepSpeed's reduce bucket, x P (its size is capped at the model's parameter count)
 OPTIMIZER_TEMP_PER_STATE = 0.5  # foreach step's temporaries per state x owned bytes (AdamW: 1 x; H100: to 0.01%)
 SINGLE_TENSOR_TEMP_PER_STATE = 1.0  # single-tensor loop's, per state x the largest tensor (AdamW: sqrt, then / c)
 DDP_PERSISTENT = 1.0  # DDP reducer's buckets (x P), alive from construction on
 FSDP_ROOT_PERSISTENT = 2.0  # FSDP2's root unit: gathered bytes kept across steps (the parameters and their buffer)
+# DeepSpeed ZeRO-2 under accumulation: grads_in_partition buffers alive at a reduction: 1 or 2 by the cycle
+# collector's timing (see predict); the midpoint of the two outcomes, not fitted
+ZERO2_ACCUMULATED_PARTITIONS = 1.5
 DEFAULT_MEMORY_BYTES_PER_S = 5e9  # a profile without memory_bytes_per_s (an older table)
 AMP_CAST_OPS = 4  # per autocast matmul: its two inputs cast in forward, and those casts' backward
 OPTIMIZER_OPS = (2, 4)  # foreach operations of an optimizer step: 2 + 4 per state (AdamW: 10)
@@ -248,6 +262,27 @@ def _schedule_micro_batches(strategy: Strategy, pipeline: int) -> int:
     return config.micro_batch_count(pipeline) if config is not None and pipeline > 1 else 1
 
 
+def _deepspeed_grads_in_partition(stats: ModelStats, dp: int) -> float:
+    """Bytes of DeepSpeed's ``grads_in_partition`` on the rank with most: every parameter whose elements start in
+    the rank's part of the flat buffer, or that straddles its start, counts whole (stage_1_and_2.py's
+    ``get_partition_info``, which ``copy_grads_in_partition`` sizes it by); the parts are ``P / dp`` each, in
+    ``parameters()`` order. Statistics without the tensor sizes: ``P / dp``."""
+    sizes = stats.trainable_tensor_bytes
+    if not sizes or dp <= 1:
+        return stats.trainable_param_bytes / dp
+    part = math.ceil(sum(sizes) / dp)
+    most = 0
+    for rank in range(dp):
+        low, high = rank * part, (rank + 1) * part
+        held, offset = 0, 0
+        for size in sizes:
+            if low <= offset < high or offset < low < offset + size:
+                held += size
+            offset += size
+        most = max(most, held)
+    return float(most)
+
+
 def _compute_dtype(strategy: Strategy) -> str:
     for name in ("half", "amp_native"):
         config = strategy.get(name)
@@ -313,11 +348,27 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     persistent = 0.0  # buffers that live across steps
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
     all_gathered = 0.0  # FSDP2 without resharding: every block's parameters, at the start of the blocks' backward
+    epilogue = 0.0  # DeepSpeed: the reduction at the end of a backward (below)
     if deepspeed:
-        # ZeRO-1/2 in DeepSpeed: the module keeps every parameter; each rank keeps an fp32 master copy of
-        # its partition and one reduce bucket (capped at the model's size: opt_lib/deepspeed_zero.py).
+        # ZeRO-1/2 in DeepSpeed 0.19 (deepspeed/runtime/zero/stage_1_and_2.py): the module's parameters live in
+        # one flat buffer (DeepSpeedZeroOptimizer.__init__, flatten_dense_tensors_aligned), each rank keeps an
+        # fp32 copy of its partition (__init__: single_partition_of_fp32_groups) and, from the first gradient
+        # hook on, the reduce bucket (setup_buckets: torch.empty(reduce_bucket_size) in fp32; atorch passes
+        # reduce_bucket_size = min(DEEPSPEED_BUCKET_ELEMENTS, trainable elements): opt_lib/deepspeed_zero.py).
         params = trainable + frozen + buffers
-        persistent = trainable / dp + DEEPSPEED_BUCKETS * trainable
+        bucket = min(trainable, 4 * DEEPSPEED_BUCKET_ELEMENTS)
+        persistent = trainable / dp + bucket
+        # The reduction at the end of a backward (independent_gradient_partition_epilogue -> reduce_ipg_grads ->
+        # allreduce_bucket, whose flatten() copies the bucket's gradients: one bucket) copies this rank's part
+        # into grads_in_partition (copy_grads_in_partition: the parameters of its partition, whole). ZeRO-2
+        # reduces every micro-batch; under accumulation the previous micro-batch's grads_in_partition is dropped
+        # by DeepSpeed but still referenced from a reference cycle, so it is alive at this copy only until
+        # Python's cycle collector next runs: two partitions or one, by the collector's timing (seen with the
+        # collector off: two, and with it run after every allocation: one; the bench's DeepSpeed ZeRO-2 rows
+        # flip between the two from run to run). Predicted: the midpoint, so either outcome is within half a
+        # partition. ZeRO-1 reduces once, at the boundary.
+        partitions = ZERO2_ACCUMULATED_PARTITIONS if sharding == "zero2" and micro_batches > 1 else 1
+        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, dp)
     elif sharding and dp > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
         # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
@@ -404,8 +455,11 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         "backward": max(bwd_start, bwd_on),
         "optimizer": step_grads + (0.0 if offloaded else step_temp),
     }
+    if deepspeed:
+        phases["epilogue"] = epilogue
     phase = max(phases, key=phases.__getitem__)
-    temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp}[phase]
+    temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp,
+                              "epilogue": epilogue}[phase]
     peak = params + state + persistent + phases[phase]
 
     # ----- time --------------------------------------------------------------------------------------

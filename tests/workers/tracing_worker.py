@@ -1,0 +1,91 @@
+"""Traced memory (atorch/strategy_search/tracing.py) against the real program on 2 gloo ranks: FSDP2 with
+autocast on a small VGG-like CNN (convolutions, GroupNorm, no repeated transformer blocks), whose peak is in
+the post-backward reduce-scatter of its largest unit.
+
+Usage: ``torchrun --nproc_per_node=2 tracing_worker.py``. Rank 0 traces each strategy (fake tensors, the
+fake process group, while the other rank waits), then the search's dry-run measures it (``DryRunSession``: build
+and two warm-up steps of two micro-batches, one sample per rank each; its peak, the maximum over ranks). Rank 0
+prints ``RESULT {name: {"traced": bytes, "measured": bytes}}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.distributed import init_distributed
+from atorch.dryrun.runner import DryRunSession
+from atorch.model_context import UserSetup
+from atorch.strategy import Strategy
+from atorch.strategy_search.automatic import _sample_batch
+from atorch.strategy_search.tracing import MemoryTracer
+
+MICRO_BATCHES = 2
+STRATEGIES = {
+    # the post-backward reduce-scatter of the largest block is the peak: gloo's copy of its input counts
+    "fsdp amp": ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "fsdp"],
+    # with recompute the step came out on top in the trace: DTensor's global-shape metadata tensors were counted
+    "zero2 amp ckpt": ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "checkpoint",
+                       ("zero2", {"implementation": "fsdp2"})],
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm = nn.GroupNorm(4, cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+
+
+class SmallVGG(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(3, 32), Block(32, 64), Block(64, 128)])
+        self.head = nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.flatten(1))
+
+
+def main() -> None:
+    env = init_distributed()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    images, labels = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    setup = UserSetup(model=SmallVGG(), optim_func=torch.optim.AdamW, dataset=list(zip(images, labels, strict=True)),
+                      loss_func=lambda data, output: nn.functional.cross_entropy(output, data[1]),
+                      model_input_format="unpack_sequence", optim_args={"lr": 1e-4},
+                      dataloader_args={"batch_size": env.world_size, "shuffle": False})
+    session = DryRunSession(setup, env, warmup=2, steps=1)
+    out = {}
+    for name, items in STRATEGIES.items():
+        strategy = Strategy.load(items)
+        traced = 0
+        if env.rank == 0:  # as the search: rank 0 traces while the other rank waits
+            traced = MemoryTracer(setup, _sample_batch(setup, env, 1), env.world_size).trace(
+                strategy, 1, MICRO_BATCHES).peak
+        dist.barrier()
+        trial = session.run(strategy, timeout_s=200, micro_batches=MICRO_BATCHES, batch_size=env.world_size)
+        assert trial.status == "ok", trial.reason
+        out[name] = {"traced": traced, "measured": trial.peak_bytes}
+    session.close()
+    if env.rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
