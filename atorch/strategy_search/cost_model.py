@@ -154,6 +154,7 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -291,20 +292,52 @@ def _compute_dtype(strategy: Strategy) -> str:
     return "float32"
 
 
-def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profile: HardwareProfile,
-            global_batch: int, micro_batches: int = 1, *, optimizer_state_factor: float = 2.0,
-            overlap: float = 0.0, optimizer_bytes_per_s: float | None = None) -> Prediction:
-    """Peak memory per rank and step time of ``strategy`` (see the module docstring for every term)."""
+@dataclass(frozen=True)
+class _Facts:
+    """What a strategy makes of the model on one rank, shared by the memory and the time terms: the layout's
+    sizes, which methods are on, and the parameter bytes this rank holds (after tensor / pipeline splits)."""
+
+    dp: int
+    samples: float  # per rank per step
+    micro_batches: int  # per step, the pipeline schedule's own included
+    micro: float  # samples per micro-batch
+    sharding: str | None  # "fsdp" / "zero2" or None
+    config: Any  # the sharding method's config
+    deepspeed: bool
+    reshard: bool
+    offload: bool
+    zero1: bool
+    half: bool
+    amp: bool
+    checkpoint: bool
+    scale: float  # 0.5 under half: everything in 16 bits
+    shard: int  # the parameters' sharding degree
+    trainable: float
+    frozen: float
+    buffers: float
+    block_params: float
+    biggest_block: float
+    root_params: float
+    tp: int
+    pp: int
+    split: int
+    share: float  # the share of the model's parameters (and, as a proxy, of its matmul FLOPs) on this rank
+    rank_param_bytes: float
+    rank_trainable_bytes: float
+    owned: float  # the parameters whose optimizer state this rank keeps
+    gather: float  # FSDP mixed precision gathers 16-bit copies
+    schedule: str  # the pipeline schedule
+
+
+def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global_batch: int,
+           micro_batches: int) -> _Facts:
     dp = layout.data_size
     if global_batch % (dp * micro_batches):
         raise ValueError(f"global_batch {global_batch} is not divisible by dp {dp} x micro_batches {micro_batches}")
-    if not 0.0 <= overlap <= 1.0:
-        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     samples = global_batch / dp  # per rank per step
     # under pipeline parallel the schedule splits each batch it is given into its own micro-batches
     micro_batches *= _schedule_micro_batches(strategy, layout.size("pipeline"))
     micro = samples / micro_batches
-    notes: list[str] = []
 
     sharding = next((name for name in SHARDED if name in strategy), None)
     config = strategy.get(sharding) if sharding else None
@@ -338,26 +371,38 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     rank_param_bytes = stats.param_bytes * share
     rank_trainable_bytes = stats.trainable_param_bytes * share
 
-    # ----- memory -----------------------------------------------------------------------------------
-    params = (trainable + frozen) / shard + buffers
-    grads = trainable / shard
     owned = trainable / (dp if (sharding or zero1) else 1)  # the parameters whose state this rank keeps
-    state = optimizer_state_factor * owned
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
-    unit = biggest_block if stats.blocks else rank_param_bytes * scale  # FSDP's largest unit
+    return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding, config=config,
+                  deepspeed=deepspeed, reshard=reshard, offload=offload, zero1=zero1, half=half, amp=amp,
+                  checkpoint=checkpoint, scale=scale, shard=shard, trainable=trainable, frozen=frozen,
+                  buffers=buffers, block_params=block_params, biggest_block=biggest_block, root_params=root_params,
+                  tp=tp, pp=pp, split=split, share=share, rank_param_bytes=rank_param_bytes,
+                  rank_trainable_bytes=rank_trainable_bytes, owned=owned, gather=gather,
+                  schedule=_schedule(strategy))
+
+
+def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
+            optimizer_state_factor: float) -> tuple[MemoryPrediction, list[str]]:
+    """Peak bytes per rank: the terms of each phase (forward, backward, optimizer step, DeepSpeed's epilogue)."""
+    notes: list[str] = []
+    params = (f.trainable + f.frozen) / f.shard + f.buffers
+    grads = f.trainable / f.shard
+    state = optimizer_state_factor * f.owned
+    unit = f.biggest_block if stats.blocks else f.rank_param_bytes * f.scale  # FSDP's largest unit
     persistent = 0.0  # buffers that live across steps
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
     all_gathered = 0.0  # FSDP2 without resharding: every block's parameters, at the start of the blocks' backward
     epilogue = 0.0  # DeepSpeed: the reduction at the end of a backward (below)
-    if deepspeed:
+    if f.deepspeed:
         # ZeRO-1/2 in DeepSpeed 0.19 (deepspeed/runtime/zero/stage_1_and_2.py): the module's parameters live in
         # one flat buffer (DeepSpeedZeroOptimizer.__init__, flatten_dense_tensors_aligned), each rank keeps an
         # fp32 copy of its partition (__init__: single_partition_of_fp32_groups) and, from the first gradient
         # hook on, the reduce bucket (setup_buckets: torch.empty(reduce_bucket_size) in fp32; atorch passes
         # reduce_bucket_size = min(DEEPSPEED_BUCKET_ELEMENTS, trainable elements): opt_lib/deepspeed_zero.py).
-        params = trainable + frozen + buffers
-        bucket = min(trainable, 4 * DEEPSPEED_BUCKET_ELEMENTS)
-        persistent = trainable / dp + bucket
+        params = f.trainable + f.frozen + f.buffers
+        bucket = min(f.trainable, 4 * DEEPSPEED_BUCKET_ELEMENTS)
+        persistent = f.trainable / f.dp + bucket
         # The reduction at the end of a backward (independent_gradient_partition_epilogue -> reduce_ipg_grads ->
         # allreduce_bucket, whose flatten() copies the bucket's gradients: one bucket) copies this rank's part
         # into grads_in_partition (copy_grads_in_partition: the parameters of its partition, whole). ZeRO-2
@@ -367,87 +412,87 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         # collector off: two, and with it run after every allocation: one; the bench's DeepSpeed ZeRO-2 rows
         # flip between the two from run to run). Predicted: the midpoint, so either outcome is within half a
         # partition. ZeRO-1 reduces once, at the boundary.
-        partitions = ZERO2_ACCUMULATED_PARTITIONS if sharding == "zero2" and micro_batches > 1 else 1
-        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, dp)
-    elif sharding and dp > 1 and stats.blocks:
+        partitions = ZERO2_ACCUMULATED_PARTITIONS if f.sharding == "zero2" and f.micro_batches > 1 else 1
+        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, f.dp)
+    elif f.sharding and f.dp > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
         # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
         # is (the forward's is freed before the head's peak). Without resharding after forward every block
         # stays gathered until its own backward has run: all of them at the forward's end and where the
         # blocks' backward starts (seen block by block on the bench's GPT-2s).
-        persistent = FSDP_ROOT_PERSISTENT * root_params * gather
-        fwd_temp, bwd_temp = (0.0, unit * gather) if reshard else (block_params * gather, unit * gather)
-        all_gathered = 0.0 if reshard else block_params * gather
-    elif sharding and dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
-        fwd_temp = bwd_temp = unit * gather
-    elif sharding and amp:  # dp = 1: FSDP2 still casts the parameters for compute
-        fwd_temp = bwd_temp = rank_param_bytes * 0.5
-    elif dp > 1:
-        persistent = DDP_PERSISTENT * trainable
-    if amp and (deepspeed or not sharding):
-        fwd_temp += rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
+        persistent = FSDP_ROOT_PERSISTENT * f.root_params * f.gather
+        fwd_temp, bwd_temp = (0.0, unit * f.gather) if f.reshard else (f.block_params * f.gather, unit * f.gather)
+        all_gathered = 0.0 if f.reshard else f.block_params * f.gather
+    elif f.sharding and f.dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
+        fwd_temp = bwd_temp = unit * f.gather
+    elif f.sharding and f.amp:  # dp = 1: FSDP2 still casts the parameters for compute
+        fwd_temp = bwd_temp = f.rank_param_bytes * 0.5
+    elif f.dp > 1:
+        persistent = DDP_PERSISTENT * f.trainable
+    if f.amp and (f.deepspeed or not f.sharding):
+        fwd_temp += f.rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
     # The step's temporaries. Foreach (accelerators) takes the square root of every second moment at once and
     # works in place after it: one owned-sized temporary for AdamW. Torch has no foreach kernels on a CPU and
     # runs its single-tensor loop, whose ``sqrt() / c`` holds two temporaries of one parameter at a time: the
     # largest decides (a shard of it under FSDP). DeepSpeed steps on its flat fp32 partition, one tensor, and
     # measures as one partition-sized temporary (calibrated on bench/search.py's small GPT-2).
-    if profile.device_type != "cpu" or deepspeed:
-        step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned
+    if profile.device_type != "cpu" or f.deepspeed:
+        step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * f.owned
     else:
-        largest_tensor = (stats.largest_layer.param_bytes if stats.largest_layer else 0) * scale
-        at_once = min(owned, largest_tensor / (shard if sharding else 1))
+        largest_tensor = (stats.largest_layer.param_bytes if stats.largest_layer else 0) * f.scale
+        at_once = min(f.owned, largest_tensor / (f.shard if f.sharding else 1))
         step_temp = SINGLE_TENSOR_TEMP_PER_STATE * optimizer_state_factor * at_once
-    if zero1 and dp > 1 and not deepspeed:  # the other ranks' updated parameters, broadcast after the step
-        step_temp += ZERO1_BROADCAST_FRACTION * trainable * (dp - 1) / dp
+    if f.zero1 and f.dp > 1 and not f.deepspeed:  # the other ranks' updated parameters, broadcast after the step
+        step_temp += ZERO1_BROADCAST_FRACTION * f.trainable * (f.dp - 1) / f.dp
 
     amp_factor = (stats.amp_activation_bytes / stats.activation_bytes if stats.amp_activation_bytes
                   and stats.activation_bytes else AMP_ACTIVATION_FACTOR)
-    act_scale = micro / stats.batch_size * scale * (amp_factor if amp and not half else 1.0)
+    act_scale = f.micro / stats.batch_size * f.scale * (amp_factor if f.amp and not f.half else 1.0)
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
-    if checkpoint and stats.blocks:
+    if f.checkpoint and stats.blocks:
         inputs = sum(b.input_bytes_total for b in stats.blocks) or CHECKPOINT_INPUT_FRACTION * block_act
         kept = stats.activation_bytes_outside_blocks + inputs + max(b.activation_bytes for b in stats.blocks)
     else:
         kept = stats.activation_bytes
-    if split > 1 and stats.blocks:
+    if f.split > 1 and stats.blocks:
         # tensor parallel: a block's matmul outputs are split, its norms' and residuals' inputs are not
         # (TP_REPLICATED_ACTIVATIONS of a block's saved bytes, Megatron's 10 of 34 bytes per token and hidden);
         # pipeline parallel: a stage holds 1/pp of the blocks for each micro-batch in flight: pp of them
         # under 1f1b and the interleaved schedules (so the first stage matches the whole model's blocks at one
         # micro-batch), every micro-batch under gpipe.
         in_blocks = kept - stats.activation_bytes_outside_blocks
-        in_blocks *= TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
-        in_flight = micro_batches if _schedule(strategy) == "gpipe" else min(micro_batches, pp)
-        kept = stats.activation_bytes_outside_blocks + in_blocks / pp * in_flight
+        in_blocks *= TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / f.tp
+        in_flight = f.micro_batches if f.schedule == "gpipe" else min(f.micro_batches, f.pp)
+        kept = stats.activation_bytes_outside_blocks + in_blocks / f.pp * in_flight
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
-    activations = (kept + LOSS_TEMP_FACTOR[checkpoint and bool(stats.blocks)] * largest) * act_scale
+    activations = (kept + LOSS_TEMP_FACTOR[f.checkpoint and bool(stats.blocks)] * largest) * act_scale
     host = 0.0
     # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
-    offloaded = offload and sharding and profile.device_type != "cpu" and not deepspeed
+    offloaded = f.offload and f.sharding and profile.device_type != "cpu" and not f.deepspeed
     if offloaded:
-        host = params - buffers + grads + state
-        params, grads, state = buffers, 0.0, 0.0
+        host = params - f.buffers + grads + state
+        params, grads, state = f.buffers, 0.0, 0.0
         notes.append("cpu_offload: sharded parameters, gradients and optimizer state counted in host_bytes")
     # With gradient accumulation the micro-batches after the first run forward and backward with every
     # gradient already there. A single micro-batch frees its saved activations as its gradients appear:
     # its backward holds the larger of the two (at its start or at its end) besides the gathered state.
     # FSDP2 accumulates unsharded gradients (in the compute dtype) while its gradient sync is off (atorch
     # turns it off for all micro-batches but the last), so those are held whole.
-    held_grads = (trainable if sharding and not deepspeed else grads) if micro_batches > 1 else 0.0
+    held_grads = (f.trainable if f.sharding and not f.deepspeed else grads) if f.micro_batches > 1 else 0.0
     # Under recompute an attention block's backward holds its recomputed activations (in ``activations``) and,
     # as it runs, their gradients: about as many bytes again (measured on GPT-2; the ResNet's convolution
     # blocks free theirs as they go, within 4% without this term).
     recompute = max((b.activation_bytes for b in stats.blocks if b.attention), default=0) * act_scale \
-        if checkpoint else 0.0
+        if f.checkpoint else 0.0
     # DeepSpeed steps with its gradient partition only (ZeRO-1 too: the full gradients are reduced into it and
     # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).
     step_grads = grads
-    if deepspeed:
-        step_grads = trainable / dp * (2 if sharding == "zero2" and micro_batches > 1 else 1)
+    if f.deepspeed:
+        step_grads = f.trainable / f.dp * (2 if f.sharding == "zero2" and f.micro_batches > 1 else 1)
     # Backward at the start of the blocks' (every block still gathered without resharding, none recomputed yet)
     # and as it goes on (one block gathered and recomputed at a time).
     bwd_start = activations + held_grads + all_gathered
-    bwd_on = (activations + held_grads if micro_batches > 1 else max(activations, grads)) + bwd_temp + recompute
+    bwd_on = (activations + held_grads if f.micro_batches > 1 else max(activations, grads)) + bwd_temp + recompute
     if bwd_start > bwd_on:
         bwd_temp = all_gathered
     phases = {
@@ -455,90 +500,104 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
         "backward": max(bwd_start, bwd_on),
         "optimizer": step_grads + (0.0 if offloaded else step_temp),
     }
-    if deepspeed:
+    if f.deepspeed:
         phases["epilogue"] = epilogue
     phase = max(phases, key=phases.__getitem__)
     temporary = persistent + {"forward": fwd_temp, "backward": bwd_temp, "optimizer": step_temp,
                               "epilogue": epilogue}[phase]
     peak = params + state + persistent + phases[phase]
 
-    # ----- time --------------------------------------------------------------------------------------
-    dtype = _compute_dtype(strategy)
+    memory = MemoryPrediction(
+        parameters=round(params), gradients=round(grads), optimizer_state=round(state),
+        activations=round(activations), temporary=round(temporary), peak=round(peak), peak_phase=phase,
+        host_bytes=round(host),
+    )
+    return memory, notes
+
+
+def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, optimizer_state_factor: float,
+          overlap: float, optimizer_bytes_per_s: float | None) -> TimePrediction:
+    """Seconds per step: compute, per-operation overhead, exposed communication, optimizer traffic."""
     tflops = profile.matmul_tflops.get(dtype) or profile.matmul_tflops.get("float32")
     if not tflops:
         raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
-    flops = stats.fwd_bwd_flops_per_sample * samples
-    if checkpoint and stats.blocks:
-        flops += stats.fwd_flops_per_sample * samples  # one more forward (of the blocks: most of it)
-    flops *= share
-    bubble = (micro_batches + pp - 1) / micro_batches if pp > 1 else 1.0  # stages idle while the pipe fills
+    flops = stats.fwd_bwd_flops_per_sample * f.samples
+    if f.checkpoint and stats.blocks:
+        flops += stats.fwd_flops_per_sample * f.samples  # one more forward (of the blocks: most of it)
+    flops *= f.share
+    bubble = (f.micro_batches + f.pp - 1) / f.micro_batches if f.pp > 1 else 1.0  # stages idle while the pipe fills
     compute = flops / (tflops * 1e12) * bubble
 
     units = sum(b.count for b in stats.blocks) + 1
-    gathers = micro_batches * (2 if reshard else 1) if sharding else 0
+    gathers = f.micro_batches * (2 if f.reshard else 1) if f.sharding else 0
     ops = stats.fwd_ops + stats.bwd_ops  # per micro-batch, whatever its size
-    if checkpoint and stats.blocks:
+    if f.checkpoint and stats.blocks:
         ops += stats.block_fwd_ops  # the blocks' forward runs again in backward
-    if amp and not half:
+    if f.amp and not f.half:
         ops += AMP_CAST_OPS * stats.fwd_lowp_ops
-    if pp > 1:
-        ops = ops / pp * bubble  # a stage runs its share of the operations
-    if tp > 1:
-        ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / pp
-    ops *= micro_batches
+    if f.pp > 1:
+        ops = ops / f.pp * bubble  # a stage runs its share of the operations
+    if f.tp > 1:
+        ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / f.pp
+    ops *= f.micro_batches
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
-    if sharding and not deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
+    if f.sharding and not f.deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
         ops += (gathers + 1) * (FSDP_UNIT_OPS * units + FSDP_PARAM_OPS * stats.param_tensors)
-    if deepspeed:  # DeepSpeed's per-parameter gradient hooks, bucket copies and partition copies (Python)
-        ops += DEEPSPEED_PARAM_OPS * stats.param_tensors * micro_batches
+    if f.deepspeed:  # DeepSpeed's per-parameter gradient hooks, bucket copies and partition copies (Python)
+        ops += DEEPSPEED_PARAM_OPS * stats.param_tensors * f.micro_batches
     overhead = ops * profile.op_latency_s
 
     comm = 0.0
-    full_grads = rank_trainable_bytes * scale
-    gathered = rank_param_bytes * scale * gather
-    if sharding:
-        comm += _collective_s(profile, "all_gather", gathered * gathers, dp, units * gathers)
-        comm += _collective_s(profile, "reduce_scatter", full_grads, dp, units)
-    elif dp > 1:
+    full_grads = f.rank_trainable_bytes * f.scale
+    gathered = f.rank_param_bytes * f.scale * f.gather
+    if f.sharding:
+        comm += _collective_s(profile, "all_gather", gathered * gathers, f.dp, units * gathers)
+        comm += _collective_s(profile, "reduce_scatter", full_grads, f.dp, units)
+    elif f.dp > 1:
         buckets = max(1, math.ceil(full_grads / DDP_BUCKET_BYTES))
-        comm += _collective_s(profile, "all_reduce", full_grads, dp, buckets)
-        if zero1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner (one collective each);
+        comm += _collective_s(profile, "all_reduce", full_grads, f.dp, buckets)
+        if f.zero1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner (one collective each);
             # DeepSpeed all-gathers the partitions in buckets
-            if deepspeed:
-                comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
+            if f.deepspeed:
+                comm += _collective_s(profile, "all_gather", f.rank_trainable_bytes * f.scale, f.dp, 1)
             else:  # a broadcast moves what an all-gather does; its latency is an all-reduce's (one round)
-                comm += _collective_s(profile, "all_gather", rank_trainable_bytes * scale, dp, 1)
+                comm += _collective_s(profile, "all_gather", f.rank_trainable_bytes * f.scale, f.dp, 1)
                 one = profile.collectives.get("all_reduce")
                 comm += (one.latency_s if one else 0.0) * max(0, stats.param_tensors - 1)
-    comm += _collective_s(profile, "all_reduce", 4, dp, 1)  # the step's loss, averaged over the ranks
-    if split > 1 and stats.blocks:
+    comm += _collective_s(profile, "all_reduce", 4, f.dp, 1)  # the step's loss, averaged over the ranks
+    if f.split > 1 and stats.blocks:
         # a block's input (its hidden states) at one micro-batch, in the compute dtype
         hidden = sum(b.input_bytes_total for b in stats.blocks) / sum(b.count for b in stats.blocks) * (
-            micro / stats.batch_size) * (0.5 if amp or half else 1.0)
-        blocks_here = sum(b.count for b in stats.blocks) / pp
-        if tp > 1:  # two all-reduces of the hidden states per block in forward, two in backward
-            count = TP_BLOCK_OPS * blocks_here * micro_batches
-            comm += _collective_s(profile, "all_reduce", hidden * count, tp, count)
-        if pp > 1:  # a stage sends its output forward and receives its gradient back, per micro-batch
-            comm += _p2p_s(profile, hidden * 2 * micro_batches, 2 * micro_batches)
-        comm += _collective_s(profile, "all_reduce", 4, split, 1)  # the loss, from the last stage to every rank
+            f.micro / stats.batch_size) * (0.5 if f.amp or f.half else 1.0)
+        blocks_here = sum(b.count for b in stats.blocks) / f.pp
+        if f.tp > 1:  # two all-reduces of the hidden states per block in forward, two in backward
+            count = TP_BLOCK_OPS * blocks_here * f.micro_batches
+            comm += _collective_s(profile, "all_reduce", hidden * count, f.tp, count)
+        if f.pp > 1:  # a stage sends its output forward and receives its gradient back, per micro-batch
+            comm += _p2p_s(profile, hidden * 2 * f.micro_batches, 2 * f.micro_batches)
+        comm += _collective_s(profile, "all_reduce", 4, f.split, 1)  # the loss, from the last stage to every rank
     communication = comm * (1.0 - overlap)
     bandwidth = optimizer_bytes_per_s or profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
     passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor
-    optimizer = passes * owned / bandwidth
+    optimizer = passes * f.owned / bandwidth
     # Gradients copied into and out of the communication buffers (DDP buckets, FSDP's reduce-scatter
     # input, gathered parameters copied out) once per step / gather: read and written.
-    copies = 2 * (full_grads + gathered * gathers) if sharding else 2 * full_grads if dp > 1 else 0.0
+    copies = 2 * (full_grads + gathered * gathers) if f.sharding else 2 * full_grads if f.dp > 1 else 0.0
     optimizer += copies / bandwidth
 
-    return Prediction(
-        memory=MemoryPrediction(
-            parameters=round(params), gradients=round(grads), optimizer_state=round(state),
-            activations=round(activations), temporary=round(temporary), peak=round(peak), peak_phase=phase,
-            host_bytes=round(host),
-        ),
-        time=TimePrediction(compute=compute, overhead=overhead, communication=communication, optimizer=optimizer,
-                            step=compute + overhead + communication + optimizer, ops=round(ops)),
-        samples_per_rank=micro,
-        notes=tuple(notes),
-    )
+    return TimePrediction(compute=compute, overhead=overhead, communication=communication, optimizer=optimizer,
+                          step=compute + overhead + communication + optimizer, ops=round(ops))
+
+
+def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profile: HardwareProfile,
+            global_batch: int, micro_batches: int = 1, *, optimizer_state_factor: float = 2.0,
+            overlap: float = 0.0, optimizer_bytes_per_s: float | None = None) -> Prediction:
+    """Peak memory per rank and step time of ``strategy`` (see the module docstring for every term): the facts
+    of the strategy on this model, then the memory and the time they make."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    facts = _facts(stats, strategy, layout, global_batch, micro_batches)
+    memory, notes = _memory(stats, facts, profile, optimizer_state_factor)
+    time = _time(stats, facts, _compute_dtype(strategy), profile, optimizer_state_factor, overlap,
+                 optimizer_bytes_per_s)
+    return Prediction(memory=memory, time=time, samples_per_rank=facts.micro, notes=tuple(notes))
