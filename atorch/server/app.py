@@ -9,7 +9,6 @@ read in full.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,11 +16,11 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from atorch.server import models
+from atorch.server.auth import COOKIE, UNAUTHORIZED, same_token, token_ok
 from atorch.server.store import LeaseExpired, Studies, StudyBusy, UnknownCandidate, UnknownStudy, UnknownTrial
 
 API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
-COOKIE = "atorch_token"
 StudyKey = Path(pattern=models.STUDY_KEY, description="the study key (same as the local search's)")
 
 
@@ -61,36 +60,6 @@ async def _too_large(scope: dict, limit: int, send: Any) -> None:
     await JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, 413)(scope, None, send)
 
 
-class TokenGate:
-    """ASGI wrapper for mounted apps (the dashboards): the same token check as the API's."""
-
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.token is not None:
-            headers = dict(scope.get("headers") or [])
-            if not _token_ok(self.token, headers.get(b"authorization", b"").decode("latin-1"),
-                             _cookie(headers.get(b"cookie", b"").decode("latin-1"))):
-                return await JSONResponse({"detail": "missing or wrong bearer token"}, 401)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def _cookie(header: str) -> str | None:
-    for part in header.split(";"):
-        name, _, value = part.strip().partition("=")
-        if name == COOKIE:
-            return value
-    return None
-
-
-def _token_ok(token: str, authorization: str, cookie: str | None) -> bool:
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), token.encode()):
-        return True
-    return cookie is not None and secrets.compare_digest(cookie.encode(), token.encode())
-
-
 def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
                dashboard: bool = True) -> Any:
     studies = Studies(storage)
@@ -105,10 +74,10 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     app.state.studies = studies
 
     def auth(request: Request) -> None:
-        if token is not None and not _token_ok(
+        if token is not None and not token_ok(
             token, request.headers.get("authorization", ""), request.cookies.get(COOKIE)
         ):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(UnknownStudy)
     async def _unknown_study(_: Request, exc: UnknownStudy) -> JSONResponse:
@@ -208,8 +177,8 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
 
         @app.get("/ui/login", include_in_schema=False)
         def login(token_: str = Query(alias="token")) -> Any:
-            if token is not None and not secrets.compare_digest(token_.encode(), token.encode()):
-                raise HTTPException(401, "missing or wrong bearer token")
+            if token is not None and not same_token(token_, token):
+                raise HTTPException(401, UNAUTHORIZED)
             response = RedirectResponse("/ui/", status_code=303)
             response.set_cookie(COOKIE, token_, httponly=True, samesite="strict")
             return response

@@ -80,7 +80,7 @@ def mount(app: FastAPI, studies: Studies, token: str | None) -> None:
     from a2wsgi import WSGIMiddleware
     from optuna_dashboard import wsgi
 
-    from atorch.server.app import TokenGate
+    from atorch.server.auth import TokenGate
 
     ui = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
