@@ -177,9 +177,3 @@ class PeakMemory:
         tracker.refs.clear()
         tracker.sizes.clear()
         self._tracker = None
-
-    def current(self) -> int:
-        """Live tracked bytes now (inside the block; CUDA: allocated bytes)."""
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return self._tracker.live if self._tracker is not None else 0

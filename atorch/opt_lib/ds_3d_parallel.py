@@ -22,7 +22,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from pydantic import Field
-from torch import nn
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
@@ -317,8 +316,3 @@ def _sample_problems(ctx: Any) -> list[str]:
         return [f"ds_3d_parallel passes only input_ids between stages (the causal mask is made from the positions), "
                 f"so the sample keys {extra} would be ignored; leave them out (no padding), or use pipeline_parallel"]
     return []
-
-
-def local_layers(model: Any) -> nn.Module:
-    """The layers this rank holds (the engine's PipelineModule)."""
-    return getattr(model, "module", model)

@@ -47,9 +47,6 @@ class ParallelModeConfig(MethodConfig):
                 raise ValueError(f"size of '{name}' must be positive (or -1 for 'fill up'), got {size}")
         return dims
 
-    def size_of(self, name: str) -> int:
-        return dict(self.dims).get(name, 1)
-
 
 @register
 class ParallelMode(Method):
