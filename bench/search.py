@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
-from common import spearman  # noqa: E402
+from common import machine, spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
 import atorch  # noqa: E402
@@ -436,6 +436,7 @@ def main() -> None:
                 args.sweeps.write_text(json.dumps(sweeps))
     if env.rank == 0:
         print("\n" + table(rows))
+        print("MACHINE " + json.dumps({**machine(), "load_average_1_5_15": os.getloadavg()}))
         print("RESULT " + json.dumps(rows))
 
 
