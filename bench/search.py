@@ -133,8 +133,9 @@ MODELS: dict[str, Any] = {
 SCENARIOS: dict[str, dict[str, Any]] = {
     # A small GPT-2, default space (tensor parallel, module_replace, amp bf16/fp16 in), one sample per rank.
     "small": {"model": "gpt2", "global_batch": 2},
-    # The same under a budget plain DDP cannot meet.
+    # The same under budgets plain DDP cannot meet.
     "budget": {"model": "gpt2", "global_batch": 2, "budget_of_ddp": 0.6},
+    "budget_75": {"model": "gpt2", "global_batch": 2, "budget_of_ddp": 0.75},
     # The same with the train_step opt-in: pipeline parallel (and its schedules) in the space too.
     "train_step": {"model": "gpt2", "global_batch": 2, "loop": "train_step"},
     # A non-transformer model: a small ResNet with batch norm, 2 samples per rank.
