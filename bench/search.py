@@ -128,8 +128,8 @@ MODELS: dict[str, Any] = {
 }
 
 # Scenarios on the same model and global batch share one sweep ("budget_of_ddp": a fraction of plain DDP's
-# measured peak). The budgets were set from the sweep so that neither DDP nor the cost model's pick is the
-# measured best (bench/README.md, "Automatic search").
+# measured peak). Under budget and budget_75 neither DDP nor the cost model's pick is the measured best; under
+# cnn_budget the cost model's pick is (bench/README.md, "Automatic search").
 SCENARIOS: dict[str, dict[str, Any]] = {
     # A small GPT-2, default space (tensor parallel, module_replace, amp bf16/fp16 in), one sample per rank.
     "small": {"model": "gpt2", "global_batch": 2},
