@@ -1,28 +1,37 @@
 """Automatic search against an exhaustive sweep, heuristic baselines and the cost model alone (2 ranks).
 
-    torchrun --nproc_per_node 2 bench/search.py [--scenarios small,budget,large,cnn] [--repeats 5]
+    torchrun --standalone --nproc_per_node 2 bench/search.py [--scenarios small,budget,...] [--repeats 5] \
+        [--sweeps sweeps.json]
+
+Every scenario searches the **default space** (``SearchOptions`` defaults: ``loop="user"``,
+``precision="mixed"``: tensor parallel, ``module_replace`` and amp in; ``half``, pipeline parallel,
+``ds_3d_parallel`` and ``loss_parallel`` out), or the ``loop="train_step"`` opt-in (pipeline too). Nothing
+is excluded to keep a sweep affordable: small models and small per-rank batches do that.
 
 Per scenario, side by side in one run:
 
-1. **Exhaustive sweep**: every candidate of the search space dry-run (the same dry-run as the search:
-   warm-up, timed steps, peak memory per rank; an OOM stops after warm-up). Its best feasible
-   candidate is the reference. The ``budget`` scenario re-judges the ``small`` sweep under its budget
-   (a budget changes the verdicts, not the measurements). A second pass in reverse order re-times every
-   candidate that ran timed steps, and each keeps its faster time (the sweep's wall time is the first
-   pass's): a slow stretch of the machine otherwise mis-ranks a run of neighbouring candidates.
+1. **Exhaustive sweep**: every candidate of the space dry-run (the same dry-run as the search: warm-up,
+   timed steps, peak memory per rank), with no budget: a budget changes the verdicts, not the
+   measurements, so scenarios on the same model and batch share one sweep (a candidate is measured once,
+   keyed by its strategy and micro-batching; ``--sweeps`` keeps them in a file across runs). The sweep's
+   wall time of a scenario is the sum of its candidates' first-pass times. A second pass in reverse order
+   re-times every candidate that ran timed steps, and each keeps its faster time: a slow stretch of the
+   machine otherwise mis-ranks a run of neighbouring candidates.
 2. **Automatic search**: ``auto_accelerate`` with no load_strategy (fresh study): wall time, dry-runs
    used, how many of them were OOM or failed; then the same call again (cached); then the cost model
-   alone (``search={"dryrun": False}``).
+   alone (``search={"dryrun": False}``); then a fresh search with ``top_k=0`` (no cost-model favourite
+   enqueued, only the DDP baseline: what Optuna finds on its own).
 3. **Baselines**, looked up in the sweep: plain DDP (fp32, the whole per-rank batch); a size rule in
    the manner of Colossal-AI's plugin guide (DDP if 16 bytes per parameter fit in half the budget, else
    ZeRO-2, else FSDP with checkpointing); a ZeRO-stage scan in the manner of DeepSpeed's autotuning
-   (stages 0-3 as DDP / zero1 / zero2 / fsdp, fp32, every micro-batch size; the best that fits).
-4. **Re-measured interleaved**: the pick, the sweep's best, the cost model's pick and the baselines,
+   (stages 0-3 as DDP / zero1 / zero2 / fsdp, fp32, data parallel only, every micro-batch size; the best
+   that fits). Per scenario: is DDP the sweep's best, does it fit, is the cost model's pick the sweep's
+   best, does it fit (measured).
+4. **Re-measured interleaved**: the picks, the sweep's best, the cost model's pick and the baselines,
    ``--repeats`` rounds in turn; ratios are of medians (the machine is noisy).
-5. **Cost model accuracy**: peak memory error (median, max) over every candidate of the sweep whose peak
-   was measured (those stopped over the budget after warm-up too), and the Spearman rank correlation of
-   predicted vs measured step time over those that ran timed steps (none below 3 rows); the row counts
-   are printed beside them.
+5. **Cost model accuracy**: peak memory error (median, max) over every candidate of the sweep, and the
+   Spearman rank correlation of predicted vs measured step time over those that ran timed steps (none
+   below 3 rows); the row counts are printed beside them.
 
 Rank 0 prints a markdown table per scenario and a JSON line (``RESULT {...}``).
 """
@@ -44,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
-from common import spearman  # noqa: E402
+from common import machine, spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
 import atorch  # noqa: E402
 from atorch.distributed import init_distributed  # noqa: E402
-from atorch.dryrun.runner import DryRunSession  # noqa: E402
+from atorch.dryrun.runner import DryRunSession, prepare_once  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
 from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
@@ -60,10 +69,6 @@ from atorch.strategy_search.space import SearchSpace  # noqa: E402
 # optimizer state exists, so only the second reaches the peak training keeps reaching.
 WARMUP, STEPS = 2, 3
 MIN_MEASURE_S = SearchOptions().min_measure_s  # timed steps add up to this (the search's default), sweep alike
-# keeps each space at 50-110 candidates: sweepable on 2 cores (the figures in bench/README were measured on data-
-# parallel spaces; --model-parallel adds the tensor / pipeline dimensions, which multiply the sweep)
-MODEL_PARALLEL = ["tensor_parallel", "pipeline_parallel", "mixed_parallel"]
-EXCLUDED = ["half", "module_replace", *MODEL_PARALLEL]
 
 
 # ----- scenarios -------------------------------------------------------------------------------------
@@ -117,23 +122,26 @@ def cnn() -> dict[str, Any]:
             "model_input_format": "unpack_sequence"}  # model(images, labels): labels are the loss's
 
 
+MODELS: dict[str, Any] = {
+    "gpt2": lambda: gpt2(4, 128, 4, 1024, 64),  # 0.93M parameters, 64 tokens a sample
+    "cnn": cnn,  # 0.11M parameters, 32x32 images
+}
+
+# Scenarios on the same model and global batch share one sweep ("budget_of_ddp": a fraction of plain DDP's
+# measured peak). Under budget and budget_75 neither DDP nor the cost model's pick is the measured best; under
+# cnn_budget the cost model's pick is (bench/README.md, "Automatic search").
 SCENARIOS: dict[str, dict[str, Any]] = {
-    # A small GPT-2 with no memory limit.
-    "small": {"build": lambda: gpt2(4, 128, 4, 1024, 64), "global_batch": 4},
-    # The same under a budget plain DDP cannot meet (set from the sweep: 60% of DDP's peak).
-    "budget": {"build": lambda: gpt2(4, 128, 4, 1024, 64), "global_batch": 4, "budget_of_ddp": 0.6,
-               "sweep_of": "small"},
-    # ~206M parameters (64 layers of width 512), eager attention, 32 tokens a sample, 8 samples per rank: a
-    # replica with its AdamW state does not fit in 46% of DDP's peak, a shard does only with checkpointing (the
-    # narrow, deep blocks keep ~3 MiB of activations per token; 256 tokens per rank keep a step near 10 s on this
-    # CPU). amp is left out: bf16 matmuls run at ~1/5 and fp16 at ~1/200 of fp32's speed on this CPU, so the
-    # sweep would take hours; fp32 alone still gives 56 candidates (7 sharding variants x checkpoint x 4 micro-
-    # batch sizes; cpu_offload is not searched on a CPU device).
-    "large": {"build": lambda: gpt2(64, 512, 16, 8192, 32, attention="eager"), "global_batch": 16,
-              "budget_of_ddp": 0.46, "excluded": ["half", "amp_native", "module_replace", *MODEL_PARALLEL],
-              "trial_timeout_s": 240, "timing_passes": 1},  # 2 of 56 run timed steps: no rank order to mend
-    # A non-transformer model: a small ResNet on 32x32 images.
-    "cnn": {"build": cnn, "global_batch": 4},
+    # A small GPT-2, default space (tensor parallel, module_replace, amp bf16/fp16 in), one sample per rank.
+    "small": {"model": "gpt2", "global_batch": 2},
+    # The same under budgets plain DDP cannot meet.
+    "budget": {"model": "gpt2", "global_batch": 2, "budget_of_ddp": 0.6},
+    "budget_75": {"model": "gpt2", "global_batch": 2, "budget_of_ddp": 0.75},
+    # The same with the train_step opt-in: pipeline parallel (and its schedules) in the space too.
+    "train_step": {"model": "gpt2", "global_batch": 2, "loop": "train_step"},
+    # A non-transformer model: a small ResNet with batch norm, 2 samples per rank.
+    "cnn": {"model": "cnn", "global_batch": 4},
+    # The same under a budget plain DDP cannot meet.
+    "cnn_budget": {"model": "cnn", "global_batch": 4, "budget_of_ddp": 0.8},
 }
 
 
@@ -162,61 +170,87 @@ def point_of(cand: Any) -> dict[str, Any]:
     return dict(cand.point)
 
 
+def data_parallel_only(cand: Any) -> bool:
+    """No tensor or pipeline layout and no module swap: what the DDP baseline and the stage scan range over."""
+    point = point_of(cand)
+    return point.get("tensor") in (None, 1) and point.get("pipeline") in (None, 1) and not point.get("module_replace")
+
+
+def sweep_id(cand: Any) -> str:
+    """A candidate by what runs (its strategy and micro-batching): the same in the user and train_step spaces."""
+    return json.dumps([cand.strategy.to_list(), cand.micro_batch_size, cand.micro_batches], default=str)
+
+
+def search_runs(storage: str) -> tuple[int, int]:
+    """Dry-runs a search used (its confirmation re-runs too) and how many of them were OOM, failed or timed out."""
+    import optuna
+
+    studies = optuna.get_all_study_summaries(storage=storage)
+    study = optuna.load_study(study_name=studies[0].study_name, storage=storage)
+    measured = [t.user_attrs for t in study.get_trials()
+                if "measured" in t.user_attrs and t.user_attrs.get("status") != "duplicate"]
+    measured += study.user_attrs.get("confirmations", [])
+    return len(measured), sum(t.get("status") in ("oom", "failed", "timeout") for t in measured)
+
+
 # ----- one scenario ----------------------------------------------------------------------------------
 
-def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scratch: Path,
-                 limit: int | None = None, model_parallel: bool = False) -> dict[str, Any]:
+def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, Any]], scratch: Path,
+                 limit: int | None = None) -> dict[str, Any]:
     spec = SCENARIOS[name]
-    parts = spec["build"]()
+    parts = MODELS[spec["model"]]()
     setup = user_setup(parts, spec["global_batch"])
-    excluded = [m for m in spec.get("excluded", EXCLUDED) if not (model_parallel and m in MODEL_PARALLEL)]
-    space = SearchSpace(parts["model"], env.world_size, spec["global_batch"], excluded=excluded,
-                        host_offload=env.device.type != "cpu")  # as the search builds it
+    loop = spec.get("loop", "user")
+    space = SearchSpace(parts["model"], env.world_size, spec["global_batch"], loop=loop,
+                        host_offload=env.device.type != "cpu")  # as the search builds it, with its defaults
     cands = space.enumerate()
     if limit:  # a quick check of this script, not a measurement: DDP plus the first few
-        cands = sorted(cands, key=lambda c: (point_of(c)["sharding"] != "ddp", point_of(c)["precision"] != "fp32"))
+        cands = sorted(cands, key=lambda c: (point_of(c)["sharding"] != "ddp", point_of(c)["precision"] != "fp32",
+                                             not data_parallel_only(c)))
         cands = cands[:limit]
     keys = [c.key for c in cands]
+    by_key = {c.key: c for c in space.enumerate()}
     timeout = spec.get("trial_timeout_s", 600)
     session = DryRunSession(setup, env, warmup=WARMUP, steps=STEPS, rejoin_timeout_s=1200, min_measure_s=MIN_MEASURE_S)
 
-    # 1. The exhaustive sweep (or the one this scenario shares).
-    ddp_key = max((c for c in cands if point_of(c)["sharding"] == "ddp" and point_of(c)["precision"] == "fp32"
-                   and not point_of(c)["checkpoint"]), key=lambda c: c.micro_batch_size).key
-    by_key = {c.key: c for c in space.enumerate()}
-    if "sweep_of" in spec:
-        sweep, sweep_s = sweeps[spec["sweep_of"]]
-        budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"])
-    else:
+    # 1. The exhaustive sweep: what this model and batch have not had measured yet, with no budget.
+    rows = sweeps.setdefault(f"{spec['model']}/{spec['global_batch']}", {})
+    fresh = [c for c in cands if sweep_id(c) not in rows]
+    for c in fresh:
         start = time.monotonic()
-        sweep = {ddp_key: run_candidate(session, env, by_key[ddp_key], timeout)}  # plain DDP first: sets the budget
-        budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"]) if "budget_of_ddp" in spec else None
-        session.memory_budget = budget  # an OOM stops after warm-up, in the sweep as in the search
-        sweep.update({c.key: run_candidate(session, env, c, timeout) for c in cands if c.key != ddp_key})
-        sweep_s = time.monotonic() - start  # one exhaustive sweep: what the search is compared with
-        # A second pass, in reverse order, over what ran timed steps: a stretch of a slow machine then falls on
-        # different candidates, and each keeps its faster pass (timing noise only ever slows a step down).
-        for c in reversed(cands if spec.get("timing_passes", 2) > 1 else []):
-            if sweep[c.key]["status"] == "ok":
-                again_row = run_candidate(session, env, c, timeout)
-                if again_row["status"] == "ok" and again_row["samples_per_s"] > sweep[c.key]["samples_per_s"]:
-                    sweep[c.key].update(samples_per_s=again_row["samples_per_s"], step_time_s=again_row["step_time_s"])
-        sweeps[name] = (sweep, sweep_s)
+        rows[sweep_id(c)] = {**run_candidate(session, env, c, timeout), "wall_s": time.monotonic() - start}
+    # A second pass, in reverse order, over what ran timed steps: a stretch of a slow machine then falls on
+    # different candidates, and each keeps its faster pass (timing noise only ever slows a step down).
+    for c in reversed(fresh):
+        if rows[sweep_id(c)]["status"] == "ok":
+            again_row = run_candidate(session, env, c, timeout)
+            if again_row["status"] == "ok" and again_row["samples_per_s"] > rows[sweep_id(c)]["samples_per_s"]:
+                rows[sweep_id(c)].update(samples_per_s=again_row["samples_per_s"], step_time_s=again_row["step_time_s"])
+    sweep = {c.key: rows[sweep_id(c)] for c in by_key.values() if sweep_id(c) in rows}  # (--limit: not all)
+    sweep_s = sum(sweep[k]["wall_s"] for k in keys)  # one exhaustive sweep's first pass
+    ddp_key = max((c for c in cands if point_of(c)["sharding"] == "ddp" and point_of(c)["precision"] == "fp32"
+                   and not point_of(c)["checkpoint"] and data_parallel_only(c)), key=lambda c: c.micro_batch_size).key
+    budget = int(spec["budget_of_ddp"] * sweep[ddp_key]["peak"]) if "budget_of_ddp" in spec else None
     best_key = max((k for k in keys if feasible(sweep[k], budget)), key=lambda k: sweep[k]["samples_per_s"],
                    default=ddp_key)  # (none feasible: only in a --limit check)
 
-    # 2. The automatic search (fresh study), cached, and the cost model alone.
-    storage = f"sqlite:///{scratch}/{name}.db"
+    # 2. The automatic search (fresh study), cached, the cost model alone, and a fresh search with no favourite.
+    # One-time preparations (DeepSpeed's import and op build, per process) are done before: the sweep did them
+    # unless it was read from --sweeps, and a search would otherwise count them as its own.
+    for c in cands:
+        prepare_once(c.strategy, log=env.is_main)
     call = dict(model=parts["model"], optim_func=torch.optim.AdamW, dataset=parts["dataset"],
                 loss_func=parts["loss_func"], model_input_format=parts["model_input_format"],
                 prepare_input=parts.get("prepare_input"), optim_args={"lr": 1e-4},
-                dataloader_args={"batch_size": spec["global_batch"], "shuffle": False}, excluded=excluded,
-                memory_limit=budget)
+                dataloader_args={"batch_size": spec["global_batch"], "shuffle": False}, memory_limit=budget)
+    storage, storage_top0 = f"sqlite:///{scratch}/{name}.db", f"sqlite:///{scratch}/{name}-top0.db"
     options = {"storage": storage, "warmup_steps": WARMUP, "measure_steps": STEPS, "min_measure_s": MIN_MEASURE_S,
-               "patience": 4, "trial_timeout_s": timeout}
+               "patience": 4, "trial_timeout_s": timeout, "loop": loop}
+    runs = (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False}),
+            ("top0", {"top_k": 0, "force": True, "storage": storage_top0}))
     timings = {}
     picks = {}
-    for label, extra in (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False})):
+    for label, extra in runs:
         start = time.monotonic()
         try:
             _, result, _ = atorch.auto_accelerate(**call, search={**options, **extra})
@@ -225,25 +259,20 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         except atorch.StrategyError as exc:  # no pick: a finding of its own, reported in the table
             picks[label] = {"error": str(exc).splitlines()[1][:300] if "\n" in str(exc) else str(exc)}
         timings[label] = time.monotonic() - start
-    search_key = _key(space, picks["search"]) if "error" not in picks["search"] else None
-    cost_key = _key(space, picks["cost_model"]) if "error" not in picks["cost_model"] else None
-    import optuna
-
-    studies = optuna.get_all_study_summaries(storage=storage)
-    study = optuna.load_study(study_name=studies[0].study_name, storage=storage)
-    measured = [t.user_attrs for t in study.get_trials()
-                if "measured" in t.user_attrs and t.user_attrs.get("status") != "duplicate"]
-    measured += study.user_attrs.get("confirmations", [])  # the confirmation's re-runs are dry-runs too
-    bad = [t for t in measured if t.get("status") in ("oom", "failed", "timeout")]
+    search_key, cost_key, top0_key = (_key(space, picks[label]) if "error" not in picks[label] else None
+                                      for label in ("search", "cost_model", "top0"))
+    dry_runs, bad = search_runs(storage)
+    top0_runs, top0_bad = search_runs(storage_top0)
 
     # 3. Baselines from the sweep.
     per_rank_mbs = max(c.micro_batch_size for c in cands)
     ddp = ddp_key
     size_rule = _size_rule(space, cands, parts["model"], budget, env.world_size, per_rank_mbs)
     stage_scan = max((c.key for c in cands if point_of(c)["precision"] == "fp32" and not point_of(c)["checkpoint"]
-                      and feasible(sweep[c.key], budget)), key=lambda k: sweep[k]["samples_per_s"], default=None)
-    contenders = {"pick": search_key, "exhaustive best": best_key, "cost model pick": cost_key, "ddp": ddp,
-                  "size rule": size_rule, "zero-stage scan": stage_scan}
+                      and data_parallel_only(c) and feasible(sweep[c.key], budget)),
+                     key=lambda k: sweep[k]["samples_per_s"], default=None)
+    contenders = {"pick": search_key, "pick (top_k=0)": top0_key, "exhaustive best": best_key,
+                  "cost model pick": cost_key, "ddp": ddp, "size rule": size_rule, "zero-stage scan": stage_scan}
 
     # 4. Interleaved re-measurement of every distinct contender.
     distinct = sorted({k for k in contenders.values() if k is not None})
@@ -293,11 +322,19 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, Any], scra
         "candidates": len(cands), "budget_MiB": budget / 2**20 if budget else None,
         "pick": describe(by_key[search_key], env.world_size) if search_key else f"none: {picks['search']['error']}",
         "best": describe(by_key[best_key], env.world_size),
+        "cost_model_pick": describe(by_key[cost_key], env.world_size) if cost_key else picks["cost_model"]["error"],
+        "top0_pick": describe(by_key[top0_key], env.world_size) if top0_key else picks["top0"]["error"],
         "pick_over_best": ratio(search_key), "cost_model_over_best": ratio(cost_key),
+        "top0_over_best": ratio(top0_key),
         "pick_over_ddp": against(ddp), "pick_over_size_rule": against(size_rule),
         "pick_over_stage_scan": against(stage_scan),
-        "dry_runs": len(measured), "bad_dry_runs": len(bad),
+        # The item's conditions, from the sweep: is plain DDP / the cost model's pick the measured best, does it fit?
+        "ddp_fits": feasible(sweep[ddp], budget), "ddp_is_best": ddp == best_key,
+        "cost_model_fits": cost_key in sweep and feasible(sweep[cost_key], budget),
+        "cost_model_is_best": cost_key == best_key,
+        "dry_runs": dry_runs, "bad_dry_runs": bad, "top0_dry_runs": top0_runs, "top0_bad_dry_runs": top0_bad,
         "search_s": timings["search"], "sweep_s": sweep_s, "search_over_sweep": timings["search"] / sweep_s,
+        "top0_s": timings["top0"], "top0_over_sweep": timings["top0"] / sweep_s,
         "cached_s": timings["cached"], "cached_over_search": timings["cached"] / timings["search"],
         "memory_error_median": statistics.median(mem_err), "memory_error_max": max(mem_err),
         "time_spearman": spearman(pred_t, meas_t) if len(pred_t) >= 3 else None,  # a rank order needs 3 rows
@@ -334,7 +371,8 @@ def _size_rule(space: SearchSpace, cands: list[Any], model: nn.Module, budget: i
         want = {"sharding": "fsdp", "checkpoint": True}
     for c in cands:
         point = point_of(c)
-        if c.micro_batch_size == mbs and point["precision"] == "fp32" and all(point[k] == v for k, v in want.items()) \
+        if c.micro_batch_size == mbs and point["precision"] == "fp32" and data_parallel_only(c) \
+                and all(point[k] == v for k, v in want.items()) \
                 and all(not str(point.get(k)).startswith("True") for k in point if k.endswith("cpu_offload")):
             return c.key
     return None
@@ -344,21 +382,30 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(value: Any, digits: int = 2) -> str:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
-    lines = ["| scenario | params | candidates | budget MiB | pick / exhaustive | cost model / exhaustive | "
-             "pick / DDP | pick / size rule | pick / stage scan | dry-runs (bad) | search / sweep | cached / search | "
-             "mem. err median / max (rows) | time Spearman (rows) |", "|" + "---|" * 14]
+    def yes(value: bool) -> str:
+        return "yes" if value else "no"
+
+    lines = ["| scenario | candidates | budget MiB | DDP fits / best | cost model fits / best | pick / exhaustive | "
+             "dry-runs (bad) | search / sweep | cached / search | cost model / exhaustive | top_k=0: pick / "
+             "exhaustive | top_k=0: dry-runs (bad) | top_k=0: search / sweep | pick / DDP | pick / size rule | "
+             "pick / stage scan | mem. err median / max (rows) | time Spearman (rows) |", "|" + "---|" * 18]
     for r in rows:
         lines.append(
-            f"| {r['scenario']} | {r['params_M']:.1f}M | {r['candidates']} | {f(r['budget_MiB'], 1)} | "
-            f"{f(r['pick_over_best'])} | {f(r['cost_model_over_best'])} | {f(r['pick_over_ddp'])} | "
-            f"{f(r['pick_over_size_rule'])} | {f(r['pick_over_stage_scan'])} | {r['dry_runs']} ({r['bad_dry_runs']}) | "
-            f"{f(r['search_over_sweep'], 3)} | {f(r['cached_over_search'], 3)} | "
+            f"| {r['scenario']} | {r['candidates']} | {f(r['budget_MiB'], 1)} | "
+            f"{yes(r['ddp_fits'])} / {yes(r['ddp_is_best'])} | {yes(r['cost_model_fits'])} / "
+            f"{yes(r['cost_model_is_best'])} | {f(r['pick_over_best'])} | {r['dry_runs']} ({r['bad_dry_runs']}) | "
+            f"{f(r['search_over_sweep'], 3)} | {f(r['cached_over_search'], 3)} | {f(r['cost_model_over_best'])} | "
+            f"{f(r['top0_over_best'])} | {r['top0_dry_runs']} ({r['top0_bad_dry_runs']}) | "
+            f"{f(r['top0_over_sweep'], 3)} | {f(r['pick_over_ddp'])} | {f(r['pick_over_size_rule'])} | "
+            f"{f(r['pick_over_stage_scan'])} | "
             f"{100 * r['memory_error_median']:.1f}% / {100 * r['memory_error_max']:.1f}% ({r['memory_rows']}) | "
             f"{f(r['time_spearman'])} ({r['timed_rows']}) |")
     lines.append("")
     for r in rows:
-        lines.append(f"- {r['scenario']}: pick {r['pick']}; exhaustive best {r['best']}; sweep {r['sweep_s']:.0f} s, "
-                     f"search {r['search_s']:.0f} s, cached {r['cached_s']:.1f} s")
+        lines.append(f"- {r['scenario']} ({r['params_M']:.2f}M parameters, {r['feasible_in_sweep']} candidates fit): "
+                     f"pick {r['pick']}; top_k=0 pick {r['top0_pick']}; cost model {r['cost_model_pick']}; "
+                     f"exhaustive best {r['best']}; sweep {r['sweep_s']:.0f} s, search {r['search_s']:.0f} s, "
+                     f"top_k=0 {r['top0_s']:.0f} s, cached {r['cached_s']:.1f} s")
     return "\n".join(lines)
 
 
@@ -366,8 +413,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model-parallel", action="store_true",
-                        help="search tensor / pipeline sizes too (a sweep several times longer)")
+    parser.add_argument("--sweeps", type=Path, help="a JSON file of sweep measurements, read and extended: scenarios "
+                        "run in separate launches share them (the same machine and commit only)")
     parser.add_argument("--limit", type=int, help="sweep only this many candidates (checks the script; no figures)")
     args = parser.parse_args()
     env = init_distributed()
@@ -377,16 +424,20 @@ def main() -> None:
     scratch = Path(all_gather_json(str(scratch))[0])
     os.environ["ATORCH_CACHE_DIR"] = str(scratch)
     SearchOptions()  # the options the bench passes are valid
-    sweeps: dict[str, Any] = {}
+    from atorch.strategy_search.hardware import measure_profile
+
+    measure_profile()  # once per machine for a user (cached): not a search's time
+    sweeps: dict[str, Any] = json.loads(args.sweeps.read_text()) if args.sweeps and args.sweeps.exists() else {}
     rows = []
     for name in args.scenarios.split(","):
-        if "sweep_of" in SCENARIOS[name] and SCENARIOS[name]["sweep_of"] not in sweeps:
-            raise SystemExit(f"scenario {name} re-uses the sweep of {SCENARIOS[name]['sweep_of']}: run that first")
-        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit, args.model_parallel))
+        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit))
         if env.rank == 0:
             print(table(rows[-1:]), flush=True)
+            if args.sweeps and not args.limit:
+                args.sweeps.write_text(json.dumps(sweeps))
     if env.rank == 0:
         print("\n" + table(rows))
+        print("MACHINE " + json.dumps({**machine(), "load_average_1_5_15": os.getloadavg()}))
         print("RESULT " + json.dumps(rows))
 
 
