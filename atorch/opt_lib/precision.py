@@ -58,6 +58,13 @@ def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
     if config.dtype != "fp16":
         return None
     device = ctx.env.device.type
+    if ctx.layout.size("tensor") > 1:
+        import torch.distributed as dist
+
+        # Tensor-parallel gradients are DTensors beside plain ones (what the plan leaves whole): each rank
+        # checks its own shards, so every rank of the result must agree on the flag. dist.group.WORLD is read
+        # now: the group this result is built on (a search trial's own).
+        return local_shard_grad_scaler()(device=device, process_group=dist.group.WORLD)
     if ctx.sharded_gradients:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -66,6 +73,37 @@ def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
         group = ctx.data_mesh.get_group() if ctx.dp_size > 1 else None
         return ShardedGradScaler(device=device, process_group=group)
     return torch.amp.GradScaler(device)
+
+
+def local_shard_grad_scaler() -> type:
+    """A ShardedGradScaler that unscales each gradient's local part (``DTensor.to_local()``, a view), so a
+    mix of DTensor and plain gradients, which torch's fused unscale refuses, is checked and unscaled on every
+    rank; the inf/nan flag is then summed over its ``process_group`` as ShardedGradScaler does."""
+    from collections import defaultdict
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import DTensor
+
+    class LocalShardGradScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                            allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+            grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is None:
+                            continue
+                        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                        grouped[(local.device, local.dtype)].append(local)
+                flags: dict[torch.device, torch.Tensor] = {}
+                for (where, _), grads in grouped.items():
+                    flag = flags.setdefault(where, found_inf.to(where))
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(where))
+            if not flags:  # a rank with no gradient still takes part in the flag's all-reduce
+                flags[found_inf.device] = found_inf
+            return flags
+
+    return LocalShardGradScaler
 
 
 @register

@@ -61,6 +61,9 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "vit/tp2[pairs]": ("vit", [TP2, "tensor_parallel"]),
         "gpt2/tp2+amp_native[bf16]": ("gpt2", [TP2, "module_replace", ("amp_native", {"dtype": "bf16"}),
                                                "tensor_parallel"]),
+        # fp16 loss scaling over DTensor and plain gradients, the flag agreed by every rank
+        "gpt2/tp2+amp_native[fp16]": ("gpt2", [TP2, "module_replace", ("amp_native", {"dtype": "fp16"}),
+                                               "tensor_parallel"]),
         "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
         "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
@@ -77,6 +80,8 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2xdp2": {
         "llama/tp2xdp2+fsdp": ("llama", [TP2, "tensor_parallel", "fsdp"]),
         "gpt2/tp2xdp2+fsdp": ("gpt2", [TP2, "module_replace", "tensor_parallel", "fsdp"]),
+        "llama/tp2xdp2+fsdp+amp_native[fp16]": ("llama", [TP2, ("amp_native", {"dtype": "fp16"}),
+                                                          "tensor_parallel", "fsdp"]),
         "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
         "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
         # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
