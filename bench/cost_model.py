@@ -129,31 +129,9 @@ def bert() -> dict[str, Any]:
                                  attention_probs_dropout_prob=0.0), BertForMaskedLM)
 
 
-class VGGBlock(nn.Module):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm = nn.GroupNorm(4, cout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
-
-
-class SmallVGG(nn.Module):
-    """Plain convolutions that halve the image at each block (no residuals, group norm): not the ResNet."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([VGGBlock(3, 32), VGGBlock(32, 64), VGGBlock(64, 128)])
-        self.head = nn.Linear(128 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.flatten(1))
-
-
 def vgg() -> dict[str, Any]:
+    from toy_models import SmallVGG
+
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     images, labels = torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g)

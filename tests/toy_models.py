@@ -68,3 +68,27 @@ class TokenDataset(Dataset):
 
 def gpt2_loss(data, output):
     return output.loss.float()
+
+
+class VGGBlock(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm = nn.GroupNorm(4, cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+
+
+class SmallVGG(nn.Module):
+    """Plain convolutions that halve a 32x32 image at each block (no residuals, group norm): not a ResNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([VGGBlock(3, 32), VGGBlock(32, 64), VGGBlock(64, 128)])
+        self.head = nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.flatten(1))

@@ -20,6 +20,7 @@ import json
 import torch
 import torch.distributed as dist
 from torch import nn
+from toy_models import SmallVGG
 
 from atorch.distributed import init_distributed
 from atorch.dryrun.runner import DryRunSession
@@ -36,28 +37,6 @@ STRATEGIES = {
     "zero2 amp ckpt": ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "checkpoint",
                        ("zero2", {"implementation": "fsdp2"})],
 }
-
-
-class Block(nn.Module):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm = nn.GroupNorm(4, cout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
-
-
-class SmallVGG(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(3, 32), Block(32, 64), Block(64, 128)])
-        self.head = nn.Linear(128 * 4 * 4, 10)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x.flatten(1))
 
 
 def main() -> None:
