@@ -30,6 +30,7 @@ from atorch.strategy_search.automatic import _sample_batch
 from atorch.strategy_search.tracing import MemoryTracer
 
 MICRO_BATCHES = 2
+REPEATS = 3
 STRATEGIES = {
     # the post-backward reduce-scatter of the largest block is the peak: gloo's copy of its input counts
     "fsdp amp": ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "fsdp"],
@@ -57,9 +58,15 @@ def main() -> None:
             traced = MemoryTracer(setup, _sample_batch(setup, env, 1), env.world_size).trace(
                 strategy, 1, MICRO_BATCHES).peak
         dist.barrier()
-        trial = session.run(strategy, timeout_s=200, micro_batches=MICRO_BATCHES, batch_size=env.world_size)
-        assert trial.status == "ok", trial.reason
-        out[name] = {"traced": traced, "measured": trial.peak_bytes}
+        # FSDP2's collectives run asynchronously on gloo, so a buffer may outlive its step by a little, by timing:
+        # the same program's peak moved by up to 130 KB (7%) between runs. Timing only adds bytes: the least
+        # of three dry-runs is the program's own peak.
+        measured = []
+        for _ in range(REPEATS):
+            trial = session.run(strategy, timeout_s=200, micro_batches=MICRO_BATCHES, batch_size=env.world_size)
+            assert trial.status == "ok", trial.reason
+            measured.append(trial.peak_bytes)
+        out[name] = {"traced": traced, "measured": min(measured), "runs": measured}
     session.close()
     if env.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
