@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Annotated, Any, Literal
 
@@ -75,10 +76,12 @@ def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
     return torch.amp.GradScaler(device)
 
 
+@functools.cache
 def local_shard_grad_scaler() -> type:
     """A ShardedGradScaler that unscales each gradient's local part (``DTensor.to_local()``, a view), so a
     mix of DTensor and plain gradients, which torch's fused unscale refuses, is checked and unscaled on every
-    rank; the inf/nan flag is then summed over its ``process_group`` as ShardedGradScaler does."""
+    rank; the inf/nan flag is then summed over its ``process_group`` as ShardedGradScaler does. Made once, on
+    first use: torch's FSDP and DTensor modules are imported only then."""
     from collections import defaultdict
 
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -23,7 +23,6 @@ session advisory lock taken when it is loaded; a second server asking for it get
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue
@@ -396,10 +395,8 @@ class Studies:
         """The best and the runner-up when it measured within ``within`` of the best (SearchState.contenders)."""
         live = self._get(key)
         with live.lock:
-            state = live.state
-            found = [{"key": k, "point": json.loads(k), "samples_per_s": state.done[k][2]["measured"]["samples_per_s"]}
-                     for k in state.contenders(within)]
-            return {"contenders": found, "measured_ok": sum(v[2]["status"] == "ok" for v in state.done.values())}
+            found, measured_ok = live.state.contenders(within)
+            return {"contenders": found, "measured_ok": measured_ok}
 
     def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> tuple[dict[str, Any], Future]:
         """A re-measurement of a measured candidate (SearchState.confirm): one "confirm" row."""

@@ -358,13 +358,16 @@ class SearchState:
         return record
 
     # ----- confirmation ------------------------------------------------------------------------
-    def contenders(self, within: float) -> list[str]:
-        """The best measured candidate and the runner-up, when the runner-up measured within ``within`` (a
-        fraction) of the best: one dry-run each cannot tell them apart on a noisy machine. Else empty."""
+    def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
+        """The best measured candidate and the runner-up (``key``, ``point``, first-run ``samples_per_s``), when
+        the runner-up measured within ``within`` (a fraction) of the best: one dry-run each cannot tell them apart
+        on a noisy machine; else none. And how many candidates ran ok."""
         ranked = sorted(((v[0], k) for k, v in self.done.items() if v[2]["status"] == "ok"), reverse=True)
         if len(ranked) < 2 or ranked[1][0] < (1.0 - within) * ranked[0][0]:
-            return []
-        return [ranked[0][1], ranked[1][1]]
+            return [], len(ranked)
+        found = [{"key": k, "point": json.loads(k), "samples_per_s": self.done[k][2]["measured"]["samples_per_s"]}
+                 for _, k in ranked[:2]]
+        return found, len(ranked)
 
     def confirm(self, key: str, measured: Measured | dict[str, Any]) -> dict[str, Any]:
         """Record a re-measurement of a measured candidate (``merge_runs`` with its first run; the best is chosen

@@ -302,7 +302,6 @@ class _Facts:
     micro_batches: int  # per step, the pipeline schedule's own included
     micro: float  # samples per micro-batch
     sharding: str | None  # "fsdp" / "zero2" or None
-    config: Any  # the sharding method's config
     deepspeed: bool
     reshard: bool
     offload: bool
@@ -373,7 +372,7 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
 
     owned = trainable / (dp if (sharding or zero1) else 1)  # the parameters whose state this rank keeps
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
-    return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding, config=config,
+    return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding,
                   deepspeed=deepspeed, reshard=reshard, offload=offload, zero1=zero1, half=half, amp=amp,
                   checkpoint=checkpoint, scale=scale, shard=shard, trainable=trainable, frozen=frozen,
                   buffers=buffers, block_params=block_params, biggest_block=biggest_block, root_params=root_params,

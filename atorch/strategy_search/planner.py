@@ -460,11 +460,7 @@ class LocalStudy(SearchStudy):
         return self._state().tell(number, measured)
 
     def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
-        state = self._state()
-        keys = state.contenders(within)
-        found = [{"key": k, "point": json.loads(k), "samples_per_s": state.done[k][2]["measured"]["samples_per_s"]}
-                 for k in keys]
-        return found, sum(v[2]["status"] == "ok" for v in state.done.values())
+        return self._state().contenders(within)
 
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
         state = self._state()
