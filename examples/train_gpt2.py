@@ -239,14 +239,15 @@ def check(summary: dict[str, Any]) -> list[str]:
 def print_summary(summary: dict[str, Any], problems: list[str], wall_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="train_gpt2 summary", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("strategy", summary["strategy"]),
+        ("strategy", Text(summary["strategy"])),  # Text: rich would read "[parallel_mode, ...]" as markup
         ("processes", str(summary["world_size"])),
-        ("skipped", ", ".join(f"{k} ({v})" for k, v in summary["skipped"].items()) or "-"),
+        ("skipped", Text(", ".join(f"{k} ({v})" for k, v in summary["skipped"].items()) or "-")),
         ("steps x global batch", f"{summary['steps']} x {summary['global_batch_size']}"),
         ("first loss", f"{summary['first_loss']:.4f}"),
         ("last loss", f"{summary['last_loss']:.4f} (mean of last steps {summary['tail_mean_loss']:.4f})"),
