@@ -165,7 +165,7 @@ def lstm() -> dict[str, Any]:
 def builders() -> dict[str, Any]:
     import search
 
-    return {"gpt2": search.SCENARIOS["small"]["build"], "mlp": mlp, "cnn": search.cnn, "llama": llama,
+    return {"gpt2": search.MODELS["gpt2"], "mlp": mlp, "cnn": search.cnn, "llama": llama,
             "qwen2": qwen2, "phi3": phi3, "gemma": gemma, "neox": neox, "opt": opt, "bert": bert, "vgg": vgg,
             "lstm": lstm}
 

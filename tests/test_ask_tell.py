@@ -55,3 +55,97 @@ def test_tell_twice_is_harmless_and_a_state_is_rebuilt_from_the_study(space, tmp
     assert first["value"] == second["value"] == 42.0 and second["already_told"]
     rebuilt = SearchState(optuna.load_study(study_name="k", storage=storage), table, BUDGET, storage=storage)
     assert rebuilt.best()["key"] == prop.key and rebuilt.best_value == 42.0
+
+
+# ----- time corrections: a measurement re-ranks its own family; favourites spread over the layouts -----------
+
+MiB = 2**20
+
+
+def layout_table() -> tuple[CandidateTable, dict[str, float]]:
+    """Two layouts (tensor 1 and 2) x three shardings x two micro-batch sizes; predicted samples/s and the truth.
+    The cost model rates tensor parallel 3x data parallel; in truth it runs at a fifth of that (per-layer
+    collectives on a slow link). Every point fits (1 MiB predicted and measured)."""
+    points, preds, truth = [], [], {}
+    for tensor in (1, 2):
+        for sharding, speed in (("ddp", 100.0), ("zero2", 110.0), ("fsdp", 80.0)):
+            for mbs in (1, 2):
+                point = {"checkpoint": False, "micro_batch_size": mbs, "precision": "fp32", "sharding": sharding,
+                         "tensor": tensor}
+                predicted = speed * (1 + 0.1 * mbs) * (3.0 if tensor == 2 else 1.0)
+                points.append(point)
+                preds.append(Predicted.of(MiB, GLOBAL_BATCH / predicted, GLOBAL_BATCH).to_json())
+                truth[json.dumps(point, sort_keys=True)] = predicted * (0.2 if tensor == 2 else 1.0)
+    return CandidateTable(points, preds, GLOBAL_BATCH), truth
+
+
+def measured(sps: float) -> dict:
+    return {"status": "ok", "samples_per_s": sps, "peak_memory_bytes": MiB, "reason": "", "step_time_s": 1.0}
+
+
+def in_memory_state(table: CandidateTable, **kwargs) -> SearchState:
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize",
+                                sampler=optuna.samplers.RandomSampler(seed=0))
+    return SearchState(study, table, 100 * MiB, storage=storage, **kwargs)
+
+
+def key_of(table: CandidateTable, **point) -> str:
+    return next(k for k, p in zip(table.keys, table.points, strict=True) if all(p[n] == v for n, v in point.items()))
+
+
+def test_a_time_correction_stays_in_its_family_and_an_unmeasured_layout_gets_the_benefit_of_the_doubt() -> None:
+    table, truth = layout_table()
+    state = in_memory_state(table)
+    tp_ddp = key_of(table, tensor=2, sharding="ddp", micro_batch_size=2)
+    state._remember(tp_ddp, 0, measured(truth[tp_ddp]))  # a fifth of its prediction
+    assert state.time_correction(key_of(table, tensor=2, sharding="ddp", micro_batch_size=1)) == pytest.approx(0.2)
+    # another family of the same layout: at most the layout's best factor (never above 1)
+    assert state.time_correction(key_of(table, tensor=2, sharding="fsdp", micro_batch_size=1)) == pytest.approx(0.2)
+    # a layout that has not run: its prediction as it is
+    assert state.time_correction(key_of(table, tensor=1, sharding="fsdp", micro_batch_size=1)) == 1.0
+    # the skip rule judges the measured best against the corrected prediction: a tensor-parallel look-alike is
+    # predicted as slow as its family ran, a data-parallel candidate as the cost model says
+    tp_mbs1 = key_of(table, tensor=2, sharding="ddp", micro_batch_size=1)
+    assert state.slower_than_best(table.prediction(tp_mbs1), tp_mbs1) == pytest.approx(
+        truth[tp_ddp] / truth[tp_mbs1])
+    dp = key_of(table, tensor=1, sharding="ddp", micro_batch_size=2)
+    assert state.slower_than_best(table.prediction(dp), dp) == pytest.approx(
+        truth[tp_ddp] / table.prediction(dp)["samples_per_s"])
+    # without correct_time both are judged on predictions alone (the rule before corrections)
+    plain = in_memory_state(table, correct_time=False)
+    plain._remember(tp_ddp, 0, measured(truth[tp_ddp]))
+    assert plain.time_correction(tp_mbs1) == 1.0
+
+
+def test_favourites_spread_over_the_layouts_and_a_corrected_prediction_that_beats_the_best_is_promoted() -> None:
+    """The cost model's top six are tensor parallel; the search seeds the best of each layout instead. With one
+    favourite (tensor parallel) and the DDP baseline seeded, tensor parallel measures at a fifth of its
+    prediction, and the data-parallel candidate predicted to beat the best measured (DDP) is promoted to the
+    next dry-run: it is the true best."""
+    table, truth = layout_table()
+    true_best = max(truth, key=truth.get)
+    assert table.ranked(100 * MiB)[:2] != [true_best] and true_best != table.ranked(100 * MiB)[0]
+
+    def run(state: SearchState, top_k: int, dry_runs: int) -> list[str]:
+        state.seed(top_k)
+        ran = []
+        for _ in range(dry_runs):
+            proposal = state.ask()
+            ran.append(proposal.key)
+            state.tell(proposal.number, measured(truth[proposal.key]))
+        return ran
+
+    spread = in_memory_state(table)
+    assert spread.spread(table.ranked(100 * MiB), 2) == [table.ranked(100 * MiB)[0], true_best]
+    # top_k=1: the tensor-parallel favourite and the DDP baseline are seeded; the promotion finds the true best next
+    promoted = in_memory_state(table)
+    ddp = table.baseline(100 * MiB)
+    ran = run(promoted, top_k=1, dry_runs=3)
+    assert ran == [table.ranked(100 * MiB)[0], ddp, true_best] and promoted.promoted == [true_best]
+    assert promoted.best_key == true_best
+    # nothing is left queued after the search stops (a queued trial would mark the search unfinished)
+    assert not promoted.study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    # the same search without time corrections does not propose it second
+    plain = in_memory_state(table, correct_time=False)
+    assert run(plain, top_k=1, dry_runs=3)[2] != true_best and not plain.promoted

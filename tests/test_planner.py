@@ -16,7 +16,7 @@ import pytest
 import toy_models
 from search_doubles import Pred, Run
 
-from atorch.strategy_search.ask_tell import SearchState
+from atorch.strategy_search.ask_tell import HOPELESS_FACTOR, SearchState
 from atorch.strategy_search.candidates import CandidateTable, family_key
 from atorch.strategy_search.outcome import Predicted
 from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
@@ -368,28 +368,29 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
 
 
 def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
-    """Past HOPELESS_FACTOR times the best measured one's predicted time, a candidate is told 'skipped' with the
-    factor, on the measured scale, and never measured."""
+    """Past HOPELESS_FACTOR times slower than the best measured candidate (its measured samples/s over the
+    candidate's time-corrected prediction), a candidate is told 'skipped' with the factor, on the measured scale,
+    and never measured."""
     table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
     ranked = table.ranked(BUDGET)
     storage = optuna.storages.InMemoryStorage()
     best, study = ranked[0], optuna.create_study(storage=storage, direction="maximize")
     state = SearchState(study, table, BUDGET, storage=storage)
-    state._remember(best, 0, {"status": "ok", "samples_per_s": 50.0, "reason": "", "step_time_s": 1.0,
+    slow = min((k for k in ranked if table.family(k) != table.family(best)),
+               key=lambda k: table.prediction(k)["samples_per_s"])
+    # The best runs 5 x HOPELESS_FACTOR x faster than the slow one is predicted: the slow one cannot win.
+    fast = 5 * HOPELESS_FACTOR * table.prediction(slow)["samples_per_s"]
+    state._remember(best, 0, {"status": "ok", "samples_per_s": fast, "reason": "", "step_time_s": 1.0,
                               "peak_memory_bytes": table.prediction(best)["peak_memory_bytes"]})
-    slow = min(ranked, key=lambda k: table.prediction(k)["samples_per_s"])
-    factor = state.slower_than_best(table.prediction(slow))
-    assert factor > 1.0
-    # A planner whose best is 5x faster than anything else in the table: every other candidate is skipped.
-    fast = dict(table.prediction(best), samples_per_s=table.prediction(best)["samples_per_s"] * 5 * factor)
-    table.predictions[table.by_key[best]] = fast
+    factor = state.slower_than_best(table.prediction(slow), slow)
+    assert factor > HOPELESS_FACTOR
     study.enqueue_trial(table.to_params(table.points[table.by_key[slow]]))
     proposal = state.ask(stop=lambda: "" if state.asks < 1 else "one ask")
     assert proposal.number is None
     told = [t for t in study.trials if t.user_attrs.get("status") == "skipped"]
     assert len(told) == 1 and told[0].user_attrs["key"] == slow
     assert "x slower than the best measured candidate (trial 0)" in told[0].user_attrs["reason"]
-    assert told[0].value == pytest.approx(50.0 / state.slower_than_best(table.prediction(slow)))
+    assert told[0].value == pytest.approx(fast / factor)
 
 
 class SlowFirstRun(Measure):

@@ -18,6 +18,7 @@ kept by whoever runs the loop.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,6 +105,9 @@ MAX_MEMORY_CORRECTION = 1.5  # one badly predicted outlier must not rule out its
 # step times of one space span 30x): a dry-run that cannot win is most of a search's time (a demo search spent 73
 # of its 100 s on a candidate predicted 340x slower).
 HOPELESS_FACTOR = 4.0
+# A candidate that has not run is promoted to the next dry-run when its time-corrected prediction beats the best
+# measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
+PROMOTE_MARGIN = 0.05
 CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
 
 
@@ -176,7 +180,8 @@ class SearchState:
 
     def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *, storage: Any,
                  on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
-                 trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR) -> None:
+                 trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR,
+                 correct_time: bool = True) -> None:
         from optuna.trial import TrialState
 
         if memory_budget <= 0:
@@ -196,6 +201,16 @@ class SearchState:
         # (at least 1): a candidate's predicted peak is scaled by its own family's before it is judged to fit, so
         # after one OOM its look-alikes are not run too, and one family's error does not rule out another.
         self.memory_correction: dict[str, float] = {}
+        # Measured / predicted samples/s of each family's measured candidates (``correct_time``): the cost model's
+        # time is off by a factor that depends on the family (on the bench, tensor parallel's per-layer collectives
+        # run 0.5x their prediction under load while data-parallel FSDP runs 1.4x), so a measurement re-ranks its
+        # own family's candidates only (``time_correction``).
+        self.correct_time = correct_time
+        self.time_ratios: dict[str, list[float]] = {}
+        self.family_layouts: dict[str, str] = {}  # family -> its layout (CandidateTable.layout)
+        self.queued: set[str] = set()  # keys enqueued by ``seed`` and ``promote`` (not promoted again)
+        self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
+        self.promotes = False  # set by ``seed``: a search that enqueues the cost model's favourites promotes too
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -214,6 +229,11 @@ class SearchState:
             ratio = measured["peak_memory_bytes"] / pred["peak_memory_bytes"]
             self.memory_correction[family] = min(MAX_MEMORY_CORRECTION,
                                                  max(self.memory_correction.get(family, 1.0), ratio))
+        if (measured.get("status") in OK_STATUSES and measured.get("samples_per_s") and pred.get("samples_per_s")
+                and key in self.table.by_key):
+            family = self.table.family(key)
+            self.family_layouts[family] = self.table.layout(key)
+            self.time_ratios.setdefault(family, []).append(measured["samples_per_s"] / pred["samples_per_s"])
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -225,10 +245,66 @@ class SearchState:
         """The factor a point's predicted peak is scaled by: its family's largest measured / predicted."""
         return self.memory_correction.get(self.table.family(key), 1.0) if key in self.table.by_key else 1.0
 
+    def time_correction(self, key: str) -> float:
+        """The factor a point's predicted samples/s is scaled by (1 without ``correct_time`` or a measurement): its
+        family's median measured / predicted. A family that has not run gets the benefit of the doubt: the best
+        candidate's family factor where that is above 1, else 1 (its prediction as it is), so the skip rule is never
+        harsher on it than comparing two predictions, and a family the cost model favours is not written off
+        because another one ran slower than predicted. (Pooling a layout's families was tried and is wrong here:
+        on the bench's GPT-2, ZeRO-2 ran 0.58x its prediction and FSDP without resharding 0.80x, same layout.)"""
+        if not self.correct_time or not self.time_ratios or key not in self.table.by_key:
+            return 1.0
+        if (family := self.table.family(key)) in self.time_ratios:
+            return statistics.median(self.time_ratios[family])
+        layout = self.table.layout(key)
+        seen = [statistics.median(r) for fam, r in self.time_ratios.items() if self.family_layouts[fam] == layout]
+        if seen:
+            return min(1.0, max(seen))
+        best = self.table.family(self.best_key) if self.best_key in self.table.by_key else None
+        return max(1.0, statistics.median(self.time_ratios[best])) if best in self.time_ratios else 1.0
+
+    def corrected_samples_per_s(self, key: str) -> float:
+        pred = self.table.prediction(key)
+        return 0.0 if "error" in pred else float(pred["samples_per_s"]) * self.time_correction(key)
+
+    def promising(self) -> str | None:
+        """The unmeasured candidate, predicted to fit, whose time-corrected prediction beats the best measured one
+        by PROMOTE_MARGIN or more (the fastest such), if any: after a family measures slower than predicted, the
+        cost model's next favourite may be in another family that neither the seeds nor the sampler reach."""
+        if not self.correct_time or self.best_value is None:
+            return None
+        bar = self.best_value * (1.0 + PROMOTE_MARGIN)
+        # a family with a queued candidate still to run is judged after that run, not on the benefit of the doubt
+        pending = {self.table.family(key) for key in self.queued if key not in self.done and key in self.table.by_key}
+        found = [(self.corrected_samples_per_s(key), key) for key, pred in zip(self.table.keys, self.table.predictions,
+                                                                              strict=True)
+                 if key not in self.done and key not in self.queued and "error" not in pred
+                 and self.table.family(key) not in pending and self.table.fits(pred, self.budget, self.correction(key))]
+        speed, key = max(found, default=(0.0, None))
+        return key if key is not None and speed > bar else None
+
+    def promote(self) -> str | None:
+        """Enqueue ``promising()`` when nothing else is queued (the seeds run first), at the moment of an ask, so a
+        search that stops leaves nothing queued behind it (a queued trial would mark it unfinished)."""
+        from optuna.trial import TrialState
+
+        if not self.promotes or self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return None
+        key = self.promising()
+        if key is not None:
+            self.promoted.append(key)
+            self.queued.add(key)
+            self.study.enqueue_trial(self.table.to_params(self.table.points[self.table.by_key[key]]),
+                                     skip_if_exists=True)
+        return key
+
     # ----- seeding -----------------------------------------------------------------------------
     def seed(self, top_k: int = DEFAULT_TOP_K) -> list[str]:
-        """Enqueue the cost model's top-k predicted-feasible candidates and the DDP baseline."""
-        seeds = self.table.ranked(self.budget, self.correction)[:top_k]
+        """Enqueue the cost model's top-k predicted-feasible candidates (with ``correct_time``, spread over the
+        parallel layouts: ``spread``) and the DDP baseline."""
+        self.promotes = top_k > 0  # top_k=0: the sampler alone (and the DDP baseline) decides
+        ranked = self.table.ranked(self.budget, self.correction)
+        seeds = self.spread(ranked, top_k) if self.correct_time else ranked[:top_k]
         base = self.table.baseline(self.budget, self.correction)
         order = seeds
         if base is not None and base not in seeds:
@@ -236,10 +312,25 @@ class SearchState:
             # where the infeasible region is; one that fits is measured after the cost model's picks.
             fits = self.table.fits(self.table.prediction(base), self.budget, self.correction(base))
             order = [*seeds, base] if fits else [base, *seeds]
+        self.queued.update(order)
         for key in order:
             self.study.enqueue_trial(self.table.to_params(self.table.points[self.table.by_key[key]]),
                                      skip_if_exists=True)
         return order
+
+    def spread(self, ranked: list[str], k: int) -> list[str]:
+        """The k favourites, the best of each parallel layout first (tensor / pipeline sizes; then by rank): the
+        cost model's time errors differ most between layouts (on the bench's GPT-2 its top three were all tensor
+        parallel, which ran at a fifth of their prediction), so a measurement of each layout early lets the
+        per-family corrections re-rank the rest. In the cost model's order."""
+        picks: list[str] = []
+        layouts: set[str] = set()
+        for key in ranked:
+            if len(picks) < k and (layout := self.table.layout(key)) not in layouts:
+                layouts.add(layout)
+                picks.append(key)
+        picks += [key for key in ranked if key not in picks][:k - len(picks)]
+        return sorted(picks, key=ranked.index)
 
     # ----- ask / tell --------------------------------------------------------------------------
     def exhausted(self) -> bool:
@@ -259,6 +350,7 @@ class SearchState:
             if self.exhausted():
                 return Proposal(None, stop="every candidate the sampler proposes is already known")
             self.asks += 1
+            self.promote()
             trial = self.study.ask()
             point = self.table.suggest(trial)
             key = point_key(point)
@@ -285,7 +377,7 @@ class SearchState:
                 self._tell(trial, pred["samples_per_s"], constraints, attrs)
                 self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
                 continue
-            slower = self.slower_than_best(pred)
+            slower = self.slower_than_best(pred, key)
             if self.skip_slower_than is not None and slower > self.skip_slower_than:
                 best = self.done[self.best_key][2]["number"]  # type: ignore[index]
                 attrs.update(status="skipped", reason=(
@@ -302,11 +394,15 @@ class SearchState:
             set_user_attrs(trial, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
 
-    def slower_than_best(self, pred: dict[str, Any]) -> float:
+    def slower_than_best(self, pred: dict[str, Any], key: str | None = None) -> float:
         """How many times slower than the best measured candidate the cost model predicts ``pred`` (0 without a
-        best, or without a prediction of either)."""
+        best, or without a prediction of either). With ``correct_time`` and the point's ``key``: the best's measured
+        samples/s over the point's time-corrected prediction (its family's factor, else the machine's); without,
+        both predicted (the cost model's absolute error cancels, its family errors do not)."""
         if self.best_key is None or "error" in pred or not pred.get("samples_per_s"):
             return 0.0
+        if self.correct_time and key is not None and self.time_ratios and self.best_value:
+            return float(self.best_value) / (float(pred["samples_per_s"]) * self.time_correction(key))
         best = self.table.prediction(self.best_key)
         return float(best.get("samples_per_s") or 0.0) / float(pred["samples_per_s"])
 

@@ -57,6 +57,13 @@ def is_baseline(point: Point) -> bool:
                for name, off, kind, _ in _dimensions())
 
 
+def layout_key(point: Point) -> str:
+    """The parallel layout of a point (its tensor / pipeline sizes: the "layout" dimensions), the coarser group a
+    family belongs to: time corrections fall back to it (``SearchState.time_correction``)."""
+    return json.dumps({name: point.get(name, off) for name, off, kind, _ in _dimensions() if kind == "layout"},
+                      sort_keys=True)
+
+
 def family_key(point: Point) -> str:
     """The memory family of a point: its layout, sharding (with its options) and recompute."""
     excluded = not_family_keys()
@@ -122,6 +129,9 @@ class CandidateTable:
 
     def family(self, key: str) -> str:
         return family_key(self.points[self.by_key[key]])
+
+    def layout(self, key: str) -> str:
+        return layout_key(self.points[self.by_key[key]])
 
     def ranked(self, budget: float, correction: Callable[[str], float] | None = None) -> list[str]:
         """Keys of predicted-feasible points, highest predicted samples/s first (walk order breaks ties).

@@ -188,6 +188,7 @@ class Planner:
         confirm_within: float | None = None,
         skip_slower_than: float | None = HOPELESS_FACTOR,
         identity: StudyIdentity | None = None,
+        correct_time: bool = True,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -209,6 +210,7 @@ class Planner:
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self.confirm_within = confirm_within
         self.skip_slower_than = skip_slower_than
+        self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
 
@@ -444,7 +446,8 @@ class LocalStudy(SearchStudy):
                             p.study_name, measured, why)
         self._record(False, "running", "started; not finished (a search killed before its end stays so)")
         self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
-                                 max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than)
+                                 max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than,
+                                 correct_time=p.correct_time)
         self.state.seed(p.top_k)
         return None
 
