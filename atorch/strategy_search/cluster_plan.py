@@ -53,10 +53,12 @@ class Layout:
     sequence_parallel: bool
     micro_batch_size: int
     micro_batches: int  # per step: the schedule's micro-batches, or gradient accumulation without a pipeline
+    # the embedding and LM head split over the tensor ranks (atorch's loss_parallel: without a pipeline only)
+    vocab_parallel: bool = False
 
     def structure(self) -> tuple[Any, ...]:
         return (self.tensor, self.pipeline, self.sharding, self.recompute, self.schedule, self.virtual_stages,
-                self.sequence_parallel)
+                self.sequence_parallel, self.vocab_parallel)
 
     def describe(self) -> str:
         text = f"t{self.tensor}·p{self.pipeline}·d{self.data}"
@@ -122,7 +124,7 @@ def strategy_for(lay: Layout) -> Strategy:
     dims = [(n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline)) if s > 1]
     if dims:
         names["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
-    tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": True}
+    tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
     pipe: dict[str, Any] = {"schedule": lay.schedule, "micro_batches": lay.micro_batches}
     if lay.schedule == "interleaved_1f1b":
         pipe["virtual_stages"] = lay.virtual_stages
@@ -141,8 +143,8 @@ def strategy_for(lay: Layout) -> Strategy:
 
 @lru_cache(maxsize=4096)
 def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
-    t, p, sharding, recompute, schedule, v, sp = structure
-    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1))
+    t, p, sharding, recompute, schedule, v, sp, vocab = structure
+    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab)
     return tuple(strategy_for(lay).problems(gpus))
 
 
@@ -168,12 +170,14 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
             for schedule, v in schedules:
                 for sharding in SHARDINGS if dp > 1 else ("none",):
                     for recompute in RECOMPUTE:
-                        for sp in ((False, True) if t > 1 and shape.seq % t == 0 else (False,)):
+                        # atorch's sequence parallel and vocabulary split need a tensor dimension and no pipeline
+                        split = t > 1 and p == 1
+                        for sp in ((False, True) if split and shape.seq % t == 0 else (False,)):
                             for b in _micro_batch_sizes(global_batch // dp, p):
                                 m = global_batch // dp // b
                                 if schedule == "interleaved_1f1b" and m % p:
                                     continue  # the interleaved schedule runs micro-batches in groups of p
-                                yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m)
+                                yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split)
 
 
 def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, global_batch: int,

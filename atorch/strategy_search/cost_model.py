@@ -722,7 +722,6 @@ class TransformerShape(_Frozen):
         h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
         replicated = 8 * h + (2 * h if self.dropout else 0)
         split = 2 * h + 4 * h * self.kv_heads / self.heads + 2 * h + 4 * f + (2 * f if self.gated_mlp else 0)
-        split += (h if self.dropout else 0)  # the attention output's dropout mask (the MLP's is counted above)
         score = (5 if self.dropout else 2) * a * s if scores and not self.flash_attention else 0.0
         if sequence_parallel:
             return (replicated + split + score) / tp
@@ -770,7 +769,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     tp, pp, dp = f.tp, f.pp, f.dp
     tensor = strategy.get("tensor_parallel") or getattr(strategy.get("mixed_parallel"), "tensor", None)
     sp = bool(getattr(tensor, "sequence_parallel", False)) and tp > 1
-    vocab_split = tp if (tp == 1 or getattr(tensor, "loss_parallel", False) or tensor is None) else 1
+    vocab_split = tp if getattr(tensor, "loss_parallel", False) else 1  # atorch's loss_parallel splits it
     pipe = _pipeline_config(strategy)
     v = pipe.stages_per_rank() if pipe is not None and pp > 1 else 1
     recompute = "full" if f.checkpoint else "selective" if selective_recompute else "none"

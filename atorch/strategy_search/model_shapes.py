@@ -99,7 +99,7 @@ def _shape_from_module(module: Any, seq: int) -> TransformerShape:
                           "vocabulary and hidden sizes); give a transformers config instead"])
     token = max(embeddings, key=lambda m: m.num_embeddings)
     hidden = token.embedding_dim
-    first = module.get_submodule(blocks.names[0])
+    first = module.get_submodule(f"{blocks.container}.{blocks.names[0]}" if blocks.container else blocks.names[0])
     widths = [m.out_features for m in first.modules() if isinstance(m, nn.Linear)]
     ffn = max((w for w in widths if w != hidden), default=4 * hidden)
     heads = next((int(getattr(m, a)) for m in first.modules() for a in ("num_heads", "n_head", "num_attention_heads")

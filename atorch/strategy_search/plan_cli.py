@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (SetupError, FileNotFoundError) as exc:
-        print(f"atorch plan: {exc}", file=sys.stderr)
+        problems = exc.args[0] if exc.args and isinstance(exc.args[0], list) else [str(exc)]
+        print("atorch plan: " + "\n  ".join(problems), file=sys.stderr)
         return 2
 
 
