@@ -130,10 +130,40 @@ class _Meta(nn.Module):
         self.embed = nn.Embedding(1000, 256)
         self.layers = nn.ModuleList(_Block(256) for _ in range(6))
 
+    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.embed.weight.T
+
 
 def meta_model() -> nn.Module:
     with torch.device("meta"):
         return _Meta()
+
+
+def test_emitted_strategy_runs_under_auto_accelerate(tmp_path: Path) -> None:
+    """The plan for one GPU (the model on the meta device) is a strategy auto_accelerate builds and trains."""
+    import atorch
+    from atorch.training import train_step
+
+    emitted = tmp_path / "strategy.json"
+    assert main(["plan", "test_plan:meta_model", "--gpus", "1", "--global-batch", "4", "--seq", "16",
+                 "--emit-strategy", str(emitted)]) == 0
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (8, 17))
+    dataset = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+    def loss_func(data: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.float().flatten(0, 1), data[1].flatten())
+
+    status, result, strategy = atorch.auto_accelerate(
+        _Meta(), torch.optim.AdamW, dataset, loss_func, model_input_format="unpack_sequence",
+        dataloader_args={"batch_size": 4}, load_strategy=str(emitted))
+    with result:
+        assert status and strategy.names() == Strategy.load(emitted.read_text()).names()
+        loss = train_step(result, [next(iter(result.dataloader))])
+        assert torch.isfinite(torch.as_tensor(loss))
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

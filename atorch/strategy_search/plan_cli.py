@@ -101,8 +101,14 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         assert first.strategy is not None
         Path(args.emit_strategy).write_text(first.strategy.to_json() + "\n")
-        print(f"strategy of plan 1 written to {args.emit_strategy} (check: atorch check {args.emit_strategy} "
-              f"--world-size {args.gpus})")
+        lay = first.layout
+        # dataloader_args' batch_size is the global batch of one call (split over the data ranks)
+        batch = (f"dataloader_args batch_size {args.global_batch} (the schedule splits each rank's share into "
+                 f"{lay.micro_batches} micro-batches of {lay.micro_batch_size})" if lay.pipeline > 1 else
+                 f"dataloader_args batch_size {lay.micro_batch_size * lay.data} ({lay.micro_batch_size} per data "
+                 f"rank), {lay.micro_batches} of them per optimizer step")
+        print(f"strategy of plan 1 written to {args.emit_strategy}: {batch}; check it with "
+              f"`atorch check {args.emit_strategy} --world-size {args.gpus}`")
     return 0
 
 
@@ -127,7 +133,7 @@ def print_table(result: PlanResult, top: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"best {top} of {len(result.plans)} runnable plans "
+    table = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} runnable plans "
                   f"(memory limit {result.memory_limit / GIB:.1f} GiB per GPU)")
     for column in HEADER:
         table.add_column(column, overflow="fold")
