@@ -19,8 +19,9 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from atorch.strategy_search.cluster_plan import Plan, evaluate, layouts, plan_job
+from atorch.strategy_search.cluster_plan import Layout, Plan, evaluate, layouts, plan_job
 from atorch.strategy_search.cost_model import TransformerShape
 from atorch.strategy_search.hardware import HardwareProfile, load_profile
 
@@ -41,10 +42,11 @@ SEQ, VOCAB = 2048, 51200
 
 
 def megatron_gpt(heads: int, hidden: int, layers: int) -> TransformerShape:
-    """The paper's GPT: learned positions, biases, dropout, tied embeddings, attention without fusion (2021)."""
+    """The paper's GPT: learned positions, biases, dropout, tied embeddings, attention without fusion (2021),
+    fp16 weights and activations with fp32 master weights (no autocast)."""
     return TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=VOCAB,
                             seq=SEQ, position_embeddings=SEQ, tied_embeddings=True, dropout=True,
-                            flash_attention=False, biases=True)
+                            flash_attention=False, biases=True, autocast=False)
 
 
 def published_layout(shape: TransformerShape, gpus: int, batch: int, t: int, p: int, profile: HardwareProfile) -> Plan:
@@ -90,10 +92,37 @@ def run() -> dict:
             "top_not_slower": sum(r["top_not_slower"] for r in rows)}
 
 
+def gpu_check(path: str) -> list[dict]:
+    """Predicted vs measured one-GPU training steps (bench/plan_gpu_check.py's JSON; H100 profile)."""
+    measured = json.loads(Path(path).read_text())
+    profile = load_profile("h100-80gb")
+    rows = []
+    for run in measured["runs"]:
+        shape = TransformerShape(layers=run["L"], hidden=run["h"], heads=run["a"], kv_heads=run["a"],
+                                 ffn=4 * run["h"], vocab=51200, seq=2048, position_embeddings=2048,
+                                 tied_embeddings=True, biases=True)
+        lay = Layout(1, 1, 1, "none", "none", "none", 1, False, run["b"], 1)
+        plan = evaluate(shape, lay, profile, run["b"], profile.memory_per_rank)
+        rows.append({"layers": run["L"], "hidden": run["h"], "micro_batch": run["b"],
+                     "params_m": round(shape.params() / 1e6), "step_s": run["step_s"],
+                     "predicted_step_s": plan.prediction.time.step,
+                     "step_error": plan.prediction.time.step / run["step_s"] - 1,
+                     "peak_gib": run["peak"] / 2**30, "predicted_peak_gib": plan.prediction.memory.peak / 2**30,
+                     "memory_error": plan.prediction.memory.peak / run["peak"] - 1})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--gpu-check", help="also compare bench/plan_gpu_check.py's measurements (its JSON)")
     args = parser.parse_args(argv)
+    if args.gpu_check:
+        for row in gpu_check(args.gpu_check):
+            print(f"{row['layers']} layers, hidden {row['hidden']}, micro-batch {row['micro_batch']} "
+                  f"({row['params_m']}M): step {row['step_s']:.4f} s measured, {row['predicted_step_s']:.4f} "
+                  f"predicted ({row['step_error']:+.1%}); peak {row['peak_gib']:.1f} GiB measured, "
+                  f"{row['predicted_peak_gib']:.1f} predicted ({row['memory_error']:+.1%})")
     out = run()
     head = ("params", "GPUs", "t", "p", "d", "published", "predicted", "error", "schedule", "mbs", "GiB", "fits",
             "top pick", "top s", "published s")

@@ -653,6 +653,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
 #   pipeline, then data (parallel_mode's order), so a tensor group stays in a node.
 
 ELEMENTWISE_PASSES = 4.0  # forward + backward (twice the forward) + recompute counted per pass (see below)
+LOGITS_BYTES_AUTOCAST = 14.0  # bytes per token and vocabulary entry held by the loss under autocast (see below)
+VOCAB_LOSS_BYTES = 24.0  # bytes per token and vocabulary entry the loss moves (logits, their cast, softmax, grads)
 
 
 class TransformerShape(_Frozen):
@@ -671,6 +673,10 @@ class TransformerShape(_Frozen):
     dropout: bool = False  # dropout masks saved (GPT-3 / Megatron-LM 2021), not in Llama
     flash_attention: bool = True  # fused attention: the s x s scores are never saved
     biases: bool = False
+    # mixed precision as torch autocast runs it (atorch's amp_native): fp32 weights cast to 16 bits in every
+    # forward, the residual stream and norms in fp32; False: 16 bits throughout, fp32 master weights in the
+    # optimizer only (Megatron-LM)
+    autocast: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -731,9 +737,12 @@ class TransformerShape(_Frozen):
         """Bytes an elementwise pass (norms, residual adds, activation, softmax) reads and writes per token in
         one forward of a layer: two norms (read and write 2h each), two residual adds (read 4h, write 2h), the
         MLP's activation (gelu: read 2f write 2f; SwiGLU: read 4f write 2f), the scores' softmax without fused
-        attention (read and write 2as), dropout (its mask written, h per dropout)."""
+        attention (read and write 2as), dropout (its mask written, h per dropout). Under autocast the residual
+        stream is fp32: a norm reads and writes 4h and its output is cast for the matmul (read 4h, write 2h),
+        a residual add reads 4h + 2h and writes 4h."""
         h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
-        norms_residual = 2 * 4 * h + 2 * 6 * h + (3 * h if self.dropout else 0)
+        norms_residual = (2 * 14 * h + 2 * 10 * h) if self.autocast else (2 * 4 * h + 2 * 6 * h)
+        norms_residual += 3 * h if self.dropout else 0
         mlp = (6 if self.gated_mlp else 4) * f
         softmax = 0.0 if self.flash_attention else (4 + (5 if self.dropout else 0)) * a * s
         if sequence_parallel:
@@ -798,7 +807,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
             temporary += 2 * shape.layer_params() / tp * 2.0  # one layer gathered, the next prefetched
         else:
             temporary += gathered16  # autocast's 16-bit copies of the weights (Megatron's fp16 parameters)
-    temporary += OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
+    step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
 
     # Activations on the first stage (it holds the most micro-batches in flight).
     scores = recompute == "none"
@@ -814,16 +823,26 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
         in_flight = float(m)
     else:
         in_flight = min(float(m), pp * (1 + (pp - 1) / (pp * v)) if v > 1 else float(pp))
-    logits = 4.0 * tokens * shape.vocab / vocab_split  # fp32 logits for the loss (the last stage)
+    # the loss's logits on the last stage: fp32 for the loss (Korthikanti: 4·s·b·V/t); under autocast also
+    # the 16-bit logits, the log-softmax saved by cross-entropy and the logits' gradient (2 + 4 + 4 + 4)
+    logits = (LOGITS_BYTES_AUTOCAST if shape.autocast else 4.0) * tokens * shape.vocab / vocab_split
     embedding_out = 2.0 * tokens * h / (tp if sp else 1)
     activations = kept * in_flight + recomputed + (logits if pp == 1 else 0.0) + embedding_out
     if pp > 1:  # the last stage holds fewer micro-batches but the logits: the larger of the two stages
         last_stage = kept * 1.0 + recomputed + logits
         activations = max(activations, last_stage)
-    peak = params + grads + state + activations + temporary
+    # Phases, as for the other models: forward / backward hold the activations, the gathered or cast weights
+    # and, once a second micro-batch runs (accumulation, or a pipeline), the gradients; with one micro-batch the
+    # gradients appear as the activations are freed (the larger of the two); the step holds the gradients
+    # and the optimizer's temporaries.
+    held_grads = grads if m > 1 else 0.0
+    phases = {"backward": max(activations + held_grads, grads) + temporary, "optimizer": grads + step_temp}
+    phase = max(phases, key=phases.__getitem__)
+    peak = params + state + phases[phase]
     memory = MemoryPrediction(parameters=round(params), gradients=round(grads), optimizer_state=round(state),
-                              activations=round(activations), temporary=round(temporary), peak=round(peak),
-                              peak_phase="backward")
+                              activations=round(activations),
+                              temporary=round(temporary if phase == "backward" else step_temp), peak=round(peak),
+                              peak_phase=phase)
 
     # Time of one micro-batch on the busiest (last) stage.
     peak_tflops = profile.matmul_tflops.get(dtype) or profile.matmul_tflops.get("float32") or 0.0
@@ -836,6 +855,11 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     mb_flops = tokens * (stage_layers * layer_flops + 3 * shape.vocab_fwd_flops()) / tp
     elementwise_passes = ELEMENTWISE_PASSES - (0.0 if recompute == "full" else 1.0)
     mb_elementwise = tokens * stage_layers * shape.layer_elementwise_bytes(tp, sp) * elementwise_passes
+    # the loss on the last stage: 16-bit logits written (2V), cast to fp32 (read 2V, write 4V), cross-entropy
+    # (read 4V, write 4V) and its backward (read 4V, write 4V, cast back: read 4V... ~24V bytes per token)
+    mb_elementwise += tokens * VOCAB_LOSS_BYTES * shape.vocab / vocab_split
+    if f.amp and not f.half and shape.autocast:  # autocast casts every fp32 weight to 16 bits in each forward
+        mb_elementwise += 6.0 * n_rank * (2 if recompute == "full" else 1)
     act_bytes = 2.0 * tokens * h  # a layer's hidden states in 16 bits
     tp_count = stage_layers * (4 + (2 if recompute == "full" else 0))
     mb_tp = _group_collective_s(profile, "all_reduce", act_bytes * tp_count, tp, 1, tp_count)
