@@ -15,7 +15,7 @@ from torch import nn
 
 from atorch.cli import main
 from atorch.strategy import Strategy
-from atorch.strategy_search.cluster_plan import parse_layout, plan_job
+from atorch.strategy_search.cluster_plan import evaluate, parse_layout, plan_job
 from atorch.strategy_search.cost_model import TransformerShape, _group_link
 from atorch.strategy_search.hardware import load_profile
 from atorch.strategy_search.model_shapes import resolve_model
@@ -202,3 +202,6 @@ def test_70b_on_1024_gpus_is_fast() -> None:
     assert time.perf_counter() - start < 10.0
     assert result.considered > 1000 and result.plans[0].fits
     assert result.plans[0].layout.tensor <= 8
+    start = time.perf_counter()
+    evaluate(shape, result.plans[-1].layout, load_profile("a100-80gb"), 1024, 80 * 2**30)
+    assert time.perf_counter() - start < 0.05  # one configuration

@@ -9,6 +9,10 @@ dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor byt
 before the candidate is built, over build and warm-up, max over ranks; median step time after
 warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
+For a transformer whose shape is known (``predict(..., transformer=TransformerShape(...))``, what ``atorch plan``
+passes), the activation, FLOP and communication terms are the transformer terms at the end of this module
+(Megatron-LM's formulas, hierarchical collectives across nodes); without it every term below applies as is.
+
 Memory from the program: the search (``automatic.py``) takes a candidate's peak memory from
 ``tracing.py`` wherever tracing covers it — the real build and two training steps on fake tensors and the
 fake process group, counted by torch's ``MemTracker`` — and from this model only where tracing does not
