@@ -647,8 +647,9 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
 # * Data-parallel collectives: DDP all-reduces fp32 gradients, overlapped with the backward of the last
 #   micro-batch when there is no pipeline (DDP's buckets); ZeRO-1 adds the updated parameters' all-gather
 #   (after the step: exposed); FSDP / ZeRO-2 (FSDP2) all-gather 16-bit parameters ahead of use (prefetched:
-#   hidden behind the compute of the micro-batch that needs them) and reduce-scatter fp32 gradients
-#   (overlapped with the last backward). Under a pipeline the gradients are reduced after the flush (exposed),
+#   hidden behind the compute of the micro-batch that needs them, all but the first layer's) and reduce-scatter
+#   fp32 gradients (overlapped with the last backward); both use the same links, so together they hide behind
+#   the step's compute. Under a pipeline the gradients are reduced after the flush (exposed),
 #   and torch's pipelining keeps FSDP2's parameters gathered through backward across micro-batches: ZeRO-2
 #   gathers once per step, fsdp once per micro-batch in forward.
 # * Hierarchical collectives: a group of n ranks spanning nodes with k of them per node moves its bytes at
@@ -890,11 +891,15 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
             gather = _group_collective_s(profile, "all_gather", gather_bytes * gathers, dp, stride,
                                          gathers * stage_layers)
             reduce = _group_collective_s(profile, "reduce_scatter", grad_bytes, dp, stride, stage_layers)
-            # prefetched gathers hide behind the micro-batches' compute, the reduction behind the last backward
-            exposed_gather = max(0.0, gather - compute) + (gather / gathers if gathers else 0.0) / max(1, stage_layers)
-            exposed_reduce = reduce if pp > 1 else max(0.0, reduce - last_backward)
+            # prefetched gathers hide behind the micro-batches' compute (all but the first layer's), the
+            # reduction behind the last backward; both share the links, so together they hide behind the compute
+            first = gather / gathers / max(1, stage_layers)
+            if pp > 1:  # the reduction runs after the pipeline's flush
+                exposed = max(0.0, gather - first - compute) + first + reduce
+            else:
+                exposed = max(0.0, gather - first + reduce - compute, reduce - last_backward) + first
             dp_comm = gather + reduce
-            hidden_by = dp_comm - exposed_gather - exposed_reduce
+            hidden_by = dp_comm - exposed
         else:
             reduce = _group_collective_s(profile, "all_reduce", grad_bytes, dp, stride,
                                          max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES)))
