@@ -1,5 +1,5 @@
-"""``atorch`` command line: list the methods, check a strategy, report on a search, list or clear the search
-cache, run the strategy server."""
+"""``atorch`` command line: list the methods, check a strategy, plan a job for a cluster, report on a search,
+list or clear the search cache, run the strategy server."""
 
 from __future__ import annotations
 
@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("strategy")
     check.add_argument("--world-size", type=int, default=1)
     check.set_defaults(run=_cmd_check)
+    from atorch.strategy_search.plan_cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     report = sub.add_parser("search-report", help="write an HTML report of a strategy search (trials and plots)")
     report.add_argument("--storage", help="Optuna storage URL (default: the search cache's SQLite file)")
     report.add_argument("--study", help="study name (default: the only atorch study in the storage)")

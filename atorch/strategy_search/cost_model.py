@@ -9,6 +9,10 @@ dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor byt
 before the candidate is built, over build and warm-up, max over ranks; median step time after
 warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
+For a transformer whose shape is known (``predict(..., transformer=TransformerShape(...))``, what ``atorch plan``
+passes), the activation, FLOP and communication terms are the transformer terms at the end of this module
+(Megatron-LM's formulas, hierarchical collectives across nodes); without it every term below applies as is.
+
 Memory from the program: the search (``automatic.py``) takes a candidate's peak memory from
 ``tracing.py`` wherever tracing covers it — the real build and two training steps on fake tensors and the
 fake process group, counted by torch's ``MemTracker`` — and from this model only where tracing does not
@@ -220,6 +224,7 @@ class TimePrediction(_Frozen):
     optimizer: float  # elementwise traffic: the update and the copies into / out of communication buffers
     step: float
     ops: int = 0  # operations per step counted in overhead
+    bubble: float = 0.0  # pipeline fill and drain (transformer terms only; in ``compute`` otherwise)
 
 
 class Prediction(_Frozen):
@@ -590,13 +595,325 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
 
 def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profile: HardwareProfile,
             global_batch: int, micro_batches: int = 1, *, optimizer_state_factor: float = 2.0,
-            overlap: float = 0.0, optimizer_bytes_per_s: float | None = None) -> Prediction:
+            overlap: float = 0.0, optimizer_bytes_per_s: float | None = None,
+            transformer: TransformerShape | None = None, selective_recompute: bool = False) -> Prediction:
     """Peak memory per rank and step time of ``strategy`` (see the module docstring for every term): the facts
-    of the strategy on this model, then the memory and the time they make."""
+    of the strategy on this model, then the memory and the time they make.
+
+    ``transformer``: the model's transformer shape (``atorch plan``): its activations, FLOPs and communication
+    then come from the transformer terms (end of this module); ``selective_recompute`` applies to those only."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}")
     facts = _facts(stats, strategy, layout, global_batch, micro_batches)
+    if transformer is not None:
+        return _transformer_prediction(transformer, strategy, facts, profile, _compute_dtype(strategy),
+                                       optimizer_state_factor, selective_recompute)
     memory, notes = _memory(stats, facts, profile, optimizer_state_factor)
     time = _time(stats, facts, _compute_dtype(strategy), profile, optimizer_state_factor, overlap,
                  optimizer_bytes_per_s)
     return Prediction(memory=memory, time=time, samples_per_rank=facts.micro, notes=tuple(notes))
+
+
+# ----- transformer terms (large runs: `atorch plan`) -------------------------------------------------------
+# When ``predict`` is given the model's transformer shape (a decoder-only transformer: the planner's built-in
+# architectures, a transformers config, or a module with one), the terms a large run lives on are analytical in
+# that shape instead of scaled from the analyser's measured step; the strategy, layout and profile are read as
+# above (``_facts``) and the result has the same form. Sources of each term:
+#
+# * FLOPs: Megatron-LM's count (Narayanan et al. 2021, appendix): a layer's forward is 2 x its matmul parameters
+#   per token plus 4·s·h for the attention scores (QK^T and AV, causal masking not subtracted); the vocabulary
+#   layer 2·h·V per token; backward twice the forward; full recompute one more forward of the layers, selective
+#   recompute (Korthikanti et al. 2022) one more of the attention scores only. With h = a·d, f = 4h and MHA this
+#   is the paper's 72·B·s·l·h²(1 + s/6h + V/12lh) (96 and V/16lh with full recompute). GQA shrinks K and V to
+#   kv_heads·d, a gated MLP (SwiGLU) has three f×h matrices.
+# * Activation memory per layer and micro-batch (Korthikanti et al. 2022, section 4): s·b·h·(34 + 5·a·s/h) bytes
+#   in 16 bits without parallelism, of which 10 (norm and first-matmul inputs, dropout masks) are replicated over
+#   tensor parallel ranks without sequence parallel and split with it; the a·s term (softmax output, its dropout)
+#   is dropped by selective recompute and by fused (flash) attention. Generalised per token: replicated
+#   4h (norm inputs) + 4h (inputs of QKV and the MLP's first matmul) + 2h masks (with dropout); split q 2h,
+#   k and v 2·2h·kv/a, attention output 2h, MLP 2·2f (+2f gated); scores 2as (+3as with dropout).
+#   Full recompute keeps each layer's input (2sbh, /t with sequence parallel) and recomputes one layer at a
+#   time. The vocabulary layer's logits in fp32 for the loss: 4·s·b·V/t on the last stage.
+# * In flight under pipeline parallel, on the first stage: p micro-batches of its l/p layers under 1F1B,
+#   × (1 + (p−1)/(p·v)) interleaved with v stages per rank (Narayanan et al. 2021, section 2.2.2), all m
+#   under GPipe.
+# * Step time: each stage runs its micro-batches; the busiest one (the last: it has the vocabulary layer) sets
+#   the pace; the pipeline's fill and drain add (p−1)/v micro-batch times (the interleaved bubble). A
+#   micro-batch's time is its matmuls at the profile's achievable throughput (``matmul_efficiency`` × peak),
+#   its elementwise work at ``memory_bytes_per_s`` (norms, residual adds, activations, softmax: bytes read and
+#   written, backward twice the forward), its tensor-parallel collectives (two in forward, two in backward,
+#   two more when recomputed; sequence parallel moves the same bytes as reduce-scatter + all-gather) and the
+#   stage-to-stage sends (not overlapped: Megatron-LM 2021 and torch's pipelining run them in line).
+# * Data-parallel collectives: DDP all-reduces fp32 gradients, overlapped with the backward of the last
+#   micro-batch when there is no pipeline (DDP's buckets); ZeRO-1 adds the updated parameters' all-gather
+#   (after the step: exposed); FSDP / ZeRO-2 (FSDP2) all-gather 16-bit parameters ahead of use (prefetched:
+#   hidden behind the compute of the micro-batch that needs them, all but the first layer's) and reduce-scatter
+#   fp32 gradients (overlapped with the last backward); both use the same links, so together they hide behind
+#   the step's compute. Under a pipeline the gradients are reduced after the flush (exposed),
+#   and torch's pipelining keeps FSDP2's parameters gathered through backward across micro-batches: ZeRO-2
+#   gathers once per step, fsdp once per micro-batch in forward.
+# * Hierarchical collectives: a group of n ranks spanning nodes with k of them per node moves its bytes at
+#   min(intra-node bus bandwidth, k × the per-GPU inter-node bandwidth) with the inter-node latency (NCCL's
+#   rings and trees cross nodes through every GPU's own adapter). Ranks are ordered tensor fastest, then
+#   pipeline, then data (parallel_mode's order), so a tensor group stays in a node.
+
+ELEMENTWISE_PASSES = 4.0  # forward + backward (twice the forward) + recompute counted per pass (see below)
+LOGITS_BYTES_AUTOCAST = 14.0  # bytes per token and vocabulary entry held by the loss under autocast (see below)
+VOCAB_LOSS_BYTES = 24.0  # bytes per token and vocabulary entry the loss moves (logits, their cast, softmax, grads)
+
+
+class TransformerShape(_Frozen):
+    """A decoder-only transformer's sizes: what the transformer terms are computed from."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    gated_mlp: bool = False  # SwiGLU (Llama): gate, up and down matrices
+    tied_embeddings: bool = False
+    position_embeddings: int = 0  # learned positions (GPT-2/3): rows of the position table
+    dropout: bool = False  # dropout masks saved (GPT-3 / Megatron-LM 2021), not in Llama
+    flash_attention: bool = True  # fused attention: the s x s scores are never saved
+    biases: bool = False
+    # mixed precision as torch autocast runs it (atorch's amp_native): fp32 weights cast to 16 bits in every
+    # forward, the residual stream and norms in fp32; False: 16 bits throughout, fp32 master weights in the
+    # optimizer only (Megatron-LM)
+    autocast: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_matmul_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        return h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated_mlp else 2) * h * f
+
+    def layer_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        bias = (h + 2 * self.kv_dim + h + f + h) if self.biases else 0
+        norms = (4 if self.biases else 2) * h  # two norms (weight, and bias for LayerNorm)
+        return self.layer_matmul_params() + bias + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.position_embeddings * self.hidden
+
+    def head_params(self) -> int:
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    def params(self) -> int:
+        return self.layers * self.layer_params() + self.embedding_params() + self.head_params() + 2 * self.hidden
+
+    def layer_fwd_flops(self) -> float:
+        """Forward FLOPs of one layer per token."""
+        return 2.0 * self.layer_matmul_params() + 4.0 * self.seq * self.hidden
+
+    def vocab_fwd_flops(self) -> float:
+        return 2.0 * self.hidden * self.vocab
+
+    def model_flops_per_token(self) -> float:
+        """Forward + backward FLOPs per token, no recompute (what MFU counts)."""
+        return 3.0 * (self.layers * self.layer_fwd_flops() + self.vocab_fwd_flops())
+
+    def recompute_flops_per_token(self, recompute: str) -> float:
+        if recompute == "full":
+            return self.layers * self.layer_fwd_flops()
+        if recompute == "selective":
+            return self.layers * 4.0 * self.seq * self.hidden
+        return 0.0
+
+    def layer_activation_bytes(self, tp: int, sequence_parallel: bool, scores: bool) -> float:
+        """Bytes a layer saves for backward per token (Korthikanti et al. 2022, generalised; see above)."""
+        h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
+        replicated = 8 * h + (2 * h if self.dropout else 0)
+        split = 2 * h + 4 * h * self.kv_heads / self.heads + 2 * h + 4 * f + (2 * f if self.gated_mlp else 0)
+        score = (5 if self.dropout else 2) * a * s if scores and not self.flash_attention else 0.0
+        if sequence_parallel:
+            return (replicated + split + score) / tp
+        return replicated + (split + score) / tp
+
+    def layer_elementwise_bytes(self, tp: int, sequence_parallel: bool) -> float:
+        """Bytes an elementwise pass (norms, residual adds, activation, softmax) reads and writes per token in
+        one forward of a layer: two norms (read and write 2h each), two residual adds (read 4h, write 2h), the
+        MLP's activation (gelu: read 2f write 2f; SwiGLU: read 4f write 2f), the scores' softmax without fused
+        attention (read and write 2as), dropout (its mask written, h per dropout). Under autocast the residual
+        stream is fp32: a norm reads and writes 4h and its output is cast for the matmul (read 4h, write 2h),
+        a residual add reads 4h + 2h and writes 4h."""
+        h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
+        norms_residual = (2 * 14 * h + 2 * 10 * h) if self.autocast else (2 * 4 * h + 2 * 6 * h)
+        norms_residual += 3 * h if self.dropout else 0
+        mlp = (6 if self.gated_mlp else 4) * f
+        softmax = 0.0 if self.flash_attention else (4 + (5 if self.dropout else 0)) * a * s
+        if sequence_parallel:
+            return (norms_residual + mlp + softmax) / tp
+        return norms_residual + (mlp + softmax) / tp
+
+
+def _group_link(profile: HardwareProfile, name: str, size: int, stride: int) -> tuple[float, float]:
+    """(bus bandwidth, latency) of collective ``name`` over ``size`` ranks ``stride`` apart: within a node, or
+    hierarchical across nodes (see the transformer terms above)."""
+    intra = profile.collectives.get(name)
+    bandwidth, latency = (intra.bus_bandwidth, intra.latency_s) if intra else (float("inf"), 0.0)
+    per_node = profile.gpus_per_node
+    if per_node and size * stride > per_node and profile.inter_node.get(name) is not None:
+        inter = profile.inter_node[name]
+        here = max(1, min(size, per_node // stride)) if stride < per_node else 1
+        bandwidth, latency = min(bandwidth, here * inter.bus_bandwidth), inter.latency_s
+    return bandwidth, latency
+
+
+def _group_collective_s(profile: HardwareProfile, name: str, nbytes: float, size: int, stride: int,
+                        count: int) -> float:
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = _group_link(profile, name, size, stride)
+    factor = 2 * (size - 1) / size if name == "all_reduce" else (size - 1) / size
+    return nbytes * factor / bandwidth + latency * count
+
+
+def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Facts, profile: HardwareProfile,
+                            dtype: str, optimizer_state_factor: float, selective_recompute: bool) -> Prediction:
+    """Memory and step time of a transformer on its busiest rank (see the transformer terms above)."""
+    tp, pp, dp = f.tp, f.pp, f.dp
+    tensor = strategy.get("tensor_parallel") or getattr(strategy.get("mixed_parallel"), "tensor", None)
+    sp = bool(getattr(tensor, "sequence_parallel", False)) and tp > 1
+    vocab_split = tp if getattr(tensor, "loss_parallel", False) else 1  # atorch's loss_parallel splits it
+    pipe = _pipeline_config(strategy)
+    v = pipe.stages_per_rank() if pipe is not None and pp > 1 else 1
+    recompute = "full" if f.checkpoint else "selective" if selective_recompute else "none"
+    b, s, h, m = f.micro, shape.seq, shape.hidden, f.micro_batches
+    tokens = b * s  # per micro-batch
+    stage_layers = math.ceil(shape.layers / pp)
+    wbytes = 2.0 if f.half else 4.0  # parameter bytes as built (fp32 master weights under amp_native)
+
+    # Parameters on the busiest stage: its layers split over tensor ranks, plus the vocabulary layer(s) it holds
+    # (first stage: the embedding; last: the head, a copy of the embedding when tied; pp = 1: both).
+    layer_params = stage_layers * shape.layer_params() / tp
+    first = shape.embedding_params() / vocab_split
+    last = (shape.head_params() or shape.vocab * h) / vocab_split if pp > 1 else shape.head_params() / vocab_split
+    n_rank = layer_params + (first + last if pp == 1 else max(first, last)) + 2 * h
+    owned = n_rank / dp if (f.sharding or f.zero1) else n_rank
+    params = n_rank * wbytes / (dp if f.sharding == "fsdp" else 1)
+    grads = n_rank * wbytes / (dp if f.sharding else 1)
+    state = optimizer_state_factor * owned * wbytes
+    temporary = 0.0
+    if f.amp and not f.half:
+        gathered16 = n_rank * 2.0
+        if f.sharding == "zero2":
+            temporary += gathered16  # every layer stays gathered from its forward to its backward
+            params = n_rank * wbytes / dp
+        elif f.sharding == "fsdp":
+            temporary += 2 * shape.layer_params() / tp * 2.0  # one layer gathered, the next prefetched
+        else:
+            temporary += gathered16  # autocast's 16-bit copies of the weights (Megatron's fp16 parameters)
+    step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
+
+    # Activations on the first stage (it holds the most micro-batches in flight).
+    scores = recompute == "none"
+    per_layer = shape.layer_activation_bytes(tp, sp, scores) * tokens
+    if recompute == "full":
+        kept = stage_layers * 2 * tokens * h / (tp if sp else 1)
+        recomputed = shape.layer_activation_bytes(tp, sp, True) * tokens
+    else:
+        kept, recomputed = stage_layers * per_layer, 0.0
+    if pp == 1:
+        in_flight = 1.0
+    elif f.schedule == "gpipe":
+        in_flight = float(m)
+    else:
+        in_flight = min(float(m), pp * (1 + (pp - 1) / (pp * v)) if v > 1 else float(pp))
+    # the loss's logits on the last stage: fp32 for the loss (Korthikanti: 4·s·b·V/t); under autocast also
+    # the 16-bit logits, the log-softmax saved by cross-entropy and the logits' gradient (2 + 4 + 4 + 4)
+    logits = (LOGITS_BYTES_AUTOCAST if shape.autocast else 4.0) * tokens * shape.vocab / vocab_split
+    embedding_out = 2.0 * tokens * h / (tp if sp else 1)
+    activations = kept * in_flight + recomputed + (logits if pp == 1 else 0.0) + embedding_out
+    if pp > 1:  # the last stage holds fewer micro-batches but the logits: the larger of the two stages
+        last_stage = kept * 1.0 + recomputed + logits
+        activations = max(activations, last_stage)
+    # Phases, as for the other models: forward / backward hold the activations, the gathered or cast weights
+    # and, once a second micro-batch runs (accumulation, or a pipeline), the gradients; with one micro-batch the
+    # gradients appear as the activations are freed (the larger of the two); the step holds the gradients
+    # and the optimizer's temporaries.
+    held_grads = grads if m > 1 else 0.0
+    phases = {"backward": max(activations + held_grads, grads) + temporary, "optimizer": grads + step_temp}
+    phase = max(phases, key=phases.__getitem__)
+    peak = params + state + phases[phase]
+    memory = MemoryPrediction(parameters=round(params), gradients=round(grads), optimizer_state=round(state),
+                              activations=round(activations),
+                              temporary=round(temporary if phase == "backward" else step_temp), peak=round(peak),
+                              peak_phase=phase)
+
+    # Time of one micro-batch on the busiest (last) stage.
+    peak_tflops = profile.matmul_tflops.get(dtype) or profile.matmul_tflops.get("float32") or 0.0
+    if not peak_tflops:
+        raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
+    flops_s = peak_tflops * 1e12 * profile.matmul_efficiency.get(dtype, 1.0)
+    bandwidth = profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
+    layer_flops = shape.layer_fwd_flops() * (3 + (1 if recompute == "full" else 0)) + (
+        4.0 * s * h if recompute == "selective" else 0.0)
+    mb_flops = tokens * (stage_layers * layer_flops + 3 * shape.vocab_fwd_flops()) / tp
+    elementwise_passes = ELEMENTWISE_PASSES - (0.0 if recompute == "full" else 1.0)
+    mb_elementwise = tokens * stage_layers * shape.layer_elementwise_bytes(tp, sp) * elementwise_passes
+    # the loss on the last stage: 16-bit logits written (2V), cast to fp32 (read 2V, write 4V), cross-entropy
+    # (read 4V, write 4V) and its backward (read 4V, write 4V, cast back: read 4V... ~24V bytes per token)
+    mb_elementwise += tokens * VOCAB_LOSS_BYTES * shape.vocab / vocab_split
+    if f.amp and not f.half and shape.autocast:  # autocast casts every fp32 weight to 16 bits in each forward
+        mb_elementwise += 6.0 * n_rank * (2 if recompute == "full" else 1)
+    act_bytes = 2.0 * tokens * h  # a layer's hidden states in 16 bits
+    tp_count = stage_layers * (4 + (2 if recompute == "full" else 0))
+    mb_tp = _group_collective_s(profile, "all_reduce", act_bytes * tp_count, tp, 1, tp_count)
+    mb_tp += _group_collective_s(profile, "all_reduce", 4.0 * tokens * 2, tp, 1, 2) if vocab_split > 1 else 0.0
+    mb_p2p = 0.0
+    if pp > 1:
+        bandwidth_p2p, latency_p2p = _group_link(profile, "all_gather", 2, tp)
+        sent = act_bytes / (tp if sp else 1)
+        mb_p2p = 2 * v * (sent / bandwidth_p2p + latency_p2p)
+    mb_compute = mb_flops / flops_s + mb_elementwise / bandwidth
+    mb_time = mb_compute + mb_tp + mb_p2p
+    compute = mb_compute * m
+    bubble = mb_time * (pp - 1) / v if pp > 1 else 0.0
+
+    # Data-parallel collectives over the data group (stride t·p), exposed where nothing hides them.
+    grad_bytes = n_rank * 4.0  # reduced in fp32
+    gather_bytes = n_rank * (2.0 if f.amp and not f.half else wbytes)
+    stride = tp * pp
+    dp_comm, hidden_by = 0.0, 0.0
+    if dp > 1:
+        last_backward = mb_compute * 2 / 3
+        if f.sharding:
+            gathers = (1 if f.sharding == "zero2" else m) if pp > 1 else m * (1 if f.sharding == "zero2" else 2)
+            gather = _group_collective_s(profile, "all_gather", gather_bytes * gathers, dp, stride,
+                                         gathers * stage_layers)
+            reduce = _group_collective_s(profile, "reduce_scatter", grad_bytes, dp, stride, stage_layers)
+            # prefetched gathers hide behind the micro-batches' compute (all but the first layer's), the
+            # reduction behind the last backward; both share the links, so together they hide behind the compute
+            first = gather / gathers / max(1, stage_layers)
+            if pp > 1:  # the reduction runs after the pipeline's flush
+                exposed = max(0.0, gather - first - compute) + first + reduce
+            else:
+                exposed = max(0.0, gather - first + reduce - compute, reduce - last_backward) + first
+            dp_comm = gather + reduce
+            hidden_by = dp_comm - exposed
+        else:
+            reduce = _group_collective_s(profile, "all_reduce", grad_bytes, dp, stride,
+                                         max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES)))
+            exposed = reduce if pp > 1 else max(0.0, reduce - last_backward)
+            dp_comm = reduce
+            if f.zero1:
+                dp_comm += _group_collective_s(profile, "all_gather", n_rank * wbytes, dp, stride, 1)
+            hidden_by = reduce - exposed
+    exposed_comm = (mb_tp + mb_p2p) * m + dp_comm - hidden_by
+    passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor
+    optimizer = passes * owned * wbytes / bandwidth
+    step = compute + exposed_comm + bubble + optimizer
+    time = TimePrediction(compute=compute, communication=exposed_comm, optimizer=optimizer, bubble=bubble,
+                          step=step)
+    notes = (f"transformer terms: tensor {tp}, pipeline {pp} (x{v} virtual), data {dp}, sharding {f.sharding or 'none'}"
+             f"{' zero1' if f.zero1 else ''}, recompute {recompute}, sequence parallel {sp}, bubble {bubble:.4g} s",)
+    return Prediction(memory=memory, time=time, samples_per_rank=f.micro, notes=notes)

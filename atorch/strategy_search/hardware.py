@@ -96,6 +96,14 @@ class HardwareProfile(_Frozen):
     memory_source: Literal["memory_limit", "cuda", "ram", "table"]
     measure_s: float = 0.0  # how long the micro-benchmarks took
     note: str = ""
+    # Cluster tables (profiles/a100-80gb.json, h100-80gb.json); a profile without them plans as before.
+    # Ranks per node: a collective whose group spans nodes uses ``inter_node`` (hierarchical, as NCCL does).
+    gpus_per_node: int = 0  # 0: one node (every collective uses ``collectives``)
+    # per-GPU figures across nodes (one GPU per node in the group: its own network adapter), nccl-tests busbw
+    inter_node: dict[str, CollectiveStats] = {}
+    # achievable share of ``matmul_tflops`` for large matmuls, per dtype (a measured ceiling, from the sources)
+    matmul_efficiency: dict[str, float] = {}
+    sources: tuple[str, ...] = ()  # where each figure comes from
 
     @classmethod
     def from_table(cls, table: dict[str, Any] | str | Path) -> HardwareProfile:
@@ -109,9 +117,16 @@ class HardwareProfile(_Frozen):
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
 
 
+def profile_names() -> list[str]:
+    """The tables shipped with atorch, by the name ``load_profile`` and ``atorch plan --hardware`` take."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read a profile (measured and saved, or a table); a bare name looks in atorch's ``profiles/``."""
     path = Path(path)
+    if not path.exists() and path.suffix != ".json" and not (PROFILES_DIR / f"{path.name}.json").exists():
+        raise FileNotFoundError(f"no hardware profile {str(path)!r}: give a JSON file or one of {profile_names()}")
     if not path.exists() and (PROFILES_DIR / path.with_suffix(".json").name).exists():
         path = PROFILES_DIR / path.with_suffix(".json").name
     return HardwareProfile.from_table(path)

@@ -1,0 +1,324 @@
+"""Plan a training job for a cluster that is not here: every layout, predicted by the search's cost model.
+
+``plan_job(shape, gpus, global_batch, profile)`` enumerates every layout atorch's registry runs at that world
+size — tensor size (dividing the GPUs per node and the heads: a tensor group stays in a node), pipeline size
+with its schedules (1F1B, GPipe, interleaved 1F1B with its virtual stages), the data dimension's sharding
+(none / ZeRO-1 / ZeRO-2 / FSDP, as the compatibility rules allow), activation recompute, sequence parallel
+and micro-batch size × count — builds each one's Strategy, and predicts it with ``cost_model.predict`` (its
+transformer terms). Plans are ranked: the ones that fit the memory per GPU by step time, then the rest by
+how much they overshoot.
+
+Strategies are built once per distinct layout and checked once with ``Strategy.problems`` (the rules
+``atorch check`` applies); a layout the rules refuse is never proposed, but ``--layout`` may still name one
+and see its prediction next to the runnable ones (with the rules' reasons).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from atorch.errors import SetupError
+from atorch.opt_lib import registry
+from atorch.parallel_layout import ParallelLayout
+from atorch.strategy import Strategy, StrategyItem
+from atorch.strategy_search.cost_model import Prediction, TransformerShape, predict
+from atorch.strategy_search.hardware import HardwareProfile
+from atorch.strategy_search.model_shapes import stats_of
+
+SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+MAX_MICRO_BATCH = 16
+MAX_VIRTUAL_STAGES = 8
+LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
+               "sequence_parallel", "micro_batch_size")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the plan: the parallel sizes and every choice that makes a Strategy."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    sharding: str
+    recompute: str
+    schedule: str  # "none" without a pipeline
+    virtual_stages: int
+    sequence_parallel: bool
+    micro_batch_size: int
+    micro_batches: int  # per step: the schedule's micro-batches, or gradient accumulation without a pipeline
+    # the embedding and LM head split over the tensor ranks (atorch's loss_parallel: without a pipeline only)
+    vocab_parallel: bool = False
+
+    def structure(self) -> tuple[Any, ...]:
+        return (self.tensor, self.pipeline, self.sharding, self.recompute, self.schedule, self.virtual_stages,
+                self.sequence_parallel, self.vocab_parallel)
+
+    def describe(self) -> str:
+        text = f"t{self.tensor}·p{self.pipeline}·d{self.data}"
+        if self.pipeline > 1:
+            text += f" {self.schedule}" + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return text
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    prediction: Prediction
+    fits: bool
+    over_by: int  # bytes above the memory per GPU (0 when it fits)
+    tokens_per_s: float
+    tflops_per_gpu: float  # hardware FLOPs (recompute included), Megatron's definition
+    model_tflops_per_gpu: float
+    mfu: float
+    problems: tuple[str, ...] = ()  # the rules' reasons where atorch cannot run it (only a given layout)
+    given: bool = False
+    strategy: Strategy | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        lay, mem, t = self.layout, self.prediction.memory, self.prediction.time
+        return {
+            "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data},
+            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "sharding": lay.sharding,
+            "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
+            "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
+            "fits": self.fits, "over_by_bytes": self.over_by, "memory_per_gpu_bytes": mem.peak,
+            "memory": {"parameters": mem.parameters, "gradients": mem.gradients,
+                       "optimizer_state": mem.optimizer_state, "activations": mem.activations,
+                       "temporary": mem.temporary},
+            "step_time_s": t.step,
+            "time": {"compute": t.compute, "communication": t.communication, "bubble": t.bubble,
+                     "optimizer": t.optimizer},
+            "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
+            "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "given": self.given,
+            "runnable": not self.problems, "problems": list(self.problems),
+            "strategy": json.loads(self.strategy.to_json()) if self.strategy else None,
+        }
+
+
+@dataclass
+class PlanResult:
+    plans: list[Plan]  # ranked; a given layout's plan first
+    considered: int
+    seconds: float
+    memory_limit: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _item(name: str, config: dict[str, Any] | None = None) -> StrategyItem:
+    return StrategyItem(name=name, config=registry.get_method(name).parse_config(config or {}))
+
+
+def strategy_for(lay: Layout) -> Strategy:
+    """The Strategy a layout stands for (what ``--emit-strategy`` writes)."""
+    names: dict[str, dict[str, Any]] = {"amp_native": {"dtype": "bf16"}}
+    dims = [(n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline)) if s > 1]
+    if dims:
+        names["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
+    tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
+    pipe: dict[str, Any] = {"schedule": lay.schedule, "micro_batches": lay.micro_batches}
+    if lay.schedule == "interleaved_1f1b":
+        pipe["virtual_stages"] = lay.virtual_stages
+    if lay.tensor > 1 and lay.pipeline > 1:
+        names["mixed_parallel"] = {"tensor": tensor, "pipeline": pipe}
+    elif lay.tensor > 1:
+        names["tensor_parallel"] = tensor
+    elif lay.pipeline > 1:
+        names["pipeline_parallel"] = pipe
+    if lay.recompute == "full":
+        names["checkpoint"] = {}
+    if lay.sharding != "none":
+        names[lay.sharding] = {}
+    return Strategy(methods=tuple(_item(n, names[n]) for n in registry.APPLY_ORDER if n in names))
+
+
+@lru_cache(maxsize=4096)
+def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
+    t, p, sharding, recompute, schedule, v, sp, vocab = structure
+    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab)
+    return tuple(strategy_for(lay).problems(gpus))
+
+
+def _micro_batch_sizes(per_rank: int, pipeline: int) -> list[int]:
+    return [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pipeline]
+
+
+def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch: int) -> Iterator[Layout]:
+    """Every layout of ``gpus`` the model's sizes admit (the rules are checked apart)."""
+    for t in _divisors(min(gpus, gpus_per_node)):
+        if gpus % t or shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads):
+            continue
+        for p in _divisors(gpus // t):
+            if p > shape.layers:
+                continue
+            dp = gpus // (t * p)
+            if global_batch % dp:
+                continue
+            schedules: list[tuple[str, int]] = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)]
+            if p > 1:
+                schedules += [("interleaved_1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)
+                              if shape.layers % (p * v) == 0]
+            for schedule, v in schedules:
+                for sharding in SHARDINGS if dp > 1 else ("none",):
+                    for recompute in RECOMPUTE:
+                        # atorch's sequence parallel and vocabulary split need a tensor dimension and no pipeline
+                        split = t > 1 and p == 1
+                        for sp in ((False, True) if split and shape.seq % t == 0 else (False,)):
+                            for b in _micro_batch_sizes(global_batch // dp, p):
+                                m = global_batch // dp // b
+                                if schedule == "interleaved_1f1b" and m % p:
+                                    continue  # the interleaved schedule runs micro-batches in groups of p
+                                yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split)
+
+
+def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, global_batch: int,
+             memory_limit: int, strategy: Strategy | None = None) -> Plan:
+    """One layout's plan: ``predict`` with the transformer terms, and the figures a plan reports."""
+    strategy = strategy or strategy_for(lay)
+    mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
+                                                    ("data", lay.data))))
+    accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
+    pred = predict(_stats(shape), strategy, mesh, profile, global_batch, accumulation, transformer=shape)
+    gpus = lay.tensor * lay.pipeline * lay.data
+    tokens = global_batch * shape.seq
+    step = pred.time.step
+    model_flops = shape.model_flops_per_token() * tokens
+    hardware_flops = model_flops + shape.recompute_flops_per_token(lay.recompute) * tokens
+    peak = profile.matmul_tflops.get("bfloat16") or profile.matmul_tflops.get("float32", 0.0)
+    over = max(0, pred.memory.peak - memory_limit)
+    return Plan(layout=lay, prediction=pred, fits=over == 0, over_by=over, tokens_per_s=tokens / step,
+                tflops_per_gpu=hardware_flops / step / gpus / 1e12,
+                model_tflops_per_gpu=model_flops / step / gpus / 1e12,
+                mfu=model_flops / step / gpus / (peak * 1e12) if peak else 0.0, strategy=strategy)
+
+
+@lru_cache(maxsize=64)
+def _stats(shape: TransformerShape) -> Any:
+    return stats_of(shape)
+
+
+def _matches(lay: Layout, wanted: dict[str, Any]) -> bool:
+    return all(getattr(lay, k) == v for k, v in wanted.items())
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """``tensor=8,pipeline=35,sharding=zero1,...`` -> the fields given (the rest are the planner's)."""
+    aliases = {"tp": "tensor", "pp": "pipeline", "dp": "data", "virtual": "virtual_stages",
+               "mbs": "micro_batch_size", "micro_batch": "micro_batch_size", "sp": "sequence_parallel"}
+    wanted: dict[str, Any] = {}
+    problems = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        key = aliases.get(key.strip(), key.strip())
+        if key not in LAYOUT_KEYS or not value:
+            problems.append(f"--layout: {part!r} is not key=value with a key in {list(LAYOUT_KEYS)}")
+            continue
+        value = value.strip()
+        if key == "sequence_parallel":
+            wanted[key] = value.lower() in ("1", "true", "yes", "on")
+        elif key in ("sharding", "recompute", "schedule"):
+            choices = {"sharding": SHARDINGS, "recompute": RECOMPUTE, "schedule": (*SCHEDULES, "none")}[key]
+            if value not in choices:
+                problems.append(f"--layout: {key} must be one of {list(choices)}, got {value!r}")
+            wanted[key] = value
+        else:
+            try:
+                wanted[key] = int(value)
+            except ValueError:
+                problems.append(f"--layout: {key} takes a whole number, got {value!r}")
+    if problems:
+        raise SetupError(problems)
+    return wanted
+
+
+def check_job(gpus: int, gpus_per_node: int, global_batch: int, seq: int) -> None:
+    problems = []
+    if gpus < 1 or gpus_per_node < 1 or global_batch < 1 or seq < 1:
+        problems.append("--gpus, --gpus-per-node, --global-batch and --seq must be at least 1")
+    elif gpus > gpus_per_node and gpus % gpus_per_node:
+        problems.append(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes: use a multiple of "
+                        f"{gpus_per_node} (e.g. {gpus // gpus_per_node * gpus_per_node} or "
+                        f"{(gpus // gpus_per_node + 1) * gpus_per_node})")
+    if problems:
+        raise SetupError(problems)
+
+
+def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: HardwareProfile,
+             gpus_per_node: int | None = None, memory_limit: int | None = None,
+             given: dict[str, Any] | None = None) -> PlanResult:
+    """Every runnable layout, predicted and ranked; a ``given`` layout's best completion first."""
+    start = time.perf_counter()
+    per_node = gpus_per_node or profile.gpus_per_node or profile.local_world_size
+    check_job(gpus, per_node, global_batch, shape.seq)
+    limit = memory_limit or profile.memory_per_rank
+    profile = profile.model_copy(update={"gpus_per_node": per_node}) if per_node != profile.gpus_per_node else profile
+    plans: list[Plan] = []
+    given_plans: list[Plan] = []
+    considered = 0
+    for lay in layouts(shape, gpus, per_node, global_batch):
+        considered += 1
+        problems = _problems(lay.structure(), gpus)
+        wanted = given is not None and _matches(lay, given)
+        if problems and not wanted:
+            continue
+        plan = evaluate(shape, lay, profile, global_batch, limit)
+        plan.problems = problems
+        if not problems:
+            plans.append(plan)
+        if wanted:
+            given_plans.append(plan)
+    if not considered:
+        raise SetupError([f"no layout divides {gpus} GPUs for a global batch of {global_batch}: the data size "
+                          f"(GPUs / (tensor × pipeline)) must divide the global batch and the pipeline size must not "
+                          f"exceed the {shape.layers} layers; choose a global batch that is a multiple of the GPU "
+                          f"count, or a GPU count that divides it"])
+    if given is not None and not given_plans:
+        raise SetupError([f"no layout of {gpus} GPUs matches --layout {given}: check that its sizes multiply to "
+                          f"the GPU count, tensor divides {per_node} and the heads ({shape.heads}), and the micro-"
+                          f"batch divides the per-rank batch"])
+    ranked = sorted(plans, key=_rank)
+    if given_plans:
+        best = min(given_plans, key=_rank)
+        best.given = True
+        ranked = [best, *(p for p in ranked if p is not best)]
+    return PlanResult(plans=ranked, considered=considered, seconds=time.perf_counter() - start, memory_limit=limit)
+
+
+def _rank(plan: Plan) -> tuple[bool, float]:
+    return (not plan.fits, plan.prediction.time.step if plan.fits else float(plan.over_by))
+
+
+def smallest_fitting_cluster(shape: TransformerShape, global_batch: int, profile: HardwareProfile,
+                             gpus_per_node: int, memory_limit: int, max_nodes: int = 1 << 14) -> int | None:
+    """The fewest GPUs (whole nodes, doubling) on which some layout fits, trying the memory-lightest
+    choices only (full recompute, FSDP, micro-batch 1, sequence parallel): None if even ``max_nodes`` do not."""
+    nodes = 1
+    while nodes <= max_nodes:
+        gpus = nodes * gpus_per_node
+        for lay in layouts(shape, gpus, gpus_per_node, global_batch):
+            if (lay.recompute != "full" or lay.micro_batch_size != 1 or lay.schedule == "gpipe"
+                    or (lay.data > 1 and lay.sharding != "fsdp") or (lay.tensor > 1 and not lay.sequence_parallel)):
+                continue
+            if _problems(lay.structure(), gpus):
+                continue
+            if evaluate(shape, lay, profile, global_batch, memory_limit).fits:
+                return gpus
+        nodes *= 2
+    return None
+
+
+def humanize_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+

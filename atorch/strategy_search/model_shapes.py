@@ -1,0 +1,162 @@
+"""The transformer shape ``atorch plan`` plans for: a built-in architecture, a transformers config, or a module.
+
+``resolve_model(spec, seq)`` takes what the user typed:
+
+* a built-in name (``BUILTIN``: GPT-3 175B and Llama-2 / Llama-3 with their published sizes; spaces, dashes,
+  dots and case do not matter: ``"Llama-2 70B"`` is ``llama2-70b``);
+* a path to a transformers ``config.json`` (GPT-2 and Llama-style keys);
+* ``module:function`` returning an ``nn.Module`` (built on the meta device: nothing is allocated): its
+  transformers ``config`` where it has one, else sizes read off its modules (the repeated blocks, the
+  largest embedding, the blocks' linear layers).
+
+and returns the ``TransformerShape`` the cost model's transformer terms read, plus the ``ModelStats`` that
+``cost_model.predict`` takes with it (parameter bytes and FLOPs of the same shape).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from atorch.errors import SetupError
+from atorch.strategy_search.analyser import BlockStats, ModelStats
+from atorch.strategy_search.cost_model import TransformerShape
+
+# Published sizes: GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the released
+# config.json files), Llama 3 / 3.1 (Meta's model cards and config.json files).
+_LLAMA2 = {"vocab": 32000, "gated_mlp": True}
+_LLAMA3 = {"vocab": 128256, "gated_mlp": True, "kv_heads": 8}
+BUILTIN: dict[str, dict[str, Any]] = {
+    "gpt3-175b": {"layers": 96, "hidden": 12288, "heads": 96, "kv_heads": 96, "ffn": 4 * 12288, "vocab": 50257,
+                  "position_embeddings": 2048, "tied_embeddings": True, "biases": True},
+    "llama2-7b": {**_LLAMA2, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 32, "ffn": 11008},
+    "llama2-13b": {**_LLAMA2, "layers": 40, "hidden": 5120, "heads": 40, "kv_heads": 40, "ffn": 13824},
+    "llama2-70b": {**_LLAMA2, "layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672},
+    "llama3-8b": {**_LLAMA3, "layers": 32, "hidden": 4096, "heads": 32, "ffn": 14336},
+    "llama3-70b": {**_LLAMA3, "layers": 80, "hidden": 8192, "heads": 64, "ffn": 28672},
+    "llama3-405b": {**_LLAMA3, "layers": 126, "hidden": 16384, "heads": 128, "ffn": 53248},
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def builtin_names() -> list[str]:
+    return list(BUILTIN)
+
+
+def shape_from_config(config: dict[str, Any], seq: int) -> TransformerShape:
+    """A transformers config (as a dict) -> its shape. GPT-2 keys (n_embd, n_layer, n_head, n_inner) and
+    Llama / Mistral / Qwen keys (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    intermediate_size) are read."""
+    def get(*names: str, default: Any = None) -> Any:
+        for name in names:
+            if config.get(name) is not None:
+                return config[name]
+        return default
+
+    if get("num_local_experts", "num_experts", "n_routed_experts"):
+        raise SetupError(["mixture-of-experts configs are not planned yet (the cost model has no expert "
+                          "parallel terms): plan a dense model"])
+    hidden, layers = get("hidden_size", "n_embd", "d_model"), get("num_hidden_layers", "n_layer", "num_layers")
+    heads = get("num_attention_heads", "n_head", "num_heads")
+    missing = [n for n, v in (("hidden_size", hidden), ("num_hidden_layers", layers),
+                              ("num_attention_heads", heads), ("vocab_size", config.get("vocab_size"))) if v is None]
+    if missing:
+        raise SetupError([f"the config has no {', '.join(missing)}: a decoder-only transformer config is needed "
+                          "(GPT-2 or Llama-style keys)"])
+    gpt2 = "n_embd" in config or config.get("model_type") in ("gpt2", "gpt_neo", "gptj")
+    act = str(get("hidden_act", "activation_function", default="gelu"))
+    return TransformerShape(
+        layers=int(layers), hidden=int(hidden), heads=int(heads),
+        kv_heads=int(get("num_key_value_heads", default=heads)),
+        ffn=int(get("intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden),
+        vocab=int(config["vocab_size"]), seq=seq,
+        gated_mlp=not gpt2 and act in ("silu", "swiglu", "swish"),
+        tied_embeddings=bool(get("tie_word_embeddings", default=gpt2)),
+        position_embeddings=int(get("n_positions", default=0)) if gpt2 else 0,
+        biases=gpt2,
+    )
+
+
+def _shape_from_module(module: Any, seq: int) -> TransformerShape:
+    """Sizes read off a module without a config: the repeated blocks, the largest embedding (vocabulary ×
+    hidden), the blocks' linear layers (the widest output that is not the hidden size is the MLP's)."""
+    from torch import nn
+
+    from atorch.opt_lib.pipeline_split import find_blocks
+
+    blocks, why = find_blocks(module)
+    if blocks is None:
+        raise SetupError([f"cannot plan this module: {why}"])
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise SetupError(["cannot plan this module: it has no nn.Embedding (the token embedding gives the "
+                          "vocabulary and hidden sizes); give a transformers config instead"])
+    token = max(embeddings, key=lambda m: m.num_embeddings)
+    hidden = token.embedding_dim
+    first = module.get_submodule(f"{blocks.container}.{blocks.names[0]}" if blocks.container else blocks.names[0])
+    widths = [m.out_features for m in first.modules() if isinstance(m, nn.Linear)]
+    ffn = max((w for w in widths if w != hidden), default=4 * hidden)
+    heads = next((int(getattr(m, a)) for m in first.modules() for a in ("num_heads", "n_head", "num_attention_heads")
+                  if isinstance(getattr(m, a, None), int)), max(1, hidden // 64))
+    gated = sum(1 for w in widths if w == ffn) >= 2
+    return TransformerShape(layers=len(blocks.names), hidden=hidden, heads=heads, kv_heads=heads, ffn=ffn,
+                            vocab=token.num_embeddings, seq=seq, gated_mlp=gated)
+
+
+def _call_factory(spec: str) -> Any:
+    module_name, _, function = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as exc:
+        raise SetupError([f"cannot load {spec!r} ({exc}): give module:function, importable from here"]) from exc
+    model = factory()
+    params = list(model.parameters())
+    if any(not p.is_meta for p in params):
+        raise SetupError([f"{spec} returned a module with real parameters: build it on the meta device "
+                          "(`with torch.device('meta'): ...`) so a large model costs no memory"])
+    return model
+
+
+def resolve_model(spec: str, seq: int) -> tuple[str, TransformerShape]:
+    """(a display name, the shape) of what the user named; SetupError naming the choices otherwise."""
+    if _key(spec) in {_key(n) for n in BUILTIN}:
+        name = next(n for n in BUILTIN if _key(n) == _key(spec))
+        return name, TransformerShape(seq=seq, **{"kv_heads": BUILTIN[name]["heads"], **BUILTIN[name]})
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise SetupError([f"no config file {spec}"])
+        return path.name, shape_from_config(json.loads(path.read_text()), seq)
+    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", spec):
+        model = _call_factory(spec)
+        config = getattr(model, "config", None)
+        if config is not None and callable(getattr(config, "to_dict", None)):
+            return spec, shape_from_config(config.to_dict(), seq)
+        return spec, _shape_from_module(model, seq)
+    raise SetupError([f"unknown model {spec!r}: give a config.json path, module:function, or one of "
+                      f"{builtin_names()}"])
+
+
+def stats_of(shape: TransformerShape) -> ModelStats:
+    """The ``ModelStats`` of a shape (fp32 as built, one sample of ``seq`` tokens): what ``predict`` reads
+    besides the shape itself (parameter bytes, the repeated blocks)."""
+    params = shape.params()
+    layer = shape.layer_params()
+    fwd = shape.seq * (shape.layers * shape.layer_fwd_flops() + shape.vocab_fwd_flops())
+    block = BlockStats(class_path="transformer layer", count=shape.layers, param_bytes=4 * layer,
+                       activation_bytes=0, param_bytes_total=4 * layer * shape.layers, activation_bytes_total=0,
+                       attention=True)
+    return ModelStats(
+        fingerprint=f"shape:{shape.model_dump_json()}", batch_size=1, seq_len=shape.seq, param_count=params,
+        trainable_param_count=params, param_bytes=4 * params, trainable_param_bytes=4 * params,
+        frozen_param_bytes=0, grad_bytes=4 * params, buffer_bytes=0, fwd_flops_per_sample=fwd,
+        fwd_bwd_flops_per_sample=3 * fwd, param_tensors=shape.layers * (9 if shape.gated_mlp else 8) + 3,
+        activation_bytes=0, activation_bytes_outside_blocks=0, blocks=(block,), largest_layer=None,
+        largest_activation=None,
+    )

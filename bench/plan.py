@@ -1,0 +1,145 @@
+"""`atorch plan` against Megatron-LM's weak-scaling table (Narayanan et al., SC 2021, arXiv 2104.04473, Table 1).
+
+For each published row: the prediction for the published layout (tensor × pipeline × data, data-parallel
+DDP, full activation recompute as the paper ran it, no sequence parallel: it came a year later; the schedule
+and micro-batch size are left to the planner, as ``--layout`` does) against the published TFLOP/s per GPU,
+whether it is predicted to fit in 80 GB, and atorch's own top pick's predicted step time against it.
+
+Nothing here is fitted: the model and the A100 profile (atorch/strategy_search/profiles/a100-80gb.json,
+figures from data sheets, nccl-tests and the MAMF matmul ceiling) are used as shipped.
+
+    PYTHONPATH=. python bench/plan.py [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from atorch.strategy_search.cluster_plan import Layout, Plan, evaluate, layouts, plan_job
+from atorch.strategy_search.cost_model import TransformerShape
+from atorch.strategy_search.hardware import HardwareProfile, load_profile
+
+# params (B), heads, hidden, layers, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU
+TABLE_1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+SEQ, VOCAB = 2048, 51200
+
+
+def megatron_gpt(heads: int, hidden: int, layers: int) -> TransformerShape:
+    """The paper's GPT: learned positions, biases, dropout, tied embeddings, attention without fusion (2021),
+    fp16 weights and activations with fp32 master weights (no autocast)."""
+    return TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=VOCAB,
+                            seq=SEQ, position_embeddings=SEQ, tied_embeddings=True, dropout=True,
+                            flash_attention=False, biases=True, autocast=False)
+
+
+def published_layout(shape: TransformerShape, gpus: int, batch: int, t: int, p: int, profile: HardwareProfile) -> Plan:
+    """The published layout as Megatron-LM ran it: data parallel by all-reduce (DDP), full recompute, the
+    vocabulary split over the tensor ranks, no sequence parallel; its schedule, virtual stages and micro-batch
+    size the best predicted (atorch's rules are not applied: atorch itself would need FSDP on the data
+    dimension of a tensor × pipeline layout, and keeps the vocabulary whole under a pipeline)."""
+    plans = [evaluate(shape, replace(lay, vocab_parallel=t > 1), profile, batch, profile.memory_per_rank)
+             for lay in layouts(shape, gpus, 8, batch)
+             if (lay.tensor, lay.pipeline, lay.sharding, lay.recompute, lay.sequence_parallel)
+             == (t, p, "none", "full", False)]
+    return min(plans, key=lambda pl: (not pl.fits, pl.prediction.time.step))
+
+
+def run() -> dict:
+    profile = load_profile("a100-80gb")
+    rows = []
+    for params, heads, hidden, layers, t, p, gpus, batch, published in TABLE_1:
+        shape = megatron_gpt(heads, hidden, layers)
+        start = time.perf_counter()
+        result = plan_job(shape, gpus, batch, profile, gpus_per_node=8)
+        ours = published_layout(shape, gpus, batch, t, p, profile)
+        seconds = time.perf_counter() - start
+        top = next((pl for pl in result.plans if pl.fits), None)
+        lay = ours.layout
+        rows.append({
+            "params_b": params, "model_params_b": round(shape.params() / 1e9, 1), "gpus": gpus, "batch": batch,
+            "tensor": t, "pipeline": p, "data": lay.data, "published_tflops": published,
+            "predicted_tflops": round(ours.tflops_per_gpu, 1),
+            "error": round(ours.tflops_per_gpu / published - 1, 3),
+            "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "micro_batch_size": lay.micro_batch_size,
+            "memory_gib": round(ours.prediction.memory.peak / 2**30, 1), "fits_80gb": ours.fits,
+            "step_s": round(ours.prediction.time.step, 2),
+            "top_pick": top.layout.describe() + f" {top.layout.sharding} mbs {top.layout.micro_batch_size}"
+            + f" recompute {top.layout.recompute}" if top else None,
+            "top_step_s": round(top.prediction.time.step, 2) if top else None,
+            "top_not_slower": bool(top and top.prediction.time.step <= ours.prediction.time.step * (1 + 1e-9)),
+            "layouts": result.considered, "plan_s": round(seconds, 2),
+        })
+    errors = [abs(r["error"]) for r in rows]
+    return {"rows": rows, "median_abs_error": round(statistics.median(errors), 3), "worst_abs_error": max(errors),
+            "within_20pct": sum(e <= 0.2 for e in errors), "fit": sum(r["fits_80gb"] for r in rows),
+            "top_not_slower": sum(r["top_not_slower"] for r in rows)}
+
+
+def gpu_check(path: str) -> list[dict]:
+    """Predicted vs measured one-GPU training steps (bench/plan_gpu_check.py's JSON; H100 profile)."""
+    measured = json.loads(Path(path).read_text())
+    profile = load_profile("h100-80gb")
+    rows = []
+    for run in measured["runs"]:
+        shape = TransformerShape(layers=run["L"], hidden=run["h"], heads=run["a"], kv_heads=run["a"],
+                                 ffn=4 * run["h"], vocab=51200, seq=2048, position_embeddings=2048,
+                                 tied_embeddings=True, biases=True)
+        lay = Layout(1, 1, 1, "none", "none", "none", 1, False, run["b"], 1)
+        plan = evaluate(shape, lay, profile, run["b"], profile.memory_per_rank)
+        rows.append({"layers": run["L"], "hidden": run["h"], "micro_batch": run["b"],
+                     "params_m": round(shape.params() / 1e6), "step_s": run["step_s"],
+                     "predicted_step_s": plan.prediction.time.step,
+                     "step_error": plan.prediction.time.step / run["step_s"] - 1,
+                     "peak_gib": run["peak"] / 2**30, "predicted_peak_gib": plan.prediction.memory.peak / 2**30,
+                     "memory_error": plan.prediction.memory.peak / run["peak"] - 1})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--gpu-check", help="also compare bench/plan_gpu_check.py's measurements (its JSON)")
+    args = parser.parse_args(argv)
+    if args.gpu_check:
+        for row in gpu_check(args.gpu_check):
+            print(f"{row['layers']} layers, hidden {row['hidden']}, micro-batch {row['micro_batch']} "
+                  f"({row['params_m']}M): step {row['step_s']:.4f} s measured, {row['predicted_step_s']:.4f} "
+                  f"predicted ({row['step_error']:+.1%}); peak {row['peak_gib']:.1f} GiB measured, "
+                  f"{row['predicted_peak_gib']:.1f} predicted ({row['memory_error']:+.1%})")
+    out = run()
+    head = ("params", "GPUs", "t", "p", "d", "published", "predicted", "error", "schedule", "mbs", "GiB", "fits",
+            "top pick", "top s", "published s")
+    print(" | ".join(head))
+    for r in out["rows"]:
+        sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        print(" | ".join(str(v) for v in (r["params_b"], r["gpus"], r["tensor"], r["pipeline"], r["data"],
+                                          r["published_tflops"], r["predicted_tflops"], f"{r['error']:+.1%}", sched,
+                                          r["micro_batch_size"], r["memory_gib"], r["fits_80gb"], r["top_pick"],
+                                          r["top_step_s"], r["step_s"])))
+    print(f"median |error| {out['median_abs_error']:.1%}, worst {out['worst_abs_error']:.1%}, within 20%: "
+          f"{out['within_20pct']}/{len(out['rows'])}, fit: {out['fit']}, top pick not slower: {out['top_not_slower']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

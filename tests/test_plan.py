@@ -1,0 +1,207 @@
+"""`atorch plan`: layouts predicted by the cost model's transformer terms, its outputs and its errors.
+
+Pure computation (no processes): the command runs in-process through ``atorch.cli.main``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from atorch.cli import main
+from atorch.strategy import Strategy
+from atorch.strategy_search.cluster_plan import evaluate, parse_layout, plan_job
+from atorch.strategy_search.cost_model import TransformerShape, _group_link
+from atorch.strategy_search.hardware import load_profile
+from atorch.strategy_search.model_shapes import resolve_model
+
+PLAN_FIELDS = {"layout", "sharding", "recompute", "micro_batch_size", "fits", "memory_per_gpu_bytes", "step_time_s",
+               "tflops_per_gpu", "model_tflops_per_gpu", "mfu", "given", "strategy"}
+
+
+def _gpt(layers: int = 24, hidden: int = 2304, heads: int = 24) -> TransformerShape:
+    return TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=51200,
+                            seq=2048, position_embeddings=2048, tied_embeddings=True, dropout=True,
+                            flash_attention=False, biases=True)
+
+
+def test_flops_and_activations_follow_megatron() -> None:
+    shape, batch = _gpt(), 512
+    s, h, ell, vocab, a = shape.seq, shape.hidden, shape.layers, shape.vocab, shape.heads
+    with_recompute = 96 * batch * s * ell * h * h * (1 + s / (6 * h) + vocab / (16 * ell * h))
+    without = 72 * batch * s * ell * h * h * (1 + s / (6 * h) + vocab / (12 * ell * h))
+    ours = (shape.model_flops_per_token() + shape.recompute_flops_per_token("full")) * batch * s
+    assert ours == pytest.approx(with_recompute, rel=1e-12)
+    assert shape.model_flops_per_token() * batch * s == pytest.approx(without, rel=1e-12)
+    # Korthikanti et al. 2022: sbh(34 + 5as/h); tensor parallel t: sbh(10 + 24/t + 5as/(ht)); with sequence
+    # parallel sbh(34/t + 5as/(ht)); selective recompute drops the 5as/h term
+    assert shape.layer_activation_bytes(1, False, True) == pytest.approx(34 * h + 5 * a * s)
+    assert shape.layer_activation_bytes(8, False, True) == pytest.approx(10 * h + 24 * h / 8 + 5 * a * s / 8)
+    assert shape.layer_activation_bytes(8, True, True) == pytest.approx(34 * h / 8 + 5 * a * s / 8)
+    assert shape.layer_activation_bytes(8, True, False) == pytest.approx(34 * h / 8)
+
+
+def test_published_sizes() -> None:
+    for name, billions in (("Llama-2 7B", 6.74), ("llama2-70b", 68.98), ("Llama-3 8B", 8.03),
+                           ("llama3-70b", 70.55), ("llama3-405b", 405.85), ("GPT-3 175B", 174.6)):
+        assert resolve_model(name, 2048)[1].params() / 1e9 == pytest.approx(billions, rel=0.01), name
+
+
+def test_hierarchical_collectives() -> None:
+    profile = load_profile("a100-80gb")
+    intra = profile.collectives["all_reduce"].bus_bandwidth
+    inter = profile.inter_node["all_reduce"].bus_bandwidth
+    assert _group_link(profile, "all_reduce", 8, 1)[0] == intra  # one node
+    assert _group_link(profile, "all_reduce", 16, 8)[0] == inter  # one GPU per node: its own adapter
+    assert _group_link(profile, "all_reduce", 32, 2)[0] == min(intra, 4 * inter)  # four per node
+    assert _group_link(profile, "all_reduce", 4, 2)[0] == intra  # stride 2, 4 ranks: still one node
+
+
+def test_plan_cli_json_and_emitted_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, emitted = tmp_path / "plans.json", tmp_path / "strategy.json"
+    page = tmp_path / "plans.html"
+    rc = main(["plan", "llama2-7b", "--gpus", "16", "--global-batch", "64", "--seq", "2048", "--top", "5",
+               "--json", str(out), "--html", str(page), "--emit-strategy", str(emitted)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "MFU" in text
+    plans = json.loads(out.read_text())["plans"]
+    assert len(plans) > 20
+    assert all(set(p) >= PLAN_FIELDS for p in plans)
+    fitting = [p for p in plans if p["fits"]]
+    assert plans[0]["fits"] and not plans[0]["given"]
+    assert [p["step_time_s"] for p in fitting] == sorted(p["step_time_s"] for p in fitting)
+    assert all(p["layout"]["tensor"] * p["layout"]["pipeline"] * p["layout"]["data"] == 16 for p in plans)
+    assert {p["sharding"] for p in plans} >= {"none", "fsdp"} and {p["layout"]["pipeline"] for p in plans} > {1}
+    best = plans[0]
+    assert best["tflops_per_gpu"] >= best["model_tflops_per_gpu"] > 0 and 0 < best["mfu"] < 1
+    assert json.loads(emitted.read_text()) == best["strategy"]
+    assert Strategy.load(emitted.read_text(), world_size=16) is not None
+    assert main(["check", str(emitted), "--world-size", "16"]) == 0
+    assert "<svg" in page.read_text()
+
+
+def test_given_layout_first(tmp_path: Path) -> None:
+    out = tmp_path / "plans.json"
+    rc = main(["plan", "llama2-13b", "--gpus", "32", "--global-batch", "64", "--seq", "4096",
+               "--layout", "tensor=4,pipeline=2,sharding=fsdp", "--json", str(out)])
+    assert rc == 0
+    plans = json.loads(out.read_text())["plans"]
+    first = plans[0]
+    assert first["given"] and first["layout"] == {"tensor": 4, "pipeline": 2, "data": 4}
+    assert first["sharding"] == "fsdp" and first["runnable"]
+    assert sum(p["given"] for p in plans) == 1
+    # the planner's free choices (schedule, recompute, micro-batch) were the best among that layout's
+    same = [p for p in plans[1:] if p["layout"] == first["layout"] and p["sharding"] == "fsdp" and p["fits"]]
+    assert all(first["step_time_s"] <= p["step_time_s"] for p in same)
+
+
+def test_config_json_and_meta_module(tmp_path: Path) -> None:
+    config = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+              "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, "hidden_act": "silu"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    _, shape = resolve_model(str(path), 1024)
+    assert (shape.kv_heads, shape.gated_mlp, shape.ffn) == (4, True, 2816)
+    _, meta = resolve_model("test_plan:meta_model", 256)
+    assert (meta.layers, meta.hidden, meta.vocab, meta.ffn) == (6, 256, 1000, 1024)
+    result = plan_job(meta, 8, 16, load_profile("h100-80gb"))
+    assert result.plans and result.plans[0].fits
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(hidden, 4, bias=False)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Meta(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 256)
+        self.layers = nn.ModuleList(_Block(256) for _ in range(6))
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.embed.weight.T
+
+
+def meta_model() -> nn.Module:
+    with torch.device("meta"):
+        return _Meta()
+
+
+def test_emitted_strategy_runs_under_auto_accelerate(tmp_path: Path) -> None:
+    """The plan for one GPU (the model on the meta device) is a strategy auto_accelerate builds and trains."""
+    import atorch
+    from atorch.training import train_step
+
+    emitted = tmp_path / "strategy.json"
+    assert main(["plan", "test_plan:meta_model", "--gpus", "1", "--global-batch", "4", "--seq", "16",
+                 "--emit-strategy", str(emitted)]) == 0
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (8, 17))
+    dataset = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+    def loss_func(data: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.float().flatten(0, 1), data[1].flatten())
+
+    status, result, strategy = atorch.auto_accelerate(
+        _Meta(), torch.optim.AdamW, dataset, loss_func, model_input_format="unpack_sequence",
+        dataloader_args={"batch_size": 4}, load_strategy=str(emitted))
+    with result:
+        assert status and strategy.names() == Strategy.load(emitted.read_text()).names()
+        loss = train_step(result, [next(iter(result.dataloader))])
+        assert torch.isfinite(torch.as_tensor(loss))
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["llama2-7b", "--hardware", "b200"], ["no hardware profile 'b200'", "a100-80gb", "h100-80gb"]),
+    (["llama-9", "--hardware", "a100-80gb"], ["unknown model 'llama-9'", "llama2-70b", "llama3-405b"]),
+    (["llama2-7b", "--gpus", "12"], ["not a whole number of 8-GPU nodes", "16"]),
+    (["llama2-7b", "--layout", "tensor=3"], ["no layout of 8 GPUs matches"]),
+    (["llama2-7b", "--layout", "sharding=zero9"], ["sharding must be one of"]),
+])
+def test_bad_input(argv: list[str], expected: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    defaults = ["--gpus", "8", "--global-batch", "64", "--seq", "2048"]
+    assert main(["plan", *argv, *defaults[2 * ("--gpus" in argv):]]) == 2
+    err = capsys.readouterr().err
+    assert all(e in err for e in expected), err
+
+
+def test_batch_no_layout_divides() -> None:
+    from atorch.errors import SetupError
+
+    with pytest.raises(SetupError, match="no layout divides 8 GPUs"):
+        plan_job(_gpt(layers=1, hidden=2560, heads=5), 8, 3, load_profile("a100-80gb"))  # tensor 1, data 8
+
+
+def test_too_large_names_smallest_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "llama3-405b", "--gpus", "16", "--global-batch", "64", "--seq", "2048", "--top", "1"]) == 3
+    err = capsys.readouterr().err
+    assert "no layout fits" in err and "smallest cluster" in err and "GPUs" in err
+    assert parse_layout("tp=8,pp=4,sp=true,mbs=2") == {"tensor": 8, "pipeline": 4, "sequence_parallel": True,
+                                                       "micro_batch_size": 2}
+
+
+def test_70b_on_1024_gpus_is_fast() -> None:
+    _, shape = resolve_model("llama2-70b", 4096)
+    start = time.perf_counter()
+    result = plan_job(shape, 1024, 1024, load_profile("a100-80gb"))
+    assert time.perf_counter() - start < 10.0
+    assert result.considered > 1000 and result.plans[0].fits
+    assert result.plans[0].layout.tensor <= 8
+    start = time.perf_counter()
+    evaluate(shape, result.plans[-1].layout, load_profile("a100-80gb"), 1024, 80 * 2**30)
+    assert time.perf_counter() - start < 0.05  # one configuration
