@@ -100,7 +100,7 @@ def test_a_time_correction_stays_in_its_family_and_an_unmeasured_layout_gets_the
     tp_ddp = key_of(table, tensor=2, sharding="ddp", micro_batch_size=2)
     state._remember(tp_ddp, 0, measured(truth[tp_ddp]))  # a fifth of its prediction
     assert state.time_correction(key_of(table, tensor=2, sharding="ddp", micro_batch_size=1)) == pytest.approx(0.2)
-    # another family of the same layout: at most the layout's best factor (never above 1)
+    # another family of the same layout: the best factor its layout ran at
     assert state.time_correction(key_of(table, tensor=2, sharding="fsdp", micro_batch_size=1)) == pytest.approx(0.2)
     # a layout that has not run: its prediction as it is
     assert state.time_correction(key_of(table, tensor=1, sharding="fsdp", micro_batch_size=1)) == 1.0
@@ -112,6 +112,11 @@ def test_a_time_correction_stays_in_its_family_and_an_unmeasured_layout_gets_the
     dp = key_of(table, tensor=1, sharding="ddp", micro_batch_size=2)
     assert state.slower_than_best(table.prediction(dp), dp) == pytest.approx(
         truth[tp_ddp] / table.prediction(dp)["samples_per_s"])
+    # a layout that ran faster than predicted lends its factor to its untried families (the skip rule then
+    # judges them on the same scale as the best)
+    fsdp1 = key_of(table, tensor=1, sharding="fsdp", micro_batch_size=1)
+    state._remember(dp, 1, measured(3.0 * table.prediction(dp)["samples_per_s"]))
+    assert state.time_correction(fsdp1) == pytest.approx(3.0)
     # without correct_time both are judged on predictions alone (the rule before corrections)
     plain = in_memory_state(table, correct_time=False)
     plain._remember(tp_ddp, 0, measured(truth[tp_ddp]))

@@ -246,12 +246,14 @@ class SearchState:
         return self.memory_correction.get(self.table.family(key), 1.0) if key in self.table.by_key else 1.0
 
     def time_correction(self, key: str) -> float:
-        """The factor a point's predicted samples/s is scaled by (1 without ``correct_time`` or a measurement): its
-        family's median measured / predicted. A family that has not run gets the benefit of the doubt: the best
-        candidate's family factor where that is above 1, else 1 (its prediction as it is), so the skip rule is never
-        harsher on it than comparing two predictions, and a family the cost model favours is not written off
-        because another one ran slower than predicted. (Pooling a layout's families was tried and is wrong here:
-        on the bench's GPT-2, ZeRO-2 ran 0.58x its prediction and FSDP without resharding 0.80x, same layout.)"""
+        """The factor a point's predicted samples/s is scaled by (1 without ``correct_time`` or a measurement).
+
+        A family that ran: its median measured / predicted. One that has not: the best factor among its layout's
+        families that ran (the same tensor / pipeline sizes): on the bench's GPT-2, tensor parallel ran at a fifth
+        of its prediction whatever the sharding, so a layout that ran slow is not promoted family by family, and
+        the skip rule keeps the sampler's proposals there from costing dry-runs. In a layout that has not run, the
+        best candidate's factor where that is above 1, else 1: a family the cost model favours there keeps its
+        prediction, and the skip rule is no harsher on it than comparing two predictions."""
         if not self.correct_time or not self.time_ratios or key not in self.table.by_key:
             return 1.0
         if (family := self.table.family(key)) in self.time_ratios:
@@ -259,7 +261,7 @@ class SearchState:
         layout = self.table.layout(key)
         seen = [statistics.median(r) for fam, r in self.time_ratios.items() if self.family_layouts[fam] == layout]
         if seen:
-            return min(1.0, max(seen))
+            return max(seen)
         best = self.table.family(self.best_key) if self.best_key in self.table.by_key else None
         return max(1.0, statistics.median(self.time_ratios[best])) if best in self.time_ratios else 1.0
 
