@@ -183,6 +183,19 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
     return plan
 
 
+def replicated_kv_bytes(model: nn.Module) -> int:
+    """Parameter bytes tensor parallel keeps whole on every rank at any tensor size > 1: the k_proj / v_proj of
+    attentions with one key/value head and more query heads (see _uneven_heads; for the cost model)."""
+    total = 0
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if _has(module, "q_proj", "k_proj", "v_proj") and isinstance(head_dim, int) and head_dim \
+                and _dims(module.k_proj)[1] == head_dim < _dims(module.q_proj)[1]:
+            total += sum(p.numel() * p.element_size() for n in ("k_proj", "v_proj")
+                         for p in getattr(module, n).parameters())
+    return total
+
+
 def _explicit_plan(model: nn.Module, patterns: dict[str, Style], source: str = "explicit") -> Plan:
     plan = Plan(source=source)
     names = [n for n, m in model.named_modules() if _dims(m) is not None or isinstance(m, nn.Embedding)]
