@@ -439,7 +439,8 @@ def _has_conv1d(model: nn.Module) -> bool:
 class TensorParallel(Method):
     name = "tensor_parallel"
     group = "parallel"
-    summary = "Megatron-style tensor parallel (DTensor) on the 'tensor' dimension: plans derived from the model."
+    summary = ("Megatron-style tensor parallel (DTensor) on the 'tensor' dimension: the user's plan, transformers' "
+               "own or one derived from the model, checked on one block.")
     search_role = SearchRole("layout", "tensor", off=1)
     Config = TensorParallelConfig
     mesh_dims = (TENSOR,)
