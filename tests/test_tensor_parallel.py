@@ -51,6 +51,15 @@ SPLIT = {
     "gpt_neox/tp2": ("attention.query_key_value.weight", "mlp.dense_4h_to_h.weight"),
     "opt/tp2": ("self_attn.q_proj.weight", "self_attn.out_proj.weight", "fc1.weight"),
 }
+# What the log must say (rank 0): the plan's source, what atorch added or rewrote, the build check.
+LOGGED = {
+    "gpt2/tp2[module_replace added]": ("module_replace added (Conv1D -> nn.Linear, 8 layers)", "atorch's derived plan"),
+    "llama/tp2": ("the model's own (transformers) plan", "kept whole: lm_head, model.embed_tokens"),
+    "phi3/tp2": ("the model's own (transformers) plan",),
+    "phi3/tp2[user plan, fused gate_up_proj]": ("the user's plan", "rewritten to the model's gather-output styles"),
+    "gemma_1kv/tp2": ("one key/value head replicated in 2 attention layers",),
+    "bloom/tp2": ("atorch's derived plan",),
+}
 # Parameters a plan must leave whole: Gemma's one key/value head is replicated over the tensor group.
 WHOLE = {"gemma_1kv/tp2": ("self_attn.k_proj.weight", "self_attn.v_proj.weight")}
 # Ranks per launch group, and the data-parallel size each group's layout gives.
@@ -93,6 +102,11 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
             assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
         for suffix in WHOLE.get(scenario, ()):
             assert not any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
+        log = "\n".join(entry["log"])
+        for words in LOGGED.get(scenario, ()):
+            assert words in log, (scenario, words, log)
+        if "sequence_parallel" not in scenario:  # (not checked there: the block's input is a sequence shard)
+            assert "build checked on one sample" in log, (scenario, log)
         if "grad_norm" in entry:  # the first step's gradient norm, before any update (fp32 scenarios)
             torch.testing.assert_close(entry["grad_norm"], report["reference_grad_norm"][model_name],
                                        rtol=FP32_TOL[0], atol=FP32_TOL[1], msg=lambda m, s=scenario: f"{s}: {m}")

@@ -14,6 +14,7 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 
 import functools
 import json
+import logging
 import sys
 from typing import Any
 
@@ -248,9 +249,23 @@ def accumulated_losses(result: Any, setup: sm.Setup, micro: int) -> list[float]:
     return losses
 
 
+class TensorParallelLog(logging.Handler):
+    """The tensor_parallel lines of atorch's log (rank 0 logs at INFO): plan source, additions, the build check."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("tensor_parallel:"):
+            self.lines.append(record.getMessage())
+
+
 def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[str, Any]:
     setup = MODELS[model_name]
     model, dataset = make(model_name), repeated_batch(setup.dataset())
+    log = TensorParallelLog()
+    logging.getLogger("atorch").addHandler(log)
     try:
         _, result, _ = atorch.auto_accelerate(
             model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
@@ -259,7 +274,10 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
         )
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
-    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size,
+    finally:
+        logging.getLogger("atorch").removeHandler(log)
+    entry: dict[str, Any] = {"log": log.lines, "memory": split_fraction(result.model),
+                             "dp_size": result.args.data_parallel_size,
                              "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
     first = next(iter(result.dataloader))
     # The batch this rank sees, to show that the ranks of one tensor group see the same batch.
