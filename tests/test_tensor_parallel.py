@@ -431,3 +431,14 @@ def test_cost_model_counts_a_replicated_key_value_head_whole() -> None:
     kept = predict(_stats().model_copy(update={"tp_whole_param_bytes": 400}), strategy, layout, _profile(2), 8)
     # 2000 block bytes over 2 ranks = 1000 + 2000 outside; 400 of them kept whole: 800 + 400 + 2000.
     assert (plain, kept.memory.parameters) == (3000, 3200)
+
+
+def test_the_model_plan_is_found_on_pipeline_stage_copies() -> None:
+    """Under tensor × pipeline each stage holds a copy of the transformers model: its own plan still applies."""
+    stages = nn.Module()
+    stages.stages = nn.ModuleList([nn.Module()])
+    stages.stages[0].module = _hf("Phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    plan = derive_plan(stages, _auto(), 2)
+    assert plan.source == "model" and not plan.problems, plan.problems
+    assert plan.styles["stages.0.module.model.layers.1.mlp.gate_up_proj"] == "colwise_gather_output"
+    assert not any(n.endswith(("lm_head", "embed_tokens")) for n in plan.styles), plan.styles

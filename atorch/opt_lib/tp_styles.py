@@ -60,8 +60,8 @@ def parallel_style(style: str, sequence_parallel: bool) -> Any:
     return RowwiseParallel(input_layouts=Replicate()) if whole_input else RowwiseParallel()
 
 
-def model_plan(model: nn.Module) -> dict[str, str]:
-    """The plan transformers ships for this model (full module-name patterns), or {} where there is none."""
+def _own_plan(model: nn.Module) -> dict[str, str]:
+    """The plan transformers ships for this very module (names relative to it), or {}."""
     plan = getattr(model, "_tp_plan", None)
     if isinstance(plan, dict) and plan:
         return dict(plan)
@@ -74,6 +74,24 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return {f"{prefix}.{k}" if inner else k: v for k, v in base.items()}
 
 
+def _carriers(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, str]]]:
+    """The outermost modules carrying a shipped plan: the model itself, or the transformers models held by
+    its pipeline stages (each stage is a copy of the model)."""
+    found: list[tuple[str, nn.Module, dict[str, str]]] = []
+    for name, module in model.named_modules():
+        if any(name == n or name.startswith(n + ".") for n, _, _ in found if n) or (found and not found[0][0]):
+            continue
+        plan = _own_plan(module)
+        if plan:
+            found.append((name, module, plan))
+    return found
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The plan transformers ships for this model (full module-name patterns), or {} where there is none."""
+    return {f"{name}.{k}" if name else k: v for name, _, plan in _carriers(model) for k, v in plan.items()}
+
+
 def match(names: list[str], pattern: str) -> list[str]:
     """Module names a plan pattern names (fnmatch; transformers writes layer numbers as ``*``)."""
     return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -82,12 +100,12 @@ def match(names: list[str], pattern: str) -> list[str]:
 def vocabulary_layers(model: nn.Module) -> set[str]:
     """The token embedding and LM head by name: kept whole from a model's own plan (they are split over the
     vocabulary by the ``loss_parallel`` option, and a tied pair must stay one parameter)."""
-    found = set()
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        get = getattr(model, getter, None)
-        layer = get() if callable(get) else None
-        found |= {n for n, m in model.named_modules() if layer is not None and m is layer}
-    return found
+    layers = []
+    for carrier in [model] + [module for _, module, _ in _carriers(model)]:
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            get = getattr(carrier, getter, None)
+            layers.append(get() if callable(get) else None)
+    return {n for n, m in model.named_modules() if any(m is layer for layer in layers if layer is not None)}
 
 
 def gathered_where_model_says(styles: dict[str, str], shipped: dict[str, str]) -> dict[str, str]:
