@@ -1,10 +1,12 @@
-"""tensor_parallel: derived plans, refusals before building, and training on real processes.
+"""tensor_parallel: plans (the user's, transformers' own, derived), refusals, and training on real processes.
 
-Two launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART), and tensor
-2 × data 2 on 4 processes (GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also
-with gradient accumulation over 2 micro-batches). Each
-scenario must train like plain single-process fp32 training from the same weights on the same global
-batches; split layers must hold 1/t of their parameters on each rank (1/(t·d) under fsdp).
+Three launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART, and the family
+sweep: Qwen2, OPT, GPT-NeoX, Phi-3, Gemma with one key/value head, Bloom), tensor 2 × data 2 on 4 processes
+(GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also with gradient accumulation
+over 2 micro-batches), and tensor 2 × pipeline 2 on 4 (Phi-3, Gemma). Each scenario must train like plain
+single-process fp32 training from the same weights on the same global batches (losses, and the first
+gradient norm) or be refused with the reason asserted; split layers must hold 1/t of their parameters on
+each rank (1/(t·d) under fsdp).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shard_models as sm
 import torch
 from launcher import HERE, run_json
 from torch import nn
-from workers.tp_worker import GROUPS
+from workers.tp_worker import GROUPS, PIPELINED
 
 from atorch.opt_lib.tensor_parallel import TensorParallelConfig, _permute_fused_qkv, derive_plan
 from atorch.strategy import Strategy
@@ -141,6 +143,22 @@ def _check_vocabulary_layout(scenario: str, entry: dict[str, Any]) -> None:
         assert set(entry["collectives"]) == {"all_reduce"}, entry["collectives"]
     if "sequence_parallel" in scenario and "fsdp" not in scenario:  # row-wise layers reduce-scatter to sequence shards
         assert entry["collectives"]["reduce_scatter_tensor"] > 0, entry["collectives"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(480)
+def test_tensor_by_pipeline_trains_like_the_reference() -> None:
+    """Tensor 2 × pipeline 2 on 4 processes: Phi-3 (its own plan, gather-output styles) and Gemma with one
+    key/value head (replicated) on each stage's copy of the model, against fp32 (the 4 training losses)."""
+    report = run_json(WORKER, "tp2xpp2", nproc=4, timeout=420)
+    for scenario, (model_name, _) in PIPELINED["tp2xpp2"].items():
+        entry = report["scenarios"][scenario]
+        assert "error" not in entry and "refused" not in entry, (scenario, entry)
+        reference = report["reference"][model_name][:len(entry["losses"])]
+        torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(reference), rtol=FP32_TOL[0],
+                                   atol=FP32_TOL[1], msg=lambda m, s=scenario: f"{s}: {m}")
+        assert any(n.endswith(("mlp.down_proj.weight", "mlp.gate_up_proj.weight")) for n in entry["split"]), entry
+        assert not any(n.endswith("self_attn.k_proj.weight") for n in entry["split"]), entry  # Gemma: whole
 
 
 # ----- plans and refusals, in this process ------------------------------------------------------

@@ -116,6 +116,12 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2xdp2[ddp]+accumulation": ("llama", [TP2, "tensor_parallel"]),
     },
 }
+# Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
+TPxPP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
+PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
+    "tp2xpp2": {f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
+                for m in ("phi3", "gemma_1kv")},
+}
 # Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
 MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
 
@@ -296,10 +302,30 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
     return entry
 
 
+def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """STEPS training steps under a pipeline layout (the last stage's loss, the same on every rank)."""
+    setup = MODELS[model_name]
+    try:
+        _, result, _ = atorch.auto_accelerate(
+            make(model_name), torch.optim.SGD, repeated_batch(setup.dataset()), setup.loss,
+            model_input_format=setup.input_format, optim_args={"lr": LR},
+            dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
+        )
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
+    batches = iter(result.dataloader)
+    entry = {"losses": [train_step(result, [next(batches)]).item() for _ in range(STEPS)],
+             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
+    result.close()
+    return entry
+
+
 def main() -> None:
-    scenarios = GROUPS[sys.argv[1]]
+    pipelined = sys.argv[1] in PIPELINED
+    scenarios = (PIPELINED if pipelined else GROUPS)[sys.argv[1]]
     report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
-        name: functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
+        name: functools.partial(run_pipelined, model, strategy) if pipelined
+        else functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
         for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
