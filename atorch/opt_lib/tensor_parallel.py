@@ -20,7 +20,6 @@ and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequ
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,11 +32,20 @@ from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
+from atorch.opt_lib.tp_styles import (
+    KEPT_WHOLE,
+    gathered_where_model_says,
+    match,
+    model_plan,
+    splits_output,
+    unknown_style,
+    vocabulary_layers,
+)
 
 logger = get_logger(__name__)
 
 TENSOR = "tensor"
-Style = Literal["colwise", "rowwise"]
+Style = str  # a style name of tp_styles.py: "colwise", "rowwise", "colwise_gather_output", ...
 
 
 class TensorParallelConfig(MethodConfig):
@@ -45,8 +53,10 @@ class TensorParallelConfig(MethodConfig):
 
     plan: Literal["auto"] | dict[str, Style] = Field(
         default="auto",
-        description="'auto' derives the plan from the model; or a mapping of module-name patterns "
-        "(fnmatch, e.g. 'layers.*.fc1') to 'colwise' / 'rowwise'",
+        description="'auto': the model's own plan where transformers ships one (base_model_tp_plan), else one "
+        "derived from the model; or a mapping of module-name patterns (fnmatch, e.g. 'layers.*.fc1') to "
+        "'colwise' / 'rowwise' or another transformers style name ('colwise_gather_output', "
+        "'rowwise_split_input', 'embedding_rowwise', ...)",
     )
     sequence_parallel: bool = Field(default=False, description="norms and dropout run on sequence shards (dim 1) "
                                     "between the split layers (sequence length must divide over the tensor size)")
@@ -58,6 +68,10 @@ class TensorParallelConfig(MethodConfig):
     def _plan_not_empty(cls, plan: Any) -> Any:
         if isinstance(plan, dict) and not plan:
             raise ValueError("an explicit plan needs at least one entry, e.g. {'blocks.*.fc1': 'colwise', ...}")
+        if isinstance(plan, dict):
+            unknown = [why for style in plan.values() if (why := unknown_style(style))]
+            if unknown:
+                raise ValueError(unknown[0])
         return plan
 
 
@@ -67,6 +81,9 @@ class Plan:
     fused_qkv: list[str] = field(default_factory=list)  # GPT-2 style attention modules (c_attn fused q|k|v)
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
     widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
+    replicated_kv: list[str] = field(default_factory=list)  # attentions whose one key/value head stays whole
+    source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
+    notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
 
 
@@ -97,13 +114,7 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
     plan = Plan()
     for name, module in model.named_modules():
         if _has(module, "q_proj", "k_proj", "v_proj", "o_proj"):  # Llama / Qwen2 / Mistral attention
-            head_dim = getattr(module, "head_dim", None)
-            heads = _dims(module.q_proj)[1] // head_dim if head_dim else None
-            kv_heads = _dims(module.k_proj)[1] // head_dim if head_dim else None
-            for label, count in (("attention heads", heads), ("key/value heads", kv_heads)):
-                if count is not None and count % t:
-                    plan.problems.append(f"{name}: {count} {label} do not divide over tensor size {t}; "
-                                         f"use a tensor size that divides {count}")
+            # head counts: _uneven_heads, for every plan source
             plan.styles.update({_join(name, n): "colwise" for n in ("q_proj", "k_proj", "v_proj")})
             plan.styles[_join(name, "o_proj")] = "rowwise"
             plan.head_modules.append(name)
@@ -172,21 +183,99 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
     return plan
 
 
-def _explicit_plan(model: nn.Module, patterns: dict[str, Style]) -> Plan:
-    plan = Plan()
-    names = [n for n, m in model.named_modules() if _dims(m) is not None]
+def replicated_kv_bytes(model: nn.Module) -> int:
+    """Parameter bytes tensor parallel keeps whole on every rank at any tensor size > 1: the k_proj / v_proj of
+    attentions with one key/value head and more query heads (see _uneven_heads; for the cost model)."""
+    total = 0
+    for module in model.modules():
+        head_dim = getattr(module, "head_dim", None)
+        if _has(module, "q_proj", "k_proj", "v_proj") and isinstance(head_dim, int) and head_dim \
+                and _dims(module.k_proj)[1] == head_dim < _dims(module.q_proj)[1]:
+            total += sum(p.numel() * p.element_size() for n in ("k_proj", "v_proj")
+                         for p in getattr(module, n).parameters())
+    return total
+
+
+def _explicit_plan(model: nn.Module, patterns: dict[str, Style], source: str = "explicit") -> Plan:
+    plan = Plan(source=source)
+    names = [n for n, m in model.named_modules() if _dims(m) is not None or isinstance(m, nn.Embedding)]
     for pattern, style in patterns.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        hits = match(names, pattern)
+        if not hits and source == "explicit":
             plan.problems.append(f"plan pattern {pattern!r} matches no nn.Linear of the model")
         plan.styles.update({n: style for n in hits})
     return plan
 
 
+def _shipped_plan(model: nn.Module) -> Plan | None:
+    """transformers' own plan for this model (base_model_tp_plan), or None where it ships none. The token
+    embedding and LM head stay whole (see tp_styles.vocabulary_layers); patterns naming no layer are skipped."""
+    shipped = model_plan(model)
+    if not shipped:
+        return None
+    plan = _explicit_plan(model, shipped, source="model")
+    kept = sorted(vocabulary_layers(model) & set(plan.styles))
+    for name in kept:
+        del plan.styles[name]
+    if kept:
+        plan.notes.append(f"kept whole: {', '.join(kept)} (vocabulary layers; split them with loss_parallel)")
+    unknown = sorted({why for style in plan.styles.values() if (why := unknown_style(style))})
+    plan.problems += [f"the model's own plan: {why}" for why in unknown]
+    plan.head_modules = sorted({name.rpartition(".")[0] for name, style in plan.styles.items() if style == "colwise"
+                                and _head_attrs(model.get_submodule(name.rpartition(".")[0]))})
+    return plan
+
+
+def _head_attrs(module: nn.Module) -> bool:
+    return any(isinstance(getattr(module, a, None), int) for a in ("num_heads", "num_attention_heads"))
+
+
+def _uneven_heads(model: nn.Module, plan: Plan, t: int) -> None:
+    """Attentions (q_proj, k_proj, v_proj and a head_dim) split by head: query heads must divide over the ranks.
+    With fewer key/value heads than ranks (Gemma-2B: one), k_proj / v_proj stay whole on every rank (as
+    Megatron and torchtitan replicate them) and each rank's query heads share that head; other key/value head
+    counts that do not divide are refused."""
+    for name, module in model.named_modules():
+        if not _has(module, "q_proj", "k_proj", "v_proj") or not getattr(module, "head_dim", None):
+            continue
+        k_name, q_name = _join(name, "k_proj"), _join(name, "q_proj")
+        kv_heads, heads = _dims(module.k_proj)[1] // module.head_dim, _dims(module.q_proj)[1] // module.head_dim
+        if plan.styles.get(q_name) in ("colwise", "local_colwise") and heads % t:
+            plan.problems.append(f"{name}: {heads} attention heads do not divide over tensor size {t}; "
+                                 f"use a tensor size that divides {heads}")
+            continue
+        if plan.styles.get(k_name) not in ("colwise", "local_colwise") or kv_heads % t == 0:
+            continue
+        if kv_heads == 1 and heads % t == 0 and plan.styles.get(q_name) == plan.styles[k_name]:
+            del plan.styles[k_name], plan.styles[_join(name, "v_proj")]
+            plan.replicated_kv.append(name)
+            continue
+        plan.problems.append(f"{name}: {kv_heads} key/value heads do not divide over tensor size {t}; use a "
+                             f"tensor size that divides {kv_heads} (a single key/value head is replicated)")
+    if plan.replicated_kv:
+        plan.notes.append(f"one key/value head replicated in {len(plan.replicated_kv)} attention layers")
+
+
+def _fused_rewrites(model: nn.Module, plan: Plan) -> None:
+    """Layers the model's own plan gathers (fused projections the model splits again, Phi-3's qkv_proj and
+    gate_up_proj) given the plain style: rewritten to the model's gather-output style (plain would compute
+    wrong numbers without an error)."""
+    rewrite = gathered_where_model_says(plan.styles, model_plan(model))
+    plan.styles.update(rewrite)
+    if rewrite:
+        plan.notes.append("rewritten to the model's gather-output styles (fused layers it splits again): "
+                          + ", ".join(f"{n}: {s}" for n, s in sorted(rewrite.items())))
+
+
 def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
-    """The plan for this model at tensor size t, with every problem found (checked before building)."""
+    """The plan for this model at tensor size t, with every problem found (checked before building). Sources, in
+    order: the user's explicit plan, the model's own (transformers ships one for many families), atorch's."""
+    shipped = None if isinstance(config.plan, dict) else _shipped_plan(model)
     if isinstance(config.plan, dict):
         plan = _explicit_plan(model, config.plan)
+        _fused_rewrites(model, plan)
+    elif shipped is not None and shipped.styles:
+        plan = shipped
     else:
         plan = _family_plan(model, t)
         if not plan.styles and not plan.problems:
@@ -195,10 +284,13 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
             # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
             # the rest of its blocks by pairing.
             plan.styles.update(_paired_plan(model, plan.styles).styles)
+    for name in [n for n, s in plan.styles.items() if s in KEPT_WHOLE]:
+        del plan.styles[name]
+    _uneven_heads(model, plan, t)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
         d_in, d_out = _dims(modules[name]) or split_dims(modules[name])
-        split, what = (d_out, "output") if style == "colwise" else (d_in, "input")
+        split, what = (d_out, "output") if splits_output(style) else (d_in, "input")
         if split % t:
             plan.problems.append(f"{name} ({style}): its {split} {what} features do not divide over tensor size {t}; "
                                  f"use a tensor size that divides {split}")
@@ -232,12 +324,63 @@ def _local_head_counts(attention: nn.Module, t: int) -> None:
             setattr(attention, attr, value // t)
 
 
+class _SumGradOverTensor(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tensor group (Megatron's copy-to-region). On the
+    output of a replicated key/value projection: each rank's gradient comes from its own query heads only."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _replicate_kv(attention: nn.Module, t: int, group: Any) -> None:
+    """The one key/value head stays whole on every rank; the rank's h/t query heads all share it."""
+    for name in ("k_proj", "v_proj"):
+        getattr(attention, name).register_forward_hook(
+            lambda module, args, output: _SumGradOverTensor.apply(output, group))
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        attention.num_key_value_groups //= t
+    for attr in ("num_heads", "num_attention_heads"):
+        if isinstance(getattr(attention, attr, None), int):
+            setattr(attention, attr, getattr(attention, attr) // t)
+
+
+def _add_module_replace(ctx: Any) -> None:
+    """GPT-2's Conv1D becomes nn.Linear (DTensor cannot split Conv1D): module_replace, added for the user."""
+    from atorch.opt_lib.module_replace import replace_modules, replace_pairs
+
+    dtype = next(ctx.model.parameters()).dtype
+    counts = replace_modules(ctx.model, [replace_pairs()["hf_conv1d_to_linear"]], dtype)
+    logger.info("tensor_parallel: module_replace added (Conv1D -> nn.Linear, %d layers): DTensor cannot split "
+                "transformers' Conv1D", sum(counts.values()))
+
+
+def _check_problems(ctx: Any, config: TensorParallelConfig) -> str | None:
+    """Why the one-block check cannot run on this build, or None."""
+    if config.sequence_parallel:
+        return "under sequence_parallel the block's input is a sequence shard"
+    if ctx.layout.size("pipeline") > 1:
+        return "a pipeline stage has no sample input of its own"
+    return None
+
+
 def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> None:
     """Split ctx.model's planned layers over the 'tensor' dimension (DTensor parallelize_module)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from atorch.errors import StrategyError
     from atorch.opt_lib import tp_sequence_vocab
     from atorch.opt_lib.sharding import broadcast_from_first
+    from atorch.opt_lib.tp_check import BlockCheck
 
     mesh = ctx.layout.mesh(ctx.env.device.type)[TENSOR]
     t = mesh.size()
@@ -245,26 +388,41 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     # whole must agree, and each shard is cut from the same tensor); the shards are then cut locally.
     if communicate:
         broadcast_from_first(ctx.model, mesh)
+    if _has_conv1d(ctx.model):
+        _add_module_replace(ctx)
     plan = derive_plan(ctx.model, config, t)
     if plan.problems:  # checked before building; seen here only if the model changed in between
-        from atorch.errors import StrategyError
-
         raise StrategyError(plan.problems, what="tensor_parallel")
+    skip_check = _check_problems(ctx, config) if communicate else "no communication in this build"
+    check = BlockCheck.prepare(ctx, list(plan.styles)) if skip_check is None else None
+    if skip_check is not None:
+        logger.info("tensor_parallel: build not checked against the unsplit model (%s)", skip_check)
     modules = dict(ctx.model.named_modules())
     for name in plan.fused_qkv:
         _permute_fused_qkv(modules[name], t)
-    for name in plan.head_modules:
+    for name in set(plan.head_modules) - set(plan.replicated_kv):  # those: _replicate_kv
         _local_head_counts(modules[name], t)
     for name, widths in plan.widths.items():  # [families] BERT, T5, BART
         local_widths(modules[name], widths, t)
+    for name in plan.replicated_kv:
+        _replicate_kv(modules[name], t, mesh.get_group())
     tied = tp_sequence_vocab.is_tied(ctx.model)
     # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)
     parallelize_module(ctx.model, mesh, styles, src_data_rank=None)
     tp_sequence_vocab.finish(ctx.model, config, tied, t)
-    logger.info("tensor_parallel: %d layers split over %d processes (%d colwise, %d rowwise)%s", len(plan.styles), t,
-                sum(s == "colwise" for s in plan.styles.values()), sum(s == "rowwise" for s in plan.styles.values()),
-                "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)))
+    logger.info("tensor_parallel: %s plan, %d layers split over %d processes (%d colwise, %d rowwise)%s%s",
+                {"explicit": "the user's", "model": "the model's own (transformers)", "derived": "atorch's derived"}[
+                    plan.source], len(plan.styles), t, sum(splits_output(s) for s in plan.styles.values()),
+                sum(not splits_output(s) for s in plan.styles.values()),
+                "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)),
+                "".join(f"; {note}" for note in plan.notes))
+    if check is not None:
+        prefix = check.name + "." if check.name else ""
+        fused = tuple(_join(n, "c_attn").removeprefix(prefix) for n in plan.fused_qkv if n.startswith(prefix))
+        problems = check.run(ctx.model, mesh.get_group(), skip=fused)
+        if problems:
+            raise StrategyError(problems, what="tensor_parallel")
 
 
 def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t: int) -> list[str]:
@@ -281,7 +439,8 @@ def _has_conv1d(model: nn.Module) -> bool:
 class TensorParallel(Method):
     name = "tensor_parallel"
     group = "parallel"
-    summary = "Megatron-style tensor parallel (DTensor) on the 'tensor' dimension: plans derived from the model."
+    summary = ("Megatron-style tensor parallel (DTensor) on the 'tensor' dimension: the user's plan, transformers' "
+               "own or one derived from the model, checked on one block.")
     search_role = SearchRole("layout", "tensor", off=1)
     Config = TensorParallelConfig
     mesh_dims = (TENSOR,)
@@ -304,10 +463,6 @@ class TensorParallel(Method):
         from atorch.meta_init import is_meta
 
         problems = []
-        strategy = getattr(ctx, "strategy", None)
-        if _has_conv1d(ctx.model) and (strategy is None or strategy.get("module_replace") is None):
-            problems.append("the model uses transformers' Conv1D (GPT-2 family), which DTensor cannot split; "
-                            "add 'module_replace' to the strategy (it turns Conv1D into nn.Linear)")
         if is_meta(ctx.model):
             problems.append("a model on the meta device is not supported with tensor_parallel yet; build it on CPU")
         t = ctx.layout.size(TENSOR)

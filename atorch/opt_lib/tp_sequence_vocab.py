@@ -101,17 +101,15 @@ def _gather_sequence(local: bool) -> Any:
 
 
 def styles(model: nn.Module, config: Any, split: dict[str, str], mesh: Any) -> dict[str, Any]:
-    """The ParallelStyles for the split layers (``split``: name -> 'colwise'/'rowwise') and, with the options, for
+    """The ParallelStyles for the split layers (``split``: name -> style name, tp_styles.py) and, with the options, for
     the embeddings, norms and head. Hooks that move activations between layouts are registered here too."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    from atorch.opt_lib.tp_styles import parallel_style
+
     sp, lp = config.sequence_parallel, config.loss_parallel
-    result: dict[str, Any] = {
-        name: ColwiseParallel() if style == "colwise"
-        else RowwiseParallel(output_layouts=Shard(SEQ_DIM), use_local_output=False) if sp else RowwiseParallel()
-        for name, style in split.items()
-    }
+    result: dict[str, Any] = {name: parallel_style(style, sp) for name, style in split.items()}
     embedding, head = _embedding_and_head(model)
     embedding_name, head_name = _name_of(model, embedding), _name_of(model, head)
     modules = dict(model.named_modules())

@@ -90,7 +90,8 @@ activations; in steady state (the second step on) the optimizer state exists dur
   two: with recompute, the start (measured block by block on bench/search.py's GPT-2s: 4 blocks and 64
   blocks, within 1%).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
-  gradients and state are split ``t·p`` ways; the rest (embeddings, head: the vocabulary is kept whole)
+  gradients and state are split ``t·p`` ways (a single key/value head's projections, which tensor parallel
+  keeps whole: ``p`` ways); the rest (embeddings, head: the vocabulary is kept whole)
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
   block's saved activations shrink to ``TP_REPLICATED_ACTIVATIONS + (1 − that) / t`` (norms and residuals
   are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
@@ -369,9 +370,13 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     split = tp * pp
     share = 1.0  # the share of the model's parameters (and, as a proxy, of its matmul FLOPs) on this rank
     if split > 1 and stats.param_bytes:
-        share = (root_params + block_params / split) / (stats.param_bytes * scale)
+        # [tensor_parallel] a single key/value head's projections stay whole on each rank of a tensor group
+        whole = stats.tp_whole_param_bytes * scale if tp > 1 else 0.0
+        per_block = whole / max(sum(b.count for b in stats.blocks), 1)
+        share = (root_params + (block_params - whole) / split + whole / pp) / (stats.param_bytes * scale)
         trainable, frozen = trainable * share, frozen * share
-        block_params, biggest_block = block_params / split, biggest_block / tp
+        block_params = (block_params - whole) / split + whole / pp
+        biggest_block = (biggest_block - per_block) / tp + per_block
     rank_param_bytes = stats.param_bytes * share
     rank_trainable_bytes = stats.trainable_param_bytes * share
 

@@ -14,6 +14,7 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 
 import functools
 import json
+import logging
 import sys
 from typing import Any
 
@@ -28,7 +29,7 @@ from worker_common import losses_of, mean_over_ranks, reference_losses, run_each
 
 import atorch
 from atorch.model_context import call_model
-from atorch.opt_lib.tp_sequence_vocab import step_context
+from atorch.opt_lib.tp_sequence_vocab import plain, step_context
 from atorch.training import eval_logits, train_step
 
 STEPS = 4
@@ -48,6 +49,23 @@ MODELS = {
     "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
     "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
 }
+MODELS.update({  # the tensor-parallel sweep: families with and without a plan shipped by transformers
+    "qwen2": sm.Setup(lambda: _hf("Qwen2", num_attention_heads=4, num_key_value_heads=2, head_dim=8), sm.TokenDataset,
+                      sm.hf_loss, "unpack_dict"),
+    "opt": sm.Setup(lambda: _hf("OPT", ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0),
+                    sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "gpt_neox": sm.Setup(lambda: _hf("GPTNeoX", num_attention_heads=4, hidden_dropout=0.0), sm.TokenDataset,
+                         sm.hf_loss, "unpack_dict"),
+    "phi3": sm.Setup(lambda: _hf("Phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=0),
+                     sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "gemma_1kv": sm.Setup(lambda: _hf("Gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=8),
+                          sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "bloom": sm.Setup(lambda: _hf("Bloom", n_head=4, n_layer=2), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "fused_mlp": sm.Setup(lambda: FusedMLPModel(), sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+})
+# The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
+PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
+FUSED_PLAN = ("tensor_parallel", {"plan": {"blocks.*.gate_up": "colwise", "blocks.*.down": "rowwise"}})
 TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
 LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
 SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
@@ -64,7 +82,15 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         # fp16 loss scaling over DTensor and plain gradients, the flag agreed by every rank
         "gpt2/tp2+amp_native[fp16]": ("gpt2", [TP2, "module_replace", ("amp_native", {"dtype": "fp16"}),
                                                "tensor_parallel"]),
-        "refused/gpt2 without module_replace": ("gpt2", [TP2, "tensor_parallel"]),
+        "gpt2/tp2[module_replace added]": ("gpt2", [TP2, "tensor_parallel"]),
+        "qwen2/tp2": ("qwen2", [TP2, "tensor_parallel"]),
+        "opt/tp2": ("opt", [TP2, "tensor_parallel"]),
+        "gpt_neox/tp2": ("gpt_neox", [TP2, "tensor_parallel"]),
+        "phi3/tp2": ("phi3", [TP2, "tensor_parallel"]),
+        "phi3/tp2[user plan, fused gate_up_proj]": ("phi3", [TP2, PHI3_PLAN]),
+        "gemma_1kv/tp2": ("gemma_1kv", [TP2, "tensor_parallel"]),
+        "bloom/tp2": ("bloom", [TP2, "tensor_parallel"]),
+        "refused/fused layer split column-wise": ("fused_mlp", [TP2, FUSED_PLAN]),
         "refused/llama 3 heads": ("llama_3heads", [TP2, "tensor_parallel"]),
         "llama/tp2+loss_parallel": ("llama", [TP2, LOSS_PARALLEL]),
         "llama/tp2+sequence_parallel": ("llama", [TP2, SEQUENCE_PARALLEL]),
@@ -90,8 +116,64 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2xdp2[ddp]+accumulation": ("llama", [TP2, "tensor_parallel"]),
     },
 }
+# Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
+TPxPP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
+PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
+    "tp2xpp2": {f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
+                for m in ("phi3", "gemma_1kv")},
+}
 # Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
 MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
+
+
+class FusedMLP(nn.Module):
+    """gate and up in one Linear, split again after the call (as Phi-3's gate_up_proj): a plain column-wise split
+    gives rank 0 the whole gate half, then chunk() halves it again: wrong numbers, no error."""
+
+    def __init__(self, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(width, 2 * hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * up)
+
+
+class FusedMLPModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(FusedMLP(), FusedMLP())
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _hf(family: str, **extra: Any) -> nn.Module:
+    """A tiny randomly initialised transformers causal LM of ``family`` (2 layers, width 32)."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False, bos_token_id=None, eos_token_id=None, **extra)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def grad_norm(result: Any, setup: sm.Setup, batch: Any) -> float:
+    """The whole gradient's norm after one forward and backward on ``batch`` (no step; the gradients are cleared)."""
+    with step_context(result.model):
+        data = result.prepare_input(batch, result.args.device)
+        plain(setup.loss(data, call_model(result.model, data, setup.input_format))).backward()
+    norm = float(result.optim.clip_grad_norm_(float("inf")))
+    result.optim.zero_grad(set_to_none=True)
+    return norm
+
+
+def reference_grad_norm(model: nn.Module, setup: sm.Setup) -> float:
+    """Single-process fp32: the same on the first global batch."""
+    batch = next(iter(torch.utils.data.DataLoader(repeated_batch(setup.dataset()), batch_size=GLOBAL_BATCH)))
+    setup.loss(batch, call_model(model, batch, setup.input_format)).backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
 
 
 def logits_loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
@@ -173,9 +255,23 @@ def accumulated_losses(result: Any, setup: sm.Setup, micro: int) -> list[float]:
     return losses
 
 
+class TensorParallelLog(logging.Handler):
+    """The tensor_parallel lines of atorch's log (rank 0 logs at INFO): plan source, additions, the build check."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("tensor_parallel:"):
+            self.lines.append(record.getMessage())
+
+
 def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[str, Any]:
     setup = MODELS[model_name]
     model, dataset = make(model_name), repeated_batch(setup.dataset())
+    log = TensorParallelLog()
+    logging.getLogger("atorch").addHandler(log)
     try:
         _, result, _ = atorch.auto_accelerate(
             model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
@@ -184,7 +280,10 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
         )
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
-    entry: dict[str, Any] = {"memory": split_fraction(result.model), "dp_size": result.args.data_parallel_size,
+    finally:
+        logging.getLogger("atorch").removeHandler(log)
+    entry: dict[str, Any] = {"log": log.lines, "memory": split_fraction(result.model),
+                             "dp_size": result.args.data_parallel_size,
                              "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
     first = next(iter(result.dataloader))
     # The batch this rank sees, to show that the ranks of one tensor group see the same batch.
@@ -193,6 +292,8 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
     gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, seen)
     entry["batch_sums"] = [g.item() for g in gathered]
+    if micro == 1 and result.args.data_parallel_size == 1 and "amp_native" not in str(strategy):
+        entry["grad_norm"] = grad_norm(result, setup, first)
     entry["losses"] = (losses_of(result, STEPS, setup.loss, setup.input_format) if micro == 1
                        else accumulated_losses(result, setup, micro))
     if model_name.split("_")[0] in ("llama", "gpt2"):  # the decoder LMs loss_parallel is tested on
@@ -201,10 +302,30 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
     return entry
 
 
+def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """STEPS training steps under a pipeline layout (the last stage's loss, the same on every rank)."""
+    setup = MODELS[model_name]
+    try:
+        _, result, _ = atorch.auto_accelerate(
+            make(model_name), torch.optim.SGD, repeated_batch(setup.dataset()), setup.loss,
+            model_input_format=setup.input_format, optim_args={"lr": LR},
+            dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
+        )
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
+    batches = iter(result.dataloader)
+    entry = {"losses": [train_step(result, [next(batches)]).item() for _ in range(STEPS)],
+             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
+    result.close()
+    return entry
+
+
 def main() -> None:
-    scenarios = GROUPS[sys.argv[1]]
-    report: dict[str, Any] = {"reference": {}, "scenarios": run_each({
-        name: functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
+    pipelined = sys.argv[1] in PIPELINED
+    scenarios = (PIPELINED if pipelined else GROUPS)[sys.argv[1]]
+    report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
+        name: functools.partial(run_pipelined, model, strategy) if pipelined
+        else functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
         for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
@@ -214,6 +335,7 @@ def main() -> None:
                 make(model_name), repeated_batch(setup.dataset()), setup.loss, setup.input_format,
                 lambda p: torch.optim.SGD(p, lr=LR), STEPS, GLOBAL_BATCH,
             )
+            report["reference_grad_norm"][model_name] = reference_grad_norm(make(model_name), setup)
         print("RESULT " + json.dumps(report), flush=True)
 
 

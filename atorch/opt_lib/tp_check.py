@@ -1,0 +1,178 @@
+"""tensor_parallel's build check: one split block against its unsplit copy, on one sample.
+
+A plan can build and train while computing something else (a fused layer split column-wise that the model
+splits again gives each rank the wrong halves: no error, wrong numbers). So every build runs one repeated
+block (the first holding a split layer) twice on the input it receives for the dataset's first sample:
+unsplit, copied before the split, and split, on the tensor group. The output and the gradient of every
+parameter (for a fixed random projection of the output) must agree within a tolerance derived from the
+parameters' dtype; otherwise the build is refused with the figures. Cost: one forward of the model up to
+that block, then one block's forward and backward twice.
+
+The check draws no numbers from the user's random generators and leaves no gradients behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from atorch.log import get_logger
+
+logger = get_logger(__name__)
+
+# Relative (norm-wise) error allowed, per unit roundoff of the parameters' dtype: the split computes the same
+# sums in another order (a few roundings per op over a block, ~1e-6 in fp32); a plan that changes the
+# computation is off by the order of the values themselves (Phi-3's split fused MLP: ~1).
+ULPS = 1024
+MAX_TOLERANCE = 0.1
+
+
+class _Captured(Exception):
+    """Stops the model's forward once the checked block's input is held."""
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return min(MAX_TOLERANCE, ULPS * torch.finfo(dtype).eps)
+
+
+def block_to_check(model: nn.Module, split: list[str]) -> str:
+    """The first repeated block holding a split layer (the model itself if it has no such block)."""
+    from atorch.class_ref import matches
+    from atorch.opt_lib.blocks import block_classes
+
+    classes = block_classes(model)
+    for name, module in model.named_modules():
+        if name and classes and matches(module, classes) and any(s.startswith(name + ".") for s in split):
+            return name
+    return ""
+
+
+def _detached(value: Any) -> Any:
+    """A copy of a captured input: tensors detached, caches dropped (the block would write into them)."""
+    def copy_leaf(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().clone()
+        return None if type(leaf).__name__.endswith("Cache") else leaf
+
+    return pytree.tree_map(copy_leaf, value)
+
+
+def _first_sample(ctx: Any) -> Any:
+    from atorch.data import build_dataloader
+
+    args = {**ctx.setup.dataloader_args, "batch_size": 1, "shuffle": False, "num_workers": 0}
+    args.pop("sampler", None)
+    batch = next(iter(build_dataloader(ctx.setup.dataset, args, 1, 0)))
+    return ctx.input_preparer()(batch)
+
+
+class BlockCheck:
+    """Made before the split (the block's input and an unsplit copy), run after it."""
+
+    def __init__(self, name: str, reference: nn.Module, inputs: tuple[tuple, dict]) -> None:
+        self.name, self.reference, self.inputs = name, reference, inputs
+
+    @classmethod
+    def prepare(cls, ctx: Any, split: list[str]) -> BlockCheck | None:
+        """Capture the block's input for the first sample; None (said in the log) where that cannot be done."""
+        from atorch.model_context import call_model
+
+        if ctx.setup.dataset is None:
+            logger.info("tensor_parallel: build not checked against the unsplit model (no dataset to take a sample)")
+            return None
+        name = block_to_check(ctx.model, split)
+        block = ctx.model.get_submodule(name)
+        held: list[tuple[tuple, dict]] = []
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            held.append((_detached(args), _detached(kwargs)))
+            raise _Captured
+
+        handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+        modes = {m: m.training for m in ctx.model.modules()}
+        ctx.model.eval()  # no dropout: no random numbers drawn, and the two runs compare
+        try:
+            with torch.no_grad():
+                call_model(ctx.model, _first_sample(ctx), ctx.setup.model_input_format)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+            for module, training in modes.items():
+                module.train(training)
+        if not held:
+            logger.info("tensor_parallel: build not checked against the unsplit model (%s was not called)", name)
+            return None
+        return cls(name, copy.deepcopy(block), held[0])
+
+    def run(self, model: nn.Module, group: Any, skip: tuple[str, ...] = ()) -> list[str]:
+        """Compare the split block with the unsplit copy; problems (empty when they agree). ``skip``: parameter
+        name prefixes (in the block) whose split layout is not the unsplit one (GPT-2's reordered c_attn)."""
+        import torch.distributed as dist
+
+        block = model.get_submodule(self.name)
+        label = self.name or "the model"
+        try:
+            split = _output_and_grads(block, self.inputs)
+        except Exception as exc:  # a plan that does not fit the layer's computation fails here, not in training
+            return [f"the split {label} fails on one sample ({type(exc).__name__}: {exc}); the plan does not fit "
+                    "this model's computation: give fused layers the gather-output styles ('colwise_gather_output', "
+                    "'rowwise_split_input') or leave them out of the plan"]
+        reference = _output_and_grads(self.reference, self.inputs)
+        dtype = next(self.reference.parameters()).dtype
+        errors = {"output": _relative(split[0], reference[0])}
+        grads = {n: g for n, g in reference[1].items() if n in split[1] and not n.startswith(skip)}
+        # A gradient that is zero in exact arithmetic (a key bias: softmax ignores a shift shared by all keys)
+        # is rounding noise on both sides: each is measured against the block's mean gradient size at least.
+        mean = math.sqrt(sum(g.double().square().sum().item() for g in grads.values())
+                         / max(sum(g.numel() for g in grads.values()), 1))
+        errors.update({f"gradient of {n}": _relative(split[1][n], g, floor=mean * math.sqrt(g.numel()))
+                       for n, g in grads.items()})
+        worst = torch.tensor([max(errors.values())], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # every rank of the group decides alike
+        limit = tolerance(dtype)
+        if worst.item() <= limit:
+            logger.info("tensor_parallel: build checked on one sample: %s matches the unsplit block (relative error "
+                        "%.1e, tolerance %.1e for %s)", label, worst.item(), limit, dtype)
+            return []
+        what, error = max(errors.items(), key=lambda item: item[1])
+        return [f"the split {label} computes other numbers than the unsplit one on one sample: {what} differs by "
+                f"{error:.2e} (relative; tolerance {limit:.1e} for {dtype}); the plan changes the computation (a fused "
+                "layer split column-wise that the model splits again?): give such layers the gather-output styles "
+                "('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _output_and_grads(block: nn.Module, inputs: tuple[tuple, dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The block's first floating output (whole) and each parameter's gradient (whole) for a fixed projection."""
+    args, kwargs = inputs
+    training = block.training
+    block.eval()
+    try:
+        output = block(*args, **kwargs)
+    finally:
+        block.train(training)
+    out = next(_full(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    generator = torch.Generator().manual_seed(0)  # the same projection on every rank, the user's stream untouched
+    weights = torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.device, out.dtype)
+    named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out * weights).sum(), [p for _, p in named], allow_unused=True)
+    return out.detach(), {n: _full(g) for (n, _), g in zip(named, grads, strict=True) if g is not None}
+
+
+def _relative(value: torch.Tensor, reference: torch.Tensor, floor: float = 0.0) -> float:
+    """Norm-wise relative error, against the reference's norm or ``floor`` if larger."""
+    if value.shape != reference.shape:
+        return float("inf")
+    scale = max(reference.double().norm().item(), floor, torch.finfo(torch.float32).tiny)
+    return (value.double() - reference.double()).norm().item() / scale
