@@ -189,6 +189,13 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     # Units: the given classes; else size-based units if asked for; else the detected blocks.
     classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
     targets = choose_units(model, classes, config.wrap_min_num_params)
+    if not targets and not classes and not config.wrap_min_num_params and type(model).forward is nn.Sequential.forward:
+        # A plain nn.Sequential without repeated blocks (a CNN): units by size, as torch's size-based policy,
+        # at an eighth of the model, so that its larger layers are gathered one at a time.
+        min_params = max(1, sum(p.numel() for p in model.parameters()) // 8)
+        targets = choose_units(model, (), min_params)
+        logger.info("%s: nn.Sequential without repeated blocks: %d size-based units (>= %d parameters each)",
+                    label, len(targets), min_params)
     if not targets:
         why = f"{list(classes)} give no module that can be a unit" if classes else "no repeated blocks detected"
         logger.warning(
