@@ -188,14 +188,18 @@ def tied_checksum(model: nn.Module) -> float:
 
 def grad_norm(model: nn.Module) -> float:
     """The gradient norm of the whole model from the stages' gradients (collective over all ranks): a tied
-    parameter counts once (on the rank holding the first stage; its copies' gradients are summed)."""
-    tied = {name for group in getattr(model, "tied", ()) for name in group}
-    first = min(model.indices) == 0
+    parameter counts once, on the lowest rank holding a copy (its copies' gradients are summed)."""
+    params = {name: param for stage in model.stages for name, param in stage.module.named_parameters()}
+    skip: set[str] = set()
+    for group in getattr(model, "tied", ()):
+        held = [name for name in group if name in params]
+        holders = _gathered(1.0 if held else 0.0)
+        if held and holders.index(1.0) != dist.get_rank():
+            skip.update(held)
     total = torch.zeros((), dtype=torch.float64)
-    for stage in model.stages:
-        for name, param in stage.module.named_parameters():
-            if param.grad is not None and (first or name not in tied):
-                total += local_tensor(param.grad).double().pow(2).sum()
+    for name, param in params.items():
+        if param.grad is not None and name not in skip:
+            total += local_tensor(param.grad).double().pow(2).sum()
     dist.all_reduce(total)
     return total.sqrt().item()
 
@@ -213,7 +217,7 @@ def reference_grad_norm(model: nn.Module, dataset: Any, setup: sm.Setup) -> floa
 
 def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, Any]:
     setup = MODELS[model_name]
-    model, dataset = make(model_name, dist.get_rank()), repeated_batch(setup.dataset())
+    model, dataset = make(model_name, int(os.environ["RANK"])), repeated_batch(setup.dataset())
     try:
         _, result, _ = atorch.auto_accelerate(
             model, torch.optim.SGD, dataset, setup.loss, model_input_format=setup.input_format,
