@@ -317,6 +317,11 @@ class PipelineRunner:
         try:
             self.schedule.step(target=target, losses=losses, return_outputs=False,
                                **stage_kwargs(data, self.input_format))
+        except Exception as exc:
+            # The other stages only see their connection to this rank close: name the cause here, in the log.
+            logger.error("pipeline_parallel: stage(s) %s on this rank failed: %s: %s",
+                         self.pipelined.indices, type(exc).__name__, exc)  # type: ignore[attr-defined]
+            raise
         finally:
             self.data = None
         if self.has_last and losses:
