@@ -1,7 +1,7 @@
 """pipeline_parallel: the balanced split, stage building, refusals, and training on real processes.
 
 Three launches (gloo): pipeline 2 on 2 processes (with the family sweep: GPT-2, Llama, BERT-MLM, OPT,
-GPT-NeoX, Phi-3, Gemma, Bloom, an nn.Sequential CNN; T5 refused with the reason; a model seeded per rank);
+GPT-NeoX, Phi-3, Gemma, Bloom, an nn.Sequential CNN, T5 and BART; a model seeded per rank);
 pipeline 2 × data 2 (every schedule, and fsdp) and tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 ×
 data 2 with fsdp on 8. Each scenario must train like plain single-process fp32 training from rank 0's
 weights on the same global batches (losses; on pipeline 2 alone also the first step's gradient norm); a
@@ -45,11 +45,11 @@ NPROC = {"pp2": 2, "pp2xdp2": 4, "tp2xpp2xdp2": 8}
 # GPT-2's tied wte/lm_head weight (vocabulary 128 × width 32) is held by the first and the last stage.
 # Families whose output head is tied to the input embedding: held by the first and the last stage.
 TIED_COPY = {"gpt2": sm.VOCAB * 32, "bert_mlm": sm.VOCAB * 32, "opt": sm.VOCAB * 32, "bloom": sm.VOCAB * 32,
-             "gemma": sm.VOCAB * 32}
+             "gemma": sm.VOCAB * 32, "t5": sm.VOCAB * 32, "bart": sm.VOCAB * 32}
 REFUSED = {
     "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
     "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",
-    "refused/t5": "the repeated blocks sit in 2 lists",
+    "refused/t5 in 4 stages": "an encoder-decoder model is split into 2 stages (its encoder and its decoder)",
 }
 # The gradient norm of the first step against the reference's (pipeline 2 alone: no data replicas). The same
 # sums in another order, as for the losses; the norm adds the squares of all gradients (a few ulps each).
@@ -203,6 +203,8 @@ def test_sequential_splits_at_its_children() -> None:
 def test_models_that_cannot_be_split_are_explained() -> None:
     found, why = find_blocks(sm.tiny_t5())
     assert found is None and "sit in" in why and "lists" in why
+    found, why = find_units(sm.tiny_t5())  # split as an encoder-decoder instead: encoder | decoder
+    assert found is not None and found.kind == "encoder-decoder" and found.names == ("encoder", "decoder"), why
     found, why = find_blocks(sm.FlatMLP())
     assert found is None and "no repeated blocks" in why
 

@@ -1,11 +1,12 @@
 """pipeline_parallel: the model split into stages over the 'pipeline' dimension (torch.distributed.pipelining).
 
 The split (pipeline_split.py) is automatic, at the repeated-block boundaries (an nn.Sequential without
-them: at its children), balanced by cost, and checked on one sample against the whole model. Rank r
-of the pipeline group holds stage r (GPipe, 1F1B), stages r, r+p, ... (interleaved schedules, loop
-order) or stages r and 2p-1-r (ZBV, V order). Training goes through ``atorch.train_step``, which
-runs the schedule: every rank of a pipeline group loads the same batch, the first stage takes its
-model inputs and the last stage runs the user's ``loss_func(data, output)`` per micro-batch.
+them: at its children; an encoder-decoder model: encoder | decoder), balanced by cost, and checked on
+one sample against the whole model. Rank r of the pipeline group holds stage r (GPipe, 1F1B), stages r,
+r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV, V order). Training goes
+through ``atorch.train_step``, which runs the schedule: every rank of a pipeline group loads the same
+batch, the first stage takes its model inputs and the last stage runs the user's ``loss_func(data,
+output)`` per micro-batch.
 
 What the batch must be: tensors (in a dict, list/tuple or alone) whose first dimension is the batch;
 each micro-batch is a slice of it, and every stage calls the model on it as ``model_input_format`` says
@@ -375,10 +376,13 @@ def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> A
     from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
 
     labels = data.get("labels") if isinstance(data, dict) else None
-    # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size.
+    # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size;
+    # encoder-decoder models (T5, BART) take the labels as they are (the decoder's inputs are already shifted).
     classifier = getattr(model, "loss_type", None) in ("ForImageClassification", "ForSequenceClassification")
     loss = None
-    if labels is not None and classifier:
+    if labels is not None and getattr(model.config, "is_encoder_decoder", False):
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
+    elif labels is not None and classifier:
         loss = model.loss_function(labels, logits, model.config)
     elif labels is not None:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
@@ -501,6 +505,10 @@ class PipelineParallel(Method):
         stages = size * config.stages_per_rank()
         if blocks is None:
             problems.append(why)
+        elif blocks.kind == "encoder-decoder" and stages != 2:
+            problems.append(f"an encoder-decoder model is split into 2 stages (its encoder and its decoder), not "
+                            f"{stages} (pipeline size {size} × {config.stages_per_rank()} per rank); use pipeline "
+                            "size 2 with schedule 'gpipe' or '1f1b'")
         elif len(blocks.names) < stages:
             problems.append(f"the model has {len(blocks.names)} repeated blocks, too few for {stages} stages "
                             f"(pipeline size {size} × {config.stages_per_rank()} per rank); use fewer stages")

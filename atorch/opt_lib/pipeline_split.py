@@ -1,17 +1,16 @@
 """Splitting a model into pipeline stages at its repeated-block boundaries, with no model rewrite.
 
 Each stage is a deep copy of the whole model from which the blocks it does not own are deleted (the
-block list keeps its original child names, so parameter names stay those of the user's model), and
-the modules with parameters before the blocks (embeddings) or after them (final norm, head) that the
-stage does not own become stand-ins that keep their signature (StandIn). Every stage runs the model's
-own forward on the micro-batch: a later stage's first block takes the previous stage's hidden states
-in place of what was computed before it (HiddenInjector); an earlier stage ends where the model calls
-the next stage's first block (StageProbe). So whatever the model does around and between its blocks
-(masks, positions, embedding scales) stays the model's own code. An ``nn.Sequential`` without such a
-block list is split at its children. Before training, the stages are run one after the other on one
-sample and compared with the whole model (check_split): a model whose forward a split cannot carry is
-refused with the reason.
-"""
+block list keeps its original child names, so parameter names stay those of the user's model), and the
+modules with parameters before the blocks (embeddings) or after them (final norm, head) that the stage
+does not own become stand-ins that keep their signature (StandIn). Every stage runs the model's own
+forward on the micro-batch: a later stage's first block takes the previous stage's hidden states in
+place of what was computed before it (HiddenInjector); an earlier stage ends where the model calls the
+next stage's first block (StageProbe). So whatever the model does around and between its blocks (masks,
+positions, embedding scales) stays the model's own code. An ``nn.Sequential`` without such a block list
+is split at its children; an encoder-decoder model (T5, BART) into its encoder and decoder. Before
+training, the stages are run one after the other on one sample and compared with the whole model
+(check_split): a model whose forward a split cannot carry is refused with the reason."""
 
 from __future__ import annotations
 
@@ -41,6 +40,9 @@ class BlockList:
     names: tuple[str, ...]
     pre: tuple[str, ...]  # modules registered before the blocks, on the path to the root
     post: tuple[str, ...]  # modules registered after them
+    # "blocks"; "children" (an nn.Sequential split at its children); "encoder-decoder" (names: the encoder
+    # and the decoder, one stage each)
+    kind: str = "blocks"
 
 
 def _join(prefix: str, name: str) -> str:
@@ -91,7 +93,14 @@ def find_units(model: nn.Module) -> tuple[BlockList | None, str | None]:
     other."""
     blocks, why = find_blocks(model)
     if blocks is None and type(model).forward is nn.Sequential.forward and len(model._modules) >= 2:
-        return BlockList("", tuple(model._modules), (), ()), None
+        return BlockList("", tuple(model._modules), (), (), kind="children"), None
+    if blocks is None and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        names = {id(m): n for n, m in model.named_modules()}
+        get_encoder, get_decoder = getattr(model, "get_encoder", None), getattr(model, "get_decoder", None)
+        if callable(get_encoder) and callable(get_decoder):
+            encoder, decoder = names.get(id(get_encoder())), names.get(id(get_decoder()))
+            if encoder and decoder:
+                return BlockList("", (encoder, decoder), (), (), kind="encoder-decoder"), None
     return blocks, why
 
 
@@ -130,6 +139,9 @@ def balanced_split(costs: list[int], first_extra: int, last_extra: int, stages: 
 
 def plan_stages(model: nn.Module, blocks: BlockList, stages: int) -> list[tuple[str, ...]]:
     """The block names each stage owns, balanced by cost."""
+    if blocks.kind == "encoder-decoder":
+        assert stages == 2, "an encoder-decoder model is split into its encoder and its decoder"
+        return [blocks.names[:1], blocks.names[1:]]
     holder = model.get_submodule(blocks.container) if blocks.container else model
     # A child without parameters (an activation) costs one, so that no stage is left with nothing to do.
     costs = [max(_cost(holder.get_submodule(n)), 0 if blocks.container else 1) for n in blocks.names]
@@ -197,17 +209,19 @@ class HiddenInjector:
     activation recompute (checkpoint), which calls the block again with the same inputs during backward,
     gets the same hidden states."""
 
-    def __init__(self) -> None:
+    def __init__(self, keyword: str = "hidden_states") -> None:
+        self.keyword = keyword  # the argument replaced (an encoder-decoder's decoder: encoder_hidden_states)
         self.pending: torch.Tensor | None = None  # set by StageModule for one forward
         self.given: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = args[0] if args else kwargs.get("hidden_states")
+        positional = bool(args) and self.keyword == "hidden_states"
+        key = args[0] if positional else kwargs.get(self.keyword)
         if not isinstance(key, torch.Tensor):
             if self.pending is None:
                 return None
             raise SetupError(f"pipeline_parallel: the model calls its block {type(module).__name__} without the "
-                             "hidden states as its first argument or as 'hidden_states', so a later stage cannot "
+                             f"hidden states as its first argument or as '{self.keyword}', so a later stage cannot "
                              "feed it the previous stage's output; use a pipeline size of 1 for this model")
         if self.pending is not None:
             if tuple(self.pending.shape) != tuple(key.shape):
@@ -218,7 +232,7 @@ class HiddenInjector:
         hidden = self.given.get(key)
         if hidden is None:
             return None
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        return ((hidden, *args[1:]), kwargs) if positional else (args, {**kwargs, self.keyword: hidden})
 
 
 class StageEnd(Exception):  # noqa: N818 - a signal, not an error
@@ -236,12 +250,16 @@ class StageProbe(_Shadowed):
     pooling, head) belongs to the last stage. What the model reads of the block before calling it (a layer's
     attention type) comes from a copy on the meta device, outside the module tree (no parameters)."""
 
+    def __init__(self, block: nn.Module, keyword: str = "hidden_states") -> None:
+        super().__init__(block)
+        self.keyword = keyword  # what is passed on (an encoder-decoder's decoder: encoder_hidden_states)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs.get("hidden_states")
+        hidden = args[0] if args and self.keyword == "hidden_states" else kwargs.get(self.keyword)
         if not isinstance(hidden, torch.Tensor):
             raise SetupError(f"pipeline_parallel: the model calls its block {type(self.shadow).__name__} without "
-                             "the hidden states as its first argument or as 'hidden_states', so a stage cannot pass "
-                             "them on; use a pipeline size of 1 for this model")
+                             f"the hidden states as its first argument or as '{self.keyword}', so a stage cannot "
+                             "pass them on; use a pipeline size of 1 for this model")
         raise StageEnd(hidden)
 
 
@@ -262,6 +280,8 @@ def build_stage(model: nn.Module, blocks: BlockList, owned: tuple[str, ...], fir
     """A deep copy of ``model`` holding only the blocks ``owned`` and the modules around them this stage runs
     (the others, if they hold parameters, become stand-ins: see StandIn)."""
     stage = copy.deepcopy(model)
+    if blocks.kind == "encoder-decoder":
+        return _encoder_decoder_stage(stage, blocks, first)
     if not blocks.container:  # an nn.Sequential split at its children: a later stage takes the hidden states
         for name in blocks.names:
             if name not in owned:
@@ -285,6 +305,24 @@ def build_stage(model: nn.Module, blocks: BlockList, owned: tuple[str, ...], fir
         injector = HiddenInjector()
         kept[0][1].register_forward_pre_hook(injector.pre_hook, with_kwargs=True)
         stage.atorch_injector = injector  # read by StageModule
+    return stage
+
+
+def _encoder_decoder_stage(stage: nn.Module, blocks: BlockList, first: bool) -> nn.Module:
+    """The encoder's stage ends where the model calls the decoder, with the encoder's output; the decoder's
+    stage runs the model with a stand-in encoder, its decoder taking the received encoder output."""
+    encoder, decoder = blocks.names
+    if first:
+        _replace(stage, decoder, StageProbe(stage.get_submodule(decoder), keyword="encoder_hidden_states"))
+        for name, module in list(stage.named_children()):  # the output head (lm_head): not run here
+            if name != encoder.split(".")[0] and name != decoder.split(".")[0] and _has_params(module) \
+                    and not any(p is q for p in module.parameters() for q in stage.get_submodule(encoder).parameters()):
+                _replace(stage, name, StandIn(module))
+        return stage
+    _replace(stage, encoder, StandIn(stage.get_submodule(encoder)))
+    injector = HiddenInjector(keyword="encoder_hidden_states")
+    stage.get_submodule(decoder).register_forward_pre_hook(injector.pre_hook, with_kwargs=True)
+    stage.atorch_injector = injector  # read by StageModule
     return stage
 
 
@@ -327,7 +365,7 @@ class StageModule(nn.Module):
         self.index, self.first, self.last = index, first, last
         self.input_format = input_format
         self.transformers = is_transformers(module)
-        self.children_split = bool(getattr(module, "atorch_split_children", False))
+        self.children_split = bool(getattr(module, "atorch_split_children", False))  # a Sequential's children
         self.injector: HiddenInjector | None = getattr(module, "atorch_injector", None)
         self.autocast_dtype: torch.dtype | None = None
         if no_split:

@@ -104,10 +104,11 @@ MODELS = {
         ("opt", "OPT"), ("gpt_neox", "GPTNeoX"), ("phi3", "Phi3"), ("gemma", "Gemma"), ("bloom", "Bloom"))},
     "sequential_cnn": sm.Setup(sequential_cnn, sm.image_dataset, sm.class_loss, "input_target"),
     "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
+    "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
     # Built with a different seed on every rank: pipeline parallel must train rank 0's model.
     "qwen2_seeded_per_rank": lm(functools.partial(tiny_causal_lm, "Qwen2")),
 }
-SWEEP = ("gpt2", "llama", "bert_mlm", "opt", "gpt_neox", "phi3", "gemma", "bloom", "sequential_cnn")
+SWEEP = ("gpt2", "llama", "bert_mlm", "opt", "gpt_neox", "phi3", "gemma", "bloom", "sequential_cnn", "t5", "bart")
 SEEDED_PER_RANK = ("qwen2_seeded_per_rank",)
 
 
@@ -134,7 +135,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "forward/pp2": ("gpt2", [PP2, pp("1f1b")]),
         "refused/too few blocks": ("gpt2_2layers", [PP2, pp("interleaved_1f1b")]),
         "refused/micro-batches": ("gpt2", [PP2, pp("1f1b", micro_batches=3)]),
-        "refused/t5": ("t5", [PP2, pp("1f1b")]),
+        "refused/t5 in 4 stages": ("t5", [PP2, pp("interleaved_1f1b")]),
         **{f"sweep/{m}": (m, [PP2, pp("1f1b")]) for m in SWEEP if m not in ("gpt2", "llama")},
         "seeded/qwen2_seeded_per_rank": ("qwen2_seeded_per_rank", [PP2, pp("1f1b")]),
     },
