@@ -50,6 +50,8 @@ REFUSED = {
     "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
     "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",
     "refused/t5 in 4 stages": "an encoder-decoder model is split into 2 stages (its encoder and its decoder)",
+    # Checked on one sample before anything is built: every rank refuses, none is left waiting for a stage.
+    "refused/blocks not a chain": "the stages do not compute the model: on one sample their output differs",
 }
 # The gradient norm of the first step against the reference's (pipeline 2 alone: no data replicas). The same
 # sums in another order, as for the losses; the norm adds the squares of all gradients (a few ulps each).

@@ -89,6 +89,19 @@ def sequential_cnn() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 8))
 
 
+class ParallelBlocks(nn.Module):
+    """Repeated blocks that are not a chain (each reads the input; their outputs are summed): no split at
+    the blocks computes this model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(sum(torch.tanh(block(x)) for block in self.blocks))
+
+
 def lm(make: Any) -> sm.Setup:
     return sm.Setup(make, sm.TokenDataset, sm.hf_loss, "unpack_dict")
 
@@ -105,6 +118,7 @@ MODELS = {
     "sequential_cnn": sm.Setup(sequential_cnn, sm.image_dataset, sm.class_loss, "input_target"),
     "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
     "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
+    "parallel_blocks": sm.Setup(ParallelBlocks, sm.vector_dataset, sm.class_loss, "input_target"),
     # Built with a different seed on every rank: pipeline parallel must train rank 0's model.
     "qwen2_seeded_per_rank": lm(functools.partial(tiny_causal_lm, "Qwen2")),
 }
@@ -136,6 +150,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "refused/too few blocks": ("gpt2_2layers", [PP2, pp("interleaved_1f1b")]),
         "refused/micro-batches": ("gpt2", [PP2, pp("1f1b", micro_batches=3)]),
         "refused/t5 in 4 stages": ("t5", [PP2, pp("interleaved_1f1b")]),
+        "refused/blocks not a chain": ("parallel_blocks", [PP2, pp("1f1b")]),
         **{f"sweep/{m}": (m, [PP2, pp("1f1b")]) for m in SWEEP if m not in ("gpt2", "llama")},
         "seeded/qwen2_seeded_per_rank": ("qwen2_seeded_per_rank", [PP2, pp("1f1b")]),
     },
