@@ -121,7 +121,8 @@ def _setup_problems(setup: UserSetup, excluded: Any, included: Any) -> list[str]
         problems.append("loss_func must be callable as loss_func(data, output)")
     if setup.model_input_format not in MODEL_INPUT_FORMATS:
         problems.append(
-            f"model_input_format {setup.model_input_format!r} is not one of None, 'unpack_sequence', 'unpack_dict'"
+            f"model_input_format {setup.model_input_format!r} is not one of None, 'unpack_sequence', 'unpack_dict', "
+            "'input_target'"
         )
     for name, value in (("optim_args", setup.optim_args), ("dataloader_args", setup.dataloader_args),
                         ("lr_scheduler_args", setup.lr_scheduler_args)):

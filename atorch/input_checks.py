@@ -106,7 +106,7 @@ def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
         if setup.distributed_sampler_cls is not None:
             problems.append("distributed_sampler_cls with an IterableDataset: a stream has no sampler (atorch "
                             "gives each rank every n-th sample); drop distributed_sampler_cls")
-    known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict")
+    known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict", "input_target")
     if not problems and known_format and setup.prepare_input is None and isinstance(setup.model, nn.Module):
         problems += _batch_problems(setup, run_loss)
     return problems
@@ -164,6 +164,9 @@ def _structure_problems(setup: Any, batch: Any) -> list[str]:
         return [f"model_input_format='unpack_dict' calls model(**batch), but a batch is {_describe(batch)}; "
                 "use model_input_format='unpack_sequence' (model(*batch)) or None (model(batch)), or make the "
                 "dataset / collate_fn yield dicts"]
+    if fmt == "input_target" and not (is_seq and len(batch) >= 1):
+        return [f"model_input_format='input_target' calls model(batch[0]), but a batch is {_describe(batch)}; "
+                "make the dataset / collate_fn yield (input, target) pairs"]
     if fmt == "unpack_sequence" and not is_seq:
         return [f"model_input_format='unpack_sequence' calls model(*batch), but a batch is {_describe(batch)}; "
                 + ("use model_input_format='unpack_dict' (model(**batch))" if is_dict else
@@ -177,10 +180,13 @@ def _structure_problems(setup: Any, batch: Any) -> list[str]:
             sig.bind(**{str(k): None for k in batch})
         elif fmt == "unpack_sequence":
             sig.bind(*batch)
+        elif fmt == "input_target":
+            sig.bind(batch[0])
         else:
             sig.bind(batch)
     except TypeError as exc:
-        call = {"unpack_dict": "model(**batch)", "unpack_sequence": "model(*batch)"}.get(fmt, "model(batch)")
+        call = {"unpack_dict": "model(**batch)", "unpack_sequence": "model(*batch)",
+                "input_target": "model(batch[0])"}.get(fmt, "model(batch)")
         return [f"model_input_format={fmt!r} calls {call} with {_describe(batch)}, which "
                 f"{type(setup.model).__name__}.forward{_plain(sig)} does not accept ({exc}); change the dataset / "
                 "collate_fn or model_input_format to match forward"]

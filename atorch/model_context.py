@@ -26,7 +26,8 @@ from atorch.state_names import trained_param_names
 
 logger = get_logger(__name__)
 
-MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
+# "input_target": batches are (input, target) pairs, the model takes the input alone (an nn.Sequential).
+MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict", "input_target")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def call_model(model: nn.Module, data: Any, model_input_format: str | None) -> A
         return model(*data)
     if model_input_format == "unpack_dict":
         return model(**data)
+    if model_input_format == "input_target":
+        return model(data[0])
     return model(data)
 
 

@@ -1,9 +1,11 @@
 """pipeline_parallel: the balanced split, stage building, refusals, and training on real processes.
 
-Three launches (gloo): pipeline 2 on 2 processes; pipeline 2 × data 2 (every schedule, and fsdp) and
-tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 × data 2 with fsdp on 8. Each scenario must train like
-plain single-process fp32 training from the same weights on the same global batches; a stage must hold
-only its layers.
+Three launches (gloo): pipeline 2 on 2 processes (with the family sweep: GPT-2, Llama, BERT-MLM, OPT,
+GPT-NeoX, Phi-3, Gemma, Bloom, an nn.Sequential CNN, T5 and BART; a model seeded per rank);
+pipeline 2 × data 2 (every schedule, and fsdp) and tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 ×
+data 2 with fsdp on 8. Each scenario must train like plain single-process fp32 training from rank 0's
+weights on the same global batches (losses; on pipeline 2 alone also the first step's gradient norm); a
+stage must hold only its layers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,17 @@ from launcher import HERE, run_json
 from torch import nn
 from workers.pp_worker import GROUPS
 
-from atorch.opt_lib.pipeline_split import ZeroEmbedding, balanced_split, build_stage, find_blocks, plan_stages
+from atorch.opt_lib.pipeline_split import (
+    StageModule,
+    StandIn,
+    balanced_split,
+    build_stage,
+    check_split,
+    find_blocks,
+    find_units,
+    in_call_order,
+    plan_stages,
+)
 from atorch.strategy import Strategy
 
 WORKER = HERE / "workers" / "pp_worker.py"
@@ -31,11 +43,19 @@ FP32_TOL = (1e-5, 1e-6)
 BF16_TOL = (3e-2, 1e-3)
 NPROC = {"pp2": 2, "pp2xdp2": 4, "tp2xpp2xdp2": 8}
 # GPT-2's tied wte/lm_head weight (vocabulary 128 × width 32) is held by the first and the last stage.
-TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0, "cnn": 0}
+# Families whose output head is tied to the input embedding: held by the first and the last stage.
+TIED_COPY = {"gpt2": sm.VOCAB * 32, "bert_mlm": sm.VOCAB * 32, "opt": sm.VOCAB * 32, "bloom": sm.VOCAB * 32,
+             "gemma": sm.VOCAB * 32, "t5": sm.VOCAB * 32, "bart": sm.VOCAB * 32}
 REFUSED = {
     "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
     "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",
+    "refused/t5 in 4 stages": "an encoder-decoder model is split into 2 stages (its encoder and its decoder)",
+    # Checked on one sample before anything is built: every rank refuses, none is left waiting for a stage.
+    "refused/blocks not a chain": "the stages do not compute the model: on one sample their output differs",
 }
+# The gradient norm of the first step against the reference's (pipeline 2 alone: no data replicas). The same
+# sums in another order, as for the losses; the norm adds the squares of all gradients (a few ulps each).
+GRAD_NORM_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module", params=list(GROUPS))
@@ -58,6 +78,8 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         if scenario.startswith("forward/"):  # a hand-written forward points to train_step
             assert entry["forward_error"] and "atorch.train_step(result, [batch])" in entry["forward_error"], entry
             continue
+        if scenario.startswith("seeded/"):  # each rank built its own model; all train rank 0's (the reference)
+            assert len(set(entry["built"])) == nproc, entry["built"]
         reference = report["reference"][model_name]
         rtol, atol = BF16_TOL if "bf16" in scenario else FP32_TOL
         if "bf16" in scenario:  # bf16's tolerance is wider than 4 SGD steps move the loss: it must fall
@@ -68,6 +90,9 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
             torch.tensor(entry["losses"]), torch.tensor(reference), rtol=rtol, atol=atol,
             msg=lambda m, s=scenario, e=entry, r=reference: f"{s} losses {e['losses']} vs reference {r}: {m}",
         )
+        if group == "pp2" and "bf16" not in scenario:
+            want = report["reference_grad_norm"][model_name]
+            assert abs(entry["grad_norm"] - want) <= GRAD_NORM_RTOL * want, (scenario, entry["grad_norm"], want)
         # train_step returns the same loss on every rank.
         assert len(set(entry["loss_on_ranks"])) == 1, entry["loss_on_ranks"]
         # Tied copies stay equal on every rank holding one (data ranks may hold different fsdp shards).
@@ -81,7 +106,7 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         if "fsdp" in scenario or "tp2" in scenario:  # sharded further: less than a whole stage each
             assert first + last < whole, (local, whole)
         else:  # the stages add up to the model, with the tied weight held twice
-            assert first + last == whole + TIED_COPY[model_name], (local, whole)
+            assert first + last == whole + TIED_COPY.get(model_name, 0), (local, whole)
 
 
 # ----- the split, in this process --------------------------------------------------------------------
@@ -117,19 +142,71 @@ def test_gpt2_stages_keep_only_their_layers_and_the_users_names() -> None:
     names_first = {n for n, _ in first.named_parameters(remove_duplicate=False)}
     assert any(n.startswith("transformer.h.1.") for n in names_first)
     assert not any(n.startswith(("transformer.h.2.", "transformer.ln_f", "lm_head")) for n in names_first)
-    assert isinstance(last.transformer.wte, ZeroEmbedding) and isinstance(last.transformer.wpe, ZeroEmbedding)
-    assert isinstance(last.transformer.drop, nn.Identity)
+    assert isinstance(last.transformer.wte, StandIn) and isinstance(last.transformer.wpe, StandIn)
+    assert not list(last.transformer.wte.parameters())  # a stand-in holds no weights
+    assert isinstance(last.transformer.drop, nn.Dropout)  # no parameters: kept
     assert last.lm_head.weight.shape == (sm.VOCAB, 32)  # the tied head keeps its weight on the last stage
     # The stages run the model in two halves: the same logits as the whole model.
     ids = torch.randint(0, sm.VOCAB, (2, sm.SEQ_LEN))
     with torch.no_grad():
-        hidden = first(input_ids=ids).logits
-        assert torch.allclose(last(inputs_embeds=hidden).logits, model(input_ids=ids).logits, atol=1e-5)
+        hidden = StageModule(first, 0, True, False, None, "unpack_dict")(input_ids=ids)
+        out = StageModule(last, 1, False, True, None, "unpack_dict")(hidden, input_ids=ids)
+        assert torch.allclose(out, model(input_ids=ids).logits, atol=1e-5)
+
+
+class _OPTLike(nn.Module):
+    """Registers its final norm before its blocks (as OPT does) and calls its embedding with keywords only."""
+
+    def __init__(self, parallel: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.final_norm = nn.LayerNorm(8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 4)
+        self.parallel = parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input=ids) * 3.0  # a scale between embedding and blocks (as Gemma's)
+        if self.parallel:  # blocks that are not a chain: no split at the blocks computes this
+            return self.head(self.final_norm(sum(torch.tanh(b(x)) for b in self.blocks)))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(self.final_norm(x))
+
+
+def test_stand_ins_keep_signatures_and_modules_are_sorted_by_call_order() -> None:
+    torch.manual_seed(0)
+    model, ids = _OPTLike(), torch.randint(0, 16, (2, 5))
+    blocks, _ = find_blocks(model)
+    assert blocks.pre == ("embed", "final_norm")  # by registration
+    ordered = in_call_order(model, blocks, ids, None)
+    assert ordered.pre == ("embed",) and ordered.post == ("final_norm", "head")
+    assert check_split(model, ordered, plan_stages(model, ordered, 2), ids, None) is None
+    # Registration order would give the last stage a stand-in for the final norm: the check sees the difference.
+    assert "do not compute the model" in check_split(model, blocks, plan_stages(model, blocks, 2), ids, None)
+    parallel = _OPTLike(parallel=True)
+    why = check_split(parallel, in_call_order(parallel, blocks, ids, None), [("0", "1"), ("2", "3")], ids, None)
+    assert why is not None and "differs from the whole model's" in why
+
+
+def test_sequential_splits_at_its_children() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 4 * 4, 4))
+    units, why = find_units(model)
+    assert units is not None and units.container == "" and units.names == tuple(str(i) for i in range(6)), why
+    owned = plan_stages(model, units, 2)
+    assert [len(o) for o in owned] == [3, 3]  # by cost: the activations and Flatten cost (almost) nothing
+    x = torch.randn(2, 3, 8, 8)
+    assert check_split(model, units, owned, x, None) is None
+    stage = build_stage(model, units, owned[1], False, True)
+    assert list(stage._modules) == ["3", "4", "5"]  # the user's names
 
 
 def test_models_that_cannot_be_split_are_explained() -> None:
     found, why = find_blocks(sm.tiny_t5())
     assert found is None and "sit in" in why and "lists" in why
+    found, why = find_units(sm.tiny_t5())  # split as an encoder-decoder instead: encoder | decoder
+    assert found is not None and found.kind == "encoder-decoder" and found.names == ("encoder", "decoder"), why
     found, why = find_blocks(sm.FlatMLP())
     assert found is None and "no repeated blocks" in why
 

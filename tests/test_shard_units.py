@@ -66,3 +66,21 @@ def test_tied_weights_stay_in_one_unit() -> None:
     assert not any(n.startswith("cls.predictions.decoder") for n in names), names
     assert "bert.embeddings.position_embeddings" in names  # an untied part still becomes a unit
     assert any(n.startswith("bert.encoder.layer.") for n in names)
+
+
+def test_a_plain_sequential_gets_units_by_size() -> None:
+    """fsdp on an nn.Sequential CNN (no repeated blocks): its larger layers become units, not the root only."""
+    from atorch.opt_lib.sharding import sequential_units
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 4 * 4, 10))
+    assert sequential_units(model) == [model[2], model[5]]  # 1168 and 2570 of 3962 parameters; conv1 has 224
+    assert sequential_units(_sequential_with_own_forward()) == []  # not a plain Sequential: the usual rules
+
+
+def _sequential_with_own_forward() -> nn.Module:
+    class Net(nn.Sequential):
+        def forward(self, x):  # a Sequential with its own forward is not split by size
+            return super().forward(x) * 2
+
+    return Net(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -81,7 +81,8 @@ def test_a_batch_that_does_not_match_model_input_format() -> None:
         "the model's forward fails on a sample batch: model_input_format=None calls model(batch) with the batch, "
         "tuple(tensor (4, 16) float32, tensor (4,) int64), and Sequential.forward raised TypeError: linear(): "
         "argument 'input' (position 1) must be Tensor, not tuple.")
-    assert "use model_input_format='unpack_sequence' (model(*batch)) with a forward that takes them all" in problem
+    assert "use model_input_format='input_target' (model(batch[0]), e.g. an nn.Sequential)" in problem
+    assert step_problems(seq, (X, Y), "input_target", mlp_loss) == []  # the fix it names works
     problem = only(step_problems(mlp(), {"x": X, "y": Y}, "unpack_sequence", mlp_loss))
     assert "The batch is a dict: use model_input_format='unpack_dict' (model(**batch))" in problem
     problem = only(step_problems(mlp(), (X, Y), "unpack_dict", mlp_loss))

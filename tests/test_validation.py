@@ -93,7 +93,8 @@ def test_good_time_limit_is_returned():
 
 def test_model_input_format_typo():
     problem = only_problem(load_strategy=["parallel_mode"], model_input_format="unpack_dcit")
-    assert problem == "model_input_format 'unpack_dcit' is not one of None, 'unpack_sequence', 'unpack_dict'"
+    assert problem == ("model_input_format 'unpack_dcit' is not one of None, 'unpack_sequence', 'unpack_dict', "
+                       "'input_target'")
 
 
 @pytest.mark.parametrize("name, value", [("optim_args", 5), ("dataloader_args", "batch_size=8"),

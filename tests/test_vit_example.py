@@ -116,8 +116,8 @@ def test_tensor_parallel_plan_of_vit_splits_attention_and_mlp() -> None:
 
 def test_pipeline_split_of_vit_chains_to_the_whole_model() -> None:
     """The blocks are vit.layers (ViT also declares its embeddings unsplittable: met once, not repeated);
-    stage 0 (embeddings + 2 layers) hands all positions on, stage 1 (2 layers, norm, head) takes them as
-    the model's input; chained in one process they give the whole model's logits."""
+    stage 0 (embeddings + 2 layers) hands all positions on, stage 1 (2 layers, norm, head) runs the model
+    on the batch with its first layer taking them; chained in one process they give the whole model's logits."""
     from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, plan_stages
 
     ex = _example()
@@ -135,4 +135,5 @@ def test_pipeline_split_of_vit_chains_to_the_whole_model() -> None:
     with torch.no_grad():
         hidden = first(pixel_values=pixels)
         assert hidden.shape == (4, 17, 64)  # every position (16 patches + [CLS]), not the head's [CLS] slice
-        torch.testing.assert_close(last(hidden), model(pixel_values=pixels).logits, rtol=0, atol=0)
+        torch.testing.assert_close(last(hidden, pixel_values=pixels), model(pixel_values=pixels).logits, rtol=0,
+                                   atol=0)

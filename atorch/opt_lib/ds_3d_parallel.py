@@ -195,7 +195,7 @@ class DsPipelineRun:
                                  f"the positions), so the batch keys {extra} would be ignored; leave them out (no "
                                  "padding), or use pipeline_parallel")
             return data["input_ids"]
-        if self.input_format == "unpack_sequence":
+        if self.input_format in ("unpack_sequence", "input_target"):
             return data[0]
         if self.input_format == "unpack_dict" or not isinstance(data, torch.Tensor):
             raise SetupError("ds_3d_parallel feeds an nn.Sequential model one tensor: give batches as a tensor, or "

@@ -1,22 +1,28 @@
 """pipeline_parallel: the model split into stages over the 'pipeline' dimension (torch.distributed.pipelining).
 
-The split (pipeline_split.py) is automatic, at the repeated-block boundaries, balanced by cost. Rank r
-of the pipeline group holds stage r (GPipe, 1F1B), stages r, r+p, ... (interleaved schedules, loop
-order) or stages r and 2p-1-r (ZBV, V order). Training goes through ``atorch.train_step``, which
-runs the schedule: every rank of a pipeline group loads the same batch, the first stage takes its
-model inputs and the last stage runs the user's ``loss_func(data, output)`` per micro-batch.
+The split (pipeline_split.py) is automatic, at the repeated-block boundaries (an nn.Sequential without
+them: at its children; an encoder-decoder model: encoder | decoder), balanced by cost, and checked on
+one sample against the whole model. Rank r of the pipeline group holds stage r (GPipe, 1F1B), stages r,
+r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV, V order). Training goes
+through ``atorch.train_step``, which runs the schedule: every rank of a pipeline group loads the same
+batch, the first stage takes its model inputs and the last stage runs the user's ``loss_func(data,
+output)`` per micro-batch.
 
 What the batch must be: tensors (in a dict, list/tuple or alone) whose first dimension is the batch;
-each micro-batch is a slice of it. For a transformers model the output given to loss_func is the
-model's output with ``.logits`` and, when the batch has ``labels``, ``.loss`` computed by the model's
-own loss function; other models give their output tensor.
+each micro-batch is a slice of it, and every stage calls the model on it as ``model_input_format`` says
+(a later stage's first block then takes the previous stage's hidden states). For a transformers
+model the output given to loss_func is the model's output with ``.logits`` and, when the batch has
+``labels``, ``.loss`` computed by the model's own loss function; other models give their output tensor.
 
-Weights used by two stages (GPT-2's tied ``wte``/``lm_head``) are kept in both; they start equal (the
-first stage's value) and their gradients are summed over the pipeline group before each step.
+Every stage starts from rank 0's model: its parameters and buffers are broadcast before the split, as
+DDP and FSDP start from rank 0's weights. Weights used by two stages (GPT-2's tied ``wte``/``lm_head``)
+are kept in both; they start equal and their gradients are summed over the pipeline group before each
+step.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -31,7 +37,16 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
-from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, is_transformers, plan_stages
+from atorch.opt_lib.pipeline_split import (
+    StageModule,
+    build_stage,
+    check_split,
+    find_units,
+    in_call_order,
+    is_transformers,
+    plan_stages,
+    stage_kwargs,
+)
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -98,9 +113,11 @@ def _pipeline_mesh(ctx: Any) -> Any:
 
 
 def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: bool) -> None:
-    """Replace ctx.model by this rank's stages (a PipelinedModel); [communication] tied copies start equal."""
+    """Replace ctx.model by this rank's stages (a PipelinedModel). [communication] every rank first takes
+    rank 0's parameters and buffers (a model built differently per rank trains as rank 0's model); tied
+    copies start equal."""
     model = ctx.model
-    blocks, why = find_blocks(model)
+    blocks, why = find_units(model)
     if blocks is None:  # checked before building; seen here only if the model changed in between
         raise SetupError(f"pipeline_parallel: {why}")
     # With communicate=False (a fake or meta model for the cost model) no process group is needed: the
@@ -109,12 +126,18 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     size = ctx.layout.size(PIPELINE)
     rank = dist.get_group_rank(group, dist.get_rank()) if communicate else \
         ctx.layout.coordinate(ctx.env.rank).get(PIPELINE, 0)
+    fmt = ctx.setup.model_input_format
+    if communicate:
+        broadcast_from_rank0(model)
+        sample = _one_sample(ctx)
+        if sample is not None:  # which modules run before the blocks and which after (pipeline_split)
+            blocks = in_call_order(model, blocks, sample, fmt)
     total = size * config.stages_per_rank()
     owned = plan_stages(model, blocks, total)
     indices = _stage_indices(config, rank, size)
     no_split = getattr(model, "_no_split_modules", None) or _block_class_names(model)
     stages = [StageModule(build_stage(model, blocks, owned[i], i == 0, i == total - 1), i, i == 0, i == total - 1,
-                          no_split) for i in indices]
+                          no_split, fmt) for i in indices]
     pipelined = PipelinedModel(stages, no_split)
     pipelined.tied = _tied_groups(model)  # type: ignore[assignment]
     pipelined.stage_count, pipelined.indices, pipelined.group = total, indices, group  # type: ignore[assignment]
@@ -123,6 +146,15 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     ctx.model = pipelined
     logger.info("pipeline_parallel: %d stages over %d processes (blocks per stage %s), this rank holds %s",
                 total, size, [len(o) for o in owned], indices)
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """[communication] Every parameter and buffer of the whole model from global rank 0, before the split:
+    each stage then holds rank 0's values (the tensor and data dimensions too, so later broadcasts over
+    them change nothing)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 
 def _block_class_names(model: nn.Module) -> list[str]:
@@ -281,17 +313,16 @@ class PipelineRunner:
                              f"{self.micro_batches} micro-batches; use a per-rank batch that is a multiple of "
                              f"{self.micro_batches}, or set micro_batches")
         self.data = data
-        args, kwargs = (), {}
-        if self.input_format == "unpack_dict":
-            kwargs = dict(data)
-        elif self.input_format == "unpack_sequence":
-            args = tuple(data)
-        else:
-            args = (data,)
         losses: list[torch.Tensor] = []
         target = torch.arange(batch, device=_device_of(data))
         try:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            self.schedule.step(target=target, losses=losses, return_outputs=False,
+                               **stage_kwargs(data, self.input_format))
+        except Exception as exc:
+            # The other stages only see their connection to this rank close: name the cause here, in the log.
+            logger.error("pipeline_parallel: stage(s) %s on this rank failed: %s: %s",
+                         self.pipelined.indices, type(exc).__name__, exc)  # type: ignore[attr-defined]
+            raise
         finally:
             self.data = None
         if self.has_last and losses:
@@ -306,15 +337,10 @@ class PipelineRunner:
             raise SetupError(f"pipeline_parallel: an evaluation batch of {batch} samples does not split into "
                              f"{self.micro_batches} micro-batches; use a multiple of {self.micro_batches}")
         self.data = data
-        args, kwargs = (data,), {}
-        if self.input_format == "unpack_dict":
-            args, kwargs = (), dict(data)
-        elif self.input_format == "unpack_sequence":
-            args = tuple(data)
         try:
             with torch.no_grad():
-                out = self.schedule.eval(*args, target=torch.arange(batch, device=_device_of(data)), losses=[],
-                                         return_outputs=True, **kwargs)
+                out = self.schedule.eval(target=torch.arange(batch, device=_device_of(data)), losses=[],
+                                         return_outputs=True, **stage_kwargs(data, self.input_format))
         finally:
             self.data = None
         return out if self.has_last else None
@@ -350,10 +376,13 @@ def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> A
     from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
 
     labels = data.get("labels") if isinstance(data, dict) else None
-    # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size.
+    # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size;
+    # encoder-decoder models (T5, BART) take the labels as they are (the decoder's inputs are already shifted).
     classifier = getattr(model, "loss_type", None) in ("ForImageClassification", "ForSequenceClassification")
     loss = None
-    if labels is not None and classifier:
+    if labels is not None and getattr(model.config, "is_encoder_decoder", False):
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100)
+    elif labels is not None and classifier:
         loss = model.loss_function(labels, logits, model.config)
     elif labels is not None:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
@@ -397,6 +426,45 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     return loss
 
 
+def _one_sample(ctx: Any) -> Any:
+    """Two samples of the user's dataset, as the dataloader collates them and prepare_input prepares them
+    (None without a dataset)."""
+    from torch.utils.data import DataLoader
+
+    if ctx.setup.dataset is None:
+        return None
+    loader = DataLoader(ctx.setup.dataset, batch_size=2, collate_fn=ctx.setup.dataloader_args.get("collate_fn"))
+    batch = next(iter(loader), None)
+    return None if batch is None else ctx.input_preparer()(batch)
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(stages, format): reason}
+
+
+def _checked_split(ctx: Any, blocks: Any, stages: int) -> str | None:
+    """check_split on one sample of the user's data, once per model and stage count (the search asks
+    again for every candidate). Skipped without a dataset, or for a model with fake or meta weights."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    model = ctx.model
+    if any(p.is_meta or is_fake(p) for p in model.parameters()):
+        return None
+    key = (stages, ctx.setup.model_input_format)
+    known = _CHECKED.setdefault(model, {})
+    if key not in known:
+        sample, fmt = _one_sample(ctx), ctx.setup.model_input_format
+        if sample is None:
+            known[key] = None
+        else:
+            try:
+                blocks = in_call_order(model, blocks, sample, fmt)
+            except Exception as exc:  # noqa: BLE001 - the model's own forward failed: reported as such
+                known[key] = f"the model's forward on one sample failed: {type(exc).__name__}: {exc}"
+            else:
+                known[key] = check_split(model, blocks, plan_stages(model, blocks, stages), sample, fmt)
+    return known[key]
+
+
 # ----- the method -----------------------------------------------------------------------------------------
 @register
 class PipelineParallel(Method):
@@ -432,14 +500,22 @@ class PipelineParallel(Method):
         from atorch.opt_lib.pipeline_split import split_setup_problems
 
         problems = split_setup_problems(ctx, "pipeline_parallel")
-        blocks, why = find_blocks(ctx.model)
+        blocks, why = find_units(ctx.model)
         size = ctx.layout.size(PIPELINE)
         stages = size * config.stages_per_rank()
         if blocks is None:
             problems.append(why)
+        elif blocks.kind == "encoder-decoder" and stages != 2:
+            problems.append(f"an encoder-decoder model is split into 2 stages (its encoder and its decoder), not "
+                            f"{stages} (pipeline size {size} × {config.stages_per_rank()} per rank); use pipeline "
+                            "size 2 with schedule 'gpipe' or '1f1b'")
         elif len(blocks.names) < stages:
             problems.append(f"the model has {len(blocks.names)} repeated blocks, too few for {stages} stages "
                             f"(pipeline size {size} × {config.stages_per_rank()} per rank); use fewer stages")
+        elif not problems:
+            why = _checked_split(ctx, blocks, stages)
+            if why is not None:
+                problems.append(f"{why}; use a pipeline size of 1 for this model (data or tensor parallel)")
         local = ctx.local_batch_size()
         micro = config.micro_batch_count(size)
         if ctx.setup.dataset is not None and local % micro:

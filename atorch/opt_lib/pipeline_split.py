@@ -1,28 +1,34 @@
 """Splitting a model into pipeline stages at its repeated-block boundaries, with no model rewrite.
 
 Each stage is a deep copy of the whole model from which the blocks it does not own are deleted (the
-block list keeps its original child names, so parameter names stay those of the user's model), and
-the modules before the blocks (embeddings, dropout) or after them (final norm, head) are replaced
-when the stage does not own them: a later stage feeds its input in place of the embeddings, an
-earlier stage returns the hidden states in place of the head's output.
-
-Stages are balanced by cost: a block or a head costs its parameter count (the multiply-adds per
-token of its matrix products), an embedding lookup costs nothing; the split minimises the most
-expensive stage (so a large output head leaves fewer blocks to the last stage).
-"""
+block list keeps its original child names, so parameter names stay those of the user's model), and the
+modules with parameters before the blocks (embeddings) or after them (final norm, head) that the stage
+does not own become stand-ins that keep their signature (StandIn). Every stage runs the model's own
+forward on the micro-batch: a later stage's first block takes the previous stage's hidden states in
+place of what was computed before it (HiddenInjector); an earlier stage ends where the model calls the
+next stage's first block (StageProbe). So whatever the model does around and between its blocks (masks,
+positions, embedding scales) stays the model's own code. An ``nn.Sequential`` without such a block list
+is split at its children; an encoder-decoder model (T5, BART) into its encoder and decoder. Before
+training, the stages are run one after the other on one sample and compared with the whole model
+(check_split): a model whose forward a split cannot carry is refused with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import inspect
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from atorch.class_ref import matches
+from atorch.errors import SetupError
+from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
 
 
@@ -34,6 +40,9 @@ class BlockList:
     names: tuple[str, ...]
     pre: tuple[str, ...]  # modules registered before the blocks, on the path to the root
     post: tuple[str, ...]  # modules registered after them
+    # "blocks"; "children" (an nn.Sequential split at its children); "encoder-decoder" (names: the encoder
+    # and the decoder, one stage each)
+    kind: str = "blocks"
 
 
 def _join(prefix: str, name: str) -> str:
@@ -56,7 +65,9 @@ def find_blocks(model: nn.Module) -> tuple[BlockList | None, str | None]:
     parents = {name.rpartition(".")[0] for name in blocks}
     if len(parents) != 1:
         return None, (f"the repeated blocks sit in {len(parents)} lists ({sorted(parents)}); pipeline_parallel "
-                      "splits models whose blocks are held in one nn.ModuleList or nn.Sequential")
+                      "splits models whose blocks are held in one nn.ModuleList or nn.Sequential (an "
+                      "encoder-decoder model such as T5 or BART is not split yet: use data parallel, fsdp or "
+                      "tensor_parallel)")
     container = parents.pop()
     holder = model.get_submodule(container) if container else model
     names = tuple(name.rpartition(".")[2] for name in blocks)
@@ -74,6 +85,23 @@ def find_blocks(model: nn.Module) -> tuple[BlockList | None, str | None]:
         pre += [_join(parent, c) for c in children[:index]]
         post += [_join(parent, c) for c in children[index + 1:]]
     return BlockList(container, names, tuple(pre), tuple(post)), None
+
+
+def find_units(model: nn.Module) -> tuple[BlockList | None, str | None]:
+    """Where pipeline_parallel splits the model: at its repeated blocks; or, for a plain nn.Sequential whose
+    blocks are not alone in one list (a CNN's layers), at its own children, which it calls one after the
+    other."""
+    blocks, why = find_blocks(model)
+    if blocks is None and type(model).forward is nn.Sequential.forward and len(model._modules) >= 2:
+        return BlockList("", tuple(model._modules), (), (), kind="children"), None
+    if blocks is None and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        names = {id(m): n for n, m in model.named_modules()}
+        get_encoder, get_decoder = getattr(model, "get_encoder", None), getattr(model, "get_decoder", None)
+        if callable(get_encoder) and callable(get_decoder):
+            encoder, decoder = names.get(id(get_encoder())), names.get(id(get_decoder()))
+            if encoder and decoder:
+                return BlockList("", (encoder, decoder), (), (), kind="encoder-decoder"), None
+    return blocks, why
 
 
 def _cost(module: nn.Module) -> int:
@@ -111,8 +139,12 @@ def balanced_split(costs: list[int], first_extra: int, last_extra: int, stages: 
 
 def plan_stages(model: nn.Module, blocks: BlockList, stages: int) -> list[tuple[str, ...]]:
     """The block names each stage owns, balanced by cost."""
+    if blocks.kind == "encoder-decoder":
+        assert stages == 2, "an encoder-decoder model is split into its encoder and its decoder"
+        return [blocks.names[:1], blocks.names[1:]]
     holder = model.get_submodule(blocks.container) if blocks.container else model
-    costs = [_cost(holder.get_submodule(n)) for n in blocks.names]
+    # A child without parameters (an activation) costs one, so that no stage is left with nothing to do.
+    costs = [max(_cost(holder.get_submodule(n)), 0 if blocks.container else 1) for n in blocks.names]
     first = sum(_cost(model.get_submodule(n)) for n in blocks.pre)
     last = sum(_cost(model.get_submodule(n)) for n in blocks.post)
     counts = balanced_split(costs, first, last, stages)
@@ -123,31 +155,13 @@ def plan_stages(model: nn.Module, blocks: BlockList, stages: int) -> list[tuple[
     return owned
 
 
-class ZeroEmbedding(nn.Module):
-    """Stands in for an embedding a later stage does not own: adds nothing (GPT-2 adds the position
-    embedding to the input embedding, which a later stage takes as its input)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dim = dim
-        self.register_buffer("like", torch.zeros(0, dtype=dtype), persistent=False)  # follows .to(dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.like.new_zeros((*ids.shape, self.dim))
-
-
-class PassThrough(nn.Module):
-    """Stands in for a module before the blocks that a later stage does not own, in a model whose forward
-    takes no ``inputs_embeds`` (transformers ViT): the stage gets the hidden states as the model's input,
-    and this returns them. What the model's forward reads of the module (ViT: the patch projection's
-    dtype) comes from a copy of it on the meta device, kept outside the module tree (no parameters)."""
+class _Shadowed(nn.Module):
+    """A module holding a copy of another on the meta device, outside its module tree (no parameters, no
+    state): attributes it does not have are read from the copy, as the model's forward may read them."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "shadow", copy.deepcopy(module).to("meta"))
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -159,41 +173,94 @@ class PassThrough(nn.Module):
             return getattr(shadow, name)
 
 
+class StandIn(_Shadowed):
+    """Stands in for a module with parameters that a stage does not run for real. The model calls it
+    exactly as it calls the original (any signature, keywords included): its forward runs on a copy on
+    the meta device, kept outside the module tree (no parameters), and it returns zeros of the
+    original's output shapes on the stage's device. Before a later stage's first block these zeros only
+    feed code whose result the block's input replaces (see HiddenInjector); after a non-last stage's
+    last block the stage ends before it is reached (StageProbe). What the model's forward reads of the
+    module (ViT: the patch projection's dtype) comes from the copy."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        self.register_buffer("like", torch.zeros(0, dtype=dtype), persistent=False)  # follows .to(device, dtype)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("meta")
+
+        like = self.like
+        if any(p.is_floating_point() and p.dtype != like.dtype for p in self.shadow.parameters()):
+            self.shadow.to(like.dtype)  # the stage was cast ('half'): its inputs now come in that dtype
+        with torch.no_grad():
+            args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+            out = self.shadow(*args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda t: torch.zeros(
+            t.shape, dtype=like.dtype if t.is_floating_point() else t.dtype, device=like.device), out)
+
+
+class HiddenInjector:
+    """Gives a later stage's first block the hidden states received from the previous stage in place of
+    what the stage computed before it (from stand-ins' zeros). The model's own forward runs around the
+    blocks unchanged (masks, positions, rotary embeddings from the batch; Gemma's embedding scale and
+    BERT's embedding norm apply to the zeros and are replaced). Keyed by the tensor it replaces, so that
+    activation recompute (checkpoint), which calls the block again with the same inputs during backward,
+    gets the same hidden states."""
+
+    def __init__(self, keyword: str = "hidden_states") -> None:
+        self.keyword = keyword  # the argument replaced (an encoder-decoder's decoder: encoder_hidden_states)
+        self.pending: torch.Tensor | None = None  # set by StageModule for one forward
+        self.given: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        positional = bool(args) and self.keyword == "hidden_states"
+        key = args[0] if positional else kwargs.get(self.keyword)
+        if not isinstance(key, torch.Tensor):
+            if self.pending is None:
+                return None
+            raise SetupError(f"pipeline_parallel: the model calls its block {type(module).__name__} without the "
+                             f"hidden states as its first argument or as '{self.keyword}', so a later stage cannot "
+                             "feed it the previous stage's output; use a pipeline size of 1 for this model")
+        if self.pending is not None:
+            if tuple(self.pending.shape) != tuple(key.shape):
+                raise SetupError(f"pipeline_parallel: a stage received hidden states of shape "
+                                 f"{tuple(self.pending.shape)}, but the model feeds its block "
+                                 f"{type(module).__name__} a tensor of shape {tuple(key.shape)}")
+            self.given[key], self.pending = self.pending, None
+        hidden = self.given.get(key)
+        if hidden is None:
+            return None
+        return ((hidden, *args[1:]), kwargs) if positional else (args, {**kwargs, self.keyword: hidden})
+
+
 class StageEnd(Exception):  # noqa: N818 - a signal, not an error
-    """Ends a stage's forward with the hidden states it passes on (raised by StageExit)."""
+    """Ends a stage's forward with the hidden states it passes on (raised by StageProbe)."""
 
     def __init__(self, hidden: Any) -> None:
         super().__init__("end of pipeline stage")
         self.hidden = hidden
 
 
-class StageExit:
-    """Ends a non-last stage's forward right after its last block: the rest of the model's forward (final
-    norm, pooling, head) belongs to the last stage, and code between them (ViT's head takes only the
-    [CLS] position) must not run on the hidden states passed on. The last block's output is kept; the
-    next module of those after the blocks to be called raises StageEnd with it. Armed only while
-    StageModule runs the stage's forward (not in a checkpoint's recompute during backward, nor when the
-    stage module is called directly); the block's hook only records."""
+class StageProbe(_Shadowed):
+    """Stands in a non-last stage's block list for the next stage's first block: the model calls it with the
+    hidden states that block would get (after whatever the forward does between blocks), and it ends the
+    stage's forward with them (StageEnd; StageModule returns them). The rest of the forward (final norm,
+    pooling, head) belongs to the last stage. What the model reads of the block before calling it (a layer's
+    attention type) comes from a copy on the meta device, outside the module tree (no parameters)."""
 
-    def __init__(self) -> None:
-        self.armed = False
-        self.output: Any = None
+    def __init__(self, block: nn.Module, keyword: str = "hidden_states") -> None:
+        super().__init__(block)
+        self.keyword = keyword  # what is passed on (an encoder-decoder's decoder: encoder_hidden_states)
 
-    def arm(self, armed: bool) -> None:
-        self.armed, self.output = armed, None
-
-    def block_done(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.armed:
-            self.output = output
-
-    def post_called(self, module: nn.Module, args: Any) -> None:
-        if self.output is not None:
-            hidden, self.output = self.output, None
-            raise StageEnd(hidden)
-
-
-def takes_inputs_embeds(model: nn.Module) -> bool:
-    return "inputs_embeds" in inspect.signature(model.forward).parameters
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args and self.keyword == "hidden_states" else kwargs.get(self.keyword)
+        if not isinstance(hidden, torch.Tensor):
+            raise SetupError(f"pipeline_parallel: the model calls its block {type(self.shadow).__name__} without "
+                             f"the hidden states as its first argument or as '{self.keyword}', so a stage cannot "
+                             "pass them on; use a pipeline size of 1 for this model")
+        raise StageEnd(hidden)
 
 
 def is_transformers(model: nn.Module) -> bool:
@@ -210,36 +277,52 @@ def _has_params(module: nn.Module) -> bool:
 
 
 def build_stage(model: nn.Module, blocks: BlockList, owned: tuple[str, ...], first: bool, last: bool) -> nn.Module:
-    """A deep copy of ``model`` holding only the blocks ``owned`` and the modules around them this stage runs."""
+    """A deep copy of ``model`` holding only the blocks ``owned`` and the modules around them this stage runs
+    (the others, if they hold parameters, become stand-ins: see StandIn)."""
     stage = copy.deepcopy(model)
-    holder = stage.get_submodule(blocks.container) if blocks.container else stage
+    if blocks.kind == "encoder-decoder":
+        return _encoder_decoder_stage(stage, blocks, first)
+    if not blocks.container:  # an nn.Sequential split at its children: a later stage takes the hidden states
+        for name in blocks.names:
+            if name not in owned:
+                del stage._modules[name]
+        stage.atorch_split_children = True  # read by StageModule
+        return stage
+    holder = stage.get_submodule(blocks.container)
     kept = [(n, holder._modules[n]) for n in blocks.names if n in owned]
     replacement = type(holder)() if isinstance(holder, nn.ModuleList) else nn.Sequential()
     for name, block in kept:
         replacement.add_module(name, block)  # original names: iteration and slicing work, names stay the user's
+    if not last:  # the next stage's first block: where this stage ends
+        after = blocks.names[blocks.names.index(kept[-1][0]) + 1]
+        replacement.add_module(after, StageProbe(holder._modules[after]))
     _replace(stage, blocks.container, replacement)
+    for name in (() if first else blocks.pre) + (() if last else blocks.post):
+        module = stage.get_submodule(name)
+        if _has_params(module):
+            _replace(stage, name, StandIn(module))
     if not first:
-        # A transformers model without inputs_embeds gets the hidden states as its input (ViT).
-        passed = is_transformers(model) and not takes_inputs_embeds(model)
-        for name in blocks.pre:
-            module = stage.get_submodule(name)
-            if passed and (_has_params(module) or isinstance(module, nn.Dropout)):
-                _replace(stage, name, PassThrough(module))
-            elif isinstance(module, nn.Embedding):
-                _replace(stage, name, ZeroEmbedding(module.embedding_dim, module.weight.dtype))
-            elif _has_params(module) or isinstance(module, nn.Dropout):
-                _replace(stage, name, nn.Identity())
-    if not last:
-        for name in blocks.post:
-            module = stage.get_submodule(name)
-            if _has_params(module) or isinstance(module, nn.Dropout):
-                _replace(stage, name, nn.Identity())
-        if kept:
-            stage_exit = StageExit()
-            kept[-1][1].register_forward_hook(stage_exit.block_done)
-            for name in blocks.post:
-                stage.get_submodule(name).register_forward_pre_hook(stage_exit.post_called)
-            stage.atorch_stage_exit = stage_exit  # read by StageModule
+        injector = HiddenInjector()
+        kept[0][1].register_forward_pre_hook(injector.pre_hook, with_kwargs=True)
+        stage.atorch_injector = injector  # read by StageModule
+    return stage
+
+
+def _encoder_decoder_stage(stage: nn.Module, blocks: BlockList, first: bool) -> nn.Module:
+    """The encoder's stage ends where the model calls the decoder, with the encoder's output; the decoder's
+    stage runs the model with a stand-in encoder, its decoder taking the received encoder output."""
+    encoder, decoder = blocks.names
+    if first:
+        _replace(stage, decoder, StageProbe(stage.get_submodule(decoder), keyword="encoder_hidden_states"))
+        for name, module in list(stage.named_children()):  # the output head (lm_head): not run here
+            if name != encoder.split(".")[0] and name != decoder.split(".")[0] and _has_params(module) \
+                    and not any(p is q for p in module.parameters() for q in stage.get_submodule(encoder).parameters()):
+                _replace(stage, name, StandIn(module))
+        return stage
+    _replace(stage, encoder, StandIn(stage.get_submodule(encoder)))
+    injector = HiddenInjector(keyword="encoder_hidden_states")
+    stage.get_submodule(decoder).register_forward_pre_hook(injector.pre_hook, with_kwargs=True)
+    stage.atorch_injector = injector  # read by StageModule
     return stage
 
 
@@ -258,20 +341,32 @@ def hidden_of(output: Any) -> torch.Tensor:
 
 # Keys of a transformers batch the stages do not take: the last stage's loss reads the labels.
 TARGET_KEYS = ("labels",)
+# The keyword under which the schedule hands a batch that is not a dict to every stage.
+BATCH_KEY = "atorch_batch"
+
+
+def stage_kwargs(data: Any, input_format: str | None) -> dict[str, Any]:
+    """The batch as the keyword inputs of every stage's forward (the schedule splits them into
+    micro-batches and gives them to each stage, not only to the first)."""
+    return dict(data) if input_format == "unpack_dict" else {BATCH_KEY: data}
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: the first takes the batch as the model does; a later one takes the previous
-    stage's hidden states (transformers models: as ``inputs_embeds``, with the batch's other keyword
-    inputs such as attention_mask); every stage returns one tensor."""
+    """One pipeline stage. Every stage takes the micro-batch (as keywords, see stage_kwargs) and calls the
+    model the way the user's ``model_input_format`` says; a later stage also takes the previous stage's
+    hidden states, which its first block receives in place of what the stage computed before it (see
+    HiddenInjector). An nn.Sequential split at its children takes the hidden states as its input instead.
+    Every stage returns one tensor."""
 
-    def __init__(self, module: nn.Module, index: int, first: bool, last: bool, no_split: Any) -> None:
+    def __init__(self, module: nn.Module, index: int, first: bool, last: bool, no_split: Any,
+                 input_format: str | None = None) -> None:
         super().__init__()
         self.module = module
         self.index, self.first, self.last = index, first, last
+        self.input_format = input_format
         self.transformers = is_transformers(module)
-        self.embeds_kw = self.transformers and takes_inputs_embeds(module)
-        self.stage_exit: StageExit | None = getattr(module, "atorch_stage_exit", None)
+        self.children_split = bool(getattr(module, "atorch_split_children", False))  # a Sequential's children
+        self.injector: HiddenInjector | None = getattr(module, "atorch_injector", None)
         self.autocast_dtype: torch.dtype | None = None
         if no_split:
             self._no_split_modules = list(no_split)  # block detection (checkpoint, fsdp) as on the whole model
@@ -282,32 +377,106 @@ class StageModule(nn.Module):
         else:
             with torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast_dtype):
                 out = self._run(args, kwargs)
-        # The zero-bubble schedules detach a stage's output in place, which a view (a head replaced by
-        # Identity returns a slice of the hidden states) does not allow.
+        # The zero-bubble schedules detach a stage's output in place, which a view (a slice of the hidden
+        # states) does not allow.
         return out.clone() if out._is_view() else out
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        if self.stage_exit is None:
-            return self._call(args, kwargs)
-        self.stage_exit.arm(True)
         try:
             return self._call(args, kwargs)
-        except StageEnd as end:
-            return hidden_of(end.hidden)
-        finally:
-            self.stage_exit.arm(False)
+        except StageEnd as end:  # a non-last stage reached the next stage's first block (StageProbe)
+            return end.hidden
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        if self.transformers:
-            kwargs = {k: v for k, v in kwargs.items() if k not in TARGET_KEYS}
-            if not self.first:
-                main = getattr(self.module, "main_input_name", "input_ids")  # ViT: pixel_values
-                kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds", main)}
-                if not self.embeds_kw:  # the hidden states in place of the model's input (see PassThrough)
-                    return hidden_of(self.module(args[0], **kwargs))
-                return hidden_of(self.module(inputs_embeds=args[0], **kwargs))
-            return hidden_of(self.module(*args, **kwargs))
-        return hidden_of(self.module(*args, **kwargs) if self.first else self.module(args[0]))
+        if self.children_split and not self.first:
+            return hidden_of(self.module(args[0]))
+        if BATCH_KEY in kwargs:
+            batch, input_format = kwargs[BATCH_KEY], self.input_format
+        else:
+            batch, input_format = kwargs, "unpack_dict"
+        if self.transformers and isinstance(batch, dict):
+            batch = {k: v for k, v in batch.items() if k not in TARGET_KEYS}
+        if self.first or self.injector is None:
+            return hidden_of(call_model(self.module, batch, input_format))
+        self.injector.pending = args[0]
+        try:
+            return hidden_of(call_model(self.module, batch, input_format))
+        finally:
+            self.injector.pending = None
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no gradients; each module's own mode restored after (a frozen norm stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def in_call_order(model: nn.Module, blocks: BlockList, sample: Any, input_format: str | None) -> BlockList:
+    """The modules around the blocks sorted by when the forward calls them on a sample: before the first
+    block (the stages before need them) or after it. Registration order can differ: OPT registers its
+    final norm before its layers."""
+    around = blocks.pre + blocks.post
+    if not blocks.container or not around:
+        return blocks
+    calls: list[str | None] = []
+    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: calls.append(n)) for n in around]
+    first = model.get_submodule(_join(blocks.container, blocks.names[0]))
+    hooks.append(first.register_forward_pre_hook(lambda m, a: calls.append(None)))
+    try:
+        with _evaluating(model):
+            StageModule(model, 0, True, True, None, input_format)(**stage_kwargs(sample, input_format))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if None not in calls:
+        return blocks
+    before = set(calls[:calls.index(None)])
+    after = set(calls[calls.index(None):])
+    pre = tuple(n for n in around if n in before or (n in blocks.pre and n not in after))
+    return BlockList(blocks.container, blocks.names, pre, tuple(n for n in around if n not in pre))
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the stages against the whole model: the same operations in the same order,
+    but kernels may pick another reduction order for another shape (a few ulps per layer)."""
+    return 256 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def check_split(model: nn.Module, blocks: BlockList, owned: list[tuple[str, ...]], sample: Any,
+                input_format: str | None) -> str | None:
+    """Run the stages one after the other on one sample, as the schedule does, and compare with the whole
+    model (eval mode: no dropout). The reason the split does not compute the model, or None. Every rank
+    reaches the same verdict from the same weights, so no rank is left waiting for a failed stage."""
+    kwargs = stage_kwargs(sample, input_format)
+    try:
+        with _evaluating(model):
+            whole = StageModule(model, 0, True, True, None, input_format)(**kwargs)
+            hidden: torch.Tensor | None = None
+            for i, names in enumerate(owned):
+                stage = build_stage(model, blocks, names, i == 0, i == len(owned) - 1)
+                hidden = StageModule(stage, i, i == 0, i == len(owned) - 1, None, input_format)(
+                    *(() if hidden is None else (hidden,)), **kwargs)
+                del stage
+    except Exception as exc:  # any failure of a stage is a reason to refuse, not a crash on one rank
+        return f"running the stages one after the other on one sample failed: {type(exc).__name__}: {exc}"
+    assert hidden is not None
+    if hidden.shape != whole.shape:
+        return f"the last stage returns shape {tuple(hidden.shape)}, the whole model {tuple(whole.shape)}"
+    gap = (hidden.double() - whole.double()).abs().max().item()
+    scale = max(whole.double().abs().max().item(), 1.0)
+    tol = _tolerance(whole.dtype) * scale
+    if not gap <= tol:
+        return (f"the stages do not compute the model: on one sample their output differs from the whole "
+                f"model's by {gap:.3g} (tolerance {tol:.3g}), so the model's forward does more between its "
+                "blocks than a split at the blocks can carry")
+    return None
 
 
 def split_setup_problems(ctx: Any, method: str) -> list[str]:

@@ -136,6 +136,15 @@ def choose_units(model: nn.Module, classes: tuple[str, ...] | None, min_params: 
     return units
 
 
+def sequential_units(model: nn.Module) -> list[nn.Module]:
+    """Units of a plain nn.Sequential without repeated blocks (a CNN): by size, as torch's size-based policy,
+    each gathering at least an eighth of the model, so that its larger layers are gathered one at a time
+    rather than all at once with the root. None for any other model."""
+    if type(model).forward is not nn.Sequential.forward:
+        return []
+    return choose_units(model, (), max(1, sum(p.numel() for p in model.parameters()) // 8))
+
+
 def _ignored_modules(model: nn.Module, refs: tuple[str, ...] | None) -> list[nn.Module]:
     if not refs:
         return []
@@ -189,6 +198,10 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     # Units: the given classes; else size-based units if asked for; else the detected blocks.
     classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
     targets = choose_units(model, classes, config.wrap_min_num_params)
+    if not targets and not classes and not config.wrap_min_num_params:
+        targets = sequential_units(model)
+        if targets:
+            logger.info("%s: an nn.Sequential without repeated blocks: %d units by size", label, len(targets))
     if not targets:
         why = f"{list(classes)} give no module that can be a unit" if classes else "no repeated blocks detected"
         logger.warning(

@@ -416,7 +416,8 @@ _GAP_WORDS = ("fake", "meta", "storage", "data pointer", "data-dependent", "symb
 _SHAPE_WORDS = ("shape", "size", "dimension", "must match", "mat1", "reduction dim", "out of range",
                 "out of bounds")
 _DTYPE_WORDS = ("dtype", "scalar type", "same type")
-_CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)"}
+_CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)",
+          "input_target": "model(batch[0])"}
 # Parameter names of a loss in torch's (input, target) order.
 _INPUT_NAMES = {"input", "inputs", "pred", "preds", "prediction", "predictions", "logits", "output", "outputs",
                 "y_pred", "y_hat", "yhat"}
@@ -481,8 +482,8 @@ def _forward_hint(model: nn.Module, batch: Any, model_input_format: str | None) 
     if model_input_format is None and is_seq:
         return (f"model_input_format=None passes the whole {type(batch).__name__} as one argument; if it holds the "
                 "model's inputs and the target (a dataset of (x, y) samples), use "
-                "model_input_format='unpack_sequence' (model(*batch)) with a forward that takes them all and "
-                "ignores the target, e.g. forward(self, x, y=None) (wrap an nn.Sequential in such a module); "
+                "model_input_format='input_target' (model(batch[0]), e.g. an nn.Sequential) or "
+                "'unpack_sequence' (model(*batch)) with a forward that takes them all and ignores the target; "
                 "loss_func(data, output) then reads the target from data")
     try:
         sig = f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
