@@ -18,6 +18,7 @@ from the machine's noise:
   not in it: the real search adds ~30 s of tracing, see bench/README.md);
 * ``--noise S`` multiplies every replayed samples/s by a log-normal factor (sigma S, per dry-run) to show how
   the policy copes with a noisy machine; the pick is still scored on the sweep's own figures;
+* ``--patience``: the search's patience (4, as bench/search.py; ``none``: the search's default, off);
 * each policy side by side: ``corrected`` (the search as shipped: per-family time corrections) and ``plain``
   (``correct_time=False``: the cost model's predictions as they are).
 
@@ -88,7 +89,8 @@ class Replay:
         return max((r["samples_per_s"] for r in self.rows.values() if r["status"] == "ok" and r["peak"] <= budget),
                    default=0.0)
 
-    def search(self, budget: int, seed: int, noise: float, correct_time: bool) -> dict[str, Any]:
+    def search(self, budget: int, seed: int, noise: float, correct_time: bool, patience: int | None = 4
+               ) -> dict[str, Any]:
         rng = random.Random(seed)
         clock = [0.0]
         ran: list[Any] = []
@@ -104,7 +106,7 @@ class Replay:
         options = SearchOptions()
         planner = Planner(self.space, predict=lambda c: self.predictions[c.key], measure=measure,
                           memory_budget=budget, storage=optuna.storages.InMemoryStorage(), study_key="replay",
-                          max_trials=options.max_trials, patience=4, top_k=options.top_k, seed=seed,
+                          max_trials=options.max_trials, patience=patience, top_k=options.top_k, seed=seed,
                           clock=lambda: clock[0], confirm_within=options.confirm_within,
                           skip_slower_than=options.skip_slower_than, correct_time=correct_time)
         result = planner.search()
@@ -146,6 +148,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--noise", type=float, default=0.0, help="log-normal sigma on each replayed samples/s")
     parser.add_argument("--profile", help="a hardware profile JSON (default: measured here)")
+    parser.add_argument("--patience", default="4", help="the search's patience (bench/search.py: 4); none = off")
     parser.add_argument("--json", help="write every run here")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -156,6 +159,7 @@ def main() -> None:
     profile = (HardwareProfile.model_validate_json(Path(args.profile).read_text()) if args.profile
                else measure_profile())
     budgets = [None if b == "none" else float(b) for b in args.budgets.split(",")]
+    patience = None if args.patience == "none" else int(args.patience)
     report: dict[str, Any] = {}
     print("| scenario | budget | policy | pick / best (median, min, share ≥ 0.95) | dry-runs (median) | wasted (max) "
           "| search / sweep (median) |")
@@ -169,7 +173,7 @@ def main() -> None:
                 continue  # nothing in the sweep fits: no search can succeed
             label = "none" if fraction is None else f"{fraction:.0%} of DDP"
             for policy, correct in (("plain", False), ("corrected", True)):
-                runs = [replay.search(budget, seed, args.noise, correct) for seed in range(args.seeds)]
+                runs = [replay.search(budget, seed, args.noise, correct, patience) for seed in range(args.seeds)]
                 s = summarise(runs)
                 report[f"{name}/{label}/{policy}"] = {"summary": s, "runs": runs}
                 print(f"| {name} | {label} | {policy} | {s['median']:.2f}, {s['min']:.2f}, {s['at_least_0_95']:.0%} "
