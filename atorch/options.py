@@ -8,6 +8,7 @@ the option and the fix.
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, ValidationError
@@ -128,10 +129,7 @@ class AccelerateOptions(BaseModel):
         unknown = sorted(set(values) - set(known))
         problems = []
         if unknown:
-            hints = [f"search={{'{name}': ...}}" if name in SearchOptions.model_fields else f"{close[0]} for '{name}'"
-                     for name in unknown
-                     if name in SearchOptions.model_fields or (close := difflib.get_close_matches(
-                         name, (*accepted, *known), n=1))]
+            hints = [hint for name in unknown if (hint := _hint(name, (*accepted, *known)))]
             problems.append(f"unknown {unknown_label} {unknown}; accepted: {', '.join((*accepted, *known))}"
                             + (f"; did you mean {', '.join(hints)}?" if hints else ""))
         given = {k: v for k, v in values.items() if k in known}
@@ -161,15 +159,23 @@ class StrategyOptions(AutoOptions):
     """What ``ATorchStrategy`` (Lightning) takes beside ``load_strategy``: AutoPlugin's options, plus this
     argument of ``auto_accelerate``."""
 
-    save_strategy_to_file: str | None = Field(default=None, description="where rank 0 saves the strategy (JSON)")
+    save_strategy_to_file: Path | None = Field(default=None, description="where rank 0 saves the strategy (JSON)")
+
+
+def _hint(name: str, known: tuple[str, ...]) -> str | None:
+    """The option an unknown keyword was probably meant to be (a search option goes inside ``search``)."""
+    if name in SearchOptions.model_fields:
+        return f"search={{'{name}': ...}}"
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{close[0]} for '{name}'" if close else None
 
 
 def _problem(error: Any) -> str:
     """One pydantic error as a sentence naming the option (our validators' messages are whole sentences)."""
-    if error["type"] == "value_error":
-        return str(error["ctx"]["error"])
     loc = [str(part) for part in error["loc"]]
     if loc[0] == "search" and len(loc) > 1:
         known = "" if error["type"] != "extra_forbidden" else f"; known: {', '.join(SearchOptions.model_fields)}"
         return f"search option '{'.'.join(loc[1:])}': {error['msg']}{known}"
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
     return f"{'.'.join(loc)}: {error['msg']}, got {error['input']!r}"
