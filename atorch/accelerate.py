@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -23,9 +22,9 @@ from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
+from atorch.options import AccelerateOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
-from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
 
@@ -52,12 +51,6 @@ class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-KNOWN_KWARGS = (
-    "verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit", "search",
-    "strategy_server",
-)
 
 
 @dataclass(frozen=True)
@@ -191,24 +184,10 @@ def auto_accelerate(
     ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``.
     Every problem with the arguments or the strategy is raised together, before anything is built.
     """
-    unknown = sorted(set(kargs) - set(KNOWN_KWARGS))
-    problems = [f"unknown keyword argument(s) {unknown}; accepted: {', '.join(KNOWN_KWARGS)}"] if unknown else []
-    set_verbose(bool(kargs.get("verbose", False)))
-    try:
-        memory_limit = parse_bytes(kargs.get("memory_limit"))
-    except ValueError as exc:
-        problems.append(str(exc))
-        memory_limit = None
-    time_limit = kargs.get("time_limit")
-    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
-                                   or time_limit <= 0):
-        problems.append(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    search_options, search_problems = _search_options(kargs.get("search"))
-    problems += search_problems
-    strategy_server = kargs.get("strategy_server") or os.environ.get("ATORCH_STRATEGY_SERVER") or None
-    if strategy_server is not None and not (isinstance(strategy_server, str) and strategy_server.startswith(
-            ("http://", "https://"))):
-        problems.append(f"strategy_server must be an http(s) URL such as 'http://host:8765', got {strategy_server!r}")
+    options, problems = AccelerateOptions.checked(kargs)  # [input checks] atorch/options.py
+    set_verbose(options.verbose)
+    memory_limit = None if options.memory_limit is None else int(options.memory_limit)
+    time_limit, search_options, strategy_server = options.time_limit, options.search, options.strategy_server
     if finetune_strategy and load_strategy is None:
         problems.append("finetune_strategy=True searches around load_strategy: give load_strategy too, "
                         "or drop finetune_strategy for a full search")
@@ -219,7 +198,7 @@ def auto_accelerate(
         optim_param_func=optim_param_func, dataloader_args=_copy_if_dict(dataloader_args),
         distributed_sampler_cls=distributed_sampler_cls, lr_scheduler_cls=lr_scheduler_cls,
         lr_scheduler_args=_copy_if_dict(lr_scheduler_args),
-        find_unused_parameters=bool(kargs.get("find_unused_parameters", False)),
+        find_unused_parameters=options.find_unused_parameters,
     )
     excluded, included = excluded or [], included or []
     setup_problems = _setup_problems(setup, excluded, included)
@@ -270,25 +249,6 @@ def auto_accelerate(
     result = build_result(ctx, setup, memory_limit, time_limit, micro_batches, search_record)
     logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
     return True, result, strategy
-
-
-def _search_options(value: Any) -> tuple[Any, list[str]]:
-    from pydantic import ValidationError
-
-    from atorch.strategy_search.automatic import SearchOptions
-
-    if value is None:
-        return SearchOptions(), []
-    if not isinstance(value, dict):
-        return SearchOptions(), [f"search must be a dict of options, got {type(value).__name__}"]
-    try:
-        return SearchOptions.model_validate(value), []
-    except ValidationError as exc:
-        return SearchOptions(), [
-            f"search option '{'.'.join(map(str, e['loc']))}': {e['msg']}"
-            + ("" if e["type"] != "extra_forbidden" else f"; known: {', '.join(SearchOptions.model_fields)}")
-            for e in exc.errors()
-        ]
 
 
 def _search(

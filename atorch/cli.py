@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes")
     serve.set_defaults(run=_cmd_serve)
     args = parser.parse_args(argv)
-    return args.run(args)
+    from atorch.log import console_while
+
+    with console_while():  # a command's log lines are its output: atorch's console, for the command
+        return args.run(args)
 
 
 if __name__ == "__main__":

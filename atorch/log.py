@@ -1,41 +1,91 @@
-"""Logging for atorch: rich output on rank 0, warnings only on the other ranks."""
+"""Logging for atorch, as a library logs: records go to the ``atorch`` logger and propagate, so an
+application's own logging configuration receives them; atorch adds no handler of its own unless asked.
+
+The ``atorch`` logger holds a ``NullHandler`` and a level: INFO on rank 0, WARNING on the other ranks
+(DEBUG on rank 0 with ``verbose``). ``console()`` (``auto_accelerate(verbose=True)``, the CLI) adds the
+rich console handler, on which lines carry their rank; while it is attached the records stop there
+instead of also reaching the root logger's handlers (no line is printed twice).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
+_ROOT = "atorch"
 _CONFIGURED = False
+_CONSOLE: logging.Handler | None = None  # the handler console() attached, if any
 
 
-def get_logger(name: str = "atorch") -> logging.Logger:
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def get_logger(name: str = _ROOT) -> logging.Logger:
     global _CONFIGURED
-    logger = logging.getLogger(name if name.startswith("atorch") else f"atorch.{name}")
+    logger = logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
     if not _CONFIGURED:
         _CONFIGURED = True
-        root = logging.getLogger("atorch")
-        rank = int(os.environ.get("RANK", "0"))
-        root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-        if not root.handlers:
-            try:
-                from rich.logging import RichHandler
-
-                handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
-            except ImportError:  # rich is a dependency; stay usable without it all the same
-                handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-            root.addHandler(handler)
-            root.propagate = False
+        root = logging.getLogger(_ROOT)
+        root.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)  # rank 0 speaks for the job
+        root.addHandler(logging.NullHandler())
     return logger
 
 
+def console(verbose: bool = False) -> logging.Handler:
+    """Print atorch's lines on the console (rich, ``[rankN]`` first), at DEBUG on rank 0 if ``verbose``.
+    Attached once; the CLI and ``auto_accelerate(verbose=True)`` call it."""
+    global _CONSOLE
+    root = get_logger()
+    if _CONSOLE is None or _CONSOLE not in root.handlers:
+        try:
+            from rich.logging import RichHandler
+
+            handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
+        except ImportError:  # rich is a dependency; stay usable without it all the same
+            handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank{_rank()}] %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+        _CONSOLE = handler
+    set_verbose(verbose)
+    return _CONSOLE
+
+
+@contextlib.contextmanager
+def console_while(verbose: bool = False) -> Iterator[logging.Handler]:
+    """atorch's console for the block (a CLI command); a console attached before stays after it."""
+    attached_here = _CONSOLE is None or _CONSOLE not in get_logger().handlers
+    handler = console(verbose)
+    try:
+        yield handler
+    finally:
+        if attached_here:
+            _detach_console()
+
+
+def _detach_console() -> None:
+    global _CONSOLE
+    root = get_logger()
+    if _CONSOLE is not None:
+        root.removeHandler(_CONSOLE)
+    root.propagate = True
+    _CONSOLE = None
+    set_verbose(False)
+
+
 def set_verbose(verbose: bool) -> None:
-    get_logger()
-    rank = int(os.environ.get("RANK", "0"))
+    """``verbose=True``: DEBUG on rank 0, on atorch's console. False: back to INFO on rank 0 (a console
+    attached earlier stays)."""
+    if verbose and (_CONSOLE is None or _CONSOLE not in get_logger().handlers):
+        console(verbose=True)
+        return
     level = logging.DEBUG if verbose else logging.INFO
-    logging.getLogger("atorch").setLevel(level if rank == 0 else logging.WARNING)
+    get_logger().setLevel(level if _rank() == 0 else logging.WARNING)
 
 
 class RepeatedWarnings:

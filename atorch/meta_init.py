@@ -35,10 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.log import get_logger
+from atorch.names import WRAPPER_PARTS
 
 logger = get_logger(__name__)
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+# Wrapper parts followed by a dot: a module's own name keeps a trailing wrapper part (the wrapped module is
+# initialised under a name of its own, apart from its wrapper's).
+_WRAPPER_PARTS = tuple(f"{part}." for part in sorted(WRAPPER_PARTS))
 # Measured while an FSDP2 model is materialised: parameter bytes alive on this rank (tests read it).
 LAST_STATS: dict[str, int] = {}
 

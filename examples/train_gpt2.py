@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import atorch
+from atorch.log import console
 from atorch.training import train_step
 
 WARMUP_STEPS = 3  # left out of the step-time median: first steps allocate and build caches
@@ -264,6 +265,7 @@ def print_summary(summary: dict[str, Any], problems: list[str], wall_s: float) -
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     args = parse_args(argv)
+    console()  # atorch's log lines on the console (a library is silent unless asked)
     try:
         summary = train(args)
         main_process = is_main()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,3 +41,23 @@ def run_json(script: str | Path, *args: str, nproc: int = 2, timeout: float = 30
     if not lines:
         raise AssertionError(f"{script} printed no RESULT line:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def launch_fixture(script: str | Path, *, timeout: float, groups: dict[str, int] | None = None) -> Any:
+    """A module-scoped ``launch`` fixture: the report of one run of ``script`` on 2 processes; with ``groups``
+    (group -> processes), one run per group, the group as the script's argument: ``(group, report)``."""
+    import pytest
+
+    if groups is None:
+        @pytest.fixture(scope="module", name="launch")
+        def launch_once() -> dict[str, Any]:
+            return run_json(script, timeout=timeout)
+
+        return launch_once
+
+    @pytest.fixture(scope="module", params=list(groups), name="launch")
+    def launch_group(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+        group = request.param
+        return group, run_json(script, group, nproc=groups[group], timeout=timeout)
+
+    return launch_group

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import toy_models
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
@@ -170,22 +171,14 @@ def tiny_gpt2(layers: int = 2) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-class TokenDataset(Dataset):
-    """Random token sequences; each item is {"input_ids", "labels"} (labels = inputs)."""
+class TokenDataset(toy_models.TokenDataset):
+    """Random token sequences of this module's sizes; each item is {"input_ids", "labels"} (labels = inputs)."""
 
     def __init__(self, samples: int = 64, seed: int = 2) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(1, VOCAB, (samples, SEQ_LEN), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+        super().__init__(samples, seed, vocab=VOCAB, seq_len=SEQ_LEN, first_token=1)
 
 
-def hf_loss(data, output):
-    return output.loss.float()
+hf_loss = toy_models.gpt2_loss
 
 
 class FlatMLP(nn.Module):

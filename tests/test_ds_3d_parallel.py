@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import shard_models as sm
 import torch
-from launcher import HERE, run_json
+from launcher import HERE, launch_fixture
 from torch import nn
 from workers.ds3d_worker import GROUPS
 
@@ -32,12 +32,7 @@ FP32_TOL = (1e-5, 1e-6)
 NPROC = {"pp2": 2, "pp2xdp2": 4}
 # GPT-2's wte/lm_head is held by the first and the last stage.
 TIED_COPY = {"gpt2": sm.VOCAB * 32, "llama": 0, "sequential": 0}
-
-
-@pytest.fixture(scope="module", params=list(GROUPS))
-def launch(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    group = request.param
-    return group, run_json(WORKER, group, nproc=NPROC[group], timeout=420)
+launch = launch_fixture(WORKER, timeout=420, groups=NPROC)
 
 
 @pytest.mark.distributed

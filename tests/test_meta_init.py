@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import toy_models
-from launcher import HERE, run_json
+from launcher import HERE, launch_fixture
 from torch import nn
 from workers.meta_worker import SCENARIOS
 
@@ -20,11 +20,7 @@ WORKER = HERE / "workers" / "meta_worker.py"
 # fp32: the same argument as test_numerics (same gradients reduced in another order, a few ulps of
 # 2^-23 per op over 4 SGD steps, which do not amplify rounding as AdamW does near zero gradients).
 FP32_TOL = (1e-5, 1e-6)
-
-
-@pytest.fixture(scope="module")
-def launch() -> dict[str, Any]:
-    return run_json(WORKER, timeout=300)
+launch = launch_fixture(WORKER, timeout=300)
 
 
 @pytest.mark.distributed

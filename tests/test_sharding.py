@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from launcher import HERE, run_json
+from launcher import HERE, launch_fixture
 from workers.sharding_worker import SCENARIOS
 
 WORKER = HERE / "workers" / "sharding_worker.py"
@@ -30,11 +30,7 @@ UNITS = {
     "bert/zero2": 2,
     "t5/checkpoint+fsdp": 4,
 }
-
-
-@pytest.fixture(scope="module")
-def launch() -> dict[str, Any]:
-    return run_json(WORKER, timeout=420)
+launch = launch_fixture(WORKER, timeout=420)
 
 
 @pytest.mark.distributed

@@ -176,7 +176,7 @@ def test_auto_accelerate_names_the_mistake_in_both_modes(load_strategy) -> None:
 
 @contextlib.contextmanager
 def captured(name: str) -> Iterator[list[logging.LogRecord]]:
-    """The records a logger emits in the block (atorch's loggers do not propagate to pytest's caplog)."""
+    """The records a logger emits in the block."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ from toy_models import TokenDataset, gpt2_loss, mlp, mlp_dataset, mlp_loss, tiny
 
 import atorch
 from atorch import Strategy, StrategyError
+from atorch.log import console_while
 from atorch.training import train_step
 
 MLP_ARGS = dict(
@@ -26,12 +27,9 @@ MLP_ARGS = dict(
 
 @pytest.fixture
 def atorch_log(caplog):
-    """atorch's logger does not propagate to the root logger, so attach caplog's handler to it."""
-    logger = logging.getLogger("atorch")
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.INFO)
-    yield caplog
-    logger.removeHandler(caplog.handler)
+    """atorch's records propagate to the root logger, where caplog listens; at INFO for the test."""
+    caplog.set_level(logging.INFO, logger="atorch")
+    return caplog
 
 
 def accelerate_problems(model=None, optim_func=torch.optim.SGD, **kwargs) -> list[str]:
@@ -232,6 +230,32 @@ def test_default_strategy_is_applied_and_returned(atorch_log, tmp_path):
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=1e-6)
     for got, want in zip(result.model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_an_applications_root_handler_receives_atorchs_lines(capsys):
+    """atorch adds no handler of its own (a NullHandler) unless asked: the application's logging config
+    gets its lines. With verbose, atorch's console prints them (rank first) and the root handler does not."""
+    atorch_logger = logging.getLogger("atorch")
+    assert [type(h) for h in atorch_logger.handlers] == [logging.NullHandler] and atorch_logger.propagate
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger().addHandler(handler)
+    try:
+        atorch.auto_accelerate(mlp(), torch.optim.SGD, load_strategy=["parallel_mode"], **MLP_ARGS)[1].close()
+        assert any(r.name == "atorch.accelerate" and r.getMessage().startswith("accelerated with [parallel_mode")
+                   for r in records), [r.getMessage() for r in records]
+        assert "accelerated with" not in capsys.readouterr().out
+        records.clear()
+        with console_while():
+            atorch.auto_accelerate(mlp(), torch.optim.SGD, load_strategy=["parallel_mode"], verbose=True,
+                                   **MLP_ARGS)[1].close()
+            assert atorch_logger.isEnabledFor(logging.DEBUG)
+        assert "[rank0] accelerated with [parallel_mode" in capsys.readouterr().out and not records
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert [type(h) for h in atorch_logger.handlers] == [logging.NullHandler] and atorch_logger.propagate
+    assert not atorch_logger.isEnabledFor(logging.DEBUG)
 
 
 def test_save_strategy_to_file_round_trips(tmp_path):

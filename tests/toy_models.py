@@ -55,9 +55,10 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
 class TokenDataset(Dataset):
     """Random token sequences; each item is {"input_ids", "labels"} for a causal LM."""
 
-    def __init__(self, samples: int = 64, seed: int = 2) -> None:
+    def __init__(self, samples: int = 64, seed: int = 2, *, vocab: int = VOCAB, seq_len: int = SEQ_LEN,
+                 first_token: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, VOCAB, (samples, SEQ_LEN), generator=g)
+        self.tokens = torch.randint(first_token, vocab, (samples, seq_len), generator=g)
 
     def __len__(self) -> int:
         return len(self.tokens)

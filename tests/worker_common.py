@@ -11,11 +11,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from atorch.model_context import call_model
 from atorch.opt_lib.tp_sequence_vocab import plain, step_context
 from atorch.training import train_step
+
+# The reference training of the strategy workers: steps, global batch, and plain SGD's learning rate
+# (rounding differences are not amplified as AdamW's normalisation does near zero grads).
+STEPS = 4
+GLOBAL_BATCH = 8
+LR = 0.1
+
+
+def repeated_batch(dataset: Any) -> Subset:
+    """The first global batch, once per step: memorised, so the loss falls far more than the tolerance."""
+    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
+
+
+def gathered(value: float) -> list[float]:
+    """``value`` from every rank, in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64)
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [o.item() for o in out]
 
 
 def reference_losses(

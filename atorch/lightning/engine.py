@@ -16,17 +16,17 @@ import torch
 from torch import nn
 
 from atorch import opt_lib  # noqa: F401  (registers the methods)
-from atorch.accelerate import _search, _search_options, preflight
+from atorch.accelerate import _search, preflight
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems
 from atorch.errors import SetupError, StrategyError
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.model_context import ModelContext, UserSetup
+from atorch.options import StrategyOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.prebuilt_optimizer import OptimizerFactory
 from atorch.strategy import Strategy
-from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
 
@@ -108,7 +108,7 @@ def _loss_is_output(data: Any, output: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def search(module: nn.Module, loader: Any, env: DistEnv, options: dict[str, Any],
+def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOptions,
            precision_method: tuple[str, Any] | None) -> tuple[Strategy, dict[str, Any]]:
     """atorch's automatic search on the LightningModule: its train dataset, and training_step as the loss.
 
@@ -119,11 +119,8 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: dict[str, Any]
         raise SetupError("ATorchStrategy without load_strategy searches a strategy with the train dataloader's "
                          "dataset and batch size; give a train_dataloader with a batch_size (a DataLoader), "
                          "or pass ATorchStrategy(load_strategy=[...])")
-    search_options, problems = _search_options(options.get("search"))
-    memory_limit = parse_bytes(options.get("memory_limit"))
-    if problems:
-        raise StrategyError(problems, what="ATorchStrategy: search options")
-    excluded = sorted(set(options.get("excluded") or []) | set(PRECISION_METHODS))
+    memory_limit = None if options.memory_limit is None else int(options.memory_limit)
+    excluded = sorted(set(options.excluded) | set(PRECISION_METHODS))
     setup = UserSetup(
         model=_TrainingStepModule(module), optim_func=torch.optim.SGD, dataset=loader.dataset,
         loss_func=_loss_is_output, model_input_format=None, optim_args={"lr": 0.0},
@@ -132,8 +129,8 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: dict[str, Any]
     with warnings.catch_warnings():  # self.log() in training_step has no Trainer in the search's copies
         warnings.filterwarnings("ignore", message=".*self.log.*")
         strategy, _, _, micro_batches, record = _search(
-            setup, env, excluded, list(options.get("included") or []), None, memory_limit,
-            options.get("time_limit"), search_options, options.get("strategy_server"))
+            setup, env, excluded, list(options.included), None, memory_limit, options.time_limit, options.search,
+            options.strategy_server)
     if micro_batches > 1:
         logger.warning("the search chose %d micro-batches per step; Lightning feeds whole batches, so use "
                        "Trainer(accumulate_grad_batches=...) and a smaller batch to follow it", micro_batches)

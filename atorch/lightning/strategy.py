@@ -22,14 +22,11 @@ from atorch.lightning import engine as engine_lib
 from atorch.lightning import state
 from atorch.lightning.precision import FLAG_TO_METHOD, flag_of
 from atorch.log import get_logger
+from atorch.options import StrategyOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
-
-OPTIONS = ("excluded", "included", "memory_limit", "time_limit", "search", "strategy_server",
-           "find_unused_parameters", "verbose", "save_strategy_to_file")
-
 
 class StrategyMixin:
     """Put before the namespace's DDPStrategy; ``_ns`` and ``_precision_cls`` are set per namespace."""
@@ -41,18 +38,17 @@ class StrategyMixin:
     def __init__(self, load_strategy: Any = None, *, accelerator: Any = None, parallel_devices: Any = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, start_method: str = "popen", **options: Any) -> None:
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise SetupError(f"ATorchStrategy got unknown option(s) {unknown}; accepted: load_strategy, "
-                             f"{', '.join(OPTIONS)}")
+        checked, problems = StrategyOptions.checked(options, "option(s)", accepted=("load_strategy",))
+        if problems:
+            raise SetupError(f"ATorchStrategy got bad options: {'; '.join(problems)}")
         if load_strategy is not None:
             Strategy.load(load_strategy)  # an unreadable or invalid strategy is refused here, before any launch
-        if options.get("verbose"):
+        if checked.verbose:
             from atorch.log import set_verbose
 
             set_verbose(True)
         self._load_strategy = load_strategy
-        self._options = options
+        self._options = checked
         self.engine: engine_lib.Engine | None = None
         self._flag = "32-true"
         self._eval_autocast: torch.dtype | None = None
@@ -152,9 +148,8 @@ class StrategyMixin:
         strategy, record = engine_lib.resolve(self._load_strategy, method, env.world_size), None
         if strategy is None:
             strategy, record = engine_lib.search(module, self._train_loader(trainer), env, self._options, method)
-        self.engine = engine_lib.build(module, strategy, factory, env,
-                                       bool(self._options.get("find_unused_parameters", False)), record)
-        path = self._options.get("save_strategy_to_file")
+        self.engine = engine_lib.build(module, strategy, factory, env, self._options.find_unused_parameters, record)
+        path = self._options.save_strategy_to_file
         if path and env.is_main:
             strategy.save(path)
         for config in schedulers:  # the schedulers drive the rebuilt optimizer (its groups carry their lr)

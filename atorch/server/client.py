@@ -8,12 +8,12 @@ with no dry-run.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
+from atorch.settings import settings
 from atorch.strategy_search.ask_tell import Proposal
 from atorch.strategy_search.candidates import CandidateTable
 from atorch.strategy_search.outcome import Measured
@@ -130,12 +130,12 @@ class RemotePlanner(Planner):
         if planner_args.get("storage") is None:
             planner_args["storage"] = "server"
         super().__init__(space, **planner_args)
-        url = server_url or os.environ.get(SERVER_ENV)
+        url = server_url or settings().strategy_server
         if not url:
             raise SetupError(f"no strategy server given: pass server_url= or set ${SERVER_ENV}")
         self.server_url = url
         self.lease_s = lease_s
-        self.client = StrategyClient(url, token if token is not None else os.environ.get(TOKEN_ENV), timeout_s)
+        self.client = StrategyClient(url, token if token is not None else settings().server_token, timeout_s)
 
     def _create(self) -> dict[str, Any]:
         return self.client.create_study(

@@ -31,22 +31,33 @@ events = sa.Table(
 )
 
 
+def connect_args(url: str) -> dict[str, Any]:
+    """The driver's arguments for one short commit per request (see the module's docstring); the Optuna
+    copy (store.open_storage) is opened with the same."""
+    if url.startswith("sqlite"):
+        return {"timeout": 30}
+    if url.startswith("postgresql"):
+        return {"options": "-c synchronous_commit=off"}
+    return {}
+
+
+def tune_sqlite(engine: sa.Engine) -> None:
+    """WAL and synchronous=NORMAL on every connection the engine opens from now on."""
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(conn: Any, _record: Any) -> None:
+        cursor = conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+
 def make_engine(url: str) -> sa.Engine:
     """An engine tuned for one short commit per request (see the module's docstring)."""
+    engine = sa.create_engine(url, connect_args=connect_args(url))
     if url.startswith("sqlite"):
-        engine = sa.create_engine(url, connect_args={"timeout": 30})
-
-        @sa.event.listens_for(engine, "connect")
-        def _pragmas(conn: Any, _record: Any) -> None:
-            cursor = conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.close()
-
-        return engine
-    if url.startswith("postgresql"):
-        return sa.create_engine(url, connect_args={"options": "-c synchronous_commit=off"})
-    return sa.create_engine(url)
+        tune_sqlite(engine)
+    return engine
 
 
 class EventLog:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import sys
 
 from atorch.errors import SetupError
+from atorch.settings import settings
 
 
 def is_loopback(host: str) -> bool:
@@ -32,7 +32,7 @@ def serve(host: str, port: int, storage: str | None, token: str | None, max_body
     from atorch.server.app import create_app
     from atorch.strategy_search.planner import default_storage
 
-    token = token or os.environ.get("ATORCH_SERVER_TOKEN") or None
+    token = token or settings().server_token
     try:
         check_bind(host, token)
     except SetupError as exc:

@@ -24,7 +24,6 @@ session advisory lock taken when it is loaded; a second server asking for it get
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
@@ -35,9 +34,10 @@ from typing import Any
 
 import optuna
 
-from atorch.server.events import EventLog
+from atorch.server.events import EventLog, connect_args, tune_sqlite
 from atorch.server.mirror import Mirror, rdb_trials
 from atorch.server.snapshot import placeholder, trial_from_json, trial_json
+from atorch.settings import settings
 from atorch.strategy_search.ask_tell import SearchState, make_sampler
 from atorch.strategy_search.candidates import CandidateTable
 
@@ -66,23 +66,13 @@ class StudyBusy(RuntimeError):
 
 def open_storage(url: str) -> Any:
     """The Optuna storage of a URL (the copy for the dashboards), tuned as the event log is."""
-    from sqlalchemy import event
-
     if url.startswith("sqlite"):
-        rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
-
-        @event.listens_for(rdb.engine, "connect")
-        def _pragmas(conn: Any, _record: Any) -> None:
-            cursor = conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.close()
-
+        rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect_args(url)})
+        tune_sqlite(rdb.engine)
         rdb.engine.dispose()  # connections opened before the listener reconnect with the pragmas
         return rdb
     if url.startswith("postgresql"):
-        return optuna.storages.RDBStorage(
-            url, engine_kwargs={"connect_args": {"options": "-c synchronous_commit=off"}})
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect_args(url)})
     return optuna.storages.get_storage(url)
 
 
@@ -133,7 +123,7 @@ class Live:
 class Studies:
     def __init__(self, storage: str, clock: Any = time.time, mirror_interval_s: float | None = None) -> None:
         if mirror_interval_s is None:  # how often the Optuna copy is written (seconds)
-            mirror_interval_s = float(os.environ.get("ATORCH_SERVER_MIRROR_S", "2"))
+            mirror_interval_s = settings().server_mirror_s
         self.storage = open_storage(storage)
         self.log = EventLog(storage)
         self.mirror = Mirror(self.storage, mirror_interval_s, self.log.write_lock)

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from atorch.distributed import DistEnv
 from atorch.dryrun.runner import DryRunSession, TrialResult
 from atorch.errors import SetupError, StrategyError
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
+from atorch.options import SearchOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.describe import describe_record
@@ -36,49 +36,6 @@ from atorch.strategy_search.progress import SearchProgress, rejudged
 logger = get_logger(__name__)
 
 FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word, at least
-
-
-class SearchOptions(BaseModel):
-    """``auto_accelerate(..., search={...})``: how the automatic search runs (every key optional)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_trials: int = Field(default=8, ge=1, description="most dry-runs")
-    patience: int | None = Field(default=None, ge=1, description="stop after this many dry-runs without improvement")
-    warmup_steps: int = Field(default=2, ge=0, description="untimed steps of a dry-run (memory is measured here)")
-    measure_steps: int = Field(default=5, ge=1, description="timed steps of a dry-run (the median is kept)")
-    min_measure_s: float = Field(default=1.0, ge=0, description=(
-        "timed steps go on past measure_steps until they add up to this many seconds (at most max_measure_steps): "
-        "steps of a few milliseconds are too noisy to rank candidates on a handful of them"))
-    max_measure_steps: int = Field(default=50, ge=1, description="the most timed steps of a dry-run")
-    trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
-    confirm_within: float = Field(default=0.15, ge=0, lt=1, description=(
-        "when the runner-up measured within this fraction of the best, both run once more and keep their faster "
-        "run (two of max_trials; 0: off; with a strategy server too: the server records the second runs)"))
-    sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
-    storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
-    force: bool = Field(default=False, description="search again even if a finished search has the same key")
-    dryrun: bool = Field(default=True, description="False: pick by the cost model alone, with no dry-run")
-    top_k: int = Field(default=3, ge=0, description="cost-model favourites enqueued first")
-    max_micro_batch_size: int | None = Field(default=None, ge=1, description="largest micro-batch per rank searched")
-    hardware_profile: str | None = Field(
-        default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
-    )
-    seed: int = 0
-    skip_slower_than: float | None = Field(default=4.0, gt=1, description=(
-        "a candidate the cost model predicts this many times slower than the best measured one is not dry-run "
-        "(recorded as skipped, with the factor); null: dry-run whatever the sampler proposes"))
-    loop: Literal["user", "train_step"] = Field(default="user", description=(
-        "'user': only strategies under which your own training loop (README Quick start: model(**data), "
-        "loss.backward(), optim.step()) runs unchanged; 'train_step': you train with atorch.train_step, so "
-        "methods that need it (pipeline parallel, DeepSpeed's 3D engine, loss_parallel) are searched too"))
-    precision: Literal["exact", "mixed", "low"] = Field(default="mixed", description=(
-        "how far the numerics may change: 'exact' keeps your dtypes (no autocast); 'mixed' adds 16-bit compute "
-        "with fp32 master weights and optimizer state (amp_native); 'low' adds 16-bit weights and optimizer "
-        "state with no fp32 master copy ('half'). A method in included= is used whatever this says"))
-    server_fallback: bool = Field(
-        default=False, description="if the strategy server cannot be reached or fails: log it and search locally"
-    )
 
 
 @dataclass

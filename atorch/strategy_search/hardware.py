@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict
 
 from atorch.distributed import all_gather_json
 from atorch.log import get_logger
+from atorch.settings import cache_dir
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
@@ -134,14 +135,14 @@ def load_profile(path: str | Path) -> HardwareProfile:
 
 # ----- cache ---------------------------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATORCH_CACHE_DIR") or Path.home() / ".cache" / "atorch") / "profiles"
+def profile_dir() -> Path:
+    return cache_dir() / "profiles"
 
 
 def cache_path(device_name: str, world_size: int, backend: str) -> Path:
     key = f"{device_name}|{world_size}|{backend}|{torch.__version__}|format {PROFILE_FORMAT}"
     slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{device_name}_{world_size}x_{backend}").strip("_")[:80]
-    return cache_dir() / f"{slug}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    return profile_dir() / f"{slug}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
 
 def _read_cache(path: Path) -> dict[str, Any] | None:

@@ -37,19 +37,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from atorch.class_ref import class_path
 from atorch.log import RepeatedWarnings, get_logger
+from atorch.settings import cache_dir
 from atorch.strategy_search.analyser import StepError, identity_json
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_RUNS,
@@ -74,10 +73,6 @@ from atorch.strategy_search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
 COST_MODEL_ONLY_MARGIN = 0.05  # a pick that no dry-run checks stays this far under the memory budget
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ATORCH_CACHE_DIR") or Path.home() / ".cache" / "atorch")
 
 
 def default_storage() -> str:

@@ -21,15 +21,11 @@ import shard_models as sm
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Subset
-from worker_common import reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, gathered, reference_losses, repeated_batch, run_each
 
 import atorch
 from atorch.training import train_step
 
-STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 def sequential_model() -> nn.Sequential:
     """A plain nn.Sequential (blocks in a nested Sequential): the generic conversion, no transformers."""
@@ -85,21 +81,9 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 }
 
 
-def repeated_batch(dataset: Any) -> Subset:
-    """The first global batch, once per step: memorised, so the loss falls far more than the tolerance."""
-    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
-
-
 def make(name: str) -> nn.Module:
     torch.manual_seed(0)
     return MODELS[name].make()
-
-
-def _gathered(value: float) -> list[float]:
-    mine = torch.tensor([value], dtype=torch.float64)
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [o.item() for o in out]
 
 
 def tied_checksum(layers: nn.Module) -> float:
@@ -120,15 +104,15 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
     )
     layers = result.model.module  # this rank's PipelineModule
     entry: dict[str, Any] = {"whole": sum(p.numel() for p in model.parameters())}
-    entry["local"] = _gathered(sum(p.numel() for p in layers.parameters()))
-    entry["stage"] = _gathered(layers._topo.get_coord(dist.get_rank()).pipe)
+    entry["local"] = gathered(sum(p.numel() for p in layers.parameters()))
+    entry["stage"] = gathered(layers._topo.get_coord(dist.get_rank()).pipe)
     entry["engine"] = type(result.model).__name__
     # ZeRO-1: the fp32 optimizer partition this rank updates (its share of the stage's parameters).
-    entry["zero_partition"] = _gathered(sum(t.numel() for t in result.model.optimizer.single_partition_of_fp32_groups))
+    entry["zero_partition"] = gathered(sum(t.numel() for t in result.model.optimizer.single_partition_of_fp32_groups))
     batches = iter(result.dataloader)
     entry["losses"] = [train_step(result, [next(batches)]).item() for _ in range(STEPS)]
-    entry["loss_on_ranks"] = _gathered(entry["losses"][-1])
-    entry["tied"] = _gathered(tied_checksum(layers))
+    entry["loss_on_ranks"] = gathered(entry["losses"][-1])
+    entry["tied"] = gathered(tied_checksum(layers))
     try:  # a hand-written forward points to train_step
         result.model(result.prepare_input(next(batches), result.args.device))
         entry["forward_error"] = None

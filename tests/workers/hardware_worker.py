@@ -16,7 +16,7 @@ import json
 import time
 
 from atorch.distributed import all_gather_json, init_distributed
-from atorch.strategy_search.hardware import cache_dir, measure_profile
+from atorch.strategy_search.hardware import measure_profile, profile_dir
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
         timed[name] = time.perf_counter() - start
     everyone = all_gather_json({"profiles": profiles, "times": timed})
     if env.is_main:
-        files = sorted(p.name for p in cache_dir().glob("*"))
+        files = sorted(p.name for p in profile_dir().glob("*"))
         print("RESULT " + json.dumps({"ranks": everyone, "cache_files": files}), flush=True)
 
 

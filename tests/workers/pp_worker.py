@@ -22,15 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Subset
-from worker_common import reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, reference_losses, run_each
 
 import atorch
 from atorch.optimizer import local_tensor
 from atorch.training import train_step
-
-STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
 
 
 class ConvBlock(nn.Module):

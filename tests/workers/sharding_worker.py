@@ -21,15 +21,9 @@ import shard_models as sm
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.data import Subset
-from worker_common import losses_of, reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, losses_of, reference_losses, repeated_batch, run_each
 
 import atorch
-
-STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
-
 
 MODELS = {
     "vit": sm.Setup(sm.SequentialViT, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
@@ -55,11 +49,6 @@ SCENARIOS: dict[str, tuple[str, list[Any]]] = {
     "t5/checkpoint": ("t5", ["checkpoint"]),
     "t5/checkpoint+fsdp": ("t5", ["checkpoint", "fsdp"]),
 }
-
-
-def repeated_batch(dataset: Any) -> Subset:
-    """The first global batch, once per step: memorised, so the loss falls far more than the tolerance."""
-    return Subset(dataset, [i % GLOBAL_BATCH for i in range((STEPS + 1) * GLOBAL_BATCH)])
 
 
 def make(name: str) -> torch.nn.Module:

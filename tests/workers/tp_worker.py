@@ -25,17 +25,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
-from worker_common import losses_of, mean_over_ranks, reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, losses_of, mean_over_ranks, reference_losses, run_each
 
 import atorch
 from atorch.model_context import call_model
 from atorch.opt_lib.tp_sequence_vocab import plain, step_context
 from atorch.training import eval_logits, train_step
-
-STEPS = 4
-GLOBAL_BATCH = 8
-LR = 0.1  # plain SGD: rounding differences are not amplified as AdamW's normalisation does near zero grads
-
 
 MODELS = {
     "llama": sm.Setup(sm.tiny_llama, sm.TokenDataset, sm.hf_loss, "unpack_dict"),

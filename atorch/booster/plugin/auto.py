@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from atorch.booster.plugin.base import Plugin
+from atorch.errors import SetupError
+from atorch.options import AutoOptions
 
 
 class AutoPlugin(Plugin):
@@ -18,8 +20,9 @@ class AutoPlugin(Plugin):
     ``criterion(outputs)`` if it takes one argument) during the dry-runs.
 
     Translation (argument -> atorch):
-    - ``memory_limit``, ``time_limit``, ``excluded``, ``included``, ``search`` -> the same ``auto_accelerate``
-      arguments
+    - ``memory_limit``, ``time_limit``, ``excluded``, ``included``, ``search`` and the other keyword options of
+      ``auto_accelerate`` (``strategy_server``, ``verbose``, ...) -> the same ``auto_accelerate`` arguments,
+      checked here (``atorch.options``)
 
     The picked strategy is ``booster.strategy`` after ``boost``. Where the search picks several micro-batches per
     step (``booster.gradient_accumulation_steps`` > 1), the dataloader yields micro-batches: run all but the last
@@ -29,12 +32,16 @@ class AutoPlugin(Plugin):
     control_precision_flag = True
 
     def __init__(self, memory_limit: Any = None, time_limit: float | None = None, excluded: list[str] | None = None,
-                 included: list[str] | None = None, search: dict[str, Any] | None = None) -> None:
+                 included: list[str] | None = None, search: dict[str, Any] | None = None, **options: Any) -> None:
         super().__init__()
+        given = {"memory_limit": memory_limit, "time_limit": time_limit, "excluded": excluded, "included": included,
+                 "search": search, **options}
+        _, problems = AutoOptions.checked(given, "option(s)")
+        if problems:  # refused when the plugin is made, as auto_accelerate would refuse them at boost
+            raise SetupError(f"AutoPlugin got bad options: {'; '.join(problems)}")
         self.accelerate_kwargs = {"excluded": list(excluded or []), "included": list(included or [])}
-        for key, value in (("memory_limit", memory_limit), ("time_limit", time_limit), ("search", search)):
-            if value is not None:
-                self.accelerate_kwargs[key] = value
+        self.accelerate_kwargs.update({k: v for k, v in given.items() if k not in self.accelerate_kwargs
+                                       and v is not None})
 
     def methods(self) -> None:
         return None

@@ -1,0 +1,35 @@
+"""atorch's environment variables (``ATORCH_*``), read in one place with pydantic-settings.
+
+``settings()`` reads the environment at each call: a test or a launcher that sets a variable after
+``import atorch`` is heard. An empty variable counts as unset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every ``ATORCH_*`` variable that atorch reads (the field name in upper case, after ``ATORCH_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="ATORCH_", env_ignore_empty=True, extra="ignore")
+
+    cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "atorch", description=(
+        "where searches (search.db) and hardware profiles (profiles/) are kept"))
+    strategy_server: str | None = Field(default=None, description=(
+        "the strategy server's URL, when auto_accelerate's strategy_server is not given"))
+    server_token: str | None = Field(default=None, description="bearer token of the strategy server (client and serve)")
+    server_mirror_s: float = Field(default=2.0, gt=0, description=(
+        "how often the server writes its Optuna copy of the studies (seconds)"))
+
+
+def settings() -> Settings:
+    return Settings()
+
+
+def cache_dir() -> Path:
+    """The directory atorch keeps its caches in: ``$ATORCH_CACHE_DIR``, else ``~/.cache/atorch``."""
+    return settings().cache_dir
