@@ -1,16 +1,18 @@
 """atorch: a strategy-search auto-accelerator for PyTorch training."""
 
-from atorch.accelerate import AccelerateArgs, AccelerateResult, auto_accelerate
+from atorch.accelerate import AccelerateArgs, auto_accelerate
 from atorch.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
-from atorch.errors import AtorchError, SetupError, StrategyError
+from atorch.errors import AtorchError, NoStrategyFound, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair
+from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
 from atorch.training import train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccelerateArgs", "AccelerateResult", "AtorchError", "CheckpointError", "SetupError", "Strategy", "StrategyError",
+    "AccelerateArgs", "AccelerateResult", "AtorchError", "CheckpointError", "NoStrategyFound", "SetupError", "Strategy",
+    "StrategyError",
     "auto_accelerate", "export_consolidated", "load_checkpoint", "register_replace_pair", "save_checkpoint",
     "train_step",
 ]

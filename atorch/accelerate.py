@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -17,42 +16,18 @@ from atorch import (
 )
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
-from atorch.errors import StrategyError
+from atorch.errors import NoStrategyFound, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
 from atorch.opt_lib.registry import get_method, is_registered, method_names
 from atorch.parallel_layout import ParallelLayout
+from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
-
-_RESULT_FIELDS = ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
-
-
-class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
-    """ATorch's result namedtuple, plus ``close()``: release everything it holds.
-
-    ``with auto_accelerate(...)[1] as result:`` closes it at the end of the block. Dropping every
-    reference to a result also frees it; ``close()`` does so at once, even while other references
-    to its parts remain (a trial of the search, a notebook cell).
-    """
-
-    __slots__ = ()
-
-    def close(self) -> None:
-        from atorch.lifecycle import release
-
-        release(self)
-
-    def __enter__(self) -> AccelerateResult:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 KNOWN_KWARGS = (
     "verbose", "find_unused_parameters", "ignore_dryrun_on_load_strategy", "time_limit", "memory_limit", "search",
@@ -183,12 +158,14 @@ def auto_accelerate(
     finetune_strategy: bool = False,
     save_strategy_to_file: str | None = None,
     **kargs: Any,
-) -> tuple[bool, AccelerateResult, Strategy]:
+) -> tuple[bool, AccelerateResult, Strategy | None]:
     """Rewrite model, optimizer and dataloader to train with a strategy on the launched processes.
 
-    Returns ``(status, result, strategy)``; ``result`` is an AccelerateResult namedtuple
-    ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``.
+    Returns ``(status, result, strategy)``; ``result`` is ATorch's namedtuple
+    ``(model, optim, dataloader, loss_func, prepare_input, args)`` with ``result.lr_scheduler`` by name.
     Every problem with the arguments or the strategy is raised together, before anything is built.
+    ``status`` is False (result empty, ``result.reason`` says why, strategy None) where ATorch's is: the
+    automatic search found no strategy that fits and runs.
     """
     unknown = sorted(set(kargs) - set(KNOWN_KWARGS))
     problems = [f"unknown keyword argument(s) {unknown}; accepted: {', '.join(KNOWN_KWARGS)}"] if unknown else []
@@ -257,10 +234,14 @@ def auto_accelerate(
                        strategy)
     elif load_strategy is None or finetune_strategy:
         # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
-        strategy, setup, skipped, micro_batches, search_record = _search(
-            setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
-            search_options, strategy_server,
-        )
+        try:
+            strategy, setup, skipped, micro_batches, search_record = _search(
+                setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
+                search_options, strategy_server,
+            )
+        except NoStrategyFound as exc:  # ATorch's status False (every rank hears it from rank 0)
+            logger.error("%s", exc)
+            return False, AccelerateResult.failed(exc.problems), None
 
     ctx = build_context(setup, env, strategy, skipped)
     if save_strategy_to_file and env.is_main:

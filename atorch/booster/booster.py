@@ -94,10 +94,12 @@ class Booster:
             data_size = plugin.layout(env.world_size).data_size
             kwargs["dataloader_args"] = {"batch_size": (per_rank or 1) * data_size}
         try:
-            _, result, self.strategy = auto_accelerate(model, **kwargs)
+            status, result, self.strategy = auto_accelerate(model, **kwargs)
         except StrategyError as exc:
             raise StrategyError(exc.problems, what=f"{plugin!r} (as atorch strategy {strategy}) cannot be "
                                 "applied") from None
+        if not status:  # boost has no status to return: the search's "no strategy" is an error here
+            raise StrategyError(list(result.problems), what=f"{plugin!r}: the automatic search found no strategy")
         self.result = result
         self._set_scaler(result, plugin)
         boosted_model = BoostedModel(result)
