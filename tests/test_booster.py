@@ -72,7 +72,7 @@ EXPECTED = {  # scenario -> methods of the translated strategy, with the config 
     "LowLevelZeroPlugin[stage1,bf16]": {"parallel_mode": {}, "amp_native": {"dtype": "bf16"}, "zero1": {}},
     "LowLevelZeroPlugin[stage2]": {"parallel_mode": {}, "zero2": {"cpu_offload": False}},
     "GeminiPlugin[offload]": {"parallel_mode": {}, "amp_native": {"dtype": "bf16"}, "fsdp": {"cpu_offload": True}},
-    "HybridParallelPlugin[tp2]": {"parallel_mode": {"dims": [["data", 1], ["tensor", 2]]}, "tensor_parallel": {}},
+    "HybridParallelPlugin[tp2]": {"parallel_mode": {"dims": [["tensor", 2], ["data", 1]]}, "tensor_parallel": {}},
 }
 
 

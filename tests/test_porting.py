@@ -9,6 +9,7 @@ import torch
 from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
+from atorch.parallel_layout import ParallelLayout
 from atorch.result import AccelerateResult
 
 MLP_ARGS = dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
@@ -66,3 +67,83 @@ def test_invalid_input_still_raises_with_every_problem() -> None:
     with pytest.raises(atorch.StrategyError) as err:
         atorch.auto_accelerate(mlp(), torch.optim.SGD, **MLP_ARGS, load_strategy=["nope"], time_limit=-1)
     assert len(err.value.problems) >= 2
+
+
+# ATorch's documented 16-rank example and the groups its documentation lists, dimension by dimension.
+ATORCH_16 = [("tensor", 4), ("pipeline", 2), ("data", 2)]
+ATORCH_16_GROUPS = {
+    "tensor": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]],
+    "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "data": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+}
+
+
+def _groups(ranks: torch.Tensor, dim: int) -> list[list[int]]:
+    """The process groups a DeviceMesh makes along ``dim`` of its rank tensor (torch sorts each group)."""
+    return sorted(sorted(g) for g in ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist())
+
+
+def test_parallel_mode_orders_ranks_as_atorch_documents() -> None:
+    strategy = atorch.Strategy.load([("parallel_mode", (ATORCH_16, None)), "tensor_parallel", "pipeline_parallel"])
+    layout = ParallelLayout.of(strategy, 16)
+    assert layout.dims == tuple(ATORCH_16)
+    ranks = layout.ranks()  # the tensor the DeviceMesh is built from
+    for dim, (name, _) in enumerate(ATORCH_16):
+        assert _groups(ranks, dim) == ATORCH_16_GROUPS[name], name
+        assert layout.groups_follow_coordinates(name)  # FSDP2's group ranks = DTensor's coordinates (DCP)
+    for rank in range(16):  # each rank's coordinate is its place in its group of every dimension
+        coordinate = layout.coordinate(rank)
+        for name, groups in ATORCH_16_GROUPS.items():
+            group = next(g for g in groups if rank in g)
+            assert coordinate[name] == group.index(rank), (rank, name)
+        assert layout.data_rank(rank) == rank // 8
+    # ATorch's fitting: ([("tensor", 2), ("pipeline", 2), ("data", 2)], None) at 16 becomes data 4
+    fitted = ParallelLayout.of(atorch.Strategy.load(
+        [("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 2)], None)), "mixed_parallel"]), 16)
+    assert fitted.dims == (("tensor", 2), ("pipeline", 2), ("data", 4))
+    # no "data" listed: it goes outermost, the listed dimensions keep consecutive ranks
+    no_data = ParallelLayout.of(atorch.Strategy.load([("parallel_mode", ([("tensor", 2)], None)),
+                                                      "tensor_parallel"]), 4)
+    assert no_data.dims == (("tensor", 2), ("data", 2)) and _groups(no_data.ranks(), 0) == [[0, 1], [2, 3]]
+
+
+def test_a_rank_order_places_ranks_in_atorchs_position_order() -> None:
+    # position p (first dimension fastest) holds rank_order[p]
+    layout = ParallelLayout((("tensor", 2), ("data", 2)), rank_order=(3, 2, 1, 0))
+    assert _groups(layout.ranks(), 0) == [[0, 1], [2, 3]] and layout.coordinate(3) == {"tensor": 0, "data": 0}
+    assert layout.coordinate(0) == {"tensor": 1, "data": 1} and not layout.groups_follow_coordinates("tensor")
+
+
+def test_deepspeed_topology_matches_the_layout() -> None:
+    pytest.importorskip("deepspeed")
+    from atorch.opt_lib.ds_3d_parallel import topology_of
+
+    layout = ParallelLayout((("tensor", 2), ("pipeline", 2), ("data", 2)))
+    topology = topology_of(layout)
+    for name, axis in (("tensor", "model"), ("pipeline", "pipe"), ("data", "data")):
+        assert sorted(topology.get_axis_comm_lists(axis)) == _groups(layout.ranks(), layout.names.index(name))
+    for rank in range(8):
+        coord = topology.get_coord(rank)
+        assert (coord.model, coord.pipe, coord.data) == tuple(layout.coordinate(rank).values())
+
+
+def test_the_search_keeps_tensor_groups_on_consecutive_ranks() -> None:
+    from toy_models import tiny_gpt2
+
+    from atorch.strategy_search.space import SearchSpace
+
+    space = SearchSpace(tiny_gpt2(), 8, 16, loop="train_step", precision="low")
+    layouts = {ParallelLayout.of(c.strategy, 8) for c in space.enumerate()}
+    split = [layout for layout in layouts if layout.size("tensor") > 1]
+    assert split, "no tensor-parallel candidate at 8 ranks"
+    for layout in split:  # tensor first (fastest), then pipeline, data outermost
+        assert layout.names[0] == "tensor" and layout.names[-1] == "data", layout
+        tp = layout.size("tensor")
+        assert _groups(layout.ranks(), 0) == [list(range(i, i + tp)) for i in range(0, 8, tp)], layout
+
+
+def test_tensor_groups_that_span_nodes_are_counted() -> None:
+    atorch_order = ParallelLayout(tuple(ATORCH_16))
+    assert atorch_order.groups_across_nodes("tensor", 8) == 0 and atorch_order.groups_across_nodes("data", 8) == 8
+    tensor_last = ParallelLayout((("data", 2), ("pipeline", 2), ("tensor", 4)))  # tensor varies slowest
+    assert tensor_last.groups_across_nodes("tensor", 8) == 4 and tensor_last.groups_across_nodes("tensor", 16) == 0

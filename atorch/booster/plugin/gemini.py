@@ -74,7 +74,7 @@ class GeminiPlugin(Plugin):
         return ["fp16", "bf16"]
 
     def methods(self) -> list[Any]:
-        dims = [["data", -1]] + ([["tensor", self.tp_size]] if self.tp_size > 1 else [])
+        dims = ([["tensor", self.tp_size]] if self.tp_size > 1 else []) + [["data", -1]]  # tensor varies fastest
         methods: list[Any] = [("parallel_mode", {"dims": dims}),
                               *precision_methods(self.precision, self.master_weights)]
         if self.use_fp8:
