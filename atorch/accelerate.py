@@ -21,6 +21,7 @@ from atorch.input_checks import input_problems, launch_problems, wrapped_model_p
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
+from atorch.no_optimizer import no_optimizer_problems
 from atorch.opt_lib.registry import get_method, is_registered, method_names
 from atorch.parallel_layout import ParallelLayout
 from atorch.result import AccelerateResult
@@ -90,7 +91,7 @@ def _setup_problems(setup: UserSetup, excluded: Any, included: Any) -> list[str]
     problems = []
     if not isinstance(setup.model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(setup.model).__name__}")
-    if not callable(setup.optim_func):
+    if setup.optim_func is not None and not callable(setup.optim_func):
         problems.append("optim_func must be an optimizer class or a function (params, **optim_args) -> optimizer")
     if setup.loss_func is not None and not callable(setup.loss_func):
         problems.append("loss_func must be callable as loss_func(data, output)")
@@ -189,7 +190,7 @@ def auto_accelerate(
         problems.append("finetune_strategy=True searches around load_strategy: give load_strategy too, "
                         "or drop finetune_strategy for a full search")
     setup = UserSetup(
-        model=model, optim_func=optim_func if optim_func is not None else torch.optim.AdamW,
+        model=model, optim_func=optim_func,  # None: no optimizer, as in ATorch (atorch/no_optimizer.py)
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
         model_input_format=model_input_format, optim_args=_copy_if_dict(optim_args),
         optim_param_func=optim_param_func, dataloader_args=_copy_if_dict(dataloader_args),
@@ -211,6 +212,9 @@ def auto_accelerate(
             load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
         )
         problems += strategy_problems
+        if optim_func is None:
+            problems += no_optimizer_problems(strategy, lr_scheduler_cls, load_strategy is None and dataset is not None
+                                              or finetune_strategy)
         if strategy is not None and not strategy_problems and not setup_problems:
             layout = ParallelLayout.of(strategy, env.world_size)
             batch = setup.dataloader_args.get("batch_size", 1)

@@ -147,3 +147,114 @@ def test_tensor_groups_that_span_nodes_are_counted() -> None:
     assert atorch_order.groups_across_nodes("tensor", 8) == 0 and atorch_order.groups_across_nodes("data", 8) == 8
     tensor_last = ParallelLayout((("data", 2), ("pipeline", 2), ("tensor", 4)))  # tensor varies slowest
     assert tensor_last.groups_across_nodes("tensor", 8) == 4 and tensor_last.groups_across_nodes("tensor", 16) == 0
+
+
+# ----- ATorch's config keys ----------------------------------------------------------------------------
+def test_atorch_config_keys_are_read_with_their_meaning() -> None:
+    import functools
+
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    def config(*item: object) -> dict:
+        return atorch.Strategy.load([item]).get(item[0]).model_dump()
+
+    # fp8's documented default dict, as ATorch prints it, plus verbose
+    fp8 = {"include": None, "exclude": None, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
+           "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": True}
+    assert config("fp8", {**fp8, "verbose": True}) == {**fp8, "verbose": True}
+    assert config("amp_native", "bf16")["dtype"] == "bf16" == config("amp_native", torch.bfloat16)["dtype"]
+    fsdp = config("fsdp", {"atorch_size_based_min_num_params": 1000, "atorch_ignored_cls": ("head",),
+                           "fsdp_wrap_params_outmost": True, "sharding_strategy": ShardingStrategy.SHARD_GRAD_OP,
+                           "backward_prefetch": BackwardPrefetch.BACKWARD_PRE})
+    assert (fsdp["wrap_min_num_params"], fsdp["ignored_modules"]) == (1000, ("head",))
+    assert fsdp["wrap_trainable_outmost"] and fsdp["reshard_after_forward"] is False
+    assert config("fsdp", {"wrap_trainable_outmost": True, "sharding_strategy": "FULL_SHARD"})["reshard_after_forward"]
+    layer = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={torch.nn.Linear})
+    assert config("fsdp", {"auto_wrap_policy": layer})["atorch_wrap_cls"] == ("torch.nn.modules.linear.Linear",)
+    assert config("zero2", {"auto_wrap_policy": ModuleWrapPolicy({torch.nn.Linear})})["atorch_wrap_cls"] == (
+        "torch.nn.modules.linear.Linear",)
+    sized = functools.partial(size_based_auto_wrap_policy, min_num_params=500)
+    assert config("fsdp", {"auto_wrap_policy": sized})["wrap_min_num_params"] == 500
+    assert config("zero2", {"not_use_fsdp": False, "sharding_strategy": "SHARD_GRAD_OP"})["implementation"] == "fsdp2"
+
+
+@pytest.mark.parametrize(("item", "equivalent"), [
+    (("zero2", {"not_use_fsdp": True}), "zero2 {'implementation': 'deepspeed'}"),
+    (("fsdp", {"sharding_strategy": "NO_SHARD"}), "keep 'parallel_mode' (DDP)"),
+    (("fsdp", {"sharding_strategy": "HYBRID_SHARD"}), "hybrid sharding"),
+    (("zero2", {"sharding_strategy": "FULL_SHARD"}), "use 'fsdp' instead of 'zero2'"),
+    (("fsdp", {"mixed_precision": {"param_dtype": torch.bfloat16}}), "('amp_native', {'dtype': 'bf16'})"),
+    (("fsdp", {"auto_wrap_policy": lambda *a, **k: True}), "atorch_wrap_cls=(MyBlock,)"),
+    (("fsdp", {"atorch_ignored_cls": ("a",), "ignored_modules": ("b",)}), "ATorch's name for ignored_modules"),
+    (("parallel_mode", ([("zero", 4)], None)), "write ('data', 4)"),
+    (("parallel_mode", ([("zero", 2), ("data", 2)], None)), "hybrid sharding"),
+])
+def test_atorch_keys_without_an_equivalent_name_it(item: tuple, equivalent: str) -> None:
+    with pytest.raises(atorch.StrategyError) as err:
+        atorch.Strategy.load([item])
+    assert equivalent in str(err.value)
+
+
+class _LoraLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.lora_a, self.lora_b = torch.nn.Linear(8, 2, bias=False), torch.nn.Linear(2, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class _LoraNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_LoraLinear() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_wrap_trainable_outmost_puts_the_adapters_in_the_root_unit() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from atorch.training import train_step
+
+    torch.manual_seed(0)
+    data = [torch.randn(8) for _ in range(8)]
+    _, result, _ = atorch.auto_accelerate(
+        _LoraNet(), torch.optim.SGD, data, lambda batch, out: (out - batch).pow(2).mean(),
+        dataloader_args={"batch_size": 4}, optim_args={"lr": 0.1},
+        load_strategy=[("fsdp", {"atorch_wrap_cls": (_LoraLinear,), "fsdp_wrap_params_outmost": True})])
+    with result:
+        units = {name for name, m in result.model.named_modules() if isinstance(m, FSDPModule)}
+        assert units == {"", "blocks.0.base", "blocks.1.base"}  # the frozen parts; adapters in the root
+        before = {k: v.full_tensor().clone() for k, v in result.model.state_dict().items()}
+        loss = float(train_step(result, [next(iter(result.dataloader))]))
+        after = {k: v.full_tensor() for k, v in result.model.state_dict().items()}
+        assert torch.isfinite(torch.tensor(loss))
+        assert all(torch.equal(before[k], after[k]) == (".base." in k) for k in before), "only adapters train"
+
+
+def test_optim_func_none_builds_no_optimizer() -> None:
+    status, result, _ = atorch.auto_accelerate(mlp(), None, **{**MLP_ARGS, "optim_args": None},
+                                               load_strategy=["parallel_mode", ("amp_native", "fp16")])
+    with result:
+        model, optim, dataloader, _, prepare_input, args = result
+        assert status and optim is None and result.lr_scheduler is None and not args.use_optim_backward
+        x, y = prepare_input(next(iter(dataloader)))
+        with torch.no_grad():
+            assert model(x).dtype == torch.float16  # autocast still applies, without loss scaling
+
+
+def test_optim_func_none_refuses_what_needs_an_optimizer() -> None:
+    with pytest.raises(atorch.StrategyError) as err:
+        atorch.auto_accelerate(mlp(), None, **MLP_ARGS, load_strategy=["zero1"],
+                               lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 1})
+    text = str(err.value)
+    assert "'zero1' shards the optimizer's state: give optim_func" in text and "lr_scheduler_cls needs" in text
+    with pytest.raises(atorch.StrategyError, match="automatic search measures training steps"):
+        atorch.auto_accelerate(mlp(), None, **MLP_ARGS)

@@ -86,6 +86,9 @@ class Booster:
         kwargs["loss_func"] = criterion_as_loss_func(lambda: criterion_box["criterion"])
         if optimizer is not None:
             kwargs.update(self._optimizer_kwargs(factory_from_optimizer(optimizer, model), optimizer, plugin))
+        else:  # boost(model) alone: an optimizer nobody steps (AdamW's state is made on its first step), so that
+            kwargs["optim_func"] = torch.optim.AdamW  # plugins whose methods own one (zero1, DeepSpeed) still build
+
         strategy = plugin.strategy(self.precision_methods)
         if strategy is None:  # AutoPlugin: the search needs batches
             kwargs.update(self._search_data(dataloader, env.world_size))

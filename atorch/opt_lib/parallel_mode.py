@@ -48,6 +48,14 @@ class ParallelModeConfig(MethodConfig):
         for name, size in dims:
             if size == 0 or size < -1:
                 raise ValueError(f"size of '{name}' must be positive (or -1 for 'fill up'), got {size}")
+        if "zero" in names:  # ATorch's group for zero1/zero2/fsdp, set apart from its 'data' group
+            size = dict(dims)["zero"]
+            if "data" in names:
+                raise ValueError("ATorch's 'zero' dimension next to 'data' asks for hybrid sharding (shard over "
+                                 "'zero', replicate over 'data'), which atorch does not have: give one 'data' "
+                                 "dimension (zero1/zero2/fsdp shard over all of it)")
+            raise ValueError(f"ATorch's 'zero' dimension is atorch's 'data' dimension (zero1/zero2/fsdp shard over "
+                             f"it): write ('data', {size}) in place of ('zero', {size})")
         return dims
 
 
