@@ -83,7 +83,7 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         assert memory["split_global"] > 0 and memory["split_local"] * parts == memory["split_global"], memory
         for suffix in SPLIT.get(scenario, ()):
             assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
-        # The two ranks of a tensor group (adjacent ranks: tensor is the last dimension) see one batch;
+        # The two ranks of a tensor group (adjacent ranks: tensor is listed first, varying fastest) see one batch;
         # data-parallel ranks see different ones.
         sums = entry["batch_sums"]
         assert all(sums[2 * d] == sums[2 * d + 1] for d in range(dp)), sums

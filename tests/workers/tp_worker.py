@@ -48,7 +48,7 @@ MODELS = {
     "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
     "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
 }
-TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
+TP2 = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1]]})  # tensor first: adjacent ranks
 LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
 SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
 BOTH = ("tensor_parallel", {"loss_parallel": True, "sequence_parallel": True})
