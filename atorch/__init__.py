@@ -10,6 +10,19 @@ from atorch.training import train_step
 
 __version__ = "0.1.0"
 
+
+def _register_with_lightning() -> None:
+    """``Trainer(strategy="atorch")`` after ``import atorch`` when Lightning is already imported. Lightning (2.3 and
+    later) has no hook through which a package can register a strategy name (its only entry-point group, callbacks,
+    is read after the strategy name is checked), so a script that imports atorch first imports atorch.lightning."""
+    import sys
+
+    if "lightning.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
+        import atorch.lightning  # noqa: F401  (registers "atorch")
+
+
+_register_with_lightning()
+
 __all__ = [
     "AccelerateArgs", "AccelerateResult", "AtorchError", "CheckpointError", "NoStrategyFound", "SetupError", "Strategy",
     "StrategyError",

@@ -43,8 +43,11 @@ class StrategyMixin:
                  process_group_backend: str | None = None, start_method: str = "popen", **options: Any) -> None:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
+            from atorch.lightning.colossalai_args import equivalents_of
+
+            instead = "".join(f"\n  - {line}" for line in equivalents_of(unknown))
             raise SetupError(f"ATorchStrategy got unknown option(s) {unknown}; accepted: load_strategy, "
-                             f"{', '.join(OPTIONS)}")
+                             f"{', '.join(OPTIONS)}{instead}")
         if load_strategy is not None:
             Strategy.load(load_strategy)  # an unreadable or invalid strategy is refused here, before any launch
         if options.get("verbose"):
