@@ -104,6 +104,14 @@ class HybridParallelPlugin(Plugin):
         self.checkpoint = gradient_checkpoint_config is not None
         self.max_norm = float(max_norm)
         self.accelerate_kwargs = {"find_unused_parameters": bool(find_unused_parameters)}
+        self._accepted_without_effect(
+            locals(),
+            ("ddp_bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "check_reduction",
+            "zero_bucket_size_in_m", "overlap_communication", "overlap_allgather", "overlap_p2p",
+            "enable_metadata_cache", "scheduler_nodes", "make_vocab_size_divisible_by",
+            "inner_ring_size", "parallel_output"),
+            "a speed knob of Colossal-AI's engine (embeddings and outputs stay whole)",
+        )
         self._check()
 
     def is_pipeline(self) -> bool:
