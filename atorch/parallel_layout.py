@@ -123,6 +123,14 @@ class ParallelLayout:
             lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name))
             return bool((lines[:, 1:] > lines[:, :-1]).all())
 
+    def stride(self, name: str) -> int:
+        """The rank distance between neighbours of a group along ``name`` (without rank_order): the product of
+        the sizes listed before it (1 for the first). A group of n spans n × stride consecutive ranks."""
+        if self.rank_order is not None:
+            raise ValueError("a layout with rank_order has no single stride; use ranks()")
+        sizes = self.shape[: self.names.index(name)] if name in self.names else self.shape
+        return math.prod(sizes)
+
     def groups_across_nodes(self, name: str, ranks_per_node: int) -> int:
         """How many groups along ``name`` span more than one node, with ``ranks_per_node`` consecutive global
         ranks per node (torchrun's numbering). Tensor-parallel groups should span none: list 'tensor' first."""

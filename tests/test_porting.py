@@ -145,6 +145,7 @@ def test_the_search_keeps_tensor_groups_on_consecutive_ranks() -> None:
 def test_tensor_groups_that_span_nodes_are_counted() -> None:
     atorch_order = ParallelLayout(tuple(ATORCH_16))
     assert atorch_order.groups_across_nodes("tensor", 8) == 0 and atorch_order.groups_across_nodes("data", 8) == 8
+    assert [atorch_order.stride(n) for n in ("tensor", "pipeline", "data")] == [1, 4, 8]  # the cost model's strides
     tensor_last = ParallelLayout((("data", 2), ("pipeline", 2), ("tensor", 4)))  # tensor varies slowest
     assert tensor_last.groups_across_nodes("tensor", 8) == 4 and tensor_last.groups_across_nodes("tensor", 16) == 0
 
