@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -16,41 +15,20 @@ from atorch import (
 )
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
-from atorch.errors import StrategyError
+from atorch.errors import NoStrategyFound, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
+from atorch.no_optimizer import no_optimizer_problems
 from atorch.opt_lib.registry import get_method, is_registered, method_names
 from atorch.options import AccelerateOptions
 from atorch.parallel_layout import ParallelLayout
+from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
 
-_RESULT_FIELDS = ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
-
-
-class AccelerateResult(namedtuple("AccelerateResult", _RESULT_FIELDS)):
-    """ATorch's result namedtuple, plus ``close()``: release everything it holds.
-
-    ``with auto_accelerate(...)[1] as result:`` closes it at the end of the block. Dropping every
-    reference to a result also frees it; ``close()`` does so at once, even while other references
-    to its parts remain (a trial of the search, a notebook cell).
-    """
-
-    __slots__ = ()
-
-    def close(self) -> None:
-        from atorch.lifecycle import release
-
-        release(self)
-
-    def __enter__(self) -> AccelerateResult:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)
@@ -108,7 +86,7 @@ def _setup_problems(setup: UserSetup, excluded: Any, included: Any) -> list[str]
     problems = []
     if not isinstance(setup.model, nn.Module):
         problems.append(f"model must be a torch.nn.Module, got {type(setup.model).__name__}")
-    if not callable(setup.optim_func):
+    if setup.optim_func is not None and not callable(setup.optim_func):
         problems.append("optim_func must be an optimizer class or a function (params, **optim_args) -> optimizer")
     if setup.loss_func is not None and not callable(setup.loss_func):
         problems.append("loss_func must be callable as loss_func(data, output)")
@@ -177,12 +155,14 @@ def auto_accelerate(
     finetune_strategy: bool = False,
     save_strategy_to_file: str | None = None,
     **kargs: Any,
-) -> tuple[bool, AccelerateResult, Strategy]:
+) -> tuple[bool, AccelerateResult, Strategy | None]:
     """Rewrite model, optimizer and dataloader to train with a strategy on the launched processes.
 
-    Returns ``(status, result, strategy)``; ``result`` is an AccelerateResult namedtuple
-    ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``.
+    Returns ``(status, result, strategy)``; ``result`` is ATorch's namedtuple
+    ``(model, optim, dataloader, loss_func, prepare_input, args)`` with ``result.lr_scheduler`` by name.
     Every problem with the arguments or the strategy is raised together, before anything is built.
+    ``status`` is False (result empty, ``result.reason`` says why, strategy None) where ATorch's is: the
+    automatic search found no strategy that fits and runs.
     """
     options, problems = AccelerateOptions.checked(kargs)  # [input checks] atorch/options.py
     set_verbose(options.verbose)
@@ -192,7 +172,7 @@ def auto_accelerate(
         problems.append("finetune_strategy=True searches around load_strategy: give load_strategy too, "
                         "or drop finetune_strategy for a full search")
     setup = UserSetup(
-        model=model, optim_func=optim_func if optim_func is not None else torch.optim.AdamW,
+        model=model, optim_func=optim_func,  # None: no optimizer, as in ATorch (atorch/no_optimizer.py)
         dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
         model_input_format=model_input_format, optim_args=_copy_if_dict(optim_args),
         optim_param_func=optim_param_func, dataloader_args=_copy_if_dict(dataloader_args),
@@ -214,6 +194,9 @@ def auto_accelerate(
             load_strategy, env, excluded if isinstance(excluded, (list, tuple, set)) else []
         )
         problems += strategy_problems
+        if optim_func is None:
+            problems += no_optimizer_problems(strategy, lr_scheduler_cls, load_strategy is None and dataset is not None
+                                              or finetune_strategy)
         if strategy is not None and not strategy_problems and not setup_problems:
             layout = ParallelLayout.of(strategy, env.world_size)
             batch = setup.dataloader_args.get("batch_size", 1)
@@ -237,10 +220,14 @@ def auto_accelerate(
                        strategy)
     elif load_strategy is None or finetune_strategy:
         # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
-        strategy, setup, skipped, micro_batches, search_record = _search(
-            setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
-            search_options, strategy_server,
-        )
+        try:
+            strategy, setup, skipped, micro_batches, search_record = _search(
+                setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
+                search_options, strategy_server,
+            )
+        except NoStrategyFound as exc:  # ATorch's status False (every rank hears it from rank 0)
+            logger.error("%s", exc)
+            return False, AccelerateResult.failed(exc.problems), None
 
     ctx = build_context(setup, env, strategy, skipped)
     if save_strategy_to_file and env.is_main:

@@ -92,7 +92,9 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
                     label="fsdp" if fsdp is not None else "zero2")
     # 7. ... the optimizer over the parameters the model now trains (the user's groups, by name) ...
     params = _optimizer_params(ctx)
-    if zero1 is not None and deepspeed_stage is None:
+    if ctx.setup.optim_func is None:  # ATorch's optim_func=None: no optimizer (atorch/no_optimizer.py)
+        ctx.optimizer = None
+    elif zero1 is not None and deepspeed_stage is None:
         ctx.optimizer = _zero_redundancy(ctx, params)
     else:
         ctx.optimizer = ctx.setup.optim_func(params, **ctx.setup.optim_args)
@@ -104,7 +106,7 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     elif communicate and sharding is None and ctx.dp_size > 1:
         replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
     # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
-    if amp is not None and ctx.engine is None:
+    if amp is not None and ctx.engine is None and ctx.optimizer is not None:  # no optimizer: nothing to scale for
         ctx.grad_scaler = grad_scaler_for(ctx, amp)
     # 10. [pipeline] The schedule over this rank's (wrapped) stages; train_step runs it.
     if pipeline is not None and communicate:

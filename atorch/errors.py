@@ -23,5 +23,10 @@ class StrategyError(ProblemsError):
         super().__init__(problems, what)
 
 
+class NoStrategyFound(StrategyError):
+    """The automatic search ended without a strategy that fits and runs: ``auto_accelerate`` returns
+    status False (ATorch's behaviour) instead of raising; the problems say why and what to change."""
+
+
 class SetupError(AtorchError, ValueError):
     """The user's training objects (model, dataset, arguments) cannot be used as given."""

@@ -35,7 +35,7 @@ class UserSetup:
     """What the user passed to auto_accelerate; read, never modified."""
 
     model: nn.Module
-    optim_func: Callable[..., torch.optim.Optimizer]
+    optim_func: Callable[..., torch.optim.Optimizer] | None  # None: build no optimizer (ATorch's)
     dataset: Dataset | None = None
     loss_func: Callable[..., torch.Tensor] | None = None
     prepare_input: Callable[[Any, torch.device], Any] | None = None
@@ -118,16 +118,16 @@ class ModelContext:
 
     # ----- what is built after the strategy's transformations -------------------------------
     def finish(self) -> None:
-        """Wrap the optimizer, then build the LR scheduler and the dataloader."""
-        assert self.optimizer is not None
-        self.optimizer = AcceleratedOptimizer(
-            self.optimizer,
-            grad_scaler=self.grad_scaler,
-            skip_if_nonfinite=self.skip_if_nonfinite,
-            gradient_sync=self.gradient_sync,
-            engine=self.engine,
-        )
-        self.optimizer.param_names = trained_param_names(self.model)  # Booster checkpoint IO: state by name
+        """Wrap the optimizer (none with optim_func=None), then build the LR scheduler and the dataloader."""
+        if self.optimizer is not None:
+            self.optimizer = AcceleratedOptimizer(
+                self.optimizer,
+                grad_scaler=self.grad_scaler,
+                skip_if_nonfinite=self.skip_if_nonfinite,
+                gradient_sync=self.gradient_sync,
+                engine=self.engine,
+            )
+            self.optimizer.param_names = trained_param_names(self.model)  # Booster checkpoint IO: state by name
         self.lr_scheduler = self._build_scheduler()
         self.dataloader = self._build_dataloader()
 

@@ -1,7 +1,9 @@
 """The parallel layout: one validated value saying how the processes are arranged.
 
-A layout is an ordered list of named dimensions (first varies slowest), e.g.
-``(("pipeline", 2), ("data", 2), ("tensor", 2))``, and the global rank at each mesh position. It is
+A layout is an ordered list of named dimensions, the **first varying fastest** as in ATorch's
+``parallel_mode``: ``(("tensor", 4), ("pipeline", 2), ("data", 2))`` puts ranks 0-3 in one tensor group,
+0 and 4 in one pipeline group, 0 and 8 in one data group (list the dimension whose traffic must stay inside
+a node first). It also holds the global rank at each mesh position. It is
 checked once against the world size, is the only place the data-parallel size and rank come from,
 and builds the torch DeviceMesh. Meshes (and so process groups) are created once per layout and
 process group, and reused: a search runs many trials in one job.
@@ -27,7 +29,9 @@ DATA = "data"
 @dataclass(frozen=True)
 class ParallelLayout:
     dims: tuple[tuple[str, int], ...]
-    rank_order: tuple[int, ...] | None = None  # None: 0, 1, 2, ... in mesh order
+    # The global rank at each mesh position, positions counted with the first dimension fastest (ATorch's
+    # rank order); None: 0, 1, 2, ...
+    rank_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -82,10 +86,14 @@ class ParallelLayout:
         return self.size(DATA)
 
     def ranks(self) -> torch.Tensor:
-        """The global rank at each mesh position, shaped like the mesh."""
+        """The global rank at each mesh position, shaped like the mesh (dimension i of the tensor is
+        ``dims[i]``); positions are numbered with the first dimension varying fastest."""
         order = self.rank_order if self.rank_order is not None else range(self.world_size)
+        backwards = tuple(reversed(range(len(self.shape))))
         with unset_fake_temporarily():  # rank arithmetic, also while the cost model traces on fake tensors
-            return torch.tensor(list(order), dtype=torch.int64).reshape(self.shape)
+            flat = torch.tensor(list(order), dtype=torch.int64)
+            # row-major over the reversed shape makes the last reversed (= first listed) dimension fastest
+            return flat.reshape(self.shape[::-1]).permute(backwards).contiguous()
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """The mesh coordinate of a global rank, by dimension name."""
@@ -93,10 +101,10 @@ class ParallelLayout:
         if order.count(rank) != 1:
             raise ValueError(f"rank {rank} is not in a layout of {self.world_size} processes")
         index, coords = order.index(rank), []
-        for size in reversed(self.shape):
+        for size in self.shape:  # the first dimension varies fastest
             coords.append(index % size)
             index //= size
-        return dict(zip(self.names, reversed(coords), strict=True))
+        return dict(zip(self.names, coords, strict=True))
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel rank of a global rank: its coordinate along 'data' (0 without one)."""
@@ -114,6 +122,23 @@ class ParallelLayout:
         with unset_fake_temporarily():
             lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name))
             return bool((lines[:, 1:] > lines[:, :-1]).all())
+
+    def stride(self, name: str) -> int:
+        """The rank distance between neighbours of a group along ``name`` (without rank_order): the product of
+        the sizes listed before it (1 for the first). A group of n spans n × stride consecutive ranks."""
+        if self.rank_order is not None:
+            raise ValueError("a layout with rank_order has no single stride; use ranks()")
+        sizes = self.shape[: self.names.index(name)] if name in self.names else self.shape
+        return math.prod(sizes)
+
+    def groups_across_nodes(self, name: str, ranks_per_node: int) -> int:
+        """How many groups along ``name`` span more than one node, with ``ranks_per_node`` consecutive global
+        ranks per node (torchrun's numbering). Tensor-parallel groups should span none: list 'tensor' first."""
+        if name not in self.names or ranks_per_node < 1:
+            return 0
+        with unset_fake_temporarily():
+            lines = self.ranks().movedim(self.names.index(name), -1).reshape(-1, self.size(name)) // ranks_per_node
+            return int((lines.amax(dim=1) != lines.amin(dim=1)).sum())
 
     def __str__(self) -> str:
         dims = " × ".join(f"{n} {s}" for n, s in self.dims)
@@ -133,11 +158,27 @@ class ParallelLayout:
 
         mesh = DeviceMesh(device_type, self.ranks(), mesh_dim_names=self.names)
         _MESHES[key] = (group, mesh)
+        _warn_if_tensor_groups_cross_nodes(self)
         return mesh
 
     def data_mesh(self, device_type: str) -> Any:
         """The 1-D data-parallel sub-mesh this process belongs to."""
         return self.mesh(device_type)[DATA]
+
+
+def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
+    import os
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or layout.world_size)
+    crossing = layout.groups_across_nodes("tensor", per_node)
+    if crossing:
+        from atorch.log import get_logger
+
+        get_logger(__name__).warning(
+            "%d of %d tensor-parallel groups span nodes (%d ranks per node) in layout %s: tensor parallelism "
+            "then communicates across nodes every layer; list 'tensor' first in parallel_mode (the first listed "
+            "dimension varies fastest), e.g. [('tensor', %d), ('data', -1)]",
+            crossing, layout.world_size // layout.size("tensor"), per_node, layout, layout.size("tensor"))
 
 
 # (layout, device type) -> (the default group it was made on, mesh). Entries made on a process

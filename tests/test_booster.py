@@ -72,7 +72,7 @@ EXPECTED = {  # scenario -> methods of the translated strategy, with the config 
     "LowLevelZeroPlugin[stage1,bf16]": {"parallel_mode": {}, "amp_native": {"dtype": "bf16"}, "zero1": {}},
     "LowLevelZeroPlugin[stage2]": {"parallel_mode": {}, "zero2": {"cpu_offload": False}},
     "GeminiPlugin[offload]": {"parallel_mode": {}, "amp_native": {"dtype": "bf16"}, "fsdp": {"cpu_offload": True}},
-    "HybridParallelPlugin[tp2]": {"parallel_mode": {"dims": [["data", 1], ["tensor", 2]]}, "tensor_parallel": {}},
+    "HybridParallelPlugin[tp2]": {"parallel_mode": {"dims": [["tensor", 2], ["data", 1]]}, "tensor_parallel": {}},
 }
 
 
@@ -203,10 +203,43 @@ def test_cpu_only_refusals() -> None:
 def test_booster_arguments_are_checked() -> None:
     with pytest.raises(SetupError, match="accepted: 'fp16', 'bf16', 'fp8'"):
         Booster(mixed_precision="fp16_apex")
-    with pytest.raises(SetupError, match="pass precision='bf16' to the plugin"):
-        Booster(plugin=LowLevelZeroPlugin(), mixed_precision="bf16")
     with pytest.raises(SetupError, match="plugin must be one of atorch.booster.plugin"):
         Booster(plugin="ddp")  # type: ignore[arg-type]
+
+
+def test_what_colossalai_ignores_is_ignored_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"mixed_precision='bf16'\) is ignored: LowLevelZeroPlugin sets the precision"):
+        booster = Booster(plugin=LowLevelZeroPlugin(), mixed_precision="bf16")
+    assert booster.precision_methods == []
+    other = "cpu" if torch.cuda.is_available() else "cuda"  # the device this process does not train on
+    with pytest.warns(UserWarning, match=rf"device='{other}'\) is ignored: TorchDDPPlugin places the model itself"):
+        Booster(plugin=TorchDDPPlugin(), device=other)
+
+
+def test_checkpoint_keywords_are_colossalais_and_no_others(tmp_path) -> None:
+    booster, model = Booster(), mlp()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sharded'"):
+        booster.save_model(model, str(tmp_path / "m.bin"), sharded=True)  # a typo of shard
+    with pytest.warns(UserWarning, match=r"save_model\(use_async=True\): atorch writes the checkpoint before"):
+        booster.save_model(model, str(tmp_path / "m"), use_async=True)  # implies safetensors, as in Colossal-AI
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(tmp_path / "m"))) == set(model.state_dict())  # written as safetensors
+    with pytest.warns(UserWarning, match=r"load_model\(low_cpu_mem_mode=False, num_threads=4\) has no effect"):
+        booster.load_model(model, str(tmp_path / "m"), low_cpu_mem_mode=False, num_threads=4)
+
+
+def test_arguments_without_effect_are_named_once_at_boost(atorch_log) -> None:
+    for _ in range(2):
+        plugin = TorchDDPPlugin(bucket_cap_mb=50, static_graph=True, check_reduction=False)  # the last: default
+        model = mlp()
+        Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    named = [r.getMessage() for r in atorch_log.records if "has no effect in atorch" in r.getMessage()]
+    assert sorted(named) == ["TorchDDPPlugin(bucket_cap_mb=50) has no effect in atorch: a speed knob; atorch's DDP "
+                             "keeps torch's defaults (the results are the same)",
+                             "TorchDDPPlugin(static_graph=True) has no effect in atorch: a speed knob; atorch's "
+                             "DDP keeps torch's defaults (the results are the same)"]
+    assert GeminiPlugin(placement_policy="auto").no_effect["placement_policy"][0] == "auto"
 
 
 def test_auto_plugin_needs_the_dataloader() -> None:

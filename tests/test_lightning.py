@@ -206,6 +206,26 @@ def test_unsupported_precision_is_refused_by_name() -> None:
 def test_bad_options_are_refused_early() -> None:
     with pytest.raises(SetupError, match="unknown option"):
         ATorchStrategy(load_strategy=["fsdp"], max_trials=3)
+    with pytest.raises(SetupError) as err:  # Colossal-AI's strategy arguments: each with its equivalent
+        ATorchStrategy(placement_policy="cpu", chunk_size=1024, initial_scale=2**16, max_scale=2**32)
+    text = str(err.value)
+    assert "placement_policy (ColossalAIStrategy): 'cpu': load_strategy=[('fsdp', {'cpu_offload': True})]" in text
+    assert "chunk_size (ColossalAIStrategy): FSDP2 shards by units" in text and "initial_scale (Colossal" in text
+    assert "max_scale (ColossalAIStrategy): none" in text
+
+
+def test_strategy_name_resolves_after_import_atorch() -> None:
+    """Lightning has no registration hook: `import atorch` registers "atorch" when Lightning is already loaded."""
+    import subprocess
+    import sys
+
+    script = ("import lightning.pytorch as pl, atorch\n"
+              "t = pl.Trainer(strategy='atorch', accelerator='cpu', devices=1, logger=False,\n"
+              "               enable_checkpointing=False)\n"
+              "print(type(t.strategy).__name__)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ATorchStrategy"), out.stderr[-2000:]
     with pytest.raises(StrategyError, match="fsdpp"):
         ATorchStrategy(load_strategy=["fsdpp"])
     with pytest.raises(StrategyError, match="precision in one place"):

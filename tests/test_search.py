@@ -106,6 +106,13 @@ def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:
     assert out["fallback"]["source"] == "search" and out["fallback"]["storage"].startswith("sqlite:")
 
 
+def test_a_search_that_finds_nothing_returns_status_false_on_every_rank(tmp_path) -> None:
+    ranks = run_json(WORKER, "nofit", str(tmp_path), timeout=600)["ranks"]
+    assert len(ranks) == 2 and all(r["status"] is False and r["strategy"] is None for r in ranks), ranks
+    assert all(r["fields"] == [True] * 6 for r in ranks)
+    assert ranks[0]["reason"] == ranks[1]["reason"] and "no candidate fitted and ran" in ranks[0]["reason"]
+
+
 def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     storage = f"sqlite:///{tmp_path}/s.db"

@@ -112,7 +112,7 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         if "grad_norm" in entry:  # the first step's gradient norm, before any update (fp32 scenarios)
             torch.testing.assert_close(entry["grad_norm"], report["reference_grad_norm"][model_name],
                                        rtol=FP32_TOL[0], atol=FP32_TOL[1], msg=lambda m, s=scenario: f"{s}: {m}")
-        # The two ranks of a tensor group (adjacent ranks: tensor is the last dimension) see one batch;
+        # The two ranks of a tensor group (adjacent ranks: tensor is listed first, varying fastest) see one batch;
         # data-parallel ranks see different ones.
         sums = entry["batch_sums"]
         assert all(sums[2 * d] == sums[2 * d + 1] for d in range(dp)), sums

@@ -8,6 +8,7 @@ optimizer on the accelerated model (same class, defaults and parameter groups), 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,16 +47,22 @@ class Booster:
                              f"{type(plugin).__name__}")
         if device not in (None, "cpu", "cuda"):
             raise SetupError(f"device={device!r}: use 'cpu', 'cuda' or None")
-        if device == "cuda" and not torch.cuda.is_available():
+        # What Colossal-AI ignores with a warning when the plugin decides (control_device / control_precision),
+        # atorch ignores with a warning too (once per call site: Python's default warning filter).
+        if device is not None and (plugin is not None and plugin.control_device()) and \
+                (device == "cuda") != torch.cuda.is_available():
+            warnings.warn(f"Booster(device={device!r}) is ignored: {type(plugin).__name__} places the model itself "
+                          f"(this process's GPU, else the CPU; hide the GPUs with CUDA_VISIBLE_DEVICES='' to train "
+                          f"on the CPU)", UserWarning, stacklevel=2)
+        elif device == "cuda" and not torch.cuda.is_available():
             raise SetupError("device='cuda' but no CUDA GPU is visible; leave device out (the CPU is used)")
-        if device == "cpu" and torch.cuda.is_available():
-            raise SetupError("device='cpu' but atorch places the model on this process's GPU; hide the GPUs "
-                             "(CUDA_VISIBLE_DEVICES='') to train on the CPU, or leave device out")
-        self.precision_methods = mixed_precision_methods(mixed_precision)
         if plugin is not None and plugin.control_precision() and mixed_precision is not None:
-            raise SetupError(f"{type(plugin).__name__} sets the precision itself: pass precision={mixed_precision!r} "
-                             f"to the plugin (TorchFSDPPlugin: mixed_precision=MixedPrecision(param_dtype=...)) and "
-                             f"leave Booster(mixed_precision=...) out")
+            warnings.warn(f"Booster(mixed_precision={mixed_precision!r}) is ignored: {type(plugin).__name__} sets the "
+                          f"precision itself (its precision= argument; TorchFSDPPlugin: mixed_precision="
+                          f"MixedPrecision(param_dtype=...))", UserWarning, stacklevel=2)
+            self.precision_methods: list[Any] = []
+        else:
+            self.precision_methods = mixed_precision_methods(mixed_precision)
         self.device, self.mixed_precision, self.plugin = device, mixed_precision, plugin
         self.strategy: Any = None  # the atorch strategy of the last boost
         self.result: Any = None  # the AccelerateResult of the last boost
@@ -86,6 +93,9 @@ class Booster:
         kwargs["loss_func"] = criterion_as_loss_func(lambda: criterion_box["criterion"])
         if optimizer is not None:
             kwargs.update(self._optimizer_kwargs(factory_from_optimizer(optimizer, model), optimizer, plugin))
+        else:  # boost(model) alone: an optimizer nobody steps (AdamW's state is made on its first step), so that
+            kwargs["optim_func"] = torch.optim.AdamW  # plugins whose methods own one (zero1, DeepSpeed) still build
+
         strategy = plugin.strategy(self.precision_methods)
         if strategy is None:  # AutoPlugin: the search needs batches
             kwargs.update(self._search_data(dataloader, env.world_size))
@@ -94,11 +104,14 @@ class Booster:
             data_size = plugin.layout(env.world_size).data_size
             kwargs["dataloader_args"] = {"batch_size": (per_rank or 1) * data_size}
         try:
-            _, result, self.strategy = auto_accelerate(model, **kwargs)
+            status, result, self.strategy = auto_accelerate(model, **kwargs)
         except StrategyError as exc:
             raise StrategyError(exc.problems, what=f"{plugin!r} (as atorch strategy {strategy}) cannot be "
                                 "applied") from None
+        if not status:  # boost has no status to return: the search's "no strategy" is an error here
+            raise StrategyError(list(result.problems), what=f"{plugin!r}: the automatic search found no strategy")
         self.result = result
+        plugin.announce_no_effect()  # each argument that changes nothing here, named once
         self._set_scaler(result, plugin)
         boosted_model = BoostedModel(result)
         boosted_model.__dict__["criterion_box"] = criterion_box
@@ -232,26 +245,39 @@ class Booster:
     # ----- checkpoints and LoRA (atorch/booster/checkpoint_io.py, lora.py) ----------------------------
     def save_model(self, model: nn.Module, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
                    prefix: str | None = None, size_per_shard: int = 1024, use_safetensors: bool = False,
-                   **kwargs: Any) -> None:
+                   use_async: bool = False) -> None:
         from atorch.booster import checkpoint_io
+
+        if use_async:  # Colossal-AI's asynchronous writer implies safetensors
+            _written_synchronously("save_model")
+            use_safetensors = True
 
         checkpoint_io.save_model(_module(model), checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
                                  size_per_shard=size_per_shard, use_safetensors=use_safetensors)
 
-    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, **kwargs: Any) -> None:
+    def load_model(self, model: nn.Module, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
+                   num_threads: int = 1) -> None:
         from atorch.booster import checkpoint_io
+
+        _loader_options("load_model", low_cpu_mem_mode, num_threads)
 
         checkpoint_io.load_model(_module(model), checkpoint, strict=strict)
 
     def save_optimizer(self, optimizer: Any, checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
-                       prefix: str | None = None, size_per_shard: int = 1024, **kwargs: Any) -> None:
+                       prefix: str | None = None, size_per_shard: int = 1024, use_async: bool = False) -> None:
         from atorch.booster import checkpoint_io
+
+        if use_async:
+            _written_synchronously("save_optimizer")
 
         checkpoint_io.save_optimizer(_optim(optimizer), checkpoint, shard=shard, gather_dtensor=gather_dtensor,
                                      prefix=prefix, size_per_shard=size_per_shard)
 
-    def load_optimizer(self, optimizer: Any, checkpoint: str, **kwargs: Any) -> None:
+    def load_optimizer(self, optimizer: Any, checkpoint: str, low_cpu_mem_mode: bool = True,
+                       num_threads: int = 1) -> None:
         from atorch.booster import checkpoint_io
+
+        _loader_options("load_optimizer", low_cpu_mem_mode, num_threads)
 
         checkpoint_io.load_optimizer(_optim(optimizer), checkpoint)
 
@@ -289,3 +315,15 @@ def _module(model: nn.Module) -> nn.Module:
 
 def _optim(optimizer: Any) -> Any:
     return optimizer.optim if isinstance(optimizer, BoostedOptimizer) else optimizer
+
+
+def _written_synchronously(method: str) -> None:
+    warnings.warn(f"{method}(use_async=True): atorch writes the checkpoint before returning (no asynchronous "
+                  "writer); the files are the same", UserWarning, stacklevel=3)
+
+
+def _loader_options(method: str, low_cpu_mem_mode: bool, num_threads: int) -> None:
+    if not low_cpu_mem_mode or num_threads != 1:
+        warnings.warn(f"{method}(low_cpu_mem_mode={low_cpu_mem_mode}, num_threads={num_threads}) has no effect in "
+                      "atorch (its checkpoint reader has neither setting)", UserWarning,
+                      stacklevel=3)

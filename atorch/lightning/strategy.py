@@ -40,7 +40,11 @@ class StrategyMixin:
                  process_group_backend: str | None = None, start_method: str = "popen", **options: Any) -> None:
         checked, problems = StrategyOptions.checked(options, "option(s)", accepted=("load_strategy",))
         if problems:
-            raise SetupError(f"ATorchStrategy got bad options: {'; '.join(problems)}")
+            from atorch.lightning.colossalai_args import equivalents_of
+
+            unknown = sorted(set(options) - set(StrategyOptions.model_fields))
+            instead = "".join(f"\n  - {line}" for line in equivalents_of(unknown)) if unknown else ""
+            raise SetupError(f"ATorchStrategy got bad options: {'; '.join(problems)}{instead}")
         if load_strategy is not None:
             Strategy.load(load_strategy)  # an unreadable or invalid strategy is refused here, before any launch
         if checked.verbose:

@@ -79,12 +79,12 @@ def _pipeline_module_class() -> type:
 
 
 def topology_of(layout: Any) -> Any:
-    """DeepSpeed's process topology with atorch's rank layout: the same dimensions in the same order (row-major
-    on both sides), named as DeepSpeed names them; an axis the layout lacks has size 1."""
+    """DeepSpeed's process topology with atorch's rank layout, named as DeepSpeed names them; an axis the
+    layout lacks has size 1. DeepSpeed's last axis varies fastest, atorch's first: the axes go in reverse."""
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
-    axes = [_DS_AXES[name] for name in layout.names]
-    dims = list(layout.shape)
+    axes = [_DS_AXES[name] for name in reversed(layout.names)]
+    dims = list(reversed(layout.shape))
     for name in ("pipe", "data", "model"):
         if name not in axes:
             axes.append(name)

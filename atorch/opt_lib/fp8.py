@@ -40,6 +40,10 @@ class FP8Config(MethodConfig):
     amax_compute_algo: Literal["max", "most_recent"] = Field(
         default="max", description="how the scale is taken from the amax history"
     )
+    reduce_amax: bool = Field(
+        default=True, description="all-reduce the amax over the ranks before the scale update (DelayedScaling's)"
+    )
+    verbose: bool = Field(default=False, description="log the name of every nn.Linear replaced by te.Linear")
 
 
 def fp8_linear_names(
@@ -112,8 +116,12 @@ def use_fp8_linears(ctx: Any, config: FP8Config) -> None:
         margin=config.margin, fp8_format=Format[config.fp8_format],
         amax_history_len=config.amax_history_len, amax_compute_algo=config.amax_compute_algo,
     )
-    if "interval" in getattr(DelayedScaling, "__dataclass_fields__", {}):  # removed in newer TE
+    recipe_fields = getattr(DelayedScaling, "__dataclass_fields__", {})
+    if "interval" in recipe_fields:  # removed in newer TE
         options["interval"] = config.interval
+    if "reduce_amax" in recipe_fields:
+        options["reduce_amax"] = config.reduce_amax
     recipe = DelayedScaling(**options)
     run_forward_in(ctx.model, lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe), "fp8_autocast")
-    logger.info("fp8: %d Linear layers use Transformer Engine", len(names))
+    logger.info("fp8: %d Linear layers use Transformer Engine%s", len(names),
+                f": {', '.join(names)}" if config.verbose else "")

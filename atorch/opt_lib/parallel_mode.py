@@ -16,15 +16,18 @@ logger = get_logger(__name__)
 
 
 class ParallelModeConfig(MethodConfig):
-    """ATorch form: ``([("data", 2), ("tensor", 2)], rank_order)``. No config: all data parallel."""
+    """ATorch form: ``([("tensor", 2), ("data", 2)], rank_order)``, the first listed dimension varying fastest
+    (tensor groups [0, 1], [2, 3]). No config: all data parallel."""
 
     dims: tuple[tuple[str, int], ...] = Field(
         default=(("data", -1),),
-        description="ordered (name, size) pairs, first varies slowest; data's size is fitted to the world size",
+        description="ordered (name, size) pairs, the first varying fastest (ATorch's order: list first the "
+        "dimension that must stay inside a node); data's size is fitted to the world size",
     )
     rank_order: tuple[int, ...] | None = Field(
         default=None,
-        description="the global rank at each mesh position (a permutation of 0..world-1); null: 0, 1, 2, ...",
+        description="the global rank at each mesh position, positions counted with the first dimension fastest "
+        "(a permutation of 0..world-1); null: 0, 1, 2, ...",
     )
 
     @model_validator(mode="before")
@@ -45,6 +48,14 @@ class ParallelModeConfig(MethodConfig):
         for name, size in dims:
             if size == 0 or size < -1:
                 raise ValueError(f"size of '{name}' must be positive (or -1 for 'fill up'), got {size}")
+        if "zero" in names:  # ATorch's group for zero1/zero2/fsdp, set apart from its 'data' group
+            size = dict(dims)["zero"]
+            if "data" in names:
+                raise ValueError("ATorch's 'zero' dimension next to 'data' asks for hybrid sharding (shard over "
+                                 "'zero', replicate over 'data'), which atorch does not have: give one 'data' "
+                                 "dimension (zero1/zero2/fsdp shard over all of it)")
+            raise ValueError(f"ATorch's 'zero' dimension is atorch's 'data' dimension (zero1/zero2/fsdp shard over "
+                             f"it): write ('data', {size}) in place of ('zero', {size})")
         return dims
 
 
@@ -83,8 +94,8 @@ class ParallelMode(Method):
         others = math.prod(s for n, s in config.dims if n != "data")
         data = world_size // others if others and world_size % others == 0 else 1
         dims = tuple((n, data if n == "data" else s) for n, s in config.dims)
-        if "data" not in dict(dims):
-            dims = (("data", data),) + dims
+        if "data" not in dict(dims):  # outermost (slowest): the listed dimensions keep their neighbours
+            dims = dims + (("data", data),)
         if dict(config.dims).get("data", data) not in (-1, data):
             logger.warning(
                 "parallel_mode: data size %s adjusted to %d to fit world size %d",

@@ -36,12 +36,17 @@ HalfDtype = Annotated[Literal["fp16", "bf16"], BeforeValidator(_dtype_name)]
 
 
 class AmpConfig(MethodConfig):
-    """ATorch form: ``{"dtype": torch.bfloat16}``."""
+    """ATorch form: ``{"dtype": torch.bfloat16}``, or the bare dtype ``"bf16"`` of ATorch's own example."""
 
     dtype: HalfDtype = Field(default="fp16", description="autocast dtype; fp16 adds a GradScaler")
     skip_if_nonfinite: bool = Field(
         default=False, description="skip an optimizer step whose gradients hold inf/nan on any rank (fp16 always does)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_dtype(cls, value: Any) -> Any:  # ("amp_native", "bf16") in ATorch's example
+        return {"dtype": value} if isinstance(value, (str, torch.dtype)) else value
 
 
 def autocast_forward(ctx: Any, config: AmpConfig) -> None:

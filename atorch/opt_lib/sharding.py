@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
@@ -16,6 +16,7 @@ from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
+from atorch.opt_lib.fsdp_keys import translate
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -43,6 +44,16 @@ class ShardingConfig(MethodConfig):
     sync_module_states: bool = Field(
         default=True, description="broadcast rank 0's weights before sharding so all ranks start identical"
     )
+    wrap_trainable_outmost: bool = Field(
+        default=False, description="units hold only frozen parameters; the trainable ones (LoRA adapters) are "
+        "sharded together in the root unit (ATorch's key; also fsdp_wrap_params_outmost)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _atorch_keys(cls, value: Any) -> Any:
+        # ATorch's names and torch FSDP1's arguments (atorch/opt_lib/fsdp_keys.py)
+        return translate(value, "fsdp" if "reshard_after_forward" in cls.model_fields else "zero2")
 
 
 class FSDPConfig(ShardingConfig):
@@ -118,16 +129,33 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
     return order[:-1]
 
 
-def choose_units(model: nn.Module, classes: tuple[str, ...] | None, min_params: int | None) -> list[nn.Module]:
+def _frozen_parts(module: nn.Module) -> list[nn.Module]:
+    """The largest modules under ``module`` (itself included) that hold parameters, none of them trainable
+    (containers without a forward are looked into: they cannot be units)."""
+    params = list(module.parameters())
+    if not params:
+        return []
+    if not any(p.requires_grad for p in params) and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [module]
+    return [part for child in module.children() for part in _frozen_parts(child)]
+
+
+def choose_units(model: nn.Module, classes: tuple[str, ...] | None, min_params: int | None,
+                 trainable_outmost: bool = False) -> list[nn.Module]:
     """The modules to shard as units, deepest first so that each is sharded after the units inside
     it (FSDP2 needs that when classes nest or overlap with size-based units). Modules that hold a
-    parameter also used outside them (tied weights) are left out."""
+    parameter also used outside them (tied weights) are left out. ``trainable_outmost`` (ATorch's
+    wrap_trainable_outmost): a unit holding trainable parameters is replaced by its frozen parts, so that
+    every trainable parameter falls to the root unit (one gather and one reduce for a LoRA's adapters)."""
     wanted: set[int] = set()
     if classes:
         wanted |= {id(m) for m in model.modules() if m is not model and matches(m, classes)}
     if min_params:
         wanted |= {id(m) for m in _size_based_targets(model, min_params, assigned=set(wanted))}
     uses = _parameter_uses(model)
+    if trainable_outmost:
+        by_id = {id(m): m for m in model.modules()}
+        wanted = {id(part) for unit in wanted for part in _frozen_parts(by_id[unit])}
     units, seen = [], set()
     for module in _post_order(model):
         if id(module) in wanted and id(module) not in seen and not _used_outside(module, uses):
@@ -197,7 +225,7 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     mesh = ctx.data_mesh
     # Units: the given classes; else size-based units if asked for; else the detected blocks.
     classes = config.atorch_wrap_cls or (() if config.wrap_min_num_params else block_classes(model))
-    targets = choose_units(model, classes, config.wrap_min_num_params)
+    targets = choose_units(model, classes, config.wrap_min_num_params, config.wrap_trainable_outmost)
     if not targets and not classes and not config.wrap_min_num_params:
         targets = sequential_units(model)
         if targets:
@@ -249,8 +277,9 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     ctx.gradient_sync = set_sync
     ctx.sharded_gradients = True
     logger.info(
-        "%s: FSDP2 over %d processes, %d units + root%s%s", label, mesh.size(), len(targets),
+        "%s: FSDP2 over %d processes, %d units + root%s%s%s", label, mesh.size(), len(targets),
         f" (blocks: {list(classes)})" if classes else "", ", CPU offload" if config.cpu_offload else "",
+        ", trainable parameters in the root unit" if config.wrap_trainable_outmost else "",
     )
 
 

@@ -49,7 +49,7 @@ Style = str  # a style name of tp_styles.py: "colwise", "rowwise", "colwise_gath
 
 
 class TensorParallelConfig(MethodConfig):
-    """Needs a 'tensor' dimension in parallel_mode, e.g. ``([("data", -1), ("tensor", 2)], None)``."""
+    """Needs a 'tensor' dimension in parallel_mode, e.g. ``([("tensor", 2), ("data", -1)], None)``."""
 
     plan: Literal["auto"] | dict[str, Style] = Field(
         default="auto",
@@ -452,7 +452,7 @@ class TensorParallel(Method):
         problems = []
         mode = check.configs.get("parallel_mode")
         if mode is None or TENSOR not in dict(mode.dims):
-            problems.append("needs a 'tensor' dimension: add ('parallel_mode', ([('data', -1), ('tensor', 2)], None))")
+            problems.append("needs a 'tensor' dimension: add ('parallel_mode', ([('tensor', 2), ('data', -1)], None))")
         for key in ("sequence_parallel", "loss_parallel"):
             if getattr(config, key) and (mode is not None and "pipeline" in dict(mode.dims)):
                 problems.append(f"{key} is not available with a pipeline dimension yet (the stages exchange whole "

@@ -23,7 +23,7 @@ import torch
 
 from atorch.distributed import DistEnv
 from atorch.dryrun.runner import DryRunSession, TrialResult
-from atorch.errors import SetupError, StrategyError
+from atorch.errors import NoStrategyFound, SetupError, StrategyError
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.options import SearchOptions
@@ -99,7 +99,8 @@ def search_strategy(
                           start, strategy_server).plan()
     except BaseException as exc:
         problems = list(getattr(exc, "problems", None) or [f"{type(exc).__name__}: {exc}"])
-        session.announce(f"next/{session.trials}", {"kind": "error", "problems": problems})
+        session.announce(f"next/{session.trials}", {"kind": "error", "problems": problems,
+                                                     "no_strategy": isinstance(exc, NoStrategyFound)})
         raise
     session.announce(f"next/{session.trials}", {"kind": "done", "outcome": outcome.to_json()})
     session.close()
@@ -117,6 +118,8 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
         elif word["kind"] == "done":
             session.close()
             return SearchOutcome.from_json(word["outcome"])
+        elif word.get("no_strategy"):
+            raise NoStrategyFound(word["problems"], what="automatic strategy search found no strategy (on rank 0)")
         else:
             raise StrategyError(word["problems"], what="automatic strategy search failed (on rank 0)")
 
@@ -239,8 +242,8 @@ class _Leader:
                 result = self._plan(self.planner)
         self.progress.summary(result)
         if result.candidate is None:
-            raise StrategyError(_no_pick_problems(result, self.profile.memory_per_rank),
-                                what="automatic strategy search found no strategy")
+            raise NoStrategyFound(_no_pick_problems(result, self.profile.memory_per_rank),
+                                  what="automatic strategy search found no strategy")
         cand = result.candidate
         logger.info("automatic search picked %s (%s, study %s; %s)", self.progress.describe(cand), result.source,
                     result.study_name,

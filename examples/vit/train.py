@@ -108,7 +108,7 @@ def strategy_for(step: str, args: argparse.Namespace, world: int) -> list[Any] |
                 ("pipeline_parallel", pipe)]
     if step == "tp":
         data = world // args.tp
-        return [("parallel_mode", {"dims": [["data", -1], ["tensor", args.tp]]}), *amp, "tensor_parallel",
+        return [("parallel_mode", {"dims": [["tensor", args.tp], ["data", -1]]}), *amp, "tensor_parallel",
                 *(["fsdp"] if data > 1 else [])]  # DDP cannot replicate DTensor parameters: FSDP over data
     if step == "hybrid":
         data = world // (args.tp * args.pp)

@@ -127,7 +127,7 @@ def mode(*dims: tuple[str, int]) -> tuple[str, dict[str, Any]]:
 
 
 PP2 = mode(("pipeline", 2), ("data", -1))
-TPxPP = mode(("pipeline", 2), ("data", -1), ("tensor", 2))
+TPxPP = mode(("tensor", 2), ("data", -1), ("pipeline", 2))  # the first listed varies fastest
 
 
 def pp(schedule: str, **extra: Any) -> tuple[str, dict[str, Any]]:

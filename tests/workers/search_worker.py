@@ -9,6 +9,7 @@ argv: scenario, a scratch directory (the search's SQLite storage and the hardwar
 - ``remote``: the same against a strategy server (``atorch serve``, started by the test): a search, then
   the cached pick with no dry-run; an unreachable server is an error on every rank, or, with
   ``server_fallback``, a local search.
+- ``nofit``: a memory limit nothing fits under: status False with the reason on every rank.
 - ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
   in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
   their reasons and the search picks a working fp32 candidate.
@@ -169,7 +170,15 @@ def remote() -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote}
+def nofit() -> dict[str, Any]:
+    """A memory limit nothing fits under: every rank returns status False with rank 0's reason (ATorch's)."""
+    status, result, strategy = atorch.auto_accelerate(**gpt2_setup(), memory_limit=1024,
+                                                      search={**QUICK, "dryrun": False})
+    mine = {"status": status, "strategy": strategy, "fields": [f is None for f in result], "reason": result.reason}
+    return {"ranks": all_gather_json(mine)}
+
+
+SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit}
 
 if __name__ == "__main__":
     out = SCENARIOS[sys.argv[1]]()

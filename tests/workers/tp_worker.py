@@ -61,7 +61,7 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
 # The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
 PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
 FUSED_PLAN = ("tensor_parallel", {"plan": {"blocks.*.gate_up": "colwise", "blocks.*.down": "rowwise"}})
-TP2 = ("parallel_mode", {"dims": [["data", -1], ["tensor", 2]]})
+TP2 = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1]]})  # tensor first: adjacent ranks
 LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
 SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
 BOTH = ("tensor_parallel", {"loss_parallel": True, "sequence_parallel": True})

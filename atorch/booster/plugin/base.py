@@ -22,6 +22,9 @@ from atorch.strategy import Strategy
 PRECISIONS = ("fp16", "bf16", "fp32")
 
 
+_ANNOUNCED: set[tuple[str, str]] = set()  # (plugin class, argument) already named in this process
+
+
 def precision_methods(precision: str, master_weights: bool = True) -> list[Any]:
     """A plugin's ``precision``: fp16/bf16 with fp32 master weights is autocast over fp32 weights (amp_native,
     fp16 with a GradScaler); without master weights the whole model is cast ('half'); fp32 adds nothing."""
@@ -43,6 +46,7 @@ class Plugin:
         self.norm_type = 2.0
         self.accelerate_kwargs: dict[str, Any] = {}  # extra auto_accelerate keywords (find_unused_parameters)
         self.scaler_settings: dict[str, Any] = {}  # GradScaler settings for fp16 (init_scale, growth_factor, ...)
+        self.no_effect: dict[str, tuple[Any, str]] = {}  # argument set by the user -> (value, why it changes nothing)
 
     # ----- argument checks (collected, then raised together) ---------------------------------------
     def _refuse_unless(self, ok: bool, name: str, value: Any, why: str) -> None:
@@ -61,6 +65,27 @@ class Plugin:
                                 "leave it out")
         self._refuse_unless(not fp8_communication, "fp8_communication", fp8_communication,
                             "atorch has no fp8 gradient compression; leave it out")
+
+    def _accepted_without_effect(self, given: dict[str, Any], names: tuple[str, ...], why: str) -> None:
+        """Arguments Colossal-AI's plugin uses and atorch accepts without effect: those the user set (a value other
+        than the signature's default) are named once at boost time (``announce_no_effect``)."""
+        import inspect
+
+        defaults = inspect.signature(type(self).__init__).parameters
+        for name in names:
+            if name in given and name in defaults and given[name] is not defaults[name].default \
+                    and given[name] != defaults[name].default:
+                self.no_effect[name] = (given[name], why)
+
+    def announce_no_effect(self) -> None:
+        """Log each accepted-but-ineffective argument once per process and plugin class."""
+        from atorch.log import get_logger
+
+        for name, (value, why) in self.no_effect.items():
+            key = (type(self).__name__, name)
+            if key not in _ANNOUNCED:
+                _ANNOUNCED.add(key)
+                get_logger(__name__).warning("%s(%s=%r) has no effect in atorch: %s", key[0], name, value, why)
 
     def _check(self) -> None:
         if self.problems:

@@ -68,13 +68,29 @@ class GeminiPlugin(Plugin):
         self.sharding = "fsdp" if shard_param_frac == 1.0 else "zero2"
         self.offload = offload_param_frac == 1.0 or offload_optim_frac == 1.0
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
+        self._accepted_without_effect(
+            locals(),
+            ("enable_gradient_accumulation",),
+            "booster.no_sync accumulates under every data-parallel plugin",
+        )
+        self._accepted_without_effect(
+            locals(),
+            ("chunk_config_dict", "chunk_init_device", "search_range_m", "hidden_dim",
+            "min_chunk_size_m", "memstats", "max_prefetch", "pin_memory", "warmup_non_model_data_ratio",
+            "steady_cuda_cap_ratio", "gpu_margin_mem_ratio", "enable_async_reduce",
+            "force_outputs_fp32", "strict_ddp_mode", "verbose"),
+            "chunk and placement tuning of Gemini's own memory manager; FSDP2 shards per block",
+        )
+        if placement_policy == "auto":
+            self.no_effect["placement_policy"] = ("auto", "no adaptive placement: FSDP2 places by shard_param_frac and "
+                                                  "offload_*_frac, as 'static'")
         self._check()
 
     def supported_precisions(self) -> list[str]:
         return ["fp16", "bf16"]
 
     def methods(self) -> list[Any]:
-        dims = [["data", -1]] + ([["tensor", self.tp_size]] if self.tp_size > 1 else [])
+        dims = ([["tensor", self.tp_size]] if self.tp_size > 1 else []) + [["data", -1]]  # tensor varies fastest
         methods: list[Any] = [("parallel_mode", {"dims": dims}),
                               *precision_methods(self.precision, self.master_weights)]
         if self.use_fp8:

@@ -13,8 +13,8 @@ class HybridParallelPlugin(Plugin):
     """Colossal-AI's ``HybridParallelPlugin``, translated into an atorch strategy on one mesh.
 
     Translation (argument -> atorch):
-    - ``tp_size``, ``pp_size`` (data: the rest; ``dp_outside`` orders the mesh) -> ``parallel_mode`` dims data ×
-      pipeline × tensor
+    - ``tp_size``, ``pp_size`` (data: the rest; ``dp_outside`` orders the mesh) -> ``parallel_mode`` dims tensor ×
+      pipeline × data (the first varies fastest: Colossal-AI's rank order)
     - ``tp_size`` > 1 -> ``tensor_parallel`` (plans derived from the model; ``tp_plan`` (atorch) gives them by name)
     - ``pp_size`` > 1, ``pp_style`` 1f1b / interleaved / zbv, ``num_model_chunks`` -> ``pipeline_parallel`` schedule
       1f1b / interleaved_1f1b / zbv, ``virtual_stages``
@@ -104,6 +104,14 @@ class HybridParallelPlugin(Plugin):
         self.checkpoint = gradient_checkpoint_config is not None
         self.max_norm = float(max_norm)
         self.accelerate_kwargs = {"find_unused_parameters": bool(find_unused_parameters)}
+        self._accepted_without_effect(
+            locals(),
+            ("ddp_bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "check_reduction",
+            "zero_bucket_size_in_m", "overlap_communication", "overlap_allgather", "overlap_p2p",
+            "enable_metadata_cache", "scheduler_nodes", "make_vocab_size_divisible_by",
+            "inner_ring_size", "parallel_output"),
+            "a speed knob of Colossal-AI's engine (embeddings and outputs stay whole)",
+        )
         self._check()
 
     def is_pipeline(self) -> bool:
@@ -142,8 +150,10 @@ class HybridParallelPlugin(Plugin):
         self.num_microbatches = per_rank_batch // self.microbatch_size
 
     def methods(self) -> list[Any]:
-        outer = [["data", -1], ["pipeline", self.pp_size]]
-        dims = (outer if self.dp_outside else outer[::-1]) + [["tensor", self.tp_size]]
+        # Colossal-AI's rank order (tensor fastest; data outside pipeline unless dp_outside=False) in
+        # parallel_mode's order, where the first listed dimension varies fastest.
+        outer = [["pipeline", self.pp_size], ["data", -1]]
+        dims = [["tensor", self.tp_size]] + (outer if self.dp_outside else outer[::-1])
         dims = [d for d in dims if d[0] == "data" or d[1] > 1]
         methods: list[Any] = [("parallel_mode", {"dims": dims}), *precision_methods(self.precision)]
         if self.use_fp8:

@@ -52,6 +52,12 @@ class LowLevelZeroPlugin(Plugin):
         self.stage, self.precision, self.master_weights = stage, precision, master_weights
         self.cpu_offload, self.use_fp8 = cpu_offload, use_fp8
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
+        self._accepted_without_effect(
+            locals(),
+            ("reduce_bucket_size_in_m", "overlap_communication", "overlap_allgather", "verbose",
+            "cast_inputs"),
+            "the engine's own bucketing and overlap; inputs are cast whenever the model is",
+        )
         self._check()
 
     def methods(self) -> list[Any]:

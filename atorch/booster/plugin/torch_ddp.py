@@ -38,6 +38,11 @@ class TorchDDPPlugin(Plugin):
                             "torch's SyncBatchNorm needs CUDA tensors; leave it out on CPU (BatchNorm stays BatchNorm)")
         self.sync_bn = cuda if sync_bn is None else bool(sync_bn)
         self.accelerate_kwargs = {"find_unused_parameters": bool(find_unused_parameters)}
+        self._accepted_without_effect(
+            locals(),
+            ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "check_reduction"),
+            "a speed knob; atorch's DDP keeps torch's defaults (the results are the same)",
+        )
         self._check()
 
     def supported_precisions(self) -> list[str]:

@@ -60,6 +60,16 @@ class TorchFSDPPlugin(Plugin):
         self.precision = self._mixed_precision(mixed_precision)
         self._refuse_unless(self.sharding is not None or not self.config, "sharding_strategy", "NO_SHARD",
                             "cpu_offload / ignored_modules / auto_wrap_policy need sharding; use FULL_SHARD")
+        self._accepted_without_effect(
+            locals(),
+            ("sync_module_states",),
+            "atorch always starts every rank from rank 0's weights",
+        )
+        self._accepted_without_effect(
+            locals(),
+            ("backward_prefetch",),
+            "FSDP2 prefetches by itself",
+        )
         self._check()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,1 @@
+"""ATorch's ``atorch.auto.opt_lib`` package: the documented modules, as aliases of ``atorch.opt_lib``."""
