@@ -9,6 +9,7 @@ with no dry-run.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from atorch.strategy_search.space import SearchSpace
 
 logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
+RETRIES_503 = 60  # a minute of Retry-After: 1 (a storage locked or failing over) before the error is raised
 
 
 class ServerError(SetupError):
@@ -50,6 +52,12 @@ class StrategyClient:
 
         try:
             response = self.http.request(method, path, json=body, params=params)
+            # 503: the server stored nothing (its storage failed, or the study was busy): the same request again
+            for _ in range(RETRIES_503):
+                if response.status_code != 503:
+                    break
+                time.sleep(min(30.0, float(response.headers.get("retry-after", "1") or 1)))
+                response = self.http.request(method, path, json=body, params=params)
         except httpx.HTTPError as exc:
             raise SetupError(
                 f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); start it with "
@@ -135,18 +143,29 @@ class RemotePlanner(Planner):
             raise SetupError(f"no strategy server given: pass server_url= or set ${SERVER_ENV}")
         self.server_url = url
         self.lease_s = lease_s
+        self.server_study: str | None = None  # the study's name on the server (``_create``)
         self.client = StrategyClient(url, token if token is not None else os.environ.get(TOKEN_ENV), timeout_s)
 
     def _create(self) -> dict[str, Any]:
-        return self.client.create_study(
+        """Create-or-get the study; the server names it (the key plus a digest of the table and budget: a job
+        with other constraints gets another study), and every later call uses that name."""
+        info = self.client.create_study(
             self.study_name, self.table().to_json(), self.memory_budget, sampler=self.sampler,
             max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s)
+        self.server_study = info["study_key"]
+        return info
+
+    def server_name(self) -> str:
+        """The study's name on the server (created on first use)."""
+        if self.server_study is None:
+            self._create()
+        return self.server_study  # type: ignore[return-value]
 
     def study(self) -> Any:
         raise SetupError(f"the study {self.study_name} lives on {self.server_url}: use trials() or the server's API")
 
     def trials(self) -> list[dict[str, Any]]:
-        return [_record(t) for t in self.client.trials(self.study_name)]
+        return [_record(t) for t in self.client.trials(self.server_name())]
 
     def cached(self) -> PlanResult | None:
         return self.search_study().start(force=False)
@@ -166,11 +185,12 @@ class RemoteStudy(SearchStudy):
     def start(self, force: bool) -> PlanResult | None:
         p = self.planner
         info = p._create()
+        self.key = info["study_key"]
         if force or info["cached"] is None:
             return None
         best = info["cached"]
         logger.info("strategy search: cached best on %s (%.3g samples/s)", p.server_url, best["samples_per_s"])
-        return PlanResult(p.space.from_point(best["point"]), best["samples_per_s"], "cache", self.key,
+        return PlanResult(p.space.from_point(best["point"]), best["samples_per_s"], "cache", p.study_name,
                           stop_reason="cached", trials=p.trials())
 
     def ask(self, stop: Callable[[], str]) -> Proposal:

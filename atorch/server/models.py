@@ -10,7 +10,8 @@ from atorch.strategy_search import outcome
 from atorch.strategy_search.outcome import Predicted
 
 Scalar = str | bool | int | float
-STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
+STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,239}$"  # a key, or a study name (key:digest)
+STRICT = ConfigDict(allow_inf_nan=False)  # NaN / Infinity are refused (422), never stored
 MAX_POINTS = 100_000
 
 
@@ -18,11 +19,14 @@ class Prediction(Predicted):
     """The cost model's answer for one point, or why it could not predict (a ``Predicted`` with the wire's
     limits)."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     error: str | None = Field(None, max_length=2000)
 
 
 class Table(BaseModel):
     """The candidate table: valid points in walk order, one prediction each (and optional details)."""
+
+    model_config = STRICT
 
     points: list[dict[str, Scalar]] = Field(min_length=1, max_length=MAX_POINTS)
     predictions: list[Prediction] = Field(min_length=1, max_length=MAX_POINTS)
@@ -44,6 +48,7 @@ class Table(BaseModel):
 
 
 class CreateStudy(BaseModel):
+    model_config = STRICT
     table: Table
     memory_budget: float = Field(gt=0, description="bytes per rank; outcomes are judged under it")
     sampler: Literal["tpe", "gp"] = "tpe"
@@ -61,6 +66,7 @@ class StudyInfo(BaseModel):
 
 
 class AskRequest(BaseModel):
+    model_config = STRICT
     lease_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 
@@ -78,7 +84,7 @@ class Measured(outcome.Measured):
     """A dry-run's outcome (``atorch.strategy_search.outcome.Measured``) with the wire's limits; a non-finite loss
     travels as its text ("nan", "inf")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")
     samples_per_s: float = Field(0.0, ge=0)
     peak_memory_bytes: float = Field(0.0, ge=0)
