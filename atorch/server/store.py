@@ -292,8 +292,8 @@ class Studies:
 
     # ----- ask / tell ------------------------------------------------------------------------
     def ask(self, name: str, lease_s: float | None) -> dict[str, Any]:
-        deadline = time.monotonic() + self.ask_cap_s
-        with self._locked(name, self.ask_cap_s):
+        with self._locked(name, self.busy_timeout_s + 5):  # other requests first: each holds it briefly
+            deadline = time.monotonic() + self.ask_cap_s
             opened = self._open(name)
             now = self.clock()
             opened.expire(now)
