@@ -166,13 +166,16 @@ class _Open:
 
     def expire(self, now: float) -> None:
         """Mark failed the running trials past their lease, and those no ask finished (no lease)."""
+        changed = False
         for number, (_, due) in self.running().items():
             if due is None:
                 self.state.fail(number, "the ask that created it did not finish (server stopped or storage "
                                 "failed)", status="discarded")
             elif due < now:
                 self.state.fail(number, f"lease expired at {due:.0f} (unix time) with no result told")
-        self.trials = self.study.get_trials(deepcopy=False)
+            changed = changed or due is None or due < now
+        if changed:
+            self.trials = self.study.get_trials(deepcopy=False)
 
 
 class Studies:
@@ -306,23 +309,25 @@ class Studies:
                 return _answer(None, EXHAUSTED, [], None)
             told: list[dict[str, Any]] = []
             state.on_trial = told.append
-            direct = [len(untaken) * DIRECT_FRACTION <= len(table.keys)]
+            direct = len(untaken) * DIRECT_FRACTION <= len(table.keys)
+            waiting = [sum(t.state == TrialState.WAITING for t in opened.trials)]  # study.ask takes these first
 
-            def stop() -> str:
+            def stop() -> str:  # called before each study.ask of this ask
                 if time.monotonic() > deadline:
                     return _OUT_OF_TIME
-                if direct[0] or (told and told[-1]["status"] in ("duplicate", "in_flight")):
+                if direct or (told and told[-1]["status"] in ("duplicate", "in_flight")):
                     # Few left, or the sampler proposed a taken candidate: the next ask takes an untaken one.
-                    direct[0] = False
                     left = [k for k in untaken if k not in state.done]
                     if not left:
                         return EXHAUSTED
-                    if not any(t.state == TrialState.WAITING for t in opened.study.get_trials(deepcopy=False)):
+                    if not waiting[0]:
                         chosen = set(left)
                         ranked = [k for k in table.ranked(state.budget, state.correction) if k in chosen]
                         pick = (ranked or left)[0]
                         opened.study.enqueue_trial(table.to_params(table.points[table.by_key[pick]]))
+                        waiting[0] += 1
                     told.append({"status": "enqueued"})
+                waiting[0] = max(0, waiting[0] - 1)
                 return ""
 
             proposal = state.ask(stop=stop, in_flight=lambda: in_flight, lease_attrs={"lease_expires": expires})
