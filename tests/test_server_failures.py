@@ -198,26 +198,35 @@ def test_a_dropped_postgresql_connection_loses_no_acknowledged_tell(table) -> No
         admin.dispose()
 
 
-def test_a_studys_constraints_are_part_of_its_identity(table, tmp_path) -> None:
-    """A job with another memory budget, or with predictions for other hardware, gets its own study: a
-    measurement judged under one budget is never re-judged under another job's. Search settings are not
-    constraints: the same study, its table stored once."""
+def test_each_job_is_judged_under_its_own_budget_and_another_space_is_another_study(table, tmp_path) -> None:
+    """Jobs A and B share a space but not a memory budget: one study, whose measurements each re-uses judged
+    under its own budget (B re-creating it does not make A's measurements OOM); another space under the same
+    key makes another study. Search settings and the predictions' noise are not identity: the same study."""
     with ThreadServer(sqlite(tmp_path)) as server:
         client = StrategyClient(server.url)
         a = client.create_study("job", table, BUDGET)["study_key"]
         assert a.startswith("job:") and client.create_study("job", table, BUDGET, max_trials=20)["study_key"] == a
-        p = client.ask(a)
-        measured = {**run_of(p["point"]), "peak_memory_bytes": 0.75 * BUDGET}
-        assert client.tell(a, p["number"], measured)["record"]["status"] == "ok"
-        b = client.create_study("job", table, BUDGET / 2)["study_key"]  # job B: half the memory
-        slower = {**table, "predictions": [{**q, "step_time_s": 2 * q["step_time_s"],
-                                            "samples_per_s": q["samples_per_s"] / 2} for q in table["predictions"]]}
-        c = client.create_study("job", slower, BUDGET)["study_key"]  # job C: other hardware
-        assert len({a, b, c}) == 3
-        assert all(t["user_attrs"].get("status") != "oom" for t in client.trials(a))
-        assert p["number"] in measured_trials(client.trials(a))
-        assert not measured_trials(client.trials(b)) and not measured_trials(client.trials(c))
-        assert client.study(a)["memory_budget"] == BUDGET and client.study(b)["memory_budget"] == BUDGET / 2
+        big = 0.75 * BUDGET  # fits A's budget, not B's
+
+        def measure(budget: float) -> dict:
+            p = client.ask(a, memory_budget=budget)
+            return client.tell(a, p["number"], {**run_of(p["point"]), "peak_memory_bytes": big}, budget)["record"]
+
+        assert measure(BUDGET)["status"] == "ok"
+        assert client.create_study("job", table, BUDGET / 2)["study_key"] == a  # job B
+        assert measure(BUDGET)["status"] == "ok"  # A's next measurement: still judged under A's budget
+        assert measure(BUDGET / 2)["status"] == "oom"  # B's: under B's
+        assert client.contenders(a, 0.99, BUDGET)["measured_ok"] == 3  # B's measurement fits A's budget
+        assert client.contenders(a, 0.99, BUDGET / 2)["measured_ok"] == 0
+        assert client.store_best(a, None, BUDGET)["peak_memory_bytes"] == big
+        assert client.best(a, BUDGET) is not None and client.best(a, BUDGET / 2) is None
+        assert client.study(a, BUDGET / 2)["cached"] is None
+        noisy = {**table, "predictions": [{**q, "step_time_s": 1.01 * q["step_time_s"],
+                                           "samples_per_s": q["samples_per_s"] / 1.01} for q in table["predictions"]]}
+        assert client.create_study("job", noisy, BUDGET)["study_key"] == a
+        smaller = {k: v[:-1] if k in ("points", "predictions", "details") else v for k, v in table.items()}
+        c = client.create_study("job", smaller, BUDGET)["study_key"]  # job C: another space
+        assert c != a and not measured_trials(client.trials(c))
 
 
 def _json(body: dict) -> dict:

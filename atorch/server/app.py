@@ -153,8 +153,9 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
 
     @app.put("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"])
     def create_study(body: models.CreateStudy, study_key: str = StudyKey) -> dict[str, Any]:
-        """Create-or-get (idempotent) the study of this key under these constraints (table and memory budget):
-        its name, answered as ``study_key``, is the key plus their digest; the other routes take that name."""
+        """Create-or-get (idempotent) the study of this key for this table (the space and the hardware's
+        predictions): its name, answered as ``study_key``, is the key plus the table's digest; the other routes
+        take that name, and each may carry the caller's ``memory_budget`` (default: this one)."""
         try:
             return studies.create(study_key, body.table.as_json(), body.model_dump(exclude={"table"}))
         except ValueError as exc:
@@ -176,27 +177,28 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     @app.post("/v1/studies/{study_key}/ask", response_model=models.AskResponse, dependencies=v1, tags=["search"])
     def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """The next candidate to measure (a trial number, its point and a lease), or why to stop."""
-        return studies.ask(study_key, body.lease_s)
+        return studies.ask(study_key, body.lease_s, body.memory_budget)
 
     @app.post("/v1/studies/{study_key}/trials/{number}/tell", response_model=models.TellResponse,
               dependencies=v1, tags=["search"])
     def tell(body: models.TellRequest, study_key: str = StudyKey,
              number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
         """A measured result or failure, answered once committed; telling a finished trial again changes nothing."""
-        return studies.tell(study_key, number, body.measured.to_json())
+        return studies.tell(study_key, number, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/contenders", response_model=models.Contenders, dependencies=v1,
              tags=["search"])
     def contenders(study_key: str = StudyKey,
-                   within: float = Query(ge=0, lt=1, allow_inf_nan=False)) -> dict[str, Any]:
+                   within: float = Query(ge=0, lt=1, allow_inf_nan=False),
+                   memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         """The candidates a confirmation re-measures: the best and a runner-up within ``within`` of it."""
-        return studies.contenders(study_key, within)
+        return studies.contenders(study_key, within, memory_budget)
 
     @app.post("/v1/studies/{study_key}/confirm", response_model=models.ConfirmResponse, dependencies=v1,
               tags=["search"])
     def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """A second measurement of a measured candidate: its faster run counts, and the best is chosen again."""
-        return studies.confirm(study_key, body.key, body.measured.to_json())
+        return studies.confirm(study_key, body.key, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
     def best(study_key: str = StudyKey,
@@ -207,7 +209,8 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     @app.put("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
     def store_best(body: models.StoreBest, study_key: str = StudyKey) -> dict[str, Any]:
         """Store the best measured feasible trial as the study's answer (what later jobs get)."""
-        return {"best": studies.store_best(study_key, {"strategy": body.strategy} if body.strategy else None)}
+        extra = {"strategy": body.strategy} if body.strategy else None
+        return {"best": studies.store_best(study_key, extra, body.memory_budget)}
 
     @app.get("/v1/studies/{study_key}/trials", response_model=list[models.Trial], dependencies=v1, tags=["search"])
     def trials(study_key: str = StudyKey) -> list[dict[str, Any]]:

@@ -86,24 +86,31 @@ class StrategyClient:
         return self._call("GET", f"/v1/studies/{key}",
                           params={"memory_budget": memory_budget} if memory_budget else None)
 
-    def ask(self, key: str, lease_s: float | None = None) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/ask", {"lease_s": lease_s})
+    def ask(self, key: str, lease_s: float | None = None, memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/ask", {"lease_s": lease_s, "memory_budget": memory_budget})
 
-    def tell(self, key: str, number: int, measured: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell", {"measured": measured})
+    def tell(self, key: str, number: int, measured: dict[str, Any],
+             memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell",
+                          {"measured": measured, "memory_budget": memory_budget})
 
-    def contenders(self, key: str, within: float) -> dict[str, Any]:
-        return self._call("GET", f"/v1/studies/{key}/contenders", params={"within": within})
+    def contenders(self, key: str, within: float, memory_budget: float | None = None) -> dict[str, Any]:
+        params = {"within": within, **({"memory_budget": memory_budget} if memory_budget else {})}
+        return self._call("GET", f"/v1/studies/{key}/contenders", params=params)
 
-    def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/confirm", {"key": candidate, "measured": measured})
+    def confirm(self, key: str, candidate: str, measured: dict[str, Any],
+                memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/confirm",
+                          {"key": candidate, "measured": measured, "memory_budget": memory_budget})
 
     def best(self, key: str, memory_budget: float | None = None) -> dict[str, Any] | None:
         params = {"memory_budget": memory_budget} if memory_budget else None
         return self._call("GET", f"/v1/studies/{key}/best", params=params)["best"]
 
-    def store_best(self, key: str, strategy: dict[str, Any] | None) -> dict[str, Any] | None:
-        return self._call("PUT", f"/v1/studies/{key}/best", {"strategy": strategy})["best"]
+    def store_best(self, key: str, strategy: dict[str, Any] | None,
+                   memory_budget: float | None = None) -> dict[str, Any] | None:
+        return self._call("PUT", f"/v1/studies/{key}/best",
+                          {"strategy": strategy, "memory_budget": memory_budget})["best"]
 
     def trials(self, key: str) -> list[dict[str, Any]]:
         return self._call("GET", f"/v1/studies/{key}/trials")
@@ -147,8 +154,8 @@ class RemotePlanner(Planner):
         self.client = StrategyClient(url, token if token is not None else os.environ.get(TOKEN_ENV), timeout_s)
 
     def _create(self) -> dict[str, Any]:
-        """Create-or-get the study; the server names it (the key plus a digest of the table and budget: a job
-        with other constraints gets another study), and every later call uses that name."""
+        """Create-or-get the study; the server names it (the key plus a digest of the table: a job with another
+        space or hardware gets another study), and every later call uses that name, with this job's budget."""
         info = self.client.create_study(
             self.study_name, self.table().to_json(), self.memory_budget, sampler=self.sampler,
             max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s)
@@ -196,7 +203,7 @@ class RemoteStudy(SearchStudy):
     def ask(self, stop: Callable[[], str]) -> Proposal:
         if reason := stop():
             return Proposal(None, stop=reason)
-        answer = self.client.ask(self.key, self.planner.lease_s)
+        answer = self.client.ask(self.key, self.planner.lease_s, self.planner.memory_budget)
         for record in answer["told"]:
             self._seen(record)
         if answer["number"] is None:
@@ -205,7 +212,7 @@ class RemoteStudy(SearchStudy):
 
     def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
         try:
-            told = self.client.tell(self.key, number, measured.to_json())
+            told = self.client.tell(self.key, number, measured.to_json(), self.planner.memory_budget)
         except ServerError as exc:
             if exc.status_code != 409:
                 raise
@@ -216,18 +223,19 @@ class RemoteStudy(SearchStudy):
         return {**told["record"], "improved": told["improved"]}
 
     def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
-        answer = self.client.contenders(self.key, within)
+        answer = self.client.contenders(self.key, within, self.planner.memory_budget)
         return answer["contenders"], answer["measured_ok"]
 
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        answer = self.client.confirm(self.key, key, measured.to_json())
+        answer = self.client.confirm(self.key, key, measured.to_json(), self.planner.memory_budget)
         return answer["record"], answer["best"]
 
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
                ) -> tuple[dict[str, Any] | None, str]:
-        stored = self.client.store_best(self.key, None)  # the best measured, chosen on the server
+        budget = self.planner.memory_budget
+        stored = self.client.store_best(self.key, None, budget)  # the best measured, chosen on the server
         if stored is not None:
-            stored = self.client.store_best(self.key, strategy_of(stored["point"]))
+            stored = self.client.store_best(self.key, strategy_of(stored["point"]), budget)
         return stored, f"study {self.key} on {self.planner.server_url}"
 
     def abort(self, kind: str, reason: str) -> None:

@@ -65,8 +65,13 @@ class StudyInfo(BaseModel):
     cached: dict[str, Any] | None = Field(None, description="the stored best, if it fits this memory budget")
 
 
+BUDGET_FIELD = Field(None, gt=0, description="bytes per rank this job's outcomes are judged under (default: the "
+                                           "study's, from its PUT)")
+
+
 class AskRequest(BaseModel):
     model_config = STRICT
+    memory_budget: float | None = BUDGET_FIELD
     lease_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 
@@ -95,7 +100,9 @@ class Measured(outcome.Measured):
 
 
 class TellRequest(BaseModel):
+    model_config = STRICT
     measured: Measured
+    memory_budget: float | None = BUDGET_FIELD
 
 
 class TellResponse(BaseModel):
@@ -112,6 +119,8 @@ class Contenders(BaseModel):
 
 
 class ConfirmRequest(BaseModel):
+    model_config = STRICT
+    memory_budget: float | None = BUDGET_FIELD
     key: str = Field(min_length=1, max_length=10_000, description="a measured candidate's key (its trial's ``key``)")
     measured: Measured
 
@@ -122,7 +131,9 @@ class ConfirmResponse(BaseModel):
 
 
 class StoreBest(BaseModel):
+    model_config = STRICT
     strategy: dict[str, Any] | None = None
+    memory_budget: float | None = BUDGET_FIELD
 
 
 class Best(BaseModel):

@@ -6,8 +6,14 @@ and a request whose commit fails leaves no copy behind that disagrees: it answer
 Retry-After) and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's
 ``tell`` committed the trial's state, its last write: until then the trial is RUNNING, and a retried tell
 stores it. The only things kept in memory are the per-study locks and the candidate tables, which never
-change for a study: its name ends with a digest of its table and memory budget (``study_name``), so two jobs
-with different constraints (budget, space, or the hardware the predictions were made for) get two studies.
+change for a study: its name ends with a digest of its space (the table's points and global batch:
+``study_name``), so a job with another space under the same key gets another study. The hardware is in the
+key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
+budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures
+for one machine vary a little between runs: they must not split the study). The memory budget is the
+caller's: each request may carry its own (default: the one the study was created with), and the stored
+measurements are judged under it, so jobs with different budgets share measurements and each gets answers
+under its own budget.
 
 An ask has a time cap: the sampler proposing candidates that are taken (measured, or in flight with another
 client) is answered by enqueueing an untaken one, a study whose every candidate is taken answers ``exhausted``
@@ -39,8 +45,6 @@ from atorch.strategy_search.ask_tell import SearchState, make_sampler
 from atorch.strategy_search.candidates import CandidateTable, family_key, is_baseline, point_key
 
 TABLE_ATTR, CONFIG_ATTR, CONFIRM_ATTR = "atorch_table", "atorch_config", "confirmations"
-CONSTRAINT_KEYS = ("memory_budget",)  # with the table: what a study's measurements are judged under
-SETTING_KEYS = ("sampler", "max_trials", "top_k", "seed", "lease_s")  # how to search it (may change)
 EXHAUSTED = "exhausted: every candidate is measured, ruled out or being measured by another client"
 _OUT_OF_TIME = "\0out of time"
 RULED_OUT = ("predicted_oom", "skipped")
@@ -71,11 +75,11 @@ class Unavailable(RuntimeError):
     """The storage failed (locked, connection dropped) or the study is busy: nothing was acknowledged; retry."""
 
 
-def study_name(key: str, table: dict[str, Any], config: dict[str, Any]) -> str:
-    """The stored study of ``key`` under these constraints: the key plus a digest of the table (the space and
-    the predictions, which carry the hardware) and the memory budget."""
-    ident = {"table": table, **{k: config[k] for k in CONSTRAINT_KEYS}}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+def study_name(key: str, table: dict[str, Any]) -> str:
+    """The stored study of ``key`` for this space: the key plus a digest of the table's points and global
+    batch."""
+    space = {"points": table["points"], "global_batch": table["global_batch"]}
+    digest = hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:12]
     return f"{key}:{digest}"
 
 
@@ -132,7 +136,7 @@ def _storage_errors() -> Iterator[None]:
 class _Open:
     """One request's view of a study: what the storage holds now (its trials, config and SearchState)."""
 
-    def __init__(self, studies: Studies, name: str) -> None:
+    def __init__(self, studies: Studies, name: str, budget: float | None = None) -> None:
         storage = studies.storage
         try:
             self.sid = storage.get_study_id_from_name(name)
@@ -149,15 +153,21 @@ class _Open:
         cfg = self.config
         # Seeded by the trial count, so a sampler rebuilt for each request does not repeat itself.
         self.study.sampler = make_sampler(cfg["sampler"], cfg["max_trials"], cfg["seed"] + len(self.trials))
-        self.state = SearchState(self.study, self.table, cfg["memory_budget"], storage=storage,
+        self.budget = float(budget if budget is not None else cfg["memory_budget"])
+        self.state = SearchState(self.study, self.table, self.budget, storage=storage,
                                  max_asks=10**9, trials=self.trials)  # bounded by time and by the table
-        # Candidates ruled out without a dry-run stay ruled out in this study (its budget is fixed, and the
-        # family corrections only grow): a proposal of one again is a duplicate, as it is within one search.
+        # Candidates ruled out without a dry-run stay ruled out while they still would be under this budget
+        # (predicted too big, with the family corrections, which only grow; or hopelessly slow next to a best
+        # that only improves): a proposal of one again is a duplicate, as it is within one search.
+        state, table = self.state, self.table
         for t in self.trials:
             status, key = t.user_attrs.get("status"), t.user_attrs.get("key")
-            if t.state == TrialState.COMPLETE and status in RULED_OUT and key not in self.state.done:
-                self.state.done[key] = (t.value, dict(t.constraints), {"number": t.number, "status": status,
-                                                                       "reason": t.user_attrs.get("reason", "")})
+            if t.state != TrialState.COMPLETE or status not in RULED_OUT or key in state.done:
+                continue
+            if status == "predicted_oom" and table.fits(table.prediction(key), self.budget, state.correction(key)):
+                continue
+            state.done[key] = (t.value, dict(t.constraints), {"number": t.number, "status": status,
+                                                              "reason": t.user_attrs.get("reason", "")})
 
     def running(self) -> dict[int, tuple[str | None, float | None]]:
         """number -> (key, lease due) of every RUNNING trial."""
@@ -231,9 +241,9 @@ class Studies:
         else:
             self._claimed.add(name)
 
-    def _open(self, name: str) -> _Open:
+    def _open(self, name: str, budget: float | None = None) -> _Open:
         self._claim(name)
-        return _Open(self, name)
+        return _Open(self, name, budget)
 
     def table(self, name: str, sid: int, attrs: dict[str, Any]) -> CandidateTable:
         table = self._tables.get(name)
@@ -246,12 +256,13 @@ class Studies:
 
     # ----- studies ---------------------------------------------------------------------------
     def create(self, key: str, table: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-        """Create-or-get the study of ``key`` under these constraints (its name: ``study_name``). The table is
-        checked before anything is written and stored once; the search settings are updated; the cost model's
-        seeds are enqueued once. Each step is idempotent: a create that failed half-way is finished by a retry."""
+        """Create-or-get the study of ``key`` for this table (its name: ``study_name``). The table is checked
+        before anything is written and stored once; the settings (the default budget, the sampler's) are
+        updated; the cost model's seeds under this budget are enqueued once. Each step is idempotent: a create
+        that failed half-way is finished by a retry."""
         parsed = CandidateTable.from_json(table)
         check_table(parsed)
-        name = study_name(key, table, config)
+        name = study_name(key, table)
         config = {**config, "global_batch": parsed.global_batch, "key": key}
         with self._locked(name, self.busy_timeout_s + 5):
             self._claim(name)
@@ -264,7 +275,7 @@ class Studies:
             self._tables.setdefault(name, parsed)
             if self.storage.get_study_user_attrs(sid).get(CONFIG_ATTR) != config:
                 self.storage.set_study_user_attr(sid, CONFIG_ATTR, config)  # last: the study is complete
-            opened = _Open(self, name)
+            opened = _Open(self, name, config["memory_budget"])
             opened.state.seed(config["top_k"])
             return self._info(opened, config["memory_budget"])
 
@@ -294,10 +305,10 @@ class Studies:
             self._claim(name, release=True)
 
     # ----- ask / tell ------------------------------------------------------------------------
-    def ask(self, name: str, lease_s: float | None) -> dict[str, Any]:
+    def ask(self, name: str, lease_s: float | None, budget: float | None = None) -> dict[str, Any]:
         with self._locked(name, self.busy_timeout_s + 5):  # other requests first: each holds it briefly
             deadline = time.monotonic() + self.ask_cap_s
-            opened = self._open(name)
+            opened = self._open(name, budget)
             now = self.clock()
             opened.expire(now)
             state, table = opened.state, opened.table
@@ -339,9 +350,9 @@ class Studies:
             return {**_answer(proposal.number, "", told, expires), "point": proposal.point, "key": proposal.key,
                     "predicted": proposal.predicted}
 
-    def tell(self, name: str, number: int, measured: dict[str, Any]) -> dict[str, Any]:
+    def tell(self, name: str, number: int, measured: dict[str, Any], budget: float | None = None) -> dict[str, Any]:
         with self._locked(name, self.busy_timeout_s + 5):
-            opened = self._open(name)
+            opened = self._open(name, budget)
             trial = next((t for t in opened.trials if t.number == number), None)
             if trial is None or trial.state == TrialState.WAITING:  # never asked (or only enqueued)
                 raise UnknownTrial(number)
@@ -352,25 +363,29 @@ class Studies:
             already = bool(record.pop("already_told", False))
             return {"record": record, "improved": improved, "already_told": already}
 
-    def contenders(self, name: str, within: float) -> dict[str, Any]:
+    def contenders(self, name: str, within: float, budget: float | None = None) -> dict[str, Any]:
         """The best and the runner-up when it measured within ``within`` of the best (SearchState.contenders)."""
         with _storage_errors():
-            found, measured_ok = self._open(name).state.contenders(within)
+            found, measured_ok = self._open(name, budget).state.contenders(within)
         return {"contenders": found, "measured_ok": measured_ok}
 
-    def confirm(self, name: str, candidate: str, measured: dict[str, Any]) -> dict[str, Any]:
+    def confirm(self, name: str, candidate: str, measured: dict[str, Any],
+                budget: float | None = None) -> dict[str, Any]:
         """A re-measurement of a measured candidate (SearchState.confirm: the study's ``confirmations``)."""
         with self._locked(name, self.busy_timeout_s + 5):
-            opened = self._open(name)
+            opened = self._open(name, budget)
             known = opened.state.done.get(candidate)
             if known is None or "measured" not in known[2]:
                 raise UnknownCandidate(candidate)
             record = opened.state.confirm(candidate, measured)
             return {"record": record, "best": opened.state.best()}
 
-    def store_best(self, name: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    def store_best(self, name: str, extra: dict[str, Any] | None,
+                   budget: float | None = None) -> dict[str, Any] | None:
+        """Store the best measured candidate that fits ``budget`` as the study's answer (checked against each
+        later caller's budget)."""
         with self._locked(name, self.busy_timeout_s + 5):
-            opened = self._open(name)
+            opened = self._open(name, budget)
             if opened.state.store_best(extra) is None:
                 return None
             return opened.study.user_attrs["best"]
