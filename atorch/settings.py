@@ -22,8 +22,8 @@ class Settings(BaseSettings):
     strategy_server: str | None = Field(default=None, description=(
         "the strategy server's URL, when auto_accelerate's strategy_server is not given"))
     server_token: str | None = Field(default=None, description="bearer token of the strategy server (client and serve)")
-    server_mirror_s: float = Field(default=2.0, gt=0, description=(
-        "how often the server writes its Optuna copy of the studies (seconds)"))
+    server_busy_timeout_s: float = Field(default=5.0, gt=0, description=(
+        "the strategy server's SQLite busy timeout (seconds): a request waiting longer for the lock is a 503"))
 
 
 def settings() -> Settings:

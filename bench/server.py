@@ -1,8 +1,11 @@
-"""Strategy server load: ask/tell latency (p50/p99) and requests/s at 1, 8 and 32 concurrent clients.
+"""Strategy server load against what the machine and the storage can do, measured in the same run.
 
-The server runs as ``atorch serve`` in its own process on 127.0.0.1; each client is a thread with its own
-httpx connection doing ask -> tell (the measurement itself is instant). A fresh study per run on a
-synthetic table of 4096 candidates, all within the budget, so every ask proposes a new one.
+The server runs as ``atorch serve`` in its own process on 127.0.0.1; each client is a thread with its own httpx
+connection doing ask -> tell in a closed loop (the measurement itself is instant), on a fresh study of a synthetic
+table of 4096 candidates, all within the budget. Per storage and client count it reports ask and tell p50/p99,
+``/healthz`` p99 polled every 20 ms while the load runs, requests/s, and errors, duplicate and lost trials
+(checked in the study afterwards); and the same ask/tell sequence called in-process on Optuna directly (the
+same storage, the same number of threads, no HTTP: the floor of the storage itself).
 
     python bench/server.py                                  # SQLite (a file in a temp dir)
     python bench/server.py --postgres "$(bash scripts/postgres.sh)" --json results.json
@@ -14,16 +17,18 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import httpx  # noqa: E402
 from server_harness import ProcessServer  # noqa: E402
 
 from atorch.server.client import StrategyClient  # noqa: E402
@@ -39,36 +44,34 @@ def table() -> dict:
 
 
 def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def run(url: str, clients: int, pairs: int, tbl: dict, floor: bool = False) -> dict:
-    """``floor``: the same clients calling ``/healthz`` (no storage, no search) twice per pair instead."""
-    key = f"bench-{uuid.uuid4().hex[:8]}"
-    if not floor:
-        StrategyClient(url, timeout_s=300).create_study(key, tbl, 1e9, max_trials=10_000, top_k=0)
+def closed_loop(clients: int, pairs: int, pair: Callable[[Any], tuple[float, float]],
+                make: Callable[[], Any]) -> tuple[list[float], list[float], list[str], float]:
+    """``clients`` threads doing ``pair(worker)`` (an ask then a tell: their seconds) until ``pairs`` are done."""
     asks: list[float] = []
     tells: list[float] = []
+    errors: list[str] = []
     left = iter(range(pairs))
     lock = threading.Lock()
 
     def client() -> None:
-        c = StrategyClient(url, timeout_s=300)  # a queue of 32 clients on 2 cores takes seconds
+        worker = make()
         while True:
             with lock:
                 if next(left, None) is None:
                     return
-            t0 = time.perf_counter()
-            p = c.health() if floor else c.ask(key)
-            t1 = time.perf_counter()
-            if floor:
-                c.health()
-            else:
-                c.tell(key, p["number"], {"status": "ok", "samples_per_s": 1.0 + p["number"], "peak_memory_bytes": 1e6})
-            t2 = time.perf_counter()
-            asks.append(t1 - t0)
-            tells.append(t2 - t1)
+            try:
+                a, t = pair(worker)
+            except Exception as exc:  # counted, and the run goes on
+                errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            asks.append(a)
+            tells.append(t)
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -76,46 +79,111 @@ def run(url: str, clients: int, pairs: int, tbl: dict, floor: bool = False) -> d
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    if not floor:
-        StrategyClient(url).delete(key)
+    return asks, tells, errors, time.perf_counter() - start
+
+
+def over_http(url: str, clients: int, pairs: int, tbl: dict) -> dict:
+    name = StrategyClient(url, timeout_s=300).create_study(f"bench-{uuid.uuid4().hex[:8]}", tbl, 1e9,
+                                                           max_trials=10_000, top_k=0)["study_key"]
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=30) as h:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                h.get("/healthz")
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    def pair(c: StrategyClient) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        p = c.ask(name)
+        t1 = time.perf_counter()
+        if p["number"] is None:
+            raise RuntimeError(f"stopped: {p['stop']}")
+        c.tell(name, p["number"], {"status": "ok", "samples_per_s": 1.0 + p["number"], "peak_memory_bytes": 1e6})
+        return t1 - t0, time.perf_counter() - t1
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    asks, tells, errors, wall = closed_loop(clients, pairs, pair, lambda: StrategyClient(url, timeout_s=300))
+    done.set()
+    poller.join()
+    trials = StrategyClient(url, timeout_s=300).trials(name)
+    StrategyClient(url, timeout_s=300).delete(name)
+    measured = [t["user_attrs"]["key"] for t in trials if t["state"] == "COMPLETE" and "measured" in t["user_attrs"]
+                and t["user_attrs"]["status"] != "duplicate"]
     ms = 1000.0
-    return {"clients": clients, "pairs": len(asks), "ask_p50_ms": pct(asks, .5) * ms, "ask_p99_ms": pct(asks, .99) * ms,
-            "tell_p50_ms": pct(tells, .5) * ms, "tell_p99_ms": pct(tells, .99) * ms,
-            "requests_per_s": 2 * len(asks) / wall, "mean_ms": statistics.mean(asks + tells) * ms}
+    return {"ask_p50_ms": pct(asks, .5) * ms, "ask_p99_ms": pct(asks, .99) * ms, "tell_p50_ms": pct(tells, .5) * ms,
+            "tell_p99_ms": pct(tells, .99) * ms, "healthz_p99_ms": pct(health, .99) * ms,
+            "requests_per_s": 2 * len(asks) / wall, "errors": len(errors), "error_sample": errors[:3],
+            "measured": len(measured), "twice_measured": len(measured) - len(set(measured)),
+            "lost": len(asks) - len(measured), "extra_trials": len(trials) - len(asks),
+            "left_running": sum(t["state"] == "RUNNING" for t in trials)}
+
+
+def in_process(storage: str, clients: int, pairs: int, tbl: dict) -> dict:
+    """The same ask/tell sequence on Optuna directly: ask, suggest the point, set its attributes, tell."""
+    import optuna
+
+    from atorch.strategy_search.candidates import CandidateTable, point_key
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cand = CandidateTable.from_json(tbl)
+    study = optuna.create_study(storage=storage, study_name=f"floor-{uuid.uuid4().hex[:8]}", direction="maximize",
+                                sampler=optuna.samplers.TPESampler(n_startup_trials=5000))
+    number = itertools.count()
+
+    def pair(_: Any) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        trial = study.ask()
+        point = cand.suggest(trial)
+        trial.set_user_attr("key", point_key(point))
+        trial.set_user_attr("lease_expires", time.time() + 600)
+        t1 = time.perf_counter()
+        trial.set_user_attr("measured", {"status": "ok", "samples_per_s": 1.0 + next(number)})
+        trial.set_user_attr("status", "ok")
+        study.tell(trial, 1.0)
+        return t1 - t0, time.perf_counter() - t1
+
+    asks, tells, errors, wall = closed_loop(clients, pairs, pair, lambda: None)
+    optuna.delete_study(study_name=study.study_name, storage=storage)
+    return {"inproc_requests_per_s": 2 * len(asks) / wall, "inproc_errors": len(errors)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--postgres", default=os.environ.get("ATORCH_TEST_POSTGRES_URL"),
                         help="PostgreSQL URL (default $ATORCH_TEST_POSTGRES_URL; none: SQLite only)")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--pairs", type=int, default=160, help="ask+tell pairs per run")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per row (the row is their median)")
-    parser.add_argument("--storages", nargs="+", default=["floor", "sqlite", "postgresql"],
-                        help="floor: /healthz only (uvicorn's per-request cost on this machine)")
+    parser.add_argument("--storages", nargs="+", default=["sqlite", "postgresql"])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     tbl = table()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        urls = {"floor": f"sqlite:///{tmp}/floor.db", "sqlite": f"sqlite:///{tmp}/bench.db",
-                "postgresql": args.postgres}
+        urls = {"sqlite": f"sqlite:///{tmp}/bench.db", "postgresql": args.postgres}
         for name in args.storages:
             if not urls.get(name):
                 continue
             server = ProcessServer(urls[name]).start()
             try:
-                run(server.url, 1, 5, tbl, floor=name == "floor")  # warm-up: connections, table parse
+                over_http(server.url, 1, 5, tbl)  # warm-up: connections, table parse
                 for clients in args.clients:
-                    runs = [run(server.url, clients, args.pairs, tbl, floor=name == "floor")
-                            for _ in range(args.repeats)]
-                    row = {"storage": name, "repeats": len(runs), "load_average": os.getloadavg()[0],
-                           **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+                    row = {"storage": name, "clients": clients, "load_average": os.getloadavg()[0],
+                           **over_http(server.url, clients, args.pairs, tbl)}
+                    row.update(in_process(urls[name], clients, args.pairs, tbl))
+                    row["vs_in_process"] = row["requests_per_s"] / row["inproc_requests_per_s"]
                     results.append(row)
-                    print(f"{name:10s} clients {clients:3d}: ask p50 {row['ask_p50_ms']:6.1f} ms p99 "
-                          f"{row['ask_p99_ms']:6.1f} ms | tell p50 {row['tell_p50_ms']:6.1f} ms p99 "
-                          f"{row['tell_p99_ms']:6.1f} ms | {row['requests_per_s']:6.1f} requests/s", flush=True)
+                    print(f"{name:10s} {clients:3d} clients: ask p50 {row['ask_p50_ms']:6.1f} p99 "
+                          f"{row['ask_p99_ms']:6.1f} ms | tell p50 {row['tell_p50_ms']:6.1f} p99 "
+                          f"{row['tell_p99_ms']:6.1f} ms | healthz p99 "
+                          f"{row['healthz_p99_ms']:6.1f} ms | {row['requests_per_s']:6.1f} req/s "
+                          f"({row['vs_in_process']:.2f}x in-process {row['inproc_requests_per_s']:.1f}) | errors "
+                          f"{row['errors']} twice {row['twice_measured']} lost {row['lost']} extra trials "
+                          f"{row['extra_trials']}", flush=True)
             finally:
                 server.kill()
     if args.json:

@@ -63,15 +63,16 @@ class ThreadServer:
 class ProcessServer:
     """``atorch serve`` in its own process (killed with SIGKILL to test a crash)."""
 
-    def __init__(self, storage: str, port: int | None = None, token: str | None = None) -> None:
+    def __init__(self, storage: str, port: int | None = None, token: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.storage, self.token = storage, token
+        self.storage, self.token, self.env = storage, token, env or {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ProcessServer:
         cmd = [sys.executable, "-m", "atorch.cli", "serve", "--port", str(self.port), "--storage", self.storage]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         if self.token:
             env["ATORCH_SERVER_TOKEN"] = self.token
         # The log goes to a file: a pipe nobody reads would block the server once it fills.
@@ -83,6 +84,9 @@ class ProcessServer:
             self.kill()
             raise TimeoutError(f"{exc}; server log: {Path(self.log.name).read_text()[-3000:]}") from exc
         return self
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text()
 
     def kill(self) -> None:
         if self.proc is not None:

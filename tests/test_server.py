@@ -82,7 +82,7 @@ def test_concurrent_clients_asking_and_telling_n_trials_leave_exactly_n(backend,
     numbers: list[int] = []
     errors: list[BaseException] = []
     with ThreadServer(storage) as server:
-        StrategyClient(server.url).create_study(key, table, 10 * BUDGET, max_trials=n)  # everything fits
+        key = StrategyClient(server.url).create_study(key, table, 10 * BUDGET, max_trials=n)["study_key"]  # all fit
 
         def job() -> None:
             client = StrategyClient(server.url)
@@ -151,7 +151,9 @@ def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, t
     assert local.stop_reason.endswith(confirmed_line)
     with ThreadServer(sqlite(tmp_path)) as server:
         measure = SlowFirstRun(slowed.key)
-        remote = RemotePlanner(space, server_url=server.url, measure=measure, **args).search()
+        planner = RemotePlanner(space, server_url=server.url, measure=measure, **args)
+        remote = planner.search()
+        name = planner.server_study
         best = max(measure.calls, key=lambda c: true_speed(dict(c.point)))
         assert remote.stop_reason.endswith(confirmed_line) and remote.dry_runs == len(measure.calls) == 8
         assert remote.candidate == best == local.candidate
@@ -160,13 +162,13 @@ def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, t
         assert best.key in confirmed and len({c.key for c in measure.calls}) == 6
         client = StrategyClient(server.url)
         # Each keeps its faster run on the server: the slowed candidate's first run no longer counts.
-        kept = {c["key"]: c["samples_per_s"] for c in client.contenders("c", 0.99)["contenders"]}
+        kept = {c["key"]: c["samples_per_s"] for c in client.contenders(name, 0.99)["contenders"]}
         assert kept == {k: pytest.approx(true_speed(json.loads(k))) for k in confirmed}
         with pytest.raises(ServerError, match="no measured candidate") as refused:
-            client.confirm("c", '{"unknown": 1}', {"status": "ok"})
+            client.confirm(name, '{"unknown": 1}', {"status": "ok"})
         assert refused.value.status_code == 404
-    with ThreadServer(sqlite(tmp_path)) as restarted:  # the confirmations are in the event log
-        replayed = StrategyClient(restarted.url).contenders("c", 0.99)["contenders"]
+    with ThreadServer(sqlite(tmp_path)) as restarted:  # the confirmations are in the study
+        replayed = StrategyClient(restarted.url).contenders(name, 0.99)["contenders"]
         assert {c["key"]: c["samples_per_s"] for c in replayed} == kept
 
 
@@ -174,21 +176,21 @@ def test_restart_mid_search_loses_nothing(table, tmp_path) -> None:
     server = ProcessServer(sqlite(tmp_path)).start()
     try:
         client = StrategyClient(server.url)
-        client.create_study("r", table, BUDGET, max_trials=8)
+        r = client.create_study("r", table, BUDGET, max_trials=8)["study_key"]
         for _ in range(3):
-            p = client.ask("r")
-            client.tell("r", p["number"], run_of(p["point"]))
-        pending = client.ask("r")  # asked, then the server dies before the result comes
-        before = client.trials("r")
+            p = client.ask(r)
+            client.tell(r, p["number"], run_of(p["point"]))
+        pending = client.ask(r)  # asked, then the server dies before the result comes
+        before = client.trials(r)
         server.kill()
         with pytest.raises(SetupError, match=server.url):
-            client.trials("r")
+            client.trials(r)
         server.start()  # same port, same storage
-        after = client.trials("r")
+        after = client.trials(r)
         assert after == before
-        told = client.tell("r", pending["number"], run_of(pending["point"]))
+        told = client.tell(r, pending["number"], run_of(pending["point"]))
         assert told["record"]["status"] == "ok" and not told["already_told"]
-        nxt = client.ask("r")  # the search continues
+        nxt = client.ask(r)  # the search continues
         assert nxt["number"] is not None and nxt["key"] not in {t["user_attrs"].get("key") for t in after
                                                                  if t["state"] == "COMPLETE"}
     finally:
@@ -198,16 +200,16 @@ def test_restart_mid_search_loses_nothing(table, tmp_path) -> None:
 def test_an_expired_lease_is_marked_failed_and_the_search_goes_on(table, tmp_path) -> None:
     with ThreadServer(sqlite(tmp_path)) as server:
         client = StrategyClient(server.url)
-        client.create_study("l", table, BUDGET, lease_s=0.5)
-        dead = client.ask("l")  # its job dies: never told
+        lk = client.create_study("l", table, BUDGET, lease_s=0.5)["study_key"]
+        dead = client.ask(lk)  # its job dies: never told
         time.sleep(1.0)
-        trial = next(t for t in client.trials("l") if t["number"] == dead["number"])
+        trial = next(t for t in client.trials(lk) if t["number"] == dead["number"])
         assert trial["state"] == "FAIL" and trial["user_attrs"]["status"] == "expired"
         assert "lease expired" in trial["user_attrs"]["reason"]
         with pytest.raises(SetupError, match="409"):
-            client.tell("l", dead["number"], run_of(dead["point"]))
-        alive = client.ask("l", lease_s=60)
-        assert client.tell("l", alive["number"], run_of(alive["point"]))["record"]["status"] == "ok"
+            client.tell(lk, dead["number"], run_of(dead["point"]))
+        alive = client.ask(lk, lease_s=60)
+        assert client.tell(lk, alive["number"], run_of(alive["point"]))["record"]["status"] == "ok"
         # A RemotePlanner whose dry-runs outlive the lease while another job lists the study (which marks
         # overdue trials failed; until then a late result is still taken): each tell is refused (409) and
         # the search goes on.
@@ -215,20 +217,21 @@ def test_an_expired_lease_is_marked_failed_and_the_search_goes_on(table, tmp_pat
 
         def slow_measure(cand):
             time.sleep(0.3)
-            client.trials("l2")
+            client.trials(slow.server_name())
             return Measure()(cand)
 
         slow = RemotePlanner(space, server_url=server.url, study_key="l2", predict=predict,
                              measure=slow_measure, memory_budget=BUDGET, max_trials=2, lease_s=0.1)
         result = slow.search()
         assert result.dry_runs == 2 and result.candidate is None
-        assert {t["user_attrs"]["status"] for t in client.trials("l2") if t["state"] == "FAIL"} == {"expired"}
+        assert {t["user_attrs"]["status"] for t in client.trials(slow.server_name()) if t["state"] == "FAIL"} == {
+            "expired"}
 
 
 def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:
     with ThreadServer(sqlite(tmp_path), token=TOKEN) as server:
         good = StrategyClient(server.url, TOKEN)
-        good.create_study("secret-study", table, BUDGET)
+        secret = good.create_study("secret-study", table, BUDGET)["study_key"]
         routes = [("GET", "/v1/studies"), ("GET", "/v1/studies/secret-study"),
                   ("GET", "/v1/studies/secret-study/trials"), ("GET", "/v1/studies/secret-study/best"),
                   ("POST", "/v1/studies/secret-study/ask"), ("DELETE", "/v1/studies/secret-study"),
@@ -239,9 +242,9 @@ def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.json() == {"detail": "missing or wrong bearer token"} and "secret" not in r.text
         assert httpx.get(server.url + "/healthz").status_code == 200
-        assert good.study("secret-study")["study_key"] == "secret-study"
+        assert good.study(secret)["study_key"] == secret
         with pytest.raises(SetupError, match="ATORCH_SERVER_TOKEN"):
-            StrategyClient(server.url, "wrong").trials("secret-study")
+            StrategyClient(server.url, "wrong").trials(secret)
     with pytest.raises(SetupError, match="without a token"):
         check_bind("0.0.0.0", None)
     assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2  # refused before binding anything
@@ -258,9 +261,11 @@ def test_malformed_payloads_are_422_naming_the_field_and_big_ones_413(table, tmp
         assert r.status_code == 422 and "predictions" in r.text
         r = httpx.put(f"{url}/v1/studies/m", json={"table": table, "memory_budget": -1})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "memory_budget"]
-        assert httpx.put(f"{url}/v1/studies/m", json={"table": table, "memory_budget": BUDGET}).status_code == 200
-        p = httpx.post(f"{url}/v1/studies/m/ask", json={}).json()
-        r = httpx.post(f"{url}/v1/studies/m/trials/{p['number']}/tell", json={"measured": {"status": "ok",
+        r = httpx.put(f"{url}/v1/studies/m", json={"table": table, "memory_budget": BUDGET})
+        assert r.status_code == 200
+        m = r.json()["study_key"]
+        p = httpx.post(f"{url}/v1/studies/{m}/ask", json={}).json()
+        r = httpx.post(f"{url}/v1/studies/{m}/trials/{p['number']}/tell", json={"measured": {"status": "ok",
                        "samples_per_s": "fast"}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "measured", "samples_per_s"]
         r = httpx.post(f"{url}/v1/studies/bad key!/ask", json={})
@@ -292,105 +297,13 @@ def test_schemathesis_finds_no_server_error(table, tmp_path) -> None:
         assert json.dumps(StrategyClient(server.url, TOKEN).health()) == '{"status": "ok"}'
 
 
-def _optuna_copy(storage: str, key: str) -> list[tuple]:
-    import optuna
-
-    try:
-        study = optuna.load_study(study_name=key, storage=storage)
-    except KeyError:  # not copied yet
-        return []
-    return [(t.number, t.state.name, t.user_attrs.get("key"), t.user_attrs.get("status"))
-            for t in study.get_trials(deepcopy=False)]
-
-
-def test_a_restart_replays_the_event_log_and_the_optuna_copy_catches_up(table, tmp_path) -> None:
-    """The server is killed right after answering (before the Optuna copy, written every 2 s, has the
-    trials): the event log alone rebuilds the study, and the copy the dashboards read catches up."""
-    import sqlalchemy as sa
-
-    storage = sqlite(tmp_path)
-    server = ProcessServer(storage).start()
-    try:
-        client = StrategyClient(server.url)
-        client.create_study("e", table, BUDGET, max_trials=8)
-        for _ in range(3):
-            p = client.ask("e")
-            client.tell("e", p["number"], run_of(p["point"]))
-        pending = client.ask("e")
-        before = client.trials("e")
-        server.kill()
-        with sa.create_engine(storage).connect() as conn:  # one row per change, all committed
-            kinds = [r[0] for r in conn.execute(sa.text(
-                "select kind from atorch_server_events where study = 'e' order by id"))]
-        assert kinds[0] == "study" and kinds.count("trials") >= 8
-        server.start()
-        assert client.trials("e") == before
-        assert not client.tell("e", pending["number"], run_of(pending["point"]))["already_told"]
-        listed = [(t["number"], t["state"], t["user_attrs"].get("key"), t["user_attrs"].get("status"))
-                  for t in client.trials("e")]
-        deadline = time.monotonic() + 60
-        while _optuna_copy(storage, "e") != listed:  # written off the request path, within seconds
-            assert time.monotonic() < deadline, (_optuna_copy(storage, "e"), listed)
-            time.sleep(0.5)
-    finally:
-        server.kill()
-
-
-def test_the_sampler_working_ahead_never_hands_out_a_candidate_in_flight(tmp_path) -> None:
-    """Two candidates: two asks take both; the suggestion prepared meanwhile is one of them, so the third
-    ask must not hand it out (it is failed as in flight, and the search stops when only those remain)."""
-    points = [{"sharding": "ddp", "micro_batch_size": m} for m in (1, 2)]
-    preds = [{"peak_memory_bytes": 1e6, "step_time_s": 0.1, "samples_per_s": 10.0} for _ in points]
-    tiny = {"points": points, "predictions": preds, "global_batch": 4}
-    with ThreadServer(sqlite(tmp_path)) as server:
-        client = StrategyClient(server.url)
-        client.create_study("w", tiny, BUDGET, top_k=0)
-        live = server.app.app.state.studies._live["w"]
-        first, second = client.ask("w"), client.ask("w")
-        assert first["key"] != second["key"]
-        deadline = time.monotonic() + 30
-        while live.proposer.ready is None:  # prepared by the sampler thread after the second ask
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        prepared = live.proposer.ready.number
-        third = client.ask("w")
-        assert third["number"] is None and "already known" in third["stop"]
-        trials = {t["number"]: t for t in client.trials("w")}
-        assert trials[prepared]["state"] == "FAIL" and trials[prepared]["user_attrs"]["status"] == "in_flight"
-        running = [t["user_attrs"]["key"] for t in trials.values() if t["state"] == "RUNNING"]
-        assert sorted(running) == sorted([first["key"], second["key"]])
-        client.tell("w", first["number"], {"status": "ok", "samples_per_s": 5.0, "peak_memory_bytes": 1e6})
-        assert client.ask("w")["number"] is None  # the other is still in flight, this one is known
-
-
 def test_a_second_server_on_the_same_postgresql_study_is_refused(table) -> None:
     storage = postgres_or_skip()
     key = f"two-{uuid.uuid4().hex[:8]}"
     with ThreadServer(storage) as a, ThreadServer(storage) as b:
-        StrategyClient(a.url).create_study(key, table, BUDGET)
+        name = StrategyClient(a.url).create_study(key, table, BUDGET)["study_key"]
         with pytest.raises(SetupError, match="409.*another atorch server"):
-            StrategyClient(b.url).ask(key)
-        StrategyClient(a.url).delete(key)
+            StrategyClient(b.url).ask(name)
+        StrategyClient(a.url).delete(name)
         StrategyClient(b.url).create_study(key, table, BUDGET)  # the lock went with the study
-        StrategyClient(b.url).delete(key)
-
-
-def test_a_study_only_in_the_optuna_storage_is_imported(table, tmp_path) -> None:
-    """An earlier server kept studies in the Optuna storage alone: the first request imports one."""
-    import sqlalchemy as sa
-
-    storage = sqlite(tmp_path)
-    with ThreadServer(storage) as server:  # leaving flushes the Optuna copy
-        client = StrategyClient(server.url)
-        client.create_study("old", table, BUDGET, max_trials=8)
-        p = client.ask("old")
-        client.tell("old", p["number"], run_of(p["point"]))
-        pending = client.ask("old")
-        before = client.trials("old")
-    with sa.create_engine(storage).begin() as conn:
-        conn.execute(sa.text("delete from atorch_server_events"))
-    with ThreadServer(storage) as server:
-        client = StrategyClient(server.url)
-        assert client.trials("old") == before
-        assert client.tell("old", pending["number"], run_of(pending["point"]))["record"]["status"] == "ok"
-        assert client.ask("old")["number"] is not None
+        StrategyClient(b.url).delete(name)

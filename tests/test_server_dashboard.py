@@ -42,7 +42,10 @@ def test_dashboard_shows_a_study_from_a_real_search(browser, tmp_path) -> None:
                                measure=Measure(), memory_budget=BUDGET, max_trials=3).search()
         browser.get(f"{server.url}/ui/")  # no cookie yet: refused
         assert "missing or wrong bearer token" in browser.page_source and "dash-study" not in browser.page_source
-        browser.get(f"{server.url}/ui/login?token={TOKEN}")  # sets the cookie, lands on /ui
+        browser.get(f"{server.url}/ui/login")  # the sign-in form: the token is POSTed, never in a URL
+        field = browser.find_element(By.NAME, "token")
+        field.send_keys(TOKEN)
+        field.submit()  # sets the cookie, lands on /ui
         WebDriverWait(browser, 30).until(lambda d: "dash-study" in d.find_element(By.TAG_NAME, "body").text)
         body = browser.find_element(By.TAG_NAME, "body").text
         best = browser.find_element(By.CSS_SELECTOR, "b.best").text

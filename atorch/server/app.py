@@ -1,31 +1,49 @@
 """The FastAPI app: /healthz, the /v1 JSON API, the dashboard; bearer-token auth and a request-size limit.
 
-Every /v1 route and the dashboards need ``Authorization: Bearer <token>`` when the server has a token
-(a browser may instead open ``/ui/login?token=...`` once, which sets a cookie). A missing or wrong token
-is a 401 whose body says only that. Bodies over ``max_body`` bytes are refused with 413 before they are
-read in full.
+Every /v1 route and the dashboards need ``Authorization: Bearer <token>`` when the server has a token (a
+browser signs in once on the form at ``/ui/login``, which POSTs the token and sets a cookie holding a value
+derived from it). A missing or wrong token is a 401 whose body says only that. Bodies over ``max_body`` bytes
+are refused with 413, whether announced by Content-Length or streamed in chunks.
+
+The /v1 routes are plain ``def``: FastAPI runs them in its worker threads, so sampling and the storage's
+commits never hold the event loop (``/healthz`` answers while they run). A storage failure or a busy study
+is a 503 with ``Retry-After``: nothing was acknowledged, and the client retries.
 """
 
 from __future__ import annotations
 
-import asyncio
+import math
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
-from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
 from atorch.server import models
-from atorch.server.auth import COOKIE, UNAUTHORIZED, same_token, token_ok
-from atorch.server.store import LeaseExpired, Studies, StudyBusy, UnknownCandidate, UnknownStudy, UnknownTrial
+from atorch.server.auth import COOKIE, LOGIN_FORM, UNAUTHORIZED, cookie_of, credentials_ok, same_token
+from atorch.server.store import (
+    LeaseExpired,
+    Studies,
+    StudyBusy,
+    Unavailable,
+    UnknownCandidate,
+    UnknownStudy,
+    UnknownTrial,
+)
 
 API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
-StudyKey = Path(pattern=models.STUDY_KEY, description="the study key (same as the local search's)")
+RETRY_AFTER_S = 1
+StudyKey = Path(pattern=models.STUDY_KEY, description="the study's name (PUT answers it as ``study_key``)")
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over ``limit`` bytes (by Content-Length, or counted as it streams)."""
+    """ASGI middleware: 413 for a body over ``limit`` bytes (by Content-Length, or counted as it streams: the
+    body is read here before the app sees it, so a chunked one is refused whole, never half-parsed)."""
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -36,69 +54,96 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _too_large(scope, self.limit, send)
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                return await self.app(scope, _replay([message], receive), send)
             seen += len(message.get("body", b""))
             if seen > self.limit:
-                raise _TooLarge()
-            return message
+                return await _too_large(scope, self.limit, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await _too_large(scope, self.limit, send)
 
+def _replay(first: list[dict], receive: Any) -> Any:
+    async def replayed() -> dict:
+        return first.pop(0) if first else await receive()
 
-class _TooLarge(Exception):
-    pass
+    return replayed
 
 
 async def _too_large(scope: dict, limit: int, send: Any) -> None:
     await JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, 413)(scope, None, send)
 
 
+def _encodable(value: Any) -> Any:
+    """A validation error's echo as strict JSON (a non-finite number becomes its text)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
+
+
 def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               dashboard: bool = True) -> Any:
-    studies = Studies(storage)
+               dashboard: bool = True, ask_cap_s: float = 1.0, busy_timeout_s: float = 5.0) -> Any:
+    studies = Studies(storage, ask_cap_s=ask_cap_s, busy_timeout_s=busy_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         yield
-        studies.close()  # the copy for the dashboards is brought up to date, the log closed
+        studies.close()
 
     app = FastAPI(title="atorch strategy server", version=API_VERSION, lifespan=lifespan,
                   description="The planner's ask/tell over an Optuna storage (JSON only).")
     app.state.studies = studies
+    bearer = HTTPBearer(auto_error=False, description="the server's token (atorch serve --token)")
+    cookie = APIKeyCookie(name=COOKIE, auto_error=False, description="set by the sign-in form at /ui/login")
 
-    def auth(request: Request) -> None:
-        if token is not None and not token_ok(
-            token, request.headers.get("authorization", ""), request.cookies.get(COOKIE)
-        ):
+    def auth(credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+             session: str | None = Depends(cookie)) -> None:
+        given = credentials.credentials if credentials is not None else None
+        if token is not None and not credentials_ok(token, given, session):
             raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+
+    def error(status: int, detail: str, retry: bool = False) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if retry else None
+        return JSONResponse({"detail": detail}, status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _encodable(jsonable_encoder(exc.errors()))}, 422)
 
     @app.exception_handler(UnknownStudy)
     async def _unknown_study(_: Request, exc: UnknownStudy) -> JSONResponse:
-        return JSONResponse({"detail": f"no study {exc.args[0]!r} on this server: create it with PUT first"}, 404)
+        return error(404, f"no study {exc.args[0]!r} on this server: create it with PUT first")
 
     @app.exception_handler(UnknownTrial)
     async def _unknown_trial(_: Request, exc: UnknownTrial) -> JSONResponse:
-        return JSONResponse({"detail": f"no asked trial number {exc.args[0]} in this study"}, 404)
+        return error(404, f"no asked trial number {exc.args[0]} in this study")
 
     @app.exception_handler(UnknownCandidate)
     async def _unknown_candidate(_: Request, exc: UnknownCandidate) -> JSONResponse:
-        return JSONResponse({"detail": f"no measured candidate with key {exc.args[0]!r} in this study "
-                                       "(confirm re-measures one that a tell measured)"}, 404)
+        return error(404, f"no measured candidate with key {exc.args[0]!r} in this study "
+                          "(confirm re-measures one that a tell measured)")
 
     @app.exception_handler(LeaseExpired)
     async def _expired(_: Request, exc: LeaseExpired) -> JSONResponse:
-        return JSONResponse({"detail": f"{exc}: the trial was marked failed; ask again"}, 409)
+        return error(409, f"{exc}: the trial was marked failed; ask again")
 
     @app.exception_handler(StudyBusy)
     async def _busy(_: Request, exc: StudyBusy) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, 409)
+        return error(409, str(exc))
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
+        return error(503, f"{exc}; nothing was stored: retry", retry=True)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:  # on the event loop: also the bench's floor of a request
@@ -108,7 +153,9 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
 
     @app.put("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"])
     def create_study(body: models.CreateStudy, study_key: str = StudyKey) -> dict[str, Any]:
-        """Create-or-get (idempotent): stores the table and config, enqueues the cost model's seeds once."""
+        """Create-or-get (idempotent) the study of this key for this table (the space and the hardware's
+        predictions): its name, answered as ``study_key``, is the key plus the table's digest; the other routes
+        take that name, and each may carry the caller's ``memory_budget`` (default: this one)."""
         try:
             return studies.create(study_key, body.table.as_json(), body.model_dump(exclude={"table"}))
         except ValueError as exc:
@@ -120,7 +167,7 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
 
     @app.get("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"])
     def get_study(study_key: str = StudyKey,
-                  memory_budget: float | None = Query(None, gt=0)) -> dict[str, Any]:
+                  memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         return studies.info(study_key, memory_budget)
 
     @app.delete("/v1/studies/{study_key}", status_code=204, dependencies=v1, tags=["studies"])
@@ -128,45 +175,42 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
         studies.delete(study_key)
 
     @app.post("/v1/studies/{study_key}/ask", response_model=models.AskResponse, dependencies=v1, tags=["search"])
-    async def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
+    def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """The next candidate to measure (a trial number, its point and a lease), or why to stop."""
-        # In memory on the event loop (no thread hop); answered once its row is committed.
-        answer, recorded = studies.ask(study_key, body.lease_s)
-        await asyncio.wrap_future(recorded)
-        return answer
+        return studies.ask(study_key, body.lease_s, body.memory_budget)
 
     @app.post("/v1/studies/{study_key}/trials/{number}/tell", response_model=models.TellResponse,
               dependencies=v1, tags=["search"])
-    async def tell(body: models.TellRequest, study_key: str = StudyKey,
-                   number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
-        """A measured result or failure; telling a finished trial again changes nothing."""
-        answer, recorded = studies.tell(study_key, number, body.measured.to_json())
-        await asyncio.wrap_future(recorded)
-        return answer
+    def tell(body: models.TellRequest, study_key: str = StudyKey,
+             number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
+        """A measured result or failure, answered once committed; telling a finished trial again changes nothing."""
+        return studies.tell(study_key, number, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/contenders", response_model=models.Contenders, dependencies=v1,
              tags=["search"])
-    def contenders(study_key: str = StudyKey, within: float = Query(ge=0, lt=1)) -> dict[str, Any]:
+    def contenders(study_key: str = StudyKey,
+                   within: float = Query(ge=0, lt=1, allow_inf_nan=False),
+                   memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         """The candidates a confirmation re-measures: the best and a runner-up within ``within`` of it."""
-        return studies.contenders(study_key, within)
+        return studies.contenders(study_key, within, memory_budget)
 
     @app.post("/v1/studies/{study_key}/confirm", response_model=models.ConfirmResponse, dependencies=v1,
               tags=["search"])
-    async def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
+    def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """A second measurement of a measured candidate: its faster run counts, and the best is chosen again."""
-        answer, recorded = studies.confirm(study_key, body.key, body.measured.to_json())
-        await asyncio.wrap_future(recorded)
-        return answer
+        return studies.confirm(study_key, body.key, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
-    def best(study_key: str = StudyKey, memory_budget: float | None = Query(None, gt=0)) -> dict[str, Any]:
+    def best(study_key: str = StudyKey,
+             memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         """The stored best strategy, if it fits ``memory_budget`` (default: the study's)."""
         return {"best": studies.best(study_key, memory_budget)}
 
     @app.put("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
     def store_best(body: models.StoreBest, study_key: str = StudyKey) -> dict[str, Any]:
         """Store the best measured feasible trial as the study's answer (what later jobs get)."""
-        return {"best": studies.store_best(study_key, {"strategy": body.strategy} if body.strategy else None)}
+        extra = {"strategy": body.strategy} if body.strategy else None
+        return {"best": studies.store_best(study_key, extra, body.memory_budget)}
 
     @app.get("/v1/studies/{study_key}/trials", response_model=list[models.Trial], dependencies=v1, tags=["search"])
     def trials(study_key: str = StudyKey) -> list[dict[str, Any]]:
@@ -175,12 +219,20 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     if dashboard:
         from atorch.server.dashboard import mount
 
-        @app.get("/ui/login", include_in_schema=False)
-        def login(token_: str = Query(alias="token")) -> Any:
-            if token is not None and not same_token(token_, token):
-                raise HTTPException(401, UNAUTHORIZED)
+        @app.get("/ui/login", include_in_schema=False, response_class=HTMLResponse)
+        def login_form() -> str:
+            return LOGIN_FORM
+
+        @app.post("/ui/login", include_in_schema=False)
+        async def login(request: Request) -> Any:
+            # A form POST (the token stays out of URLs and access logs); parsed here: one field.
+            given = (parse_qs((await request.body()).decode("utf-8", "replace")).get("token") or [""])[0]
+            if token is not None and not same_token(given, token):
+                return HTMLResponse(LOGIN_FORM.replace("<!--error-->", f"<p>{UNAUTHORIZED}</p>"), 401)
             response = RedirectResponse("/ui/", status_code=303)
-            response.set_cookie(COOKIE, token_, httponly=True, samesite="strict")
+            if token is not None:
+                response.set_cookie(COOKIE, cookie_of(token), httponly=True, samesite="strict",
+                                    secure=request.url.scheme == "https")
             return response
 
         mount(app, studies, token)  # after the routes above: its mounts take the paths they leave

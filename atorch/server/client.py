@@ -8,6 +8,7 @@ with no dry-run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from atorch.strategy_search.space import SearchSpace
 
 logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
+RETRIES_503 = 60  # a minute of Retry-After: 1 (a storage locked or failing over) before the error is raised
 
 
 class ServerError(SetupError):
@@ -50,6 +52,12 @@ class StrategyClient:
 
         try:
             response = self.http.request(method, path, json=body, params=params)
+            # 503: the server stored nothing (its storage failed, or the study was busy): the same request again
+            for _ in range(RETRIES_503):
+                if response.status_code != 503:
+                    break
+                time.sleep(min(30.0, float(response.headers.get("retry-after", "1") or 1)))
+                response = self.http.request(method, path, json=body, params=params)
         except httpx.HTTPError as exc:
             raise SetupError(
                 f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); start it with "
@@ -78,24 +86,31 @@ class StrategyClient:
         return self._call("GET", f"/v1/studies/{key}",
                           params={"memory_budget": memory_budget} if memory_budget else None)
 
-    def ask(self, key: str, lease_s: float | None = None) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/ask", {"lease_s": lease_s})
+    def ask(self, key: str, lease_s: float | None = None, memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/ask", {"lease_s": lease_s, "memory_budget": memory_budget})
 
-    def tell(self, key: str, number: int, measured: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell", {"measured": measured})
+    def tell(self, key: str, number: int, measured: dict[str, Any],
+             memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/trials/{number}/tell",
+                          {"measured": measured, "memory_budget": memory_budget})
 
-    def contenders(self, key: str, within: float) -> dict[str, Any]:
-        return self._call("GET", f"/v1/studies/{key}/contenders", params={"within": within})
+    def contenders(self, key: str, within: float, memory_budget: float | None = None) -> dict[str, Any]:
+        params = {"within": within, **({"memory_budget": memory_budget} if memory_budget else {})}
+        return self._call("GET", f"/v1/studies/{key}/contenders", params=params)
 
-    def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"/v1/studies/{key}/confirm", {"key": candidate, "measured": measured})
+    def confirm(self, key: str, candidate: str, measured: dict[str, Any],
+                memory_budget: float | None = None) -> dict[str, Any]:
+        return self._call("POST", f"/v1/studies/{key}/confirm",
+                          {"key": candidate, "measured": measured, "memory_budget": memory_budget})
 
     def best(self, key: str, memory_budget: float | None = None) -> dict[str, Any] | None:
         params = {"memory_budget": memory_budget} if memory_budget else None
         return self._call("GET", f"/v1/studies/{key}/best", params=params)["best"]
 
-    def store_best(self, key: str, strategy: dict[str, Any] | None) -> dict[str, Any] | None:
-        return self._call("PUT", f"/v1/studies/{key}/best", {"strategy": strategy})["best"]
+    def store_best(self, key: str, strategy: dict[str, Any] | None,
+                   memory_budget: float | None = None) -> dict[str, Any] | None:
+        return self._call("PUT", f"/v1/studies/{key}/best",
+                          {"strategy": strategy, "memory_budget": memory_budget})["best"]
 
     def trials(self, key: str) -> list[dict[str, Any]]:
         return self._call("GET", f"/v1/studies/{key}/trials")
@@ -135,18 +150,29 @@ class RemotePlanner(Planner):
             raise SetupError(f"no strategy server given: pass server_url= or set ${SERVER_ENV}")
         self.server_url = url
         self.lease_s = lease_s
+        self.server_study: str | None = None  # the study's name on the server (``_create``)
         self.client = StrategyClient(url, token if token is not None else settings().server_token, timeout_s)
 
     def _create(self) -> dict[str, Any]:
-        return self.client.create_study(
+        """Create-or-get the study; the server names it (the key plus a digest of the table: a job with another
+        space or hardware gets another study), and every later call uses that name, with this job's budget."""
+        info = self.client.create_study(
             self.study_name, self.table().to_json(), self.memory_budget, sampler=self.sampler,
             max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s)
+        self.server_study = info["study_key"]
+        return info
+
+    def server_name(self) -> str:
+        """The study's name on the server (created on first use)."""
+        if self.server_study is None:
+            self._create()
+        return self.server_study  # type: ignore[return-value]
 
     def study(self) -> Any:
         raise SetupError(f"the study {self.study_name} lives on {self.server_url}: use trials() or the server's API")
 
     def trials(self) -> list[dict[str, Any]]:
-        return [_record(t) for t in self.client.trials(self.study_name)]
+        return [_record(t) for t in self.client.trials(self.server_name())]
 
     def cached(self) -> PlanResult | None:
         return self.search_study().start(force=False)
@@ -166,17 +192,18 @@ class RemoteStudy(SearchStudy):
     def start(self, force: bool) -> PlanResult | None:
         p = self.planner
         info = p._create()
+        self.key = info["study_key"]
         if force or info["cached"] is None:
             return None
         best = info["cached"]
         logger.info("strategy search: cached best on %s (%.3g samples/s)", p.server_url, best["samples_per_s"])
-        return PlanResult(p.space.from_point(best["point"]), best["samples_per_s"], "cache", self.key,
+        return PlanResult(p.space.from_point(best["point"]), best["samples_per_s"], "cache", p.study_name,
                           stop_reason="cached", trials=p.trials())
 
     def ask(self, stop: Callable[[], str]) -> Proposal:
         if reason := stop():
             return Proposal(None, stop=reason)
-        answer = self.client.ask(self.key, self.planner.lease_s)
+        answer = self.client.ask(self.key, self.planner.lease_s, self.planner.memory_budget)
         for record in answer["told"]:
             self._seen(record)
         if answer["number"] is None:
@@ -185,7 +212,7 @@ class RemoteStudy(SearchStudy):
 
     def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
         try:
-            told = self.client.tell(self.key, number, measured.to_json())
+            told = self.client.tell(self.key, number, measured.to_json(), self.planner.memory_budget)
         except ServerError as exc:
             if exc.status_code != 409:
                 raise
@@ -196,18 +223,19 @@ class RemoteStudy(SearchStudy):
         return {**told["record"], "improved": told["improved"]}
 
     def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
-        answer = self.client.contenders(self.key, within)
+        answer = self.client.contenders(self.key, within, self.planner.memory_budget)
         return answer["contenders"], answer["measured_ok"]
 
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        answer = self.client.confirm(self.key, key, measured.to_json())
+        answer = self.client.confirm(self.key, key, measured.to_json(), self.planner.memory_budget)
         return answer["record"], answer["best"]
 
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
                ) -> tuple[dict[str, Any] | None, str]:
-        stored = self.client.store_best(self.key, None)  # the best measured, chosen on the server
+        budget = self.planner.memory_budget
+        stored = self.client.store_best(self.key, None, budget)  # the best measured, chosen on the server
         if stored is not None:
-            stored = self.client.store_best(self.key, strategy_of(stored["point"]))
+            stored = self.client.store_best(self.key, strategy_of(stored["point"]), budget)
         return stored, f"study {self.key} on {self.planner.server_url}"
 
     def abort(self, kind: str, reason: str) -> None:

@@ -90,4 +90,4 @@ def mount(app: FastAPI, studies: Studies, token: str | None) -> None:
 
     app.mount("/ui", TokenGate(ui, token))
     # Last: optuna-dashboard takes every path the API does not (/dashboard, /api, /static, /csv).
-    app.mount("/", TokenGate(WSGIMiddleware(wsgi(studies.storage)), token))
+    app.mount("/", TokenGate(WSGIMiddleware(wsgi(studies.rdb)), token))

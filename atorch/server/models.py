@@ -10,7 +10,8 @@ from atorch.strategy_search import outcome
 from atorch.strategy_search.outcome import Predicted
 
 Scalar = str | bool | int | float
-STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
+STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,239}$"  # a key, or a study name (key:digest)
+STRICT = ConfigDict(allow_inf_nan=False)  # NaN / Infinity are refused (422), never stored
 MAX_POINTS = 100_000
 
 
@@ -18,11 +19,14 @@ class Prediction(Predicted):
     """The cost model's answer for one point, or why it could not predict (a ``Predicted`` with the wire's
     limits)."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     error: str | None = Field(None, max_length=2000)
 
 
 class Table(BaseModel):
     """The candidate table: valid points in walk order, one prediction each (and optional details)."""
+
+    model_config = STRICT
 
     points: list[dict[str, Scalar]] = Field(min_length=1, max_length=MAX_POINTS)
     predictions: list[Prediction] = Field(min_length=1, max_length=MAX_POINTS)
@@ -44,6 +48,7 @@ class Table(BaseModel):
 
 
 class CreateStudy(BaseModel):
+    model_config = STRICT
     table: Table
     memory_budget: float = Field(gt=0, description="bytes per rank; outcomes are judged under it")
     sampler: Literal["tpe", "gp"] = "tpe"
@@ -60,7 +65,13 @@ class StudyInfo(BaseModel):
     cached: dict[str, Any] | None = Field(None, description="the stored best, if it fits this memory budget")
 
 
+BUDGET_FIELD = Field(None, gt=0, description="bytes per rank this job's outcomes are judged under (default: the "
+                                           "study's, from its PUT)")
+
+
 class AskRequest(BaseModel):
+    model_config = STRICT
+    memory_budget: float | None = BUDGET_FIELD
     lease_s: float | None = Field(None, gt=0, le=7 * 86400)
 
 
@@ -78,7 +89,7 @@ class Measured(outcome.Measured):
     """A dry-run's outcome (``atorch.strategy_search.outcome.Measured``) with the wire's limits; a non-finite loss
     travels as its text ("nan", "inf")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")
     samples_per_s: float = Field(0.0, ge=0)
     peak_memory_bytes: float = Field(0.0, ge=0)
@@ -89,7 +100,9 @@ class Measured(outcome.Measured):
 
 
 class TellRequest(BaseModel):
+    model_config = STRICT
     measured: Measured
+    memory_budget: float | None = BUDGET_FIELD
 
 
 class TellResponse(BaseModel):
@@ -106,6 +119,8 @@ class Contenders(BaseModel):
 
 
 class ConfirmRequest(BaseModel):
+    model_config = STRICT
+    memory_budget: float | None = BUDGET_FIELD
     key: str = Field(min_length=1, max_length=10_000, description="a measured candidate's key (its trial's ``key``)")
     measured: Measured
 
@@ -116,7 +131,9 @@ class ConfirmResponse(BaseModel):
 
 
 class StoreBest(BaseModel):
+    model_config = STRICT
     strategy: dict[str, Any] | None = None
+    memory_budget: float | None = BUDGET_FIELD
 
 
 class Best(BaseModel):

@@ -38,6 +38,8 @@ def serve(host: str, port: int, storage: str | None, token: str | None, max_body
     except SetupError as exc:
         print(f"atorch serve: {exc}", file=sys.stderr)
         return 2
-    app = create_app(storage or default_storage(), token=token, max_body=max_body)
+    # How long a write waits for a locked SQLite file before the request is a 503 (the client retries).
+    busy = settings().server_busy_timeout_s
+    app = create_app(storage or default_storage(), token=token, max_body=max_body, busy_timeout_s=busy)
     uvicorn.run(app, host=host, port=port, log_level="info")
     return 0

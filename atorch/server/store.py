@@ -1,47 +1,54 @@
-"""The server's studies: each one's search state in memory, every change one row of the event log.
+"""The server's studies: Optuna studies on Optuna's own storage (RDB), the one record of every search.
 
-A study lives in this process as an Optuna study on an in-memory storage with its ``SearchState``; an ask
-or tell is an in-memory operation plus one durable row (``atorch.server.events``: the trials it changed,
-as snapshots), and is answered once that row is committed. The first touch of a study after a start
-rebuilds it by replaying its rows (a study only in the Optuna storage, from an earlier server version, is
-imported once), so a restart loses nothing. A confirmation (a second run of a measured candidate,
-``SearchState.confirm``) is one "confirm" row, replayed into the study's ``confirmations`` attribute.
-An asked trial carries a lease (unix time in its user attrs); a lease past due is marked FAILED before the
-study is asked or listed, so the candidate can be asked again (until then a late result is still taken;
-after, it is a 409).
+Every request reads the study from the storage and rebuilds its ``SearchState`` from the trials there, so the
+server holds nothing the storage does not (optuna-dashboard and ``atorch search-report`` read the same rows),
+and a request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with
+Retry-After) and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's
+``tell`` committed the trial's state, its last write: until then the trial is RUNNING, and a retried tell
+stores it. The only things kept in memory are the per-study locks and the candidate tables, which never
+change for a study: its name ends with a digest of its space (the table's points and global batch:
+``study_name``), so a job with another space under the same key gets another study. The hardware is in the
+key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
+budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures
+for one machine vary a little between runs: they must not split the study). The memory budget is the
+caller's: each request may carry its own (default: the one the study was created with), and the stored
+measurements are judged under it, so jobs with different budgets share measurements and each gets answers
+under its own budget.
 
-The sampler works ahead: after each ask or tell a thread prepares the next suggestion (an Optuna trial
-with its point), and the next ask takes it, falling back to sampling inline when none is ready. The
-prepared trial is not recorded until an ask takes it, and the ask judges it as an inline one (a known
-candidate is told as a duplicate, one in flight is failed), so nothing is measured twice at once.
+An ask has a time cap: the sampler proposing candidates that are taken (measured, or in flight with another
+client) is answered by enqueueing an untaken one, a study whose every candidate is taken answers ``exhausted``
+at once with no trial created, and an ask that still runs out of time is a 503 the client retries. An asked
+trial carries a lease (unix time in its user attrs); a lease past due is marked FAILED before the study is
+asked or listed, so the candidate can be asked again (until then a late result is still taken; after, 409).
+A RUNNING trial with no lease is an ask that died before it answered: it is marked FAILED the same way.
 
-The Optuna storage holds a copy for optuna-dashboard and ``atorch search-report`` (``atorch.server.mirror``,
-written off the request path). One server process per database: the state is in this process, so two
-servers on one PostgreSQL would each hold their own copy of a study. On PostgreSQL a study is guarded by a
-session advisory lock taken when it is loaded; a second server asking for it gets ``StudyBusy`` (409).
+One server process per database on PostgreSQL: a study is guarded by a session advisory lock taken when it is
+first touched; a second server asking for it gets ``StudyBusy`` (409).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
-import queue
 import threading
 import time
 import zlib
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
-from atorch.server.events import EventLog, connect_args, tune_sqlite
-from atorch.server.mirror import Mirror, rdb_trials
-from atorch.server.snapshot import placeholder, trial_from_json, trial_json
-from atorch.settings import settings
 from atorch.strategy_search.ask_tell import SearchState, make_sampler
-from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.candidates import CandidateTable, family_key, is_baseline, point_key
 
 TABLE_ATTR, CONFIG_ATTR, CONFIRM_ATTR = "atorch_table", "atorch_config", "confirmations"
+EXHAUSTED = "exhausted: every candidate is measured, ruled out or being measured by another client"
+_OUT_OF_TIME = "\0out of time"
+RULED_OUT = ("predicted_oom", "skipped")
+DIRECT_FRACTION = 4  # once at most 1/4 of the table is untaken, an ask takes the best-ranked untaken one
 
 
 class UnknownStudy(KeyError):
@@ -64,409 +71,368 @@ class StudyBusy(RuntimeError):
     pass
 
 
-def open_storage(url: str) -> Any:
-    """The Optuna storage of a URL (the copy for the dashboards), tuned as the event log is."""
+class Unavailable(RuntimeError):
+    """The storage failed (locked, connection dropped) or the study is busy: nothing was acknowledged; retry."""
+
+
+def study_name(key: str, table: dict[str, Any]) -> str:
+    """The stored study of ``key`` for this space: the key plus a digest of the table's points and global
+    batch."""
+    space = {"points": table["points"], "global_batch": table["global_batch"]}
+    digest = hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{key}:{digest}"
+
+
+def check_table(table: CandidateTable) -> None:
+    """Refuse (ValueError naming the point) a table the sampler cannot walk, before anything is stored: every
+    point must be reached by walking the table's tree (the same dimensions in the same order after the same
+    prefix), and be judged by the memory-family and baseline rules."""
+    for i, point in enumerate(table.points):
+        try:
+            walked = table._walk(lambda name, _choices, p=point: p[name.split("|", 1)[0]])
+            family_key(point)
+            is_baseline(point)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"point {i} ({point_key(point)}) does not fit the table's dimensions: {exc!r}") from exc
+        if walked != point:
+            raise ValueError(f"point {i} ({point_key(point)}) has dimensions in another order or set than the "
+                             f"points before it (walked {point_key(walked)}): give every point the same dimensions")
+
+
+def open_storage(url: str, busy_timeout_s: float = 5.0) -> Any:
+    """Optuna's RDB storage of a URL. SQLite: WAL (readers never wait for the writer) and a busy timeout after
+    which a request is a 503 rather than a hang; PostgreSQL: commits are durable (an acknowledged tell is on
+    disk)."""
+    from sqlalchemy import event
+
     if url.startswith("sqlite"):
-        rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect_args(url)})
-        tune_sqlite(rdb.engine)
+        rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": busy_timeout_s}})
+
+        @event.listens_for(rdb.engine, "connect")
+        def _pragmas(conn: Any, _record: Any) -> None:
+            cursor = conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.close()
+
         rdb.engine.dispose()  # connections opened before the listener reconnect with the pragmas
         return rdb
     if url.startswith("postgresql"):
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": connect_args(url)})
-    return optuna.storages.get_storage(url)
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+    return optuna.storages.RDBStorage(url)
 
 
-def _done() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f
+@contextlib.contextmanager
+def _storage_errors() -> Iterator[None]:
+    """A database error (locked, connection lost) as ``Unavailable``: the request changed nothing it answered."""
+    import sqlalchemy.exc
+
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        raise Unavailable(f"the storage failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
 
 
-class _Proposer:
-    """The study as SearchState sees it, whose ``ask()`` hands out the prepared trial first and notes
-    every trial it hands out (the ones this request changes)."""
+class _Open:
+    """One request's view of a study: what the storage holds now (its trials, config and SearchState)."""
 
-    def __init__(self, study: Any) -> None:
-        self._study = study
-        self.ready: Any = None
-        self.asked: list[int] = []
+    def __init__(self, studies: Studies, name: str, budget: float | None = None) -> None:
+        storage = studies.storage
+        try:
+            self.sid = storage.get_study_id_from_name(name)
+        except KeyError:
+            raise UnknownStudy(name) from None
+        self.name = name
+        self.attrs = storage.get_study_user_attrs(self.sid)
+        if CONFIG_ATTR not in self.attrs:  # a local search's study, or one whose create did not finish
+            raise UnknownStudy(name)
+        self.config: dict[str, Any] = self.attrs[CONFIG_ATTR]
+        self.table = studies.table(name, self.sid, self.attrs)
+        self.study = optuna.Study(study_name=name, storage=storage)
+        self.trials = self.study.get_trials(deepcopy=False)
+        cfg = self.config
+        # Seeded by the trial count, so a sampler rebuilt for each request does not repeat itself.
+        self.study.sampler = make_sampler(cfg["sampler"], cfg["max_trials"], cfg["seed"] + len(self.trials))
+        self.budget = float(budget if budget is not None else cfg["memory_budget"])
+        self.state = SearchState(self.study, self.table, self.budget, storage=storage,
+                                 max_asks=10**9, trials=self.trials)  # bounded by time and by the table
+        # Candidates ruled out without a dry-run stay ruled out while they still would be under this budget
+        # (predicted too big, with the family corrections, which only grow; or hopelessly slow next to a best
+        # that only improves): a proposal of one again is a duplicate, as it is within one search.
+        state, table = self.state, self.table
+        for t in self.trials:
+            status, key = t.user_attrs.get("status"), t.user_attrs.get("key")
+            if t.state != TrialState.COMPLETE or status not in RULED_OUT or key in state.done:
+                continue
+            if status == "predicted_oom" and table.fits(table.prediction(key), self.budget, state.correction(key)):
+                continue
+            state.done[key] = (t.value, dict(t.constraints), {"number": t.number, "status": status,
+                                                              "reason": t.user_attrs.get("reason", "")})
 
-    def ask(self) -> Any:
-        trial, self.ready = self.ready, None
-        trial = trial if trial is not None else self._study.ask()
-        self.asked.append(trial.number)
-        return trial
+    def running(self) -> dict[int, tuple[str | None, float | None]]:
+        """number -> (key, lease due) of every RUNNING trial."""
+        return {t.number: (t.user_attrs.get("key"), t.user_attrs.get("lease_expires"))
+                for t in self.trials if t.state == TrialState.RUNNING}
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._study, name)
-
-
-@dataclass
-class Live:
-    key: str
-    study: Any  # on ``storage``
-    storage: Any  # an InMemoryStorage
-    study_id: int  # the study's id in it
-    config: dict[str, Any]
-    table: CandidateTable
-    proposer: _Proposer
-    state: SearchState
-    logged: dict[int, dict[str, Any]]  # trial number -> its last recorded snapshot (what a replay gives)
-    running: dict[int, tuple[str, float | None]] = field(default_factory=dict)  # number -> (key, lease due)
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    deleted: bool = False
-
-    def trial(self, number: int) -> Any:
-        return self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number))
+    def expire(self, now: float) -> None:
+        """Mark failed the running trials past their lease, and those no ask finished (no lease)."""
+        changed = False
+        for number, (_, due) in self.running().items():
+            if due is None:
+                self.state.fail(number, "the ask that created it did not finish (server stopped or storage "
+                                "failed)", status="discarded")
+            elif due < now:
+                self.state.fail(number, f"lease expired at {due:.0f} (unix time) with no result told")
+            changed = changed or due is None or due < now
+        if changed:
+            self.trials = self.study.get_trials(deepcopy=False)
 
 
 class Studies:
-    def __init__(self, storage: str, clock: Any = time.time, mirror_interval_s: float | None = None) -> None:
-        if mirror_interval_s is None:  # how often the Optuna copy is written (seconds)
-            mirror_interval_s = settings().server_mirror_s
-        self.storage = open_storage(storage)
-        self.log = EventLog(storage)
-        self.mirror = Mirror(self.storage, mirror_interval_s, self.log.write_lock)
-        self.clock = clock
-        self._live: dict[str, Live] = {}
-        self._guard = threading.RLock()
-        self._advisory = self.log.engine.connect() if self.log.engine.dialect.name == "postgresql" else None
-        self._todo: queue.Queue[str | None] = queue.Queue()
-        self._sampler = threading.Thread(target=self._prepare_loop, name="atorch-sampler", daemon=True)
-        self._sampler.start()
+    def __init__(self, storage: str, clock: Any = time.time, ask_cap_s: float = 1.0,
+                 busy_timeout_s: float = 5.0) -> None:
+        self.rdb = open_storage(storage, busy_timeout_s)
+        # What optuna.load_study uses: finished trials are read once and kept; the rest is read on each call.
+        self.storage = optuna.storages.get_storage(self.rdb)
+        self.clock, self.ask_cap_s, self.busy_timeout_s = clock, ask_cap_s, busy_timeout_s
+        self._locks: dict[str, threading.Lock] = {}
+        self._tables: dict[str, CandidateTable] = {}  # by study name (whose digest fixes its table)
+        self._guard = threading.Lock()
+        engine = self.rdb.engine
+        self._advisory = engine.connect() if engine.dialect.name == "postgresql" else None
+        self._claimed: set[str] = set()
 
     def close(self) -> None:
-        self._todo.put(None)
-        self._sampler.join(timeout=30)
-        self.mirror.close()
-        self.log.close()
         if self._advisory is not None:
             self._advisory.close()
+        self.rdb.engine.dispose()
 
-    # ----- loading ---------------------------------------------------------------------------
-    def _get(self, key: str) -> Live:
-        live = self._live.get(key)
-        if live is not None:
-            return live
+    # ----- locks and claims ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, name: str, wait_s: float) -> Iterator[None]:
+        """This process's one request at a time on a study (waiting at most ``wait_s``; then 503)."""
         with self._guard:
-            if key not in self._live:
-                self._live[key] = self._load(key)
-            return self._live[key]
+            lock = self._locks.setdefault(name, threading.Lock())
+        if not lock.acquire(timeout=wait_s):
+            raise Unavailable(f"study {name!r} is busy with other requests")
+        try:
+            with _storage_errors():
+                yield
+        finally:
+            lock.release()
 
-    def _claim(self, key: str, release: bool = False) -> None:
-        """PostgreSQL: this process serves ``key`` alone (a session advisory lock, held until it exits or
+    def _claim(self, name: str, release: bool = False) -> None:
+        """PostgreSQL: this process serves ``name`` alone (a session advisory lock, held until it exits or
         deletes the study)."""
-        if self._advisory is None:
+        if self._advisory is None or (name in self._claimed) != release:
             return
         import sqlalchemy as sa
 
-        ident = zlib.crc32(key.encode()) - 2**31
+        ident = zlib.crc32(name.encode()) - 2**31
         call = "pg_advisory_unlock" if release else "pg_try_advisory_lock"
-        got = self._advisory.execute(sa.text(f"select {call}(7431, :k)"), {"k": ident}).scalar()
-        self._advisory.commit()
-        if not got and not release:
-            raise StudyBusy(f"study {key!r} is served by another atorch server on this database; "
+        with self._guard:
+            got = self._advisory.execute(sa.text(f"select {call}(7431, :k)"), {"k": ident}).scalar()
+            self._advisory.commit()
+        if release:
+            self._claimed.discard(name)
+        elif not got:
+            raise StudyBusy(f"study {name!r} is served by another atorch server on this database; "
                             "send every request for a study to one server")
+        else:
+            self._claimed.add(name)
 
-    def _load(self, key: str) -> Live:
-        events = self.log.read(key)
-        if not events:
-            return self._import(key)
-        self._claim(key)
-        attrs: dict[str, Any] = {}
-        snaps: dict[int, dict[str, Any]] = {}
-        for kind, body in events:
-            if kind == "study":
-                attrs.update({TABLE_ATTR: body["table"], CONFIG_ATTR: body["config"]})
-            elif kind == "best":
-                attrs["best"] = body
-            elif kind == "confirm":
-                attrs.setdefault(CONFIRM_ATTR, []).append(body)
-            elif kind == "trials":
-                snaps.update({t["number"]: t for t in body})
-        live = self._build(key, attrs, snaps)
-        self.mirror.push(key, attrs, list(live.logged.values()))  # brings the copy up to date
-        return live
+    def _open(self, name: str, budget: float | None = None) -> _Open:
+        self._claim(name)
+        return _Open(self, name, budget)
 
-    def _import(self, key: str) -> Live:
-        """A study in the Optuna storage with no event (an earlier server's): recorded once, then served."""
-        found = rdb_trials(self.storage, key)
-        if found is None or CONFIG_ATTR not in found[0]:
-            raise UnknownStudy(key)  # none, or a local search's study
-        self._claim(key)
-        attrs, trials = found
-        snaps = {t.number: trial_json(t) for t in trials}
-        live = self._build(key, dict(attrs), snaps)
-        self.log.append(key, "study", {"table": attrs[TABLE_ATTR], "config": attrs[CONFIG_ATTR]})
-        if "best" in attrs:
-            self.log.append(key, "best", attrs["best"])
-        for record in attrs.get(CONFIRM_ATTR, []):
-            self.log.append(key, "confirm", record)
-        self.log.append(key, "trials", list(live.logged.values())).result()
-        return live
-
-    def _build(self, key: str, attrs: dict[str, Any], snaps: dict[int, dict[str, Any]],
-               seed_top_k: int | None = None) -> Live:
-        config = attrs[CONFIG_ATTR]
-        table = CandidateTable.from_json(attrs[TABLE_ATTR])
-        storage = optuna.storages.InMemoryStorage()
-        study = optuna.create_study(storage=storage, study_name=key, direction="maximize")
-        for k, v in attrs.items():
-            study.set_user_attr(k, v)
-        gaps = []
-        for number in range(max(snaps, default=-1) + 1):
-            if number not in snaps:  # no row holds it: kept failed so later numbers stay where they were
-                snaps[number] = trial_json(placeholder(number, "a trial number with no record (server restart)"))
-                gaps.append(snaps[number])
-            study.add_trial(trial_from_json(snaps[number]))
-        if gaps:
-            self.log.append(key, "trials", gaps)
-        proposer = _Proposer(study)
-        state = self._state(proposer, storage, config, table)
-        live = Live(key, study, storage, state.study_id, config, table, proposer, state, dict(snaps))
-        for number, snap in snaps.items():
-            if snap["state"] == "RUNNING" and "key" in snap["user_attrs"]:
-                live.running[number] = (snap["user_attrs"]["key"], snap["user_attrs"].get("lease_expires"))
-        return live
-
-    @staticmethod
-    def _state(proposer: _Proposer, storage: Any, config: dict[str, Any], table: CandidateTable) -> SearchState:
-        study = proposer._study
-        trials = study.get_trials(deepcopy=False)
-        # Seeded by the trial count, so a sampler rebuilt after a restart does not repeat itself.
-        study.sampler = make_sampler(config["sampler"], config["max_trials"], config["seed"] + len(trials))
-        return SearchState(proposer, table, config["memory_budget"], storage=storage,
-                           max_asks=max(50, 10 * config["max_trials"]), trials=trials)
-
-    # ----- recording -------------------------------------------------------------------------
-    def _record(self, live: Live, numbers: list[int]) -> Future:
-        """One row with the snapshots of the trials this request changed (under the study's lock)."""
-        if not numbers:
-            return _done()
-        snaps = [trial_json(live.trial(n)) for n in sorted(set(numbers))]
-        for s in snaps:
-            live.logged[s["number"]] = s
-            if s["state"] != "RUNNING":
-                live.running.pop(s["number"], None)
-        done = self.log.append(live.key, "trials", snaps)
-        self.mirror.push(live.key, trials=snaps)
-        return done
-
-    # ----- the sampler thread ----------------------------------------------------------------
-    def _prepare_loop(self) -> None:
-        while (key := self._todo.get()) is not None:
-            live = self._live.get(key)
-            if live is None:
-                continue
-            with live.lock:
-                if live.deleted or live.proposer.ready is not None or live.state.exhausted():
-                    continue
-                try:
-                    trial = live.study.ask()
-                    live.table.suggest(trial)
-                except Exception:  # the next ask samples inline and meets the error there
-                    continue
-                live.proposer.ready = trial
-
-    def _prepare(self, key: str) -> None:
-        self._todo.put(key)
+    def table(self, name: str, sid: int, attrs: dict[str, Any]) -> CandidateTable:
+        table = self._tables.get(name)
+        if table is None:
+            data = self.storage.get_study_system_attrs(sid).get(TABLE_ATTR) or attrs.get(TABLE_ATTR)
+            if data is None:
+                raise UnknownStudy(name)
+            table = self._tables[name] = CandidateTable.from_json(data)
+        return table
 
     # ----- studies ---------------------------------------------------------------------------
     def create(self, key: str, table: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-        """Create-or-get: the table and config are (re)stored, the cost model's seeds enqueued once."""
-        CandidateTable.from_json(table)  # a table that cannot be walked is refused before it is stored
-        with self._guard:
+        """Create-or-get the study of ``key`` for this table (its name: ``study_name``). The table is checked
+        before anything is written and stored once; the settings (the default budget, the sampler's) are
+        updated; the cost model's seeds under this budget are enqueued once. Each step is idempotent: a create
+        that failed half-way is finished by a retry."""
+        parsed = CandidateTable.from_json(table)
+        check_table(parsed)
+        name = study_name(key, table)
+        config = {**config, "global_batch": parsed.global_batch, "key": key}
+        with self._locked(name, self.busy_timeout_s + 5):
+            self._claim(name)
             try:
-                live = self._get(key)
-            except UnknownStudy:
-                self._claim(key)
-                live = self._build(key, {TABLE_ATTR: table, CONFIG_ATTR: config}, {})
-                self._live[key] = live
-                self.log.append(key, "study", {"table": table, "config": config})
-                self.mirror.push(key, {TABLE_ATTR: table, CONFIG_ATTR: config})
-            else:
-                known = self._attrs(live)
-                if known.get(TABLE_ATTR) != table or known.get(CONFIG_ATTR) != config:
-                    with live.lock:
-                        live.config, live.table = config, CandidateTable.from_json(table)
-                        attrs = {TABLE_ATTR: table, CONFIG_ATTR: config}
-                        for k, v in attrs.items():
-                            live.study.set_user_attr(k, v)
-                        live.state = self._state(live.proposer, live.storage, config, live.table)
-                        self.log.append(key, "study", {"table": table, "config": config})
-                        self.mirror.push(key, attrs)
-            with live.lock:
-                before = len(live.study.get_trials(deepcopy=False))
-                live.state.seed(config["top_k"])
-                done = self._record(live, list(range(before, len(live.study.get_trials(deepcopy=False)))))
-        done.result()
-        return self._info(live, config["memory_budget"])
+                sid = self.storage.get_study_id_from_name(name)
+            except KeyError:
+                sid = self.storage.create_new_study([optuna.study.StudyDirection.MAXIMIZE], name)
+            if TABLE_ATTR not in self.storage.get_study_system_attrs(sid):
+                self.storage.set_study_system_attr(sid, TABLE_ATTR, table)  # big: out of the user attrs
+            self._tables.setdefault(name, parsed)
+            if self.storage.get_study_user_attrs(sid).get(CONFIG_ATTR) != config:
+                self.storage.set_study_user_attr(sid, CONFIG_ATTR, config)  # last: the study is complete
+            opened = _Open(self, name, config["memory_budget"])
+            opened.state.seed(config["top_k"])
+            return self._info(opened, config["memory_budget"])
 
-    def info(self, key: str, memory_budget: float | None = None) -> dict[str, Any]:
-        live = self._get(key)
-        return self._info(live, memory_budget if memory_budget is not None else live.config["memory_budget"])
+    def info(self, name: str, memory_budget: float | None = None) -> dict[str, Any]:
+        with _storage_errors():
+            opened = self._open(name)
+            return self._info(opened, memory_budget if memory_budget is not None else opened.config["memory_budget"])
 
-    def _info(self, live: Live, budget: float) -> dict[str, Any]:
-        best = self._attrs(live).get("best")
-        return {"study_key": live.key, "n_trials": len(live.logged), "memory_budget": budget,
+    def _info(self, opened: _Open, budget: float) -> dict[str, Any]:
+        best = opened.attrs.get("best")
+        return {"study_key": opened.name, "n_trials": len(opened.trials), "memory_budget": budget,
                 "cached": best if best and best["peak_memory_bytes"] <= budget else None}
 
     def names(self) -> list[str]:
-        rdb = [s.study_name for s in optuna.get_all_study_summaries(self.storage, include_best_trial=False)]
-        return sorted(set(rdb) | set(self.log.studies()) | {k for k, v in self._live.items() if not v.deleted})
+        with _storage_errors():
+            return sorted(s.study_name for s in self.storage.get_all_studies())
 
-    def delete(self, key: str) -> None:
-        with self._guard:
-            live = self._get(key)
-            with live.lock:
-                live.deleted = True
-                del self._live[key]
-                done = self.log.delete(key)
-                self.mirror.delete(key)
-            done.result()
-            self._claim(key, release=True)
-
-    @staticmethod
-    def _attrs(live: Live) -> dict[str, Any]:
-        return live.storage.get_study_user_attrs(live.study_id)  # Study.user_attrs deep-copies
-
-    # ----- leases ----------------------------------------------------------------------------
-    def _expire(self, live: Live) -> list[int]:
-        """Mark running trials past their lease failed (the numbers changed)."""
-        now = self.clock()
-        overdue = [n for n, (_, due) in live.running.items() if due is not None and due < now]
-        for n in overdue:
-            live.state.fail(n, f"lease expired at {live.running[n][1]:.0f} (unix time) with no result told")
-            live.running.pop(n)
-        return overdue
-
-    # ----- ask / tell: in memory, then one row --------------------------------------------------
-    def ask(self, key: str, lease_s: float | None) -> tuple[dict[str, Any], Future]:
-        live = self._get(key)
-        with live.lock:
-            if live.deleted:
-                raise UnknownStudy(key)
-            live.proposer.asked = []
-            changed = self._expire(live)
-            in_flight = {k for k, _ in live.running.values()}
-            told: list[dict[str, Any]] = []
-            live.state.on_trial, live.state.asks = told.append, 0  # expired leases are not this ask's news
-            lease = lease_s if lease_s is not None else live.config["lease_s"]
-            expires = self.clock() + lease
+    def delete(self, name: str) -> None:
+        with self._locked(name, self.busy_timeout_s + 5):
             try:
-                proposal = live.state.ask(in_flight=lambda: in_flight, lease_attrs={"lease_expires": expires})
-            finally:
-                live.state.on_trial = None
-            if proposal.number is not None:
-                live.running[proposal.number] = (proposal.key, expires)
-            done = self._record(live, changed + live.proposer.asked)
-        self._prepare(key)
-        return ({"number": proposal.number, "point": proposal.point, "key": proposal.key,
-                 "predicted": proposal.predicted, "stop": proposal.stop, "told": told,
-                 "lease_expires": expires if proposal.number is not None else None}, done)
+                sid = self.storage.get_study_id_from_name(name)
+            except KeyError:
+                raise UnknownStudy(name) from None
+            self._claim(name)
+            self.storage.delete_study(sid)
+            self._tables.pop(name, None)
+            self._claim(name, release=True)
 
-    def tell(self, key: str, number: int, measured: dict[str, Any]) -> tuple[dict[str, Any], Future]:
-        live = self._get(key)
-        with live.lock:
-            snap = live.logged.get(number)
-            if snap is None or live.deleted or snap["state"] == "WAITING":  # never asked (or only enqueued)
+    # ----- ask / tell ------------------------------------------------------------------------
+    def ask(self, name: str, lease_s: float | None, budget: float | None = None) -> dict[str, Any]:
+        with self._locked(name, self.busy_timeout_s + 5):  # other requests first: each holds it briefly
+            deadline = time.monotonic() + self.ask_cap_s
+            opened = self._open(name, budget)
+            now = self.clock()
+            opened.expire(now)
+            state, table = opened.state, opened.table
+            in_flight = {k for k, _ in opened.running().values() if k is not None}
+            untaken = [k for k in table.keys if k not in state.done and k not in in_flight]
+            lease = lease_s if lease_s is not None else opened.config["lease_s"]
+            expires = now + lease
+            if not untaken:
+                return _answer(None, EXHAUSTED, [], None)
+            told: list[dict[str, Any]] = []
+            state.on_trial = told.append
+            direct = len(untaken) * DIRECT_FRACTION <= len(table.keys)
+            waiting = [sum(t.state == TrialState.WAITING for t in opened.trials)]  # study.ask takes these first
+
+            def stop() -> str:  # called before each study.ask of this ask
+                if time.monotonic() > deadline:
+                    return _OUT_OF_TIME
+                if direct or (told and told[-1]["status"] in ("duplicate", "in_flight")):
+                    # Few left, or the sampler proposed a taken candidate: the next ask takes an untaken one.
+                    left = [k for k in untaken if k not in state.done]
+                    if not left:
+                        return EXHAUSTED
+                    if not waiting[0]:
+                        chosen = set(left)
+                        ranked = [k for k in table.ranked(state.budget, state.correction) if k in chosen]
+                        pick = (ranked or left)[0]
+                        opened.study.enqueue_trial(table.to_params(table.points[table.by_key[pick]]))
+                        waiting[0] += 1
+                    told.append({"status": "enqueued"})
+                waiting[0] = max(0, waiting[0] - 1)
+                return ""
+
+            proposal = state.ask(stop=stop, in_flight=lambda: in_flight, lease_attrs={"lease_expires": expires})
+            told = [t for t in told if t["status"] != "enqueued"]
+            if proposal.stop == _OUT_OF_TIME:
+                raise Unavailable(f"no candidate found within the ask's {self.ask_cap_s:g} s")
+            if proposal.number is None:
+                return _answer(None, proposal.stop, told, None)
+            return {**_answer(proposal.number, "", told, expires), "point": proposal.point, "key": proposal.key,
+                    "predicted": proposal.predicted}
+
+    def tell(self, name: str, number: int, measured: dict[str, Any], budget: float | None = None) -> dict[str, Any]:
+        with self._locked(name, self.busy_timeout_s + 5):
+            opened = self._open(name, budget)
+            trial = next((t for t in opened.trials if t.number == number), None)
+            if trial is None or trial.state == TrialState.WAITING:  # never asked (or only enqueued)
                 raise UnknownTrial(number)
-            if snap["state"] == "FAIL" and snap["user_attrs"].get("status") == "expired":
-                raise LeaseExpired(snap["user_attrs"].get("reason", "lease expired"))
-            record = live.state.tell(number, measured)
+            if trial.state == TrialState.FAIL and trial.user_attrs.get("status") == "expired":
+                raise LeaseExpired(trial.user_attrs.get("reason", "lease expired"))
+            record = opened.state.tell(number, measured)
             improved = record.pop("improved")
             already = bool(record.pop("already_told", False))
-            done = _done() if already else self._record(live, [number])
-        if not already:
-            self._prepare(key)
-        return {"record": record, "improved": improved, "already_told": already}, done
+            return {"record": record, "improved": improved, "already_told": already}
 
-    def contenders(self, key: str, within: float) -> dict[str, Any]:
+    def contenders(self, name: str, within: float, budget: float | None = None) -> dict[str, Any]:
         """The best and the runner-up when it measured within ``within`` of the best (SearchState.contenders)."""
-        live = self._get(key)
-        with live.lock:
-            found, measured_ok = live.state.contenders(within)
-            return {"contenders": found, "measured_ok": measured_ok}
+        with _storage_errors():
+            found, measured_ok = self._open(name, budget).state.contenders(within)
+        return {"contenders": found, "measured_ok": measured_ok}
 
-    def confirm(self, key: str, candidate: str, measured: dict[str, Any]) -> tuple[dict[str, Any], Future]:
-        """A re-measurement of a measured candidate (SearchState.confirm): one "confirm" row."""
-        live = self._get(key)
-        with live.lock:
-            if live.deleted:
-                raise UnknownStudy(key)
-            known = live.state.done.get(candidate)
+    def confirm(self, name: str, candidate: str, measured: dict[str, Any],
+                budget: float | None = None) -> dict[str, Any]:
+        """A re-measurement of a measured candidate (SearchState.confirm: the study's ``confirmations``)."""
+        with self._locked(name, self.busy_timeout_s + 5):
+            opened = self._open(name, budget)
+            known = opened.state.done.get(candidate)
             if known is None or "measured" not in known[2]:
                 raise UnknownCandidate(candidate)
-            record = live.state.confirm(candidate, measured)
-            best = live.state.best()
-            done = self.log.append(key, "confirm", record)
-            self.mirror.push(key, {CONFIRM_ATTR: self._attrs(live)[CONFIRM_ATTR]})
-        return {"record": record, "best": best}, done
+            record = opened.state.confirm(candidate, measured)
+            return {"record": record, "best": opened.state.best()}
 
-    def store_best(self, key: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
-        live = self._get(key)
-        with live.lock:
-            if live.state.store_best(extra) is None:
+    def store_best(self, name: str, extra: dict[str, Any] | None,
+                   budget: float | None = None) -> dict[str, Any] | None:
+        """Store the best measured candidate that fits ``budget`` as the study's answer (checked against each
+        later caller's budget)."""
+        with self._locked(name, self.busy_timeout_s + 5):
+            opened = self._open(name, budget)
+            if opened.state.store_best(extra) is None:
                 return None
-            best = self._attrs(live)["best"]
-            done = self.log.append(key, "best", best)
-            self.mirror.push(key, {"best": best})
-        done.result()
-        return best
+            return opened.study.user_attrs["best"]
 
-    def best(self, key: str, memory_budget: float | None) -> dict[str, Any] | None:
-        live = self._get(key)
-        budget = memory_budget if memory_budget is not None else live.config["memory_budget"]
-        best = self._attrs(live).get("best")
+    def best(self, name: str, memory_budget: float | None) -> dict[str, Any] | None:
+        with _storage_errors():
+            opened = self._open(name)
+        budget = memory_budget if memory_budget is not None else opened.config["memory_budget"]
+        best = opened.attrs.get("best")
         return best if best and best.get("peak_memory_bytes", math.inf) <= budget else None
 
-    def trials(self, key: str) -> list[dict[str, Any]]:
+    def trials(self, name: str) -> list[dict[str, Any]]:
         try:
-            live = self._get(key)
-        except UnknownStudy:  # a local search's study: listed from the Optuna storage as it is
-            found = rdb_trials(self.storage, key)
-            if found is None:
-                raise
-            return [_listed(t) for t in found[1]]
-        with live.lock:
-            done = self._record(live, self._expire(live))
-            snaps = [live.logged[n] for n in sorted(live.logged)]
-        done.result()
-        return [_listed(trial_from_json(s)) for s in snaps]
+            with self._locked(name, self.busy_timeout_s + 5):
+                opened = self._open(name)
+                opened.expire(self.clock())
+                return [_listed(t) for t in opened.trials]
+        except UnknownStudy:  # a local search's study: listed from the storage as it is
+            with _storage_errors():
+                try:
+                    study = optuna.load_study(study_name=name, storage=self.storage)
+                except KeyError:
+                    raise UnknownStudy(name) from None
+                return [_listed(t) for t in study.get_trials(deepcopy=False)]
 
-    def view(self, key: str) -> Any:
-        """What the /ui page shows of a study: its attributes and recorded trials (as the storage holds them
-        for a study this server does not serve)."""
-        try:
-            live = self._get(key)
-        except UnknownStudy:
-            found = rdb_trials(self.storage, key)
-            if found is None:
-                raise
-            return _View(key, self.storage.get_study_id_from_name(key), dict(found[0]), list(found[1]))
-        with live.lock:
-            snaps = [live.logged[n] for n in sorted(live.logged)]
-            attrs = dict(self._attrs(live))
-        try:
-            sid = self.storage.get_study_id_from_name(key)
-        except KeyError:
-            sid = 0  # not copied yet
-        trials = [trial_from_json(s) for s in snaps]
-        return _View(key, sid, attrs, trials)
+    def view(self, name: str) -> Any:
+        """What the /ui page shows of a study (the Optuna study; its table's global batch in its attrs)."""
+        study = optuna.load_study(study_name=name, storage=self.storage)
+        attrs = dict(study.user_attrs)
+        config = attrs.get(CONFIG_ATTR) or {}
+        attrs.setdefault(TABLE_ATTR, {"global_batch": config.get("global_batch")})
+        return _View(name, self.storage.get_study_id_from_name(name), attrs, study.get_trials(deepcopy=False))
 
 
-@dataclass
 class _View:
-    study_name: str
-    study_id: int  # in the Optuna storage (optuna-dashboard's link); 0 until copied
-    user_attrs: dict[str, Any]
-    trials: list[Any]
+    def __init__(self, study_name: str, study_id: int, user_attrs: dict[str, Any], trials: list[Any]) -> None:
+        self.study_name, self.study_id, self.user_attrs, self.trials = study_name, study_id, user_attrs, trials
 
     def get_trials(self, deepcopy: bool = False) -> list[Any]:
         return self.trials
 
 
+def _answer(number: int | None, stop: str, told: list[dict[str, Any]], expires: float | None) -> dict[str, Any]:
+    return {"number": number, "point": None, "key": "", "predicted": {}, "stop": stop, "told": told,
+            "lease_expires": expires}
+
+
 def _listed(t: Any) -> dict[str, Any]:
     return {"number": t.number, "state": t.state.name, "value": t.value,
             "constraints": dict(t.constraints), "user_attrs": dict(t.user_attrs)}
-

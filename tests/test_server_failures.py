@@ -1,0 +1,301 @@
+"""The strategy server when things go wrong: a nearly exhausted study under concurrent clients, a storage that
+fails a commit (a locked SQLite file, a dropped PostgreSQL connection) followed by ``kill -9``, jobs with other
+constraints, bad input, and the token's exposure. Real uvicorn, real storages, no mocks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sqlite3
+import threading
+import time
+
+import httpx
+import optuna
+import pytest
+from server_harness import ProcessServer, ThreadServer
+from test_planner import BUDGET, GLOBAL_BATCH, landscape_space, predict
+from test_server import TOKEN, postgres_or_skip, run_of, sqlite
+
+from atorch.server.auth import COOKIE
+from atorch.server.client import StrategyClient
+from atorch.strategy_search.candidates import CandidateTable
+from atorch.strategy_search.outcome import Predicted
+
+
+@pytest.fixture(scope="module")
+def table() -> dict:
+    return CandidateTable.from_space(
+        landscape_space(), lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json()).to_json()
+
+
+def grid(n_sharding: int = 4, n_mbs: int = 16) -> dict:
+    """A table of ``n_sharding * n_mbs`` candidates that all fit 1 GB."""
+    points = [{"sharding": s, "micro_batch_size": m}
+              for s, m in itertools.product(["ddp", "zero1", "zero2", "fsdp"][:n_sharding], range(1, n_mbs + 1))]
+    preds = [{"peak_memory_bytes": 1e6 * (1 + i % 5), "step_time_s": 0.1 + (i % 7) / 100,
+              "samples_per_s": 8 / (0.1 + (i % 7) / 100)} for i in range(len(points))]
+    return {"points": points, "predictions": preds, "global_batch": 8}
+
+
+def ok(point: dict) -> dict:
+    return {"status": "ok", "samples_per_s": 1.0 + point["micro_batch_size"], "peak_memory_bytes": 1e6}
+
+
+def p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+
+
+def measured_trials(trials: list[dict]) -> dict[int, dict]:
+    return {t["number"]: t for t in trials if t["state"] == "COMPLETE" and "measured" in t["user_attrs"]
+            and t["user_attrs"]["status"] != "duplicate"}
+
+
+def test_a_nearly_exhausted_study_with_four_clients_never_stalls(tmp_path) -> None:
+    """8 of 64 candidates left, 4 clients asking and telling until told to stop: every ask answers within 1 s,
+    /healthz stays under 100 ms at p99, each left candidate is measured once, no other trial is created, and
+    every client is then told ``exhausted`` at once."""
+    server = ProcessServer(sqlite(tmp_path)).start()
+    try:
+        client = StrategyClient(server.url)
+        name = client.create_study("x", grid(), 1e9, max_trials=64, top_k=0)["study_key"]
+        for _ in range(56):
+            p = client.ask(name)
+            client.tell(name, p["number"], ok(p["point"]))
+        before = {t["number"] for t in client.trials(name)}
+        asks: list[float] = []
+        health: list[float] = []
+        stops: list[str] = []
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def job() -> None:
+            c = StrategyClient(server.url)
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    p = c.ask(name)
+                    asks.append(time.perf_counter() - t0)
+                    if p["number"] is None:
+                        stops.append(p["stop"])
+                        return
+                    c.tell(name, p["number"], ok(p["point"]))
+            except BaseException as exc:
+                errors.append(exc)
+
+        def poll() -> None:
+            with httpx.Client(base_url=server.url) as h:
+                while not done.is_set():
+                    t0 = time.perf_counter()
+                    assert h.get("/healthz", timeout=5).status_code == 200
+                    health.append(time.perf_counter() - t0)
+                    time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        jobs = [threading.Thread(target=job) for _ in range(4)]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join(timeout=120)
+        time.sleep(0.2)
+        done.set()
+        poller.join(timeout=10)
+        assert not errors, errors
+        trials = client.trials(name)
+    finally:
+        server.kill()
+    assert len(stops) == 4 and all(s.startswith("exhausted") for s in stops), stops
+    assert max(asks) < 1.0, sorted(asks)[-5:]
+    assert len(health) > 20 and p99(health) < 0.1, sorted(health)[-5:]
+    new = [t for t in trials if t["number"] not in before]
+    assert len(new) == 8 and all(t["state"] == "COMPLETE" and t["user_attrs"]["status"] == "ok" for t in new)
+    keys = [t["user_attrs"]["key"] for t in measured_trials(trials).values()]
+    assert len(keys) == len(set(keys)) == 64  # every candidate measured, none twice
+
+
+def _acknowledged_tells_survive(server: ProcessServer, storage: str, name: str, acked: dict[int, dict]) -> None:
+    """kill -9, restart: every acknowledged tell is there once, as it was acknowledged, and nothing else was
+    told; optuna-dashboard's view (the Optuna study itself) is the same study."""
+    server.kill()
+    server.start()
+    trials = StrategyClient(server.url).trials(name)
+    measured = measured_trials(trials)
+    assert set(measured) == set(acked)
+    assert {n: t["user_attrs"]["measured"] for n, t in measured.items()} == {n: r["measured"] for n, r in acked.items()}
+    keys = [t["user_attrs"]["key"] for t in measured.values()]
+    assert len(keys) == len(set(keys))
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert [(t.number, t.state.name) for t in study.get_trials()] == [(t["number"], t["state"]) for t in trials]
+
+
+def test_a_failed_commit_is_a_503_that_changes_nothing_and_the_retry_stores_it(table, tmp_path) -> None:
+    """The SQLite file held by another connection's exclusive lock: a tell and an ask answer 503 with
+    Retry-After within the busy timeout, reads go on and show nothing changed; once the lock is gone the retried
+    tell is stored (not ``already_told``); then kill -9 and restart keep exactly the acknowledged tells."""
+    path = tmp_path / "server.db"
+    storage = f"sqlite:///{path}"
+    server = ProcessServer(storage, env={"ATORCH_SERVER_BUSY_TIMEOUT_S": "0.5"}).start()
+    try:
+        client = StrategyClient(server.url)
+        name = client.create_study("f", table, BUDGET, max_trials=8)["study_key"]
+        acked = {}
+        for _ in range(3):
+            p = client.ask(name)
+            acked[p["number"]] = client.tell(name, p["number"], run_of(p["point"]))["record"]
+        pending = client.ask(name)
+        before = client.trials(name)
+        tell_url = f"{server.url}/v1/studies/{name}/trials/{pending['number']}/tell"
+        lock = sqlite3.connect(path, isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            t0 = time.monotonic()
+            r = httpx.post(tell_url, json={"measured": run_of(pending["point"])}, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.text)
+            assert "nothing was stored" in r.json()["detail"] and time.monotonic() - t0 < 10
+            assert httpx.post(f"{server.url}/v1/studies/{name}/ask", json={}, timeout=30).status_code == 503
+            assert client.trials(name) == before
+        finally:
+            lock.rollback()
+            lock.close()
+        told = client.tell(name, pending["number"], run_of(pending["point"]))
+        assert told["record"]["status"] == "ok" and not told["already_told"]
+        acked[pending["number"]] = told["record"]
+        _acknowledged_tells_survive(server, storage, name, acked)
+    finally:
+        server.kill()
+
+
+def test_a_dropped_postgresql_connection_loses_no_acknowledged_tell(table) -> None:
+    """Every server connection to PostgreSQL is terminated between asks and tells: requests answer 503 or go
+    through on a fresh connection, the client's retries store every result once, and kill -9 keeps them."""
+    import sqlalchemy as sa
+
+    storage = postgres_or_skip()
+    admin = sa.create_engine(storage, isolation_level="AUTOCOMMIT")
+    server = ProcessServer(storage).start()
+    name = None
+    try:
+        client = StrategyClient(server.url)
+        name = client.create_study(f"pg-{time.time_ns()}", table, BUDGET, max_trials=8)["study_key"]
+        acked = {}
+        for _ in range(4):
+            p = client.ask(name)
+            with admin.connect() as conn:
+                dropped = conn.execute(sa.text(
+                    "select count(pg_terminate_backend(pid)) from pg_stat_activity "
+                    "where datname = current_database() and pid <> pg_backend_pid()")).scalar()
+            assert dropped >= 1
+            told = client.tell(name, p["number"], run_of(p["point"]))
+            assert not told["already_told"]
+            acked[p["number"]] = told["record"]
+        _acknowledged_tells_survive(server, storage, name, acked)
+    finally:
+        if name is not None and server.proc is not None:
+            StrategyClient(server.url).delete(name)
+        server.kill()
+        admin.dispose()
+
+
+def test_each_job_is_judged_under_its_own_budget_and_another_space_is_another_study(table, tmp_path) -> None:
+    """Jobs A and B share a space but not a memory budget: one study, whose measurements each re-uses judged
+    under its own budget (B re-creating it does not make A's measurements OOM); another space under the same
+    key makes another study. Search settings and the predictions' noise are not identity: the same study."""
+    with ThreadServer(sqlite(tmp_path)) as server:
+        client = StrategyClient(server.url)
+        a = client.create_study("job", table, BUDGET)["study_key"]
+        assert a.startswith("job:") and client.create_study("job", table, BUDGET, max_trials=20)["study_key"] == a
+        big = 0.75 * BUDGET  # fits A's budget, not B's
+
+        def measure(budget: float) -> dict:
+            p = client.ask(a, memory_budget=budget)
+            return client.tell(a, p["number"], {**run_of(p["point"]), "peak_memory_bytes": big}, budget)["record"]
+
+        assert measure(BUDGET)["status"] == "ok"
+        assert client.create_study("job", table, BUDGET / 2)["study_key"] == a  # job B
+        assert measure(BUDGET)["status"] == "ok"  # A's next measurement: still judged under A's budget
+        assert measure(BUDGET / 2)["status"] == "oom"  # B's: under B's
+        assert client.contenders(a, 0.99, BUDGET)["measured_ok"] == 3  # B's measurement fits A's budget
+        assert client.contenders(a, 0.99, BUDGET / 2)["measured_ok"] == 0
+        assert client.store_best(a, None, BUDGET)["peak_memory_bytes"] == big
+        assert client.best(a, BUDGET) is not None and client.best(a, BUDGET / 2) is None
+        assert client.study(a, BUDGET / 2)["cached"] is None
+        noisy = {**table, "predictions": [{**q, "step_time_s": 1.01 * q["step_time_s"],
+                                           "samples_per_s": q["samples_per_s"] / 1.01} for q in table["predictions"]]}
+        assert client.create_study("job", noisy, BUDGET)["study_key"] == a
+        smaller = {k: v[:-1] if k in ("points", "predictions", "details") else v for k, v in table.items()}
+        c = client.create_study("job", smaller, BUDGET)["study_key"]  # job C: another space
+        assert c != a and not measured_trials(client.trials(c))
+
+
+def _json(body: dict) -> dict:
+    return {"content": json.dumps(body), "headers": {"content-type": "application/json"}}  # NaN/Infinity as-is
+
+
+def test_bad_input_is_refused_before_anything_is_written(table, tmp_path) -> None:
+    with ThreadServer(sqlite(tmp_path)) as server:
+        url = server.url
+        for field, bad in itertools.product(("memory_budget", "lease_s"), (float("nan"), float("inf"))):
+            body = {"table": table, "memory_budget": BUDGET, field: bad}
+            r = httpx.put(f"{url}/v1/studies/n", **_json(body))
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", field], r.text
+        points, bare = table["points"], {k: v for k, v in table.items() if k != "details"}
+        unknown = {**bare, "points": [*points, {**points[0], "bogus": 1}],
+                   "predictions": [*table["predictions"], table["predictions"][0]]}
+        missing = {**bare, "points": [*points[:-1], {k: v for k, v in points[-1].items() if k != "micro_batch_size"}]}
+        for bad_table in (unknown, missing):
+            r = httpx.put(f"{url}/v1/studies/n", json={"table": bad_table, "memory_budget": BUDGET})
+            assert r.status_code == 422 and "does not fit the table's dimensions" in r.json()["detail"], r.text[:500]
+        assert httpx.get(f"{url}/v1/studies").json() == []  # nothing written
+        name = httpx.put(f"{url}/v1/studies/n", json={"table": table, "memory_budget": BUDGET}).json()["study_key"]
+        r = httpx.post(f"{url}/v1/studies/{name}/ask", **_json({"lease_s": float("nan")}))
+        assert r.status_code == 422 and r.json()["detail"][0]["input"] == "nan"
+        p = httpx.post(f"{url}/v1/studies/{name}/ask", json={}).json()
+        tell = f"{url}/v1/studies/{name}/trials/{p['number']}/tell"
+        r = httpx.post(tell, **_json({"measured": {**run_of(p["point"]), "samples_per_s": float("inf")}}))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "measured", "samples_per_s"]
+        assert httpx.get(f"{url}/v1/studies/{name}/best", params={"memory_budget": "inf"}).status_code == 422
+        assert httpx.post(tell, json={"measured": run_of(p["point"])}).json()["record"]["status"] == "ok"
+
+        def chunks():  # no Content-Length: 10 MB in 64 KB chunks
+            yield b'{"table": "'
+            for _ in range(160):
+                yield b"x" * 65536
+            yield b'"}'
+
+        r = httpx.put(f"{url}/v1/studies/big", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "over the limit" in r.json()["detail"]
+        for _ in range(3):  # delete, then re-create at once
+            assert httpx.delete(f"{url}/v1/studies/{name}").status_code == 204
+            r = httpx.put(f"{url}/v1/studies/n", json={"table": table, "memory_budget": BUDGET})
+            assert r.status_code == 200 and r.json()["study_key"] == name and r.json()["n_trials"] <= 4  # the seeds
+            assert httpx.post(f"{url}/v1/studies/{name}/ask", json={}).json()["number"] is not None
+
+
+def test_the_token_stays_out_of_logs_and_urls_and_the_cookie_holds_a_derived_value(table, tmp_path) -> None:
+    server = ProcessServer(sqlite(tmp_path), token=TOKEN).start()
+    try:
+        url = server.url
+        form = httpx.get(f"{url}/ui/login")
+        assert form.status_code == 200 and 'method="post"' in form.text and 'name="token"' in form.text
+        bad = httpx.post(f"{url}/ui/login", data={"token": "wrong"})
+        assert bad.status_code == 401 and "set-cookie" not in bad.headers
+        r = httpx.post(f"{url}/ui/login", data={"token": TOKEN})
+        assert r.status_code == 303 and r.headers["location"] == "/ui/"
+        cookie = r.headers["set-cookie"]
+        value = r.cookies[COOKIE]
+        assert TOKEN not in cookie and "HttpOnly" in cookie and "samesite=strict" in cookie.lower()
+        assert "secure" not in cookie.lower()  # plain HTTP on loopback
+        assert httpx.get(f"{url}/ui/", cookies={COOKIE: value}).status_code == 200
+        assert httpx.get(f"{url}/ui/", cookies={COOKIE: TOKEN}).status_code == 401  # the token is not the cookie
+        tls = httpx.post(f"{url}/ui/login", data={"token": TOKEN}, headers={"X-Forwarded-Proto": "https"})
+        assert "secure" in tls.headers["set-cookie"].lower()  # behind a TLS proxy
+        client = StrategyClient(url, TOKEN)
+        name = client.create_study("t", table, BUDGET)["study_key"]
+        client.tell(name, (p := client.ask(name))["number"], run_of(p["point"]))
+        log = server.log_text()
+        assert "POST /ui/login" in log and "/v1/studies" in log  # the access log is on
+        assert TOKEN not in log and value not in log
+    finally:
+        server.kill()
