@@ -70,8 +70,8 @@ def test_strategy_server_defaults_to_the_environment(monkeypatch) -> None:
 
 def test_settings_are_read_from_the_environment_at_each_call(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("ATORCH_SERVER_MIRROR_S", "0.5")
-    assert cache_dir() == tmp_path and settings().server_mirror_s == 0.5
+    monkeypatch.setenv("ATORCH_SERVER_BUSY_TIMEOUT_S", "0.5")
+    assert cache_dir() == tmp_path and settings().server_busy_timeout_s == 0.5
     monkeypatch.setenv("ATORCH_CACHE_DIR", "")  # empty counts as unset
-    monkeypatch.delenv("ATORCH_SERVER_MIRROR_S")
-    assert cache_dir() == Path.home() / ".cache" / "atorch" and settings().server_mirror_s == 2.0
+    monkeypatch.delenv("ATORCH_SERVER_BUSY_TIMEOUT_S")
+    assert cache_dir() == Path.home() / ".cache" / "atorch" and settings().server_busy_timeout_s == 5.0
