@@ -254,7 +254,7 @@ def _whole_state(model: Any) -> dict[str, Any]:
     names = CheckpointNames(model)
     layers = checkpoint_qkv.reordered_layers(model, names.user)
     if names.pipelined:  # each stage's entries, from the ranks holding them
-        from atorch.booster.gather import gather_to_rank0
+        from atorch.gather import gather_to_rank0
         from atorch.state_names import named_state
 
         flat = checkpoint_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)

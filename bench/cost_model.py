@@ -42,7 +42,6 @@ import torch  # noqa: E402
 from common import spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
-from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy import Strategy  # noqa: E402
 from atorch.strategy_search.analyser import ModelStats  # noqa: E402
 from atorch.strategy_search.cost_model import predict  # noqa: E402
@@ -198,7 +197,7 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     session = DryRunSession(setup, env, warmup=args.warmup, steps=args.steps, rejoin_timeout_s=1200)
     rows = []
     for cand in cands:
-        dp = ParallelLayout.of(cand.strategy, env.world_size).data_size
+        dp = cand.strategy.layout(env.world_size).data_size
         trial = session.run(cand.strategy, timeout_s=600, micro_batches=cand.micro_batches,
                             batch_size=cand.micro_batch_size * dp)
         rows.append({"candidate": describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches,
@@ -240,7 +239,7 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
             if row["status"] != "ok" or not row["step_s"]:
                 continue
             strategy = Strategy.load(row["strategy"])
-            pred = predict(stats, strategy, ParallelLayout.of(strategy, world), profile, global_batch,
+            pred = predict(stats, strategy, strategy.layout(world), profile, global_batch,
                            row["micro_batches"], optimizer_state_factor=model["optimizer_state_factor"])
             memory = row.get("traced") or pred.memory.peak
             err = (memory - row["peak"]) / row["peak"]

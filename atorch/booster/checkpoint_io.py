@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch.booster.gather import gather_to_rank0, like_live, put_whole
 from atorch.booster.hf_files import SAFE_EXT, TensorFiles, with_prefix, write_file, write_sharded
 from atorch.checkpoint import (
     CheckpointError,
@@ -38,6 +37,7 @@ from atorch.checkpoint import (
     _typed,
 )
 from atorch.distributed import all_gather_json
+from atorch.gather import gather_to_rank0, like_live, put_whole
 from atorch.log import get_logger
 from atorch.state_names import named_state, state_roots, tied_names
 

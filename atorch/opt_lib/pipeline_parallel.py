@@ -33,6 +33,7 @@ from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, Se
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_blocks, is_transformers, plan_stages
 from atorch.opt_lib.registry import register
+from atorch.state_names import StagedModel
 
 logger = get_logger(__name__)
 
@@ -60,7 +61,7 @@ class PipelineParallelConfig(MethodConfig):
 
 
 # ----- the model under pipeline parallel ----------------------------------------------------------------
-class PipelinedModel(nn.Module):
+class PipelinedModel(StagedModel):
     """``result.model`` under pipeline parallel: this rank's stages (their parameters are the optimizer's).
     It cannot be called: the schedule runs the stages (``atorch.train_step``)."""
 
@@ -70,6 +71,9 @@ class PipelinedModel(nn.Module):
         if no_split:
             self._no_split_modules = list(no_split)
         self.runner: PipelineRunner | None = None
+
+    def state_roots(self) -> list[nn.Module]:
+        return [_stage_module(stage).module for stage in self.stages]  # a stage may be wrapped
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise SetupError(

@@ -27,7 +27,6 @@ from atorch.dryrun.runner import DryRunSession, TrialResult
 from atorch.errors import SetupError, StrategyError
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
-from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.describe import describe_record
 from atorch.strategy_search.outcome import Measured, Predicted
@@ -215,7 +214,7 @@ class _Leader:
         def analytical(cand: Any) -> Any:
             from atorch.strategy_search.cost_model import predict as cost_model
 
-            return cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
+            return cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
                               optimizer_state_factor=state_factor)
 
@@ -336,7 +335,7 @@ class _Leader:
         timeout = self.options.trial_timeout_s
         if self.time_limit is not None:  # a trial never runs past the job's time limit
             timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
-        batch_size = cand.micro_batch_size * ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        batch_size = cand.micro_batch_size * cand.strategy.layout(self.env.world_size).data_size
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
                 "micro_batches": cand.micro_batches, "batch_size": batch_size}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
@@ -356,7 +355,7 @@ class _Leader:
         measured = Measured.of(trial)
         if trial.status != "ok" or not trial.losses:
             return measured
-        data_size = ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        data_size = cand.strategy.layout(self.env.world_size).data_size
         key = (batch_size, cand.micro_batches, data_size)
         if key not in self.references:
             try:

@@ -128,8 +128,6 @@ class StudyIdentity(BaseModel):
         functions and classes by qualified name). ``options``: further search options that change the answer."""
         import torch
 
-        import atorch
-
         built = {"excluded": sorted(space.excluded), "included": sorted(space.included),
                  "supported_dtypes": list(space.supported_dtypes), "half_dtypes": list(space.half_dtypes),
                  "host_offload": space.host_offload, "max_micro_batch_size": space.max_micro_batch_size,
@@ -139,7 +137,18 @@ class StudyIdentity(BaseModel):
                    model_input_format=model_input_format, global_batch=space.global_batch,
                    world_size=space.world_size, hardware=hardware_key(hardware), space=space.signature(),
                    options=identity_json({**built, **(options or {})}),
-                   versions={"atorch": atorch.__version__, "torch": torch.__version__})
+                   versions={"atorch": _atorch_version(), "torch": torch.__version__})
+
+
+def _atorch_version() -> str:
+    """The installed distribution's version (setup.cfg reads it from ``atorch.__version__``: the two are one),
+    asked of the package metadata so the search does not import the package facade above it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atorch")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH, never installed
+        return "unknown"
 
 
 def study_key(identity: StudyIdentity) -> str:

@@ -132,7 +132,7 @@ def memory_twin(strategy: Strategy) -> Strategy:
 
 def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
     """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
-    layout = ParallelLayout.of(strategy, world_size)
+    layout = strategy.layout(world_size)
     if layout.size("pipeline") > 1 or "pipeline_parallel" in strategy or "ds_3d_parallel" in strategy:
         return "pipeline schedules are built by a communicating step"
     for name in ("zero1", "zero2"):
@@ -249,8 +249,8 @@ class MemoryTracer:
     def _trace(self, strategy: Strategy, micro_batch_size: int, micro_batches: int) -> TracedMemory:
         from torch.distributed._tools.mem_tracker import _MemRefType
 
-        from atorch.accelerate import build_result, preflight
         from atorch.apply import apply_strategy
+        from atorch.build import build_result, preflight
         from atorch.distributed import DistEnv
         from atorch.model_context import ModelContext
         from atorch.training import train_step
@@ -258,7 +258,7 @@ class MemoryTracer:
         start = time.perf_counter()
         self._fresh_mode()
         env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
-        layout = ParallelLayout.of(strategy, self.world_size)
+        layout = strategy.layout(self.world_size)
         setup = replace(self.setup, dataloader_args={**self.setup.dataloader_args,
                                                      "batch_size": micro_batch_size * layout.data_size})
         skipped, problems = preflight(setup, env, strategy, layout)
