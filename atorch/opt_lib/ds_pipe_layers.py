@@ -262,18 +262,3 @@ def stage_bounds(layers: PipeLayers, stages: int) -> list[int]:
         bounds.append(bounds[-1] + count + (pre if index == 0 else 0))
     bounds[-1] = len(layers.specs)
     return bounds
-
-
-def run_sequentially(layers: PipeLayers, ids: torch.Tensor) -> torch.Tensor:
-    """The converted layers run one after another in this process (what the stages compute together)."""
-    from deepspeed.pipe import TiedLayerSpec
-
-    built: dict[str, nn.Module] = {}
-    x = ids
-    for spec in layers.specs:
-        if isinstance(spec, TiedLayerSpec):
-            module = built.setdefault(spec.key, spec.build())
-            x = spec.forward_fn(module, x) if spec.forward_fn is not None else module(x)
-        else:
-            x = spec.build()(x)
-    return x

@@ -256,15 +256,17 @@ class Planner:
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
 
-    def ranked_by_cost_model(self) -> list[Candidate]:
-        """Predicted-feasible candidates, highest predicted samples/s first."""
-        return [self._candidate(k) for k in self.table().ranked(self.memory_budget)]
+    def ranked_by_cost_model(self, memory_budget: float | None = None) -> list[Candidate]:
+        """Candidates predicted to fit ``memory_budget`` (default: the planner's), highest predicted samples/s
+        first."""
+        budget = self.memory_budget if memory_budget is None else memory_budget
+        return [self._candidate(k) for k in self.table().ranked(budget)]
 
     def plan_without_dryrun(self) -> PlanResult:
         """The cost model's pick: no study, no dry-run. Nothing measures it, so it must be predicted to fit with
         COST_MODEL_ONLY_MARGIN to spare (the memory model's error reaches ~8% on the bench: bench/README.md)."""
         safe = self.memory_budget * (1.0 - COST_MODEL_ONLY_MARGIN)
-        ranked = [self._candidate(k) for k in self.table().ranked(safe)]
+        ranked = self.ranked_by_cost_model(safe)
         if not ranked:
             return PlanResult(None, None, "cost_model", self.study_name, stop_reason=(
                 f"no candidate is predicted to fit {100 * (1 - COST_MODEL_ONLY_MARGIN):.0f}% of the memory budget"))
