@@ -176,13 +176,13 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
 
     from atorch.dryrun.runner import DryRunSession
     from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import _sample_batch, optimizer_state_factor
+    from atorch.strategy_search.automatic import optimizer_state_factor, sample_batch
     from atorch.strategy_search.describe import describe_candidate
     from atorch.strategy_search.space import SearchSpace
 
     parts = builders()[name]()
     setup = search.user_setup(parts, args.global_batch)
-    stats = analyse(parts["model"], _sample_batch(setup, env, args.global_batch // env.world_size),
+    stats = analyse(parts["model"], sample_batch(setup, env, args.global_batch // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
     cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED,
                         host_offload=env.device.type != "cpu").enumerate()
@@ -191,7 +191,7 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     if env.rank == 0 and not args.no_trace:  # as the search does: rank 0 traces while the others wait
         from atorch.strategy_search.tracing import MemoryTracer
 
-        tracer = MemoryTracer(setup, _sample_batch(setup, env, args.global_batch // env.world_size),
+        tracer = MemoryTracer(setup, sample_batch(setup, env, args.global_batch // env.world_size),
                               env.world_size, env.device)
         traced = tracer.trace_candidates(cands)
     session = DryRunSession(setup, env, warmup=args.warmup, steps=args.steps, rejoin_timeout_s=1200)

@@ -286,12 +286,12 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
     # 5. Cost-model accuracy: memory over every candidate whose peak was measured (one stopped over the budget
     # after its warm-up has its whole peak: the warm-up takes optimizer steps), time over those that ran timed steps.
     from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import _sample_batch
+    from atorch.strategy_search.automatic import sample_batch
     from atorch.strategy_search.cost_model import predict
     from atorch.strategy_search.hardware import measure_profile
 
     profile = measure_profile()
-    stats = analyse(parts["model"], _sample_batch(setup, env, spec["global_batch"] // env.world_size),
+    stats = analyse(parts["model"], sample_batch(setup, env, spec["global_batch"] // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
     factor = optimizer_state_factor(setup)
     mem_err, pred_t, meas_t = [], [], []

@@ -137,7 +137,7 @@ def _block_class_names(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if classes and matches(m, classes)})
 
 
-def _tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:
+def tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:
     """(stage index, parameter) for each copy of one tied parameter on this rank."""
     copies = []
     for stage in pipelined.stages:
@@ -163,8 +163,8 @@ def sync_tied(pipelined: PipelinedModel, grads: bool) -> None:
 
     group = pipelined.group  # type: ignore[attr-defined]
     for names in pipelined.tied:  # type: ignore[attr-defined]
-        copies = _tied_copies(pipelined, names)
-        shape, dtype, lowest = _agreed_meta(copies, group)
+        copies = tied_copies(pipelined, names)
+        shape, dtype, lowest = agreed_meta(copies, group)
         with torch.no_grad():
             total = torch.zeros(shape, dtype=dtype, device=local_tensor(copies[0][1]).device if copies else None)
             for index, param in copies:
@@ -183,7 +183,7 @@ def sync_tied(pipelined: PipelinedModel, grads: bool) -> None:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[list[int], torch.dtype, int]:
+def agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[list[int], torch.dtype, int]:
     """Local shape, dtype and lowest holding stage of a tied parameter, agreed over the pipeline group
     (ranks without a copy learn them). Encoded as maxima: -index gives the lowest stage."""
     from atorch.optimizer import local_tensor
@@ -368,7 +368,7 @@ def build_schedule(ctx: Any, config: PipelineParallelConfig) -> None:
     ctx.model.runner = PipelineRunner(ctx, config)
 
 
-def _concatenated(batches: Sequence[Any]) -> Any:
+def concatenated(batches: Sequence[Any]) -> Any:
     """The micro-batches of train_step as one batch (the schedule splits it again)."""
     if len(batches) == 1:
         return batches[0]
@@ -386,7 +386,7 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     model: PipelinedModel = result.model
     runner = model.runner
     assert runner is not None
-    data = result.prepare_input(_concatenated(micro_batches), result.args.device)
+    data = result.prepare_input(concatenated(micro_batches), result.args.device)
     loss = runner.step(data)
     average_gradients(model)
     sync_tied(model, grads=True)

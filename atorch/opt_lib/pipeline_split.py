@@ -76,7 +76,7 @@ def find_blocks(model: nn.Module) -> tuple[BlockList | None, str | None]:
     return BlockList(container, names, tuple(pre), tuple(post)), None
 
 
-def _cost(module: nn.Module) -> int:
+def module_cost(module: nn.Module) -> int:
     """Multiply-adds per token: the parameters of its matrix products (an embedding lookup costs nothing)."""
     return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False))
@@ -112,9 +112,9 @@ def balanced_split(costs: list[int], first_extra: int, last_extra: int, stages: 
 def plan_stages(model: nn.Module, blocks: BlockList, stages: int) -> list[tuple[str, ...]]:
     """The block names each stage owns, balanced by cost."""
     holder = model.get_submodule(blocks.container) if blocks.container else model
-    costs = [_cost(holder.get_submodule(n)) for n in blocks.names]
-    first = sum(_cost(model.get_submodule(n)) for n in blocks.pre)
-    last = sum(_cost(model.get_submodule(n)) for n in blocks.post)
+    costs = [module_cost(holder.get_submodule(n)) for n in blocks.names]
+    first = sum(module_cost(model.get_submodule(n)) for n in blocks.pre)
+    last = sum(module_cost(model.get_submodule(n)) for n in blocks.post)
     counts = balanced_split(costs, first, last, stages)
     owned, start = [], 0
     for count in counts:

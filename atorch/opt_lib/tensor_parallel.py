@@ -273,7 +273,7 @@ def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t
     return problems(model, config, t)
 
 
-def _has_conv1d(model: nn.Module) -> bool:
+def has_conv1d(model: nn.Module) -> bool:
     return any(type(m).__name__ == "Conv1D" for m in model.modules())
 
 
@@ -305,7 +305,7 @@ class TensorParallel(Method):
 
         problems = []
         strategy = getattr(ctx, "strategy", None)
-        if _has_conv1d(ctx.model) and (strategy is None or strategy.get("module_replace") is None):
+        if has_conv1d(ctx.model) and (strategy is None or strategy.get("module_replace") is None):
             problems.append("the model uses transformers' Conv1D (GPT-2 family), which DTensor cannot split; "
                             "add 'module_replace' to the strategy (it turns Conv1D into nn.Linear)")
         if is_meta(ctx.model):

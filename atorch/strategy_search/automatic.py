@@ -183,7 +183,7 @@ class _Leader:
         from atorch.strategy_search.space import SearchSpace
 
         per_rank = self.global_batch // self.env.world_size
-        batch = _sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
+        batch = sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
         # The model's statistics are made at the first prediction (a cached pick needs none: on a 206M-parameter
         # GPT-2 they took 9 of a cached call's 11 s). A failure is kept, so the cost model reports it once per
         # candidate without analysing again.
@@ -375,7 +375,7 @@ class _Leader:
                                            "reference_loss": reference})
 
 
-def _sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:
+def sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:
     """One per-rank batch from the user's dataset, as the model receives it (for the analyser)."""
     from atorch.data import build_dataloader
 

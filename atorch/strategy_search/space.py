@@ -182,9 +182,9 @@ class SearchSpace:
         sizes = [d for d in _divisors(self.world_size) if d > 1 and self.global_batch % (self.world_size // d) == 0]
         tensor: list[int] = [1]
         if self._allowed("tensor_parallel") and self.included.isdisjoint({"pipeline_parallel"}):
-            from atorch.opt_lib.tensor_parallel import TensorParallelConfig, _has_conv1d, derive_plan
+            from atorch.opt_lib.tensor_parallel import TensorParallelConfig, derive_plan, has_conv1d
 
-            self.conv1d = _has_conv1d(model)
+            self.conv1d = has_conv1d(model)
             if not self.conv1d or self._allowed("module_replace"):
                 tensor += [t for t in sizes if not derive_plan(model, TensorParallelConfig(), t).problems]
         pipeline: list[int] = [1]

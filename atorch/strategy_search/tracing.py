@@ -191,7 +191,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    from atorch.strategy_search.analyser import _map_tensors as map_tensors
+    from atorch.strategy_search.analyser import map_tensors
 
     return map_tensors(data, fn)
 
@@ -201,13 +201,13 @@ class MemoryTracer:
 
     def __init__(self, setup: UserSetup, sample_batch: Any, world_size: int,
                  device: torch.device | None = None) -> None:
-        from atorch.strategy_search.analyser import _batch_shape
+        from atorch.strategy_search.analyser import batch_shape
 
         self.world_size = world_size
         self.device = device or torch.device("cpu")
         self.user_setup = setup
         self.sample = sample_batch
-        self.sample_size = _batch_shape(sample_batch)[0]
+        self.sample_size = batch_shape(sample_batch)[0]
         self._fresh_mode()
         self._cache: dict[tuple[str, int], TracedMemory | str] = {}
         self._keep: list[Any] | None = None  # in a forked child: every build, kept until the child exits
@@ -219,10 +219,10 @@ class MemoryTracer:
         with recompute and autocast crashed torch (segfault) after another candidate had run in the same mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from atorch.strategy_search.analyser import _fake_copy
+        from atorch.strategy_search.analyser import fake_copy
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _fake_copy(self.user_setup.model, self.mode, self.device)
+        model = fake_copy(self.user_setup.model, self.mode, self.device)
         self.setup = replace(self.user_setup, model=model, dataset=None)
 
     # ----- one candidate -----------------------------------------------------------------------------------
