@@ -127,7 +127,8 @@ def auto_accelerate(
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
                                    or time_limit <= 0):
         problems.append(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    from atorch.strategy_search.entry import parse_search_options, search_and_check  # the search: only when used
+    # imported here: `import atorch` does not load the search (and Optuna)
+    from atorch.strategy_search.entry import parse_search_options, search_and_check
 
     search_options, search_problems = parse_search_options(kargs.get("search"))
     problems += search_problems
