@@ -1,6 +1,7 @@
 """atorch: a strategy-search auto-accelerator for PyTorch training."""
 
-from atorch.accelerate import AccelerateArgs, auto_accelerate
+from atorch.accelerate import auto_accelerate
+from atorch.build import AccelerateArgs
 from atorch.checkpoint import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from atorch.errors import AtorchError, NoStrategyFound, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair

@@ -3,74 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from atorch import (
-    meta_init,
-    opt_lib,  # noqa: F401  (registers the methods)
-)
-from atorch.apply import apply_strategy
+from atorch.build import build_context, build_result, preflight
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
-from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, set_verbose
-from atorch.model_context import MODEL_INPUT_FORMATS, ModelContext, UserSetup
+from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
 from atorch.no_optimizer import no_optimizer_problems
-from atorch.opt_lib.registry import get_method, is_registered, method_names
+from atorch.opt_lib.registry import is_registered, method_names
 from atorch.options import AccelerateOptions
-from atorch.parallel_layout import ParallelLayout
 from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
-
-
-
-@dataclass(frozen=True)
-class AccelerateArgs:
-    """What the training loop needs to know (``result.args``)."""
-
-    use_optim_backward: bool  # call optim.backward(loss) instead of loss.backward()
-    requires_set_gradient_accumulation_boundary: bool  # call optim.set_gradient_accumulation_boundary
-    device: torch.device
-    data_parallel_size: int
-    data_parallel_rank: int
-    global_batch_size: int | None
-    local_batch_size: int | None
-    model_input_format: str | None
-    memory_limit: int | None
-    time_limit: float | None
-    skipped: dict[str, str] = field(default_factory=dict)  # method -> reason it was not applied
-    # Micro-batches per optimizer step: the dataloader yields micro-batches of global_batch_size /
-    # gradient_accumulation_steps; pass that many to train_step (automatic search may choose > 1).
-    gradient_accumulation_steps: int = 1
-    # how the strategy was found (automatic mode): source, study, dry-runs, stop reason, the pick's description and
-    # (rank 0) every trial with its description, status and reason
-    search: dict[str, Any] | None = None
-    data_parallel_group: Any = field(default=None, repr=False)  # process group of the data-parallel ranks
-
-    # ATorch hands these out as a dict: ``result.args["use_optim_backward"]`` works too.
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.keys():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in self.keys() else default
-
-    def keys(self) -> list[str]:
-        return [f.name for f in fields(self)]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys()
-
-    def items(self) -> list[tuple[str, Any]]:
-        return [(k, getattr(self, k)) for k in self.keys()]
 
 
 def default_strategy(env: DistEnv) -> Strategy:
@@ -198,7 +148,7 @@ def auto_accelerate(
             problems += no_optimizer_problems(strategy, lr_scheduler_cls, load_strategy is None and dataset is not None
                                               or finetune_strategy)
         if strategy is not None and not strategy_problems and not setup_problems:
-            layout = ParallelLayout.of(strategy, env.world_size)
+            layout = strategy.layout(env.world_size)
             batch = setup.dataloader_args.get("batch_size", 1)
             if batch % layout.data_size:
                 problems.append(
@@ -220,8 +170,10 @@ def auto_accelerate(
                        strategy)
     elif load_strategy is None or finetune_strategy:
         # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
+        from atorch.strategy_search.entry import search_and_check  # `import atorch` loads no search (no Optuna)
+
         try:
-            strategy, setup, skipped, micro_batches, search_record = _search(
+            strategy, setup, skipped, micro_batches, search_record = search_and_check(
                 setup, env, excluded, included, strategy if finetune_strategy else None, memory_limit, time_limit,
                 search_options, strategy_server,
             )
@@ -237,89 +189,3 @@ def auto_accelerate(
     logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
     return True, result, strategy
 
-
-def _search(
-    setup: UserSetup, env: DistEnv, excluded: list[str], included: list[str], finetune: Strategy | None,
-    memory_limit: int | None, time_limit: float | None, options: Any, strategy_server: str | None,
-) -> tuple[Strategy, UserSetup, dict[str, str], int, dict[str, Any]]:
-    """Automatic mode: search, then check the pick like a loaded strategy (every rank agrees)."""
-    from dataclasses import replace
-
-    from atorch.strategy_search.automatic import search_strategy
-    from atorch.strategy_search.describe import search_json
-
-    outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
-                              memory_limit=memory_limit, time_limit=time_limit, options=options,
-                              strategy_server=strategy_server)
-    strategy = outcome.strategy
-    layout = ParallelLayout.of(strategy, env.world_size)
-    # The dataloader yields micro-batches; train_step takes outcome.micro_batches of them per step.
-    setup = replace(setup, dataloader_args={**setup.dataloader_args,
-                                            "batch_size": outcome.micro_batch_size * layout.data_size})
-    skipped, problems = preflight(setup, env, strategy, layout)
-    problems = agreed_problems(problems)
-    if problems:
-        raise StrategyError(problems, what=f"the searched strategy {strategy} cannot be applied")
-    return strategy, setup, skipped, outcome.micro_batches, search_json(outcome, env.world_size)
-
-
-def build_result(
-    ctx: ModelContext, setup: UserSetup, memory_limit: int | None = None, time_limit: float | None = None,
-    micro_batches: int = 1, search: dict[str, Any] | None = None,
-) -> AccelerateResult:
-    """What auto_accelerate returns, from a built context (holding nothing of the build itself).
-    ``micro_batches`` of the setup's batch make one optimizer step."""
-    with_data = setup.dataset is not None
-    return AccelerateResult(
-        model=ctx.model, optim=ctx.optimizer, dataloader=ctx.dataloader, loss_func=setup.loss_func,
-        prepare_input=ctx.input_preparer(), lr_scheduler=ctx.lr_scheduler,
-        args=AccelerateArgs(
-            use_optim_backward=ctx.grad_scaler is not None or ctx.engine is not None,
-            requires_set_gradient_accumulation_boundary=ctx.gradient_sync is not None or ctx.engine is not None,
-            device=ctx.env.device, data_parallel_size=ctx.dp_size, data_parallel_rank=ctx.dp_rank,
-            global_batch_size=setup.dataloader_args.get("batch_size", 1) * micro_batches if with_data else None,
-            local_batch_size=ctx.local_batch_size() if with_data else None,
-            model_input_format=setup.model_input_format, memory_limit=memory_limit, time_limit=time_limit,
-            skipped=dict(ctx.skipped), gradient_accumulation_steps=micro_batches, search=search,
-            data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
-        ),
-    )
-
-
-def preflight(
-    setup: UserSetup, env: DistEnv, strategy: Strategy, layout: ParallelLayout
-) -> tuple[dict[str, str], list[str]]:
-    """Before anything is built: which methods are skipped here (with why), and every problem of
-    the strategy with this machine and this model (the model is only read)."""
-    probe = ModelContext(setup, env, layout)
-    probe.strategy = strategy  # model checks that depend on other methods (tensor_parallel: module_replace)
-    skipped: dict[str, str] = {}
-    problems: list[str] = meta_init.meta_problems(setup.model)  # a meta-device model must be initialisable
-    for item in strategy.in_apply_order():
-        method = get_method(item.name)
-        reason = method.applicable(probe)
-        if reason is None:
-            problems += [f"'{item.name}': {p}" for p in method.model_problems(probe, item.config)]
-        elif method.skip_when_inapplicable:
-            skipped[item.name] = reason
-        else:
-            problems.append(f"'{item.name}' cannot run here: {reason}")
-    return skipped, problems
-
-
-def build_context(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: dict[str, str]) -> ModelContext:
-    """Apply a checked strategy to a fresh copy of the user's model; the originals stay as they were.
-
-    Building draws no numbers from the user's random generators (new layers made by module swaps
-    are initialised, then overwritten): the user's training sees the same random stream as without atorch.
-    """
-    for name, reason in skipped.items():
-        logger.warning("%s skipped: %s", name, reason)
-    import_off_the_stack("torch._dynamo")
-    devices = [env.device] if env.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        ctx = ModelContext(setup, env, ParallelLayout.of(strategy, env.world_size)).fresh()
-        ctx.skipped = dict(skipped)
-        apply_strategy(ctx, strategy)
-        ctx.finish()
-    return ctx

@@ -72,11 +72,11 @@ def save_checkpoint(
         problems.append(f"step must be an int or None, got {step!r}")
     if extra is not None and not isinstance(extra, dict):
         problems.append(f"extra must be a dict (of JSON values) or None, got {type(extra).__name__}")
-    problems += _json_problems(extra or {}, "extra")
-    model, optim = result.model, _inner_optimizer(result.optim)
+    problems += json_problems(extra or {}, "extra")
+    model, optim = result.model, inner_optimizer(result.optim)
     names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
     fqns = names.params()
-    if _is_zero1(optim):
+    if is_zero1(optim):
         model_sd = names.outward(get_model_state_dict(model), {})[0]
         optim_state = {fqns[p]: dict(s) for p, s in optim.optim.state.items()}
     elif optim.state:
@@ -92,10 +92,10 @@ def save_checkpoint(
     scheduler = result.lr_scheduler.state_dict() if result.lr_scheduler is not None else None
     scaler = getattr(result.optim, "grad_scaler", None)
     scaler_state = scaler.state_dict() if scaler is not None else None
-    groups = _param_groups_json(optim.param_groups, fqns)
-    problems += _json_problems(scheduler, "lr_scheduler.state_dict()") + _json_problems(groups, "param_groups")
-    problems += _json_problems(scaler_state, "grad_scaler.state_dict()")
-    _raise_agreed(where, problems)
+    groups = param_groups_json(optim.param_groups, fqns)
+    problems += json_problems(scheduler, "lr_scheduler.state_dict()") + json_problems(groups, "param_groups")
+    problems += json_problems(scaler_state, "grad_scaler.state_dict()")
+    raise_agreed(where, problems)
 
     # Every rank's tensor names, (non-tensor) optimizer values and parameters, so the JSON describes all
     # (a pipeline stage holds only its own).
@@ -106,7 +106,7 @@ def save_checkpoint(
         "world_size": _world_size(),
         "tensors": dict(sorted(chain.from_iterable(g["tensors"].items() for g in gathered))),
         "optimizer": {
-            "class": type(optim.optim if _is_zero1(optim) else optim).__name__,
+            "class": type(optim.optim if is_zero1(optim) else optim).__name__,
             "param_groups": groups,
             "scalars": {k: v for g in gathered for k, v in g["scalars"].items()},
         },
@@ -115,14 +115,14 @@ def save_checkpoint(
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),  # steps dropped for inf/nan gradients
     }
     directory = Path(path)
-    if _rank() == 0:
+    if this_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / META_FILE).unlink(missing_ok=True)  # an interrupted save must not look complete
-    _barrier()
+    barrier()
     dcp.save(tensors, checkpoint_id=directory)
-    if _rank() == 0:
+    if this_rank() == 0:
         _write_atomic(directory / META_FILE, json.dumps(meta, indent=1).encode())
-    _barrier()
+    barrier()
     logger.info("checkpoint saved to %s (%d tensors, step %s)", directory, len(meta["tensors"]), step)
 
 
@@ -148,10 +148,10 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     directory = Path(path)
     meta = _read_meta(directory, where)
     saved: dict[str, dict[str, Any]] = meta["tensors"]
-    model, optim = result.model, _inner_optimizer(result.optim)
+    model, optim = result.model, inner_optimizer(result.optim)
     names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
     fqns = names.params()
-    zero = _is_zero1(optim)
+    zero = is_zero1(optim)
     has_optim_state = any(k.startswith("optim.") for k in saved) or bool(meta["optimizer"]["scalars"])
     live_optim: dict[str, dict[str, Any]] = {}
     if zero:
@@ -176,7 +176,7 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     if result.lr_scheduler is not None and meta["lr_scheduler"] is None:
         problems.append("the checkpoint has no LR scheduler state but this run has an lr_scheduler; "
                         "save with the scheduler, or build this run without lr_scheduler_cls")
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
 
     tensors.update(_rng_targets(saved))
     tensors, reordered = checkpoint_qkv.user_order_targets(tensors, checkpoint_qkv.reordered_layers(model, names.user))
@@ -193,7 +193,7 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     live_sd, live_state = names.inward(live_model, live_optim, model_sd, optim_targets)
     if zero:
         set_model_state_dict(model, live_sd)
-        _load_zero(optim, fqns, optim_targets, meta["optimizer"]["scalars"], groups)
+        load_zero_state(optim, fqns, optim_targets, meta["optimizer"]["scalars"], groups)
     elif has_optim_state:
         state = {fqn: {**entry, **scalars.get(fqn, {})} for fqn, entry in live_state.items()}
         typed = names.live_groups(_typed_groups(groups, optim.param_groups), optim.param_groups)
@@ -231,18 +231,18 @@ def export_consolidated(path: str | os.PathLike, result: Any) -> None:
         model = model.module  # DeepSpeed ZeRO-1/2 keeps whole parameters in the engine's module
     state = _whole_state(model)  # whole on rank 0, empty elsewhere
     problems = []
-    if _rank() == 0:
+    if this_rank() == 0:
         problems = [f"'{k}' is a {type(v).__name__}, not a tensor; a consolidated export holds tensors only"
                     for k, v in state.items() if not isinstance(v, torch.Tensor)]
-    _raise_agreed(f"cannot export {os.fspath(path)}", problems)
-    if _rank() == 0:
+    raise_agreed(f"cannot export {os.fspath(path)}", problems)
+    if this_rank() == 0:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
         torch.save(_standalone(state), tmp)
         os.replace(tmp, target)
         logger.info("consolidated model state (%d tensors) written to %s", len(state), target)
-    _barrier()
+    barrier()
 
 
 # ----- optimizer and model state ------------------------------------------------------------
@@ -254,7 +254,7 @@ def _whole_state(model: Any) -> dict[str, Any]:
     names = CheckpointNames(model)
     layers = checkpoint_qkv.reordered_layers(model, names.user)
     if names.pipelined:  # each stage's entries, from the ranks holding them
-        from atorch.booster.gather import gather_to_rank0
+        from atorch.gather import gather_to_rank0
         from atorch.state_names import named_state
 
         flat = checkpoint_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
@@ -264,11 +264,11 @@ def _whole_state(model: Any) -> dict[str, Any]:
     return {k[len("model."):]: v for k, v in flat.items()}
 
 
-def _inner_optimizer(optim: Any) -> torch.optim.Optimizer:
+def inner_optimizer(optim: Any) -> torch.optim.Optimizer:
     return getattr(optim, "optimizer", optim)  # AcceleratedOptimizer wraps the real one
 
 
-def _is_zero1(optim: Any) -> bool:
+def is_zero1(optim: Any) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optim, ZeroRedundancyOptimizer)
@@ -331,7 +331,7 @@ def _zero_targets(zero: Any, fqns: dict[torch.Tensor, str], saved: dict[str, dic
     return targets
 
 
-def _load_zero(zero: Any, fqns: dict[torch.Tensor, str], targets: dict[str, Any],
+def load_zero_state(zero: Any, fqns: dict[torch.Tensor, str], targets: dict[str, Any],
                scalars: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     _set_hyperparameters(zero.param_groups, groups)
     _set_hyperparameters(zero.optim.param_groups, groups)
@@ -347,7 +347,7 @@ def _load_zero(zero: Any, fqns: dict[torch.Tensor, str], targets: dict[str, Any]
     local.load_state_dict(local_sd)  # casts the state to each parameter's dtype and device
 
 
-def _param_groups_json(groups: list[dict[str, Any]], fqns: dict[torch.Tensor, str]) -> list[dict[str, Any]]:
+def param_groups_json(groups: list[dict[str, Any]], fqns: dict[torch.Tensor, str]) -> list[dict[str, Any]]:
     out = []
     for group in groups:
         entry = {k: _plain(v) for k, v in group.items() if k != "params"}
@@ -365,7 +365,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _typed(saved: Any, live: Any) -> Any:
+def typed_like(saved: Any, live: Any) -> Any:
     """A value read from JSON, given the type the live optimizer uses (tuple betas, tensor lr)."""
     if isinstance(live, torch.Tensor) and not isinstance(saved, torch.Tensor):
         return torch.tensor(saved, dtype=live.dtype, device=live.device)
@@ -375,18 +375,18 @@ def _typed(saved: Any, live: Any) -> Any:
 
 
 def _typed_groups(saved: list[dict[str, Any]], live: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: _typed(v, lg.get(k)) for k, v in sg.items()} for sg, lg in zip(saved, live, strict=True)]
+    return [{k: typed_like(v, lg.get(k)) for k, v in sg.items()} for sg, lg in zip(saved, live, strict=True)]
 
 
 def _set_hyperparameters(live: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
     for live_group, saved_group in zip(live, saved, strict=True):
         for key, value in saved_group.items():
             if key != "params":
-                live_group[key] = _typed(value, live_group.get(key))
+                live_group[key] = typed_like(value, live_group.get(key))
 
 
 # ----- checks -------------------------------------------------------------------------------
-def _json_problems(value: Any, what: str) -> list[str]:
+def json_problems(value: Any, what: str) -> list[str]:
     try:
         json.dumps(value)
     except (TypeError, ValueError) as exc:
@@ -415,7 +415,7 @@ def _read_meta(directory: Path, where: str) -> dict[str, Any]:
     return meta
 
 
-def _listed(names: Iterable[str]) -> str:
+def listed_names(names: Iterable[str]) -> str:
     names = sorted(names)
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return ", ".join(names[:_LISTED]) + more
@@ -430,10 +430,10 @@ def _model_mismatches(
     held = {k[len("model."):] for k in saved if k.startswith("model.")}
     problems = []
     if needed - held:
-        problems.append(f"the checkpoint has no weights for {_listed(needed - held)}; "
+        problems.append(f"the checkpoint has no weights for {listed_names(needed - held)}; "
                         "it was saved from a different model")
     if held - needed_everywhere:
-        problems.append(f"the checkpoint has weights this model lacks: {_listed(held - needed_everywhere)}; "
+        problems.append(f"the checkpoint has weights this model lacks: {listed_names(held - needed_everywhere)}; "
                         "it was saved from a different model")
     reshaped = [n for n in sorted(needed & held) if list(targets["model." + n].shape) != saved["model." + n]["shape"]]
     if reshaped:
@@ -458,7 +458,7 @@ def _optimizer_mismatches(targets: dict[str, torch.Tensor], saved: dict[str, dic
     missing = {k[len("optim."):] for k in targets if k.startswith("optim.") and k not in saved}
     if not missing:
         return []
-    return [f"the checkpoint has no optimizer state {_listed(missing)}: it was saved with {saved_class}, "
+    return [f"the checkpoint has no optimizer state {listed_names(missing)}: it was saved with {saved_class}, "
             f"this run uses {live_class}; use the same optimizer class to resume"]
 
 
@@ -487,9 +487,9 @@ def _group_problems(saved: list[dict[str, Any]], live_per_rank: list[list[list[s
 
 # ----- random generators --------------------------------------------------------------------
 def _rng_tensors() -> dict[str, torch.Tensor]:
-    out = {f"rng.cpu.{_rank()}": torch.get_rng_state()}
+    out = {f"rng.cpu.{this_rank()}": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out[f"rng.cuda.{_rank()}"] = torch.cuda.get_rng_state()
+        out[f"rng.cuda.{this_rank()}"] = torch.cuda.get_rng_state()
     return out
 
 
@@ -497,14 +497,14 @@ def _rng_targets(saved: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
     """This rank's generator states, when the checkpoint has one for this rank."""
     out = {}
     for kind in ("cpu", "cuda"):
-        key = f"rng.{kind}.{_rank()}"
+        key = f"rng.{kind}.{this_rank()}"
         if key in saved and (kind == "cpu" or torch.cuda.is_available()):
             out[key] = torch.empty(saved[key]["shape"], dtype=torch.uint8)
     return out
 
 
 def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
-    cpu, cuda = tensors.get(f"rng.cpu.{_rank()}"), tensors.get(f"rng.cuda.{_rank()}")
+    cpu, cuda = tensors.get(f"rng.cpu.{this_rank()}"), tensors.get(f"rng.cuda.{this_rank()}")
     if cpu is not None:
         torch.set_rng_state(cpu)
     if cuda is not None:
@@ -535,7 +535,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _rank() -> int:
+def this_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -543,12 +543,12 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if _world_size() > 1:
         dist.barrier()
 
 
-def _raise_agreed(where: str, problems: list[str]) -> None:
+def raise_agreed(where: str, problems: list[str]) -> None:
     """Raise on every rank if any rank found a problem, so none is left waiting in a collective."""
     merged = agreed_problems(problems)
     if merged:

@@ -44,17 +44,6 @@ class ParallelLayout:
         """Every process data parallel (the layout when a strategy has no parallel_mode)."""
         return cls(((DATA, world_size),))
 
-    @classmethod
-    def of(cls, strategy: Any, world_size: int) -> ParallelLayout:
-        """The layout a strategy runs with at world_size (its parallel_mode, fitted; else all data)."""
-        mode = strategy.get("parallel_mode")
-        if mode is None:
-            return cls.data_parallel(world_size)
-        from atorch.opt_lib.registry import get_method
-
-        fitted = get_method("parallel_mode").adjust(mode, world_size)
-        return cls(tuple(fitted.dims), fitted.rank_order)
-
     # ----- pure facts ---------------------------------------------------------------------
     def problems(self) -> list[str]:
         names = [n for n, _ in self.dims]

@@ -9,20 +9,20 @@ from torch import nn
 from atorch.names import clean_name, unwrapped
 
 
+class StagedModel(nn.Module):
+    """A model made of the pipeline stages this rank holds (pipeline parallel's ``result.model``); defined
+    here, below the methods, so that naming state needs no method's module."""
+
+    def state_roots(self) -> list[nn.Module]:
+        """The user's module inside each stage this rank holds."""
+        raise NotImplementedError
+
+
 def state_roots(model: nn.Module) -> list[nn.Module]:
     """The modules whose state dicts use the user's names: the model inside a DDP wrapper or DeepSpeed
     engine, or, under pipeline parallel, the module of each stage this rank holds."""
     model = unwrapped(model)
-    from atorch.opt_lib.pipeline_parallel import PipelinedModel
-    from atorch.opt_lib.pipeline_split import StageModule
-
-    if not isinstance(model, PipelinedModel):
-        return [model]
-    roots = []
-    for stage in model.stages:
-        inner = stage if isinstance(stage, StageModule) else stage.module  # a wrapper around the stage
-        roots.append(inner.module)
-    return roots
+    return model.state_roots() if isinstance(model, StagedModel) else [model]
 
 
 def named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

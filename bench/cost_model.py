@@ -42,7 +42,6 @@ import torch  # noqa: E402
 from common import spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
-from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy import Strategy  # noqa: E402
 from atorch.strategy_search.analyser import ModelStats  # noqa: E402
 from atorch.strategy_search.cost_model import predict  # noqa: E402
@@ -177,13 +176,13 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
 
     from atorch.dryrun.runner import DryRunSession
     from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import _sample_batch, optimizer_state_factor
+    from atorch.strategy_search.automatic import optimizer_state_factor, sample_batch
     from atorch.strategy_search.describe import describe_candidate
     from atorch.strategy_search.space import SearchSpace
 
     parts = builders()[name]()
     setup = search.user_setup(parts, args.global_batch)
-    stats = analyse(parts["model"], _sample_batch(setup, env, args.global_batch // env.world_size),
+    stats = analyse(parts["model"], sample_batch(setup, env, args.global_batch // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
     cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED,
                         host_offload=env.device.type != "cpu").enumerate()
@@ -192,13 +191,13 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     if env.rank == 0 and not args.no_trace:  # as the search does: rank 0 traces while the others wait
         from atorch.strategy_search.tracing import MemoryTracer
 
-        tracer = MemoryTracer(setup, _sample_batch(setup, env, args.global_batch // env.world_size),
+        tracer = MemoryTracer(setup, sample_batch(setup, env, args.global_batch // env.world_size),
                               env.world_size, env.device)
         traced = tracer.trace_candidates(cands)
     session = DryRunSession(setup, env, warmup=args.warmup, steps=args.steps, rejoin_timeout_s=1200)
     rows = []
     for cand in cands:
-        dp = ParallelLayout.of(cand.strategy, env.world_size).data_size
+        dp = cand.strategy.layout(env.world_size).data_size
         trial = session.run(cand.strategy, timeout_s=600, micro_batches=cand.micro_batches,
                             batch_size=cand.micro_batch_size * dp)
         rows.append({"candidate": describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches,
@@ -240,7 +239,7 @@ def evaluate(report: dict[str, Any]) -> dict[str, Any]:
             if row["status"] != "ok" or not row["step_s"]:
                 continue
             strategy = Strategy.load(row["strategy"])
-            pred = predict(stats, strategy, ParallelLayout.of(strategy, world), profile, global_batch,
+            pred = predict(stats, strategy, strategy.layout(world), profile, global_batch,
                            row["micro_batches"], optimizer_state_factor=model["optimizer_state_factor"])
             memory = row.get("traced") or pred.memory.peak
             err = (memory - row["peak"]) / row["peak"]

@@ -33,7 +33,6 @@ from torch.utils.data import Dataset  # noqa: E402
 from atorch.distributed import init_distributed  # noqa: E402
 from atorch.dryrun.runner import DryRunSession  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
-from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy import Strategy  # noqa: E402
 
 SEQ, VOCAB, MICRO = 64, 2048, 2  # sequence length, vocabulary, samples per micro-batch and data-parallel rank
@@ -91,7 +90,7 @@ def layouts(world: int) -> dict[str, tuple[list[Any], int]]:
 def samples_per_step(strategy: list[Any], world: int, micro_batches: int) -> int:
     """Global samples of one step. Pipelines: MICRO per data-parallel rank and micro-batch (the bubble rows
     vary m at a fixed micro-batch); the rest: the global batch of the pipelines at m = 2p, MICRO x 2 x world."""
-    dp = ParallelLayout.of(Strategy.load(strategy), world).data_size
+    dp = Strategy.load(strategy).layout(world).data_size
     return MICRO * dp * micro_batches if micro_batches > 1 else MICRO * 2 * world
 
 

@@ -60,7 +60,6 @@ import atorch  # noqa: E402
 from atorch.distributed import init_distributed  # noqa: E402
 from atorch.dryrun.runner import DryRunSession, prepare_once  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
-from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
 from atorch.strategy_search.describe import describe_candidate  # noqa: E402
 from atorch.strategy_search.space import SearchSpace  # noqa: E402
@@ -155,7 +154,7 @@ def user_setup(parts: dict[str, Any], global_batch: int) -> UserSetup:
 
 
 def run_candidate(session: DryRunSession, env: Any, cand: Any, timeout_s: float = 600) -> dict[str, Any]:
-    dp = ParallelLayout.of(cand.strategy, env.world_size).data_size
+    dp = cand.strategy.layout(env.world_size).data_size
     trial = session.run(cand.strategy, timeout_s=timeout_s, micro_batches=cand.micro_batches,
                         batch_size=cand.micro_batch_size * dp)
     return {"status": trial.status, "samples_per_s": trial.samples_per_s or 0.0, "peak": trial.peak_bytes or 0,
@@ -287,12 +286,12 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
     # 5. Cost-model accuracy: memory over every candidate whose peak was measured (one stopped over the budget
     # after its warm-up has its whole peak: the warm-up takes optimizer steps), time over those that ran timed steps.
     from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import _sample_batch
+    from atorch.strategy_search.automatic import sample_batch
     from atorch.strategy_search.cost_model import predict
     from atorch.strategy_search.hardware import measure_profile
 
     profile = measure_profile()
-    stats = analyse(parts["model"], _sample_batch(setup, env, spec["global_batch"] // env.world_size),
+    stats = analyse(parts["model"], sample_batch(setup, env, spec["global_batch"] // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
     factor = optimizer_state_factor(setup)
     mem_err, pred_t, meas_t = [], [], []
@@ -301,7 +300,7 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
         row = sweep[c.key]
         if row["status"] not in ("ok", "oom") or not row["peak"]:
             continue
-        pred = predict(stats, c.strategy, ParallelLayout.of(c.strategy, env.world_size), profile,
+        pred = predict(stats, c.strategy, c.strategy.layout(env.world_size), profile,
                        spec["global_batch"], c.micro_batches, optimizer_state_factor=factor)
         mem_err.append(abs(pred.memory.peak - row["peak"]) / row["peak"])
         details.append({"candidate": describe(c, env.world_size), "mbs": c.micro_batch_size,

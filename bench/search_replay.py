@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import optuna  # noqa: E402
 import search  # noqa: E402
 
-from atorch.parallel_layout import ParallelLayout  # noqa: E402
 from atorch.strategy_search.analyser import analyse  # noqa: E402
 from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
 from atorch.strategy_search.cost_model import predict  # noqa: E402
@@ -75,7 +74,7 @@ class Replay:
         factor = optimizer_state_factor(setup)
         self.predictions = {}
         for c in self.cands:
-            pred = predict(stats, c.strategy, ParallelLayout.of(c.strategy, WORLD_SIZE), profile, self.global_batch,
+            pred = predict(stats, c.strategy, c.strategy.layout(WORLD_SIZE), profile, self.global_batch,
                            c.micro_batches, optimizer_state_factor=factor)
             self.predictions[c.key] = Predicted.of(pred.memory.peak, pred.time.step, self.global_batch)
         self.ddp_peak = max(self.rows[c.key]["peak"] for c in self.cands

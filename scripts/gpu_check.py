@@ -76,7 +76,6 @@ def train(strategy: Any, **kwargs: Any) -> dict[str, Any]:
 def dry_run_vs_cost_model() -> dict[str, Any]:
     from atorch.dryrun import dry_run
     from atorch.model_context import UserSetup
-    from atorch.parallel_layout import ParallelLayout
     from atorch.strategy import Strategy
     from atorch.strategy_search.analyser import analyse
     from atorch.strategy_search.cost_model import predict
@@ -94,7 +93,7 @@ def dry_run_vs_cost_model() -> dict[str, Any]:
                           model_input_format="unpack_sequence", optim_args={"lr": 1e-3},
                           dataloader_args={"batch_size": 32})
         measured = dry_run(setup, env, strategy, warmup=2, steps=3)
-        pred = predict(stats, strategy, ParallelLayout.of(strategy, 1), profile, 32)
+        pred = predict(stats, strategy, strategy.layout(1), profile, 32)
         rows.append({"strategy": str(strategy), "status": measured.status, "reason": measured.reason,
                      "measured_mib": (measured.peak_bytes or 0) / 2**20, "predicted_mib": pred.memory.peak / 2**20,
                      "measured_s": measured.step_time_s, "predicted_s": pred.time.step})
@@ -109,7 +108,6 @@ def optimizer_step_vs_cost_model() -> dict[str, Any]:
 
     from atorch.dryrun import dry_run
     from atorch.model_context import UserSetup
-    from atorch.parallel_layout import ParallelLayout
     from atorch.strategy import Strategy
     from atorch.strategy_search.analyser import analyse
     from atorch.strategy_search.cost_model import predict
@@ -121,7 +119,7 @@ def optimizer_step_vs_cost_model() -> dict[str, Any]:
     data = mlp_dataset(samples=64)
     batch = next(iter(torch.utils.data.DataLoader(data, batch_size=4)))
     stats = analyse(MLP(dim=2048, depth=4), [t.cuda() for t in batch], "unpack_sequence", mlp_loss)
-    pred = predict(stats, strategy, ParallelLayout.of(strategy, 1), profile, 4)
+    pred = predict(stats, strategy, strategy.layout(1), profile, 4)
     rows = []
     for foreach in (None, False):
         setup = UserSetup(model=MLP(dim=2048, depth=4), optim_func=torch.optim.AdamW, dataset=data, loss_func=mlp_loss,

@@ -114,8 +114,8 @@ def test_layout_is_one_validated_value() -> None:
 
 def test_layout_of_a_strategy_fits_the_data_size() -> None:
     strategy = atorch.Strategy.load([("parallel_mode", ([("data", -1)], None))])
-    assert ParallelLayout.of(strategy, 4).dims == (("data", 4),)
-    assert ParallelLayout.of(atorch.Strategy.load(["fsdp"]), 3).dims == (("data", 3),)
+    assert strategy.layout(4).dims == (("data", 4),)
+    assert atorch.Strategy.load(["fsdp"]).layout(3).dims == (("data", 3),)
 
 
 def test_args_read_as_atorchs_dict_and_result_closes(tmp_path: Path) -> None:

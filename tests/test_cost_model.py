@@ -226,7 +226,7 @@ def test_deepspeed_grads_in_partition_holds_the_parameters_straddling_a_partitio
 
 def _layout_predict(dims: list, items: list, micro_batches: int = 1) -> Prediction:
     strategy = Strategy.load([("parallel_mode", {"dims": dims}), *items])
-    return predict(_stats(), strategy, ParallelLayout.of(strategy, 2), _profile(2), 8, micro_batches)
+    return predict(_stats(), strategy, strategy.layout(2), _profile(2), 8, micro_batches)
 
 
 def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:

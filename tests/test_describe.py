@@ -15,7 +15,6 @@ import toy_models
 from rich.console import Console
 from search_doubles import Pred, Run
 
-from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.ask_tell import StopRules
 from atorch.strategy_search.candidates import CandidateTable
@@ -50,7 +49,7 @@ def test_every_description_names_every_method_and_layout_size_of_its_strategy(mo
         text = describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, WORLD)
         assert details["description"] == text  # what the study stores is the same line
         layout_part, methods_part, batching = text.split(" | ")
-        layout = ParallelLayout.of(cand.strategy, WORLD)
+        layout = cand.strategy.layout(WORLD)
         assert layout_part == str(layout)
         for dim, size in layout.dims:  # every size, the data size too
             assert f"{dim} {size}" in layout_part, text

@@ -68,11 +68,26 @@ def test_deepspeed_pipeline_trains_like_the_reference(launch: tuple[str, dict[st
 
 
 # ----- the conversion, in this process ---------------------------------------------------------------------
+def run_sequentially(layers: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The converted layers run one after another in this process (what the stages compute together)."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    built: dict[str, nn.Module] = {}
+    x = ids
+    for spec in layers.specs:
+        if isinstance(spec, TiedLayerSpec):
+            module = built.setdefault(spec.key, spec.build())
+            x = spec.forward_fn(module, x) if spec.forward_fn is not None else module(x)
+        else:
+            x = spec.build()(x)
+    return x
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_converted_layers_compute_the_model(family: str) -> None:
     from deepspeed.pipe import TiedLayerSpec
 
-    from atorch.opt_lib.ds_pipe_layers import build_layers, run_sequentially
+    from atorch.opt_lib.ds_pipe_layers import build_layers
 
     torch.manual_seed(0)
     model = (sm.tiny_gpt2 if family == "gpt2" else sm.tiny_llama)(layers=4).eval()
@@ -103,7 +118,7 @@ def sequential_model(classes: int = 8) -> nn.Sequential:
 
 
 def test_sequential_models_convert_in_call_order() -> None:
-    from atorch.opt_lib.ds_pipe_layers import build_layers, conversion_problem, run_sequentially
+    from atorch.opt_lib.ds_pipe_layers import build_layers, conversion_problem
 
     torch.manual_seed(0)
     model = sequential_model().eval()

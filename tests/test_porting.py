@@ -85,7 +85,7 @@ def _groups(ranks: torch.Tensor, dim: int) -> list[list[int]]:
 
 def test_parallel_mode_orders_ranks_as_atorch_documents() -> None:
     strategy = atorch.Strategy.load([("parallel_mode", (ATORCH_16, None)), "tensor_parallel", "pipeline_parallel"])
-    layout = ParallelLayout.of(strategy, 16)
+    layout = strategy.layout(16)
     assert layout.dims == tuple(ATORCH_16)
     ranks = layout.ranks()  # the tensor the DeviceMesh is built from
     for dim, (name, _) in enumerate(ATORCH_16):
@@ -98,12 +98,11 @@ def test_parallel_mode_orders_ranks_as_atorch_documents() -> None:
             assert coordinate[name] == group.index(rank), (rank, name)
         assert layout.data_rank(rank) == rank // 8
     # ATorch's fitting: ([("tensor", 2), ("pipeline", 2), ("data", 2)], None) at 16 becomes data 4
-    fitted = ParallelLayout.of(atorch.Strategy.load(
-        [("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 2)], None)), "mixed_parallel"]), 16)
+    fitted = atorch.Strategy.load(
+        [("parallel_mode", ([("tensor", 2), ("pipeline", 2), ("data", 2)], None)), "mixed_parallel"]).layout(16)
     assert fitted.dims == (("tensor", 2), ("pipeline", 2), ("data", 4))
     # no "data" listed: it goes outermost, the listed dimensions keep consecutive ranks
-    no_data = ParallelLayout.of(atorch.Strategy.load([("parallel_mode", ([("tensor", 2)], None)),
-                                                      "tensor_parallel"]), 4)
+    no_data = atorch.Strategy.load([("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"]).layout(4)
     assert no_data.dims == (("tensor", 2), ("data", 2)) and _groups(no_data.ranks(), 0) == [[0, 1], [2, 3]]
 
 
@@ -133,7 +132,7 @@ def test_the_search_keeps_tensor_groups_on_consecutive_ranks() -> None:
     from atorch.strategy_search.space import SearchSpace
 
     space = SearchSpace(tiny_gpt2(), 8, 16, loop="train_step", precision="low")
-    layouts = {ParallelLayout.of(c.strategy, 8) for c in space.enumerate()}
+    layouts = {c.strategy.layout(8) for c in space.enumerate()}
     split = [layout for layout in layouts if layout.size("tensor") > 1]
     assert split, "no tensor-parallel candidate at 8 ranks"
     for layout in split:  # tensor first (fastest), then pipeline, data outermost

@@ -56,7 +56,7 @@ def test_search_space_grid_gives_valid_distinct_configs_with_optuna(name: str, c
     size = math.prod(len(choices) for choices in grid.values())
     # Seeded random draws, many more than grid points: deterministic, and they cover the grid.
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    distributions = {key: dim.optuna_distribution() for key, dim in space.items()}
+    distributions = {key: optuna.distributions.CategoricalDistribution(dim.choices) for key, dim in space.items()}
     configs = []
     for _ in range(10 * size):
         trial = study.ask(distributions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 import toy_models
+from space_optuna import optuna_distributions, point_from_params, suggest, to_params
 
 from atorch.errors import SetupError
 from atorch.opt_lib.compatibility import conflicts_in
@@ -95,12 +96,12 @@ def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpac
 
 
 def test_points_round_trip_and_optuna_view_covers_every_param(space: SearchSpace) -> None:
-    dists = space.optuna_distributions()
+    dists = optuna_distributions(space)
     for cand in space.enumerate():
         point = space.to_point(cand)
         assert space.from_point(point) == cand
-        params = space.to_params(point)
-        assert space.point_from_params(params) == point
+        params = to_params(space, point)
+        assert point_from_params(params) == point
         for name, value in params.items():
             assert value in dists[name].choices
     # A narrowed dimension gets its own name (DeepSpeed leaves only fp32 precision).
@@ -114,7 +115,7 @@ def test_suggest_from_a_real_trial_gives_only_valid_candidates(space: SearchSpac
     keys = {c.key for c in space.enumerate()}
     for _ in range(40):
         trial = study.ask()
-        cand = space.suggest(trial)
+        cand = suggest(space, trial)
         assert cand.key in keys
         study.tell(trial, 1.0)
 

@@ -9,11 +9,12 @@ import pickle
 
 import pytest
 import torch
+from class_paths import resolve_class
 from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from atorch import Strategy, StrategyError
-from atorch.class_ref import class_path, resolve_class
+from atorch.class_ref import class_path
 from atorch.opt_lib.registry import method_names
 
 GPT2_BLOCK_PATH = "transformers.models.gpt2.modeling_gpt2.GPT2Block"

@@ -437,14 +437,13 @@ def test_cost_model_counts_a_replicated_key_value_head_whole() -> None:
     from test_cost_model import _profile, _stats
 
     from atorch.opt_lib.tensor_parallel import replicated_kv_bytes
-    from atorch.parallel_layout import ParallelLayout
     from atorch.strategy_search.cost_model import predict
 
     gemma = _hf("Gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=8)
     kv = sum(p.numel() * 4 for n, p in gemma.named_parameters() if ".k_proj." in n or ".v_proj." in n)
     assert replicated_kv_bytes(gemma) == kv > 0 and replicated_kv_bytes(sm.tiny_llama()) == 0
     strategy = Strategy.load([TP, "tensor_parallel"])
-    layout = ParallelLayout.of(strategy, 2)
+    layout = strategy.layout(2)
     plain = predict(_stats(), strategy, layout, _profile(2), 8).memory.parameters
     kept = predict(_stats().model_copy(update={"tp_whole_param_bytes": 400}), strategy, layout, _profile(2), 8)
     # 2000 block bytes over 2 ranks = 1000 + 2000 outside; 400 of them kept whole: 800 + 400 + 2000.

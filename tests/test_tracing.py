@@ -9,11 +9,10 @@ import torch.distributed as dist
 from launcher import HERE, run_json
 from toy_models import MLP, mlp_dataset, mlp_loss
 
-from atorch.accelerate import build_context, build_result, preflight
+from atorch.build import build_context, build_result, preflight
 from atorch.distributed import init_distributed
 from atorch.dryrun.memory import PeakMemory
 from atorch.model_context import UserSetup
-from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.space import Candidate
 from atorch.strategy_search.tracing import MemoryTracer, TraceError, fake_world, untraced_reason
@@ -34,7 +33,7 @@ def _sample(setup: UserSetup, size: int) -> tuple[torch.Tensor, ...]:
 def _measured(setup: UserSetup, strategy: Strategy, batch: tuple[torch.Tensor, ...], micro_batches: int) -> int:
     """The dry-run's measurement (PeakMemory over build and two steps) of the real program, one process."""
     env = init_distributed()
-    skipped, problems = preflight(setup, env, strategy, ParallelLayout.of(strategy, env.world_size))
+    skipped, problems = preflight(setup, env, strategy, strategy.layout(env.world_size))
     assert not problems
     with PeakMemory() as peak:
         result = build_result(build_context(setup, env, strategy, skipped), setup)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from class_paths import resolve_class
 from torch import nn
 from toy_models import mlp, tiny_gpt2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from atorch.class_ref import class_path, resolve_class
+from atorch.class_ref import class_path
 from atorch.opt_lib.blocks import block_classes
 from atorch.units import parse_bytes
 

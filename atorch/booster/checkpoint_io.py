@@ -22,22 +22,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch.booster.gather import gather_to_rank0, like_live, put_whole
 from atorch.booster.hf_files import SAFE_EXT, TensorFiles, with_prefix, write_file, write_sharded
 from atorch.checkpoint import (
     CheckpointError,
-    _barrier,
-    _inner_optimizer,
-    _is_zero1,
-    _json_problems,
-    _listed,
-    _load_zero,
-    _param_groups_json,
-    _raise_agreed,
-    _rank,
-    _typed,
+    barrier,
+    inner_optimizer,
+    is_zero1,
+    json_problems,
+    listed_names,
+    load_zero_state,
+    param_groups_json,
+    raise_agreed,
+    this_rank,
+    typed_like,
 )
 from atorch.distributed import all_gather_json
+from atorch.gather import gather_to_rank0, like_live, put_whole
 from atorch.log import get_logger
 from atorch.state_names import named_state, state_roots, tied_names
 
@@ -90,10 +90,10 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True) -> None:
     missing = sorted({n for n, _ in live} - set(source))
     unexpected = sorted(held - wanted - {a for g in tied_names(model) for a in g})
     if strict and missing:
-        problems.append(f"the checkpoint has no weights for {_listed(missing)}; it was saved from a different "
+        problems.append(f"the checkpoint has no weights for {listed_names(missing)}; it was saved from a different "
                         "model (load with strict=False to keep the current values of these)")
     if strict and unexpected:
-        problems.append(f"the checkpoint has weights this model lacks: {_listed(unexpected)}; it was saved from "
+        problems.append(f"the checkpoint has weights this model lacks: {listed_names(unexpected)}; it was saved from "
                         "a different model (load with strict=False to ignore them)")
     whole: dict[str, torch.Tensor] = {}
     try:
@@ -105,11 +105,11 @@ def load_model(model: nn.Module, checkpoint: str, strict: bool = True) -> None:
                                     f"{list(tensor.shape)} here; it was saved from a model of another configuration")
     except CheckpointError as exc:  # a damaged file: raised on every rank, none is left waiting
         problems += exc.problems
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     for name, tensor in live:
         if name in whole:
             put_whole(tensor, whole[name])
-    _barrier()
+    barrier()
     logger.info("model loaded from %s (%d tensors on this rank)", checkpoint, len(whole))
 
 
@@ -117,12 +117,12 @@ def _write_on_rank0(where: str, write: Callable[[], None]) -> None:
     """Rank 0 writes; a failure there (disk full, no permission) is raised on every rank, and no rank
     goes on before the files are complete."""
     problems = []
-    if _rank() == 0:
+    if this_rank() == 0:
         try:
             write()
         except OSError as exc:
             problems.append(f"writing failed: {exc}")
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
 
 
 def _check_save_args(where: str, gather_dtensor: bool, size_per_shard: int) -> None:
@@ -133,13 +133,13 @@ def _check_save_args(where: str, gather_dtensor: bool, size_per_shard: int) -> N
                         "resumable checkpoints")
     if not isinstance(size_per_shard, (int, float)) or size_per_shard <= 0:
         problems.append(f"size_per_shard must be a positive number of MiB, got {size_per_shard!r}")
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
 
 
 def _refuse_objects(where: str, entries: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     problems = [f"'{n}' is a {type(v).__name__}, not a tensor; only tensors are saved" for n, v in entries
                 if not isinstance(v, torch.Tensor)]
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     return entries
 
 
@@ -151,7 +151,7 @@ def _agreed_files(checkpoint: str, defaults: tuple[str, ...], where: str) -> Ten
         files.names()
     except CheckpointError as exc:
         problems = exc.problems
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     return files
 
 
@@ -199,9 +199,9 @@ def save_optimizer(optimizer: Any, checkpoint: str, shard: bool = False, gather_
     where = f"cannot save the optimizer to {checkpoint}"
     _check_save_args(where, gather_dtensor, size_per_shard)
     _refuse_engine(optimizer, where)
-    inner = _inner_optimizer(optimizer)
+    inner = inner_optimizer(optimizer)
     names = _names_of(optimizer)
-    zero = _is_zero1(inner)
+    zero = is_zero1(inner)
     state_of = inner.optim.state if zero else inner.state
     entries, scalars, problems = [], {}, []
     for param, name in names.items():
@@ -213,9 +213,9 @@ def save_optimizer(optimizer: Any, checkpoint: str, shard: bool = False, gather_
             else:
                 problems.append(f"optimizer state '{name}'['{key}'] is a {type(value).__name__}; only tensors, "
                                 "numbers, strings and None can be saved")
-    groups = _param_groups_json(inner.param_groups, names)
-    problems += _json_problems(groups, "param_groups")
-    _raise_agreed(where, problems)
+    groups = param_groups_json(inner.param_groups, names)
+    problems += json_problems(groups, "param_groups")
+    raise_agreed(where, problems)
     state = gather_to_rank0(entries)
     everyone = all_gather_json({"groups": groups, "scalars": scalars})
     meta = {"format": OPTIM_FORMAT, "version": 1, "class": type(inner.optim if zero else inner).__name__,
@@ -245,16 +245,16 @@ def load_optimizer(optimizer: Any, checkpoint: str) -> None:
     problems = []
     if meta.get("format") != OPTIM_FORMAT:
         problems.append(f"{files.path} is not an optimizer checkpoint written by save_optimizer")
-    _raise_agreed(where, problems)
-    inner = _inner_optimizer(optimizer)
-    zero = _is_zero1(inner)
+    raise_agreed(where, problems)
+    inner = inner_optimizer(optimizer)
+    zero = is_zero1(inner)
     names = _names_of(optimizer)
     live_class = type(inner.optim if zero else inner).__name__
     saved_groups = meta["param_groups"]
     problems = _group_mismatch(saved_groups, inner.param_groups, names)
     if meta["class"] != live_class:
         problems.append(f"the state is from {meta['class']}, this optimizer is {live_class}; use the same class")
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     by_name: dict[str, dict[str, str]] = {}
     for key in files.names() - {OPTIM_META}:
         name, state_key = key.removeprefix("state.").rsplit(".", 1)
@@ -272,10 +272,10 @@ def load_optimizer(optimizer: Any, checkpoint: str) -> None:
                 stateless.append(name)
     if stateless:  # frozen parameters have none; a trained one without state starts afresh
         logger.warning("optimizer checkpoint %s has no state for %s; it starts from none", checkpoint,
-                       _listed(stateless))
+                       listed_names(stateless))
     scalars = meta["scalars"]
     if zero:
-        _load_zero(inner, names, targets, scalars, saved_groups)
+        load_zero_state(inner, names, targets, scalars, saved_groups)
     else:
         live_sd = inner.state_dict()
         index = 0
@@ -286,10 +286,10 @@ def load_optimizer(optimizer: Any, checkpoint: str) -> None:
                 if entry:
                     state[index] = entry
                 index += 1
-        groups = [{**{k: _typed(v, lg.get(k)) for k, v in sg.items() if k != "params"}, "params": ids["params"]}
+        groups = [{**{k: typed_like(v, lg.get(k)) for k, v in sg.items() if k != "params"}, "params": ids["params"]}
                   for sg, lg, ids in zip(saved_groups, inner.param_groups, live_sd["param_groups"], strict=True)]
         inner.load_state_dict({"state": state, "param_groups": groups})
-    _barrier()
+    barrier()
     logger.info("optimizer state loaded from %s", checkpoint)
 
 
@@ -299,7 +299,7 @@ def _names_of(optimizer: Any) -> dict[torch.Tensor, str]:
     names = getattr(optimizer, "param_names", None)
     if names is not None:
         return names
-    groups = _inner_optimizer(optimizer).param_groups  # ZeRO-1: every parameter, not only this rank's
+    groups = inner_optimizer(optimizer).param_groups  # ZeRO-1: every parameter, not only this rank's
     return {p: f"group{g}.{i}" for g, group in enumerate(groups) for i, p in enumerate(group["params"])}
 
 
@@ -330,7 +330,7 @@ def _group_mismatch(
         live_names = {names[p] for p in lg["params"]}
         extra = live_names - set(_sources(live_names, set(sg["params"]), getattr(names, "tied", [])))
         if extra and not all(n.startswith("group") for n in extra):
-            return [f"parameter group {index} holds parameters the checkpoint's does not: {_listed(extra)}; "
+            return [f"parameter group {index} holds parameters the checkpoint's does not: {listed_names(extra)}; "
                     "build the optimizer over the same model and groups"]
     return []
 
@@ -346,8 +346,8 @@ def save_lr_scheduler(lr_scheduler: Any, checkpoint: str) -> None:
     """The scheduler's state_dict as JSON (rank 0 writes)."""
     where = f"cannot save the LR scheduler to {checkpoint}"
     encoded = _to_json(lr_scheduler.state_dict())
-    problems = _json_problems(encoded, "lr_scheduler.state_dict()")
-    _raise_agreed(where, problems)
+    problems = json_problems(encoded, "lr_scheduler.state_dict()")
+    raise_agreed(where, problems)
     def write() -> None:
         target = Path(checkpoint)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -367,7 +367,7 @@ def load_lr_scheduler(lr_scheduler: Any, checkpoint: str) -> None:
             problems.append(f"{checkpoint} is not an LR scheduler state written by save_lr_scheduler")
     except (OSError, ValueError) as exc:
         problems.append(f"{checkpoint} is not readable JSON ({exc}); give the file save_lr_scheduler wrote")
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     lr_scheduler.load_state_dict(_from_json(data["state"]))  # type: ignore[index]
 
 
@@ -415,7 +415,7 @@ def save_lora_as_pretrained(model: nn.Module, checkpoint: str, use_safetensors: 
         root = peft_root(model, where)
     except CheckpointError as exc:
         problems = exc.problems
-    _raise_agreed(where, problems)
+    raise_agreed(where, problems)
     entries = [(n, t) for n, t in named_state(model) if "lora_" in n or getattr(t, "requires_grad", False)]
     state = gather_to_rank0(_refuse_objects(where, entries))
     def write() -> None:

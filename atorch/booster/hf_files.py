@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from atorch.checkpoint import CheckpointError, _listed
+from atorch.checkpoint import CheckpointError, listed_names
 
 SAFE_EXT = ".safetensors"
 
@@ -139,7 +139,7 @@ class TensorFiles:
         missing = sorted({f for f in index["weight_map"].values() if not (path.parent / f).is_file()})
         if missing:
             raise CheckpointError(self.where, [f"{path.name} names files that are not in {path.parent}: "
-                                               f"{_listed(missing)}; the checkpoint is incomplete"])
+                                               f"{listed_names(missing)}; the checkpoint is incomplete"])
         self.index = index
 
     @property

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from atorch.errors import SetupError
 from atorch.opt_lib.pipeline_parallel import (
     PipelinedModel,
-    _agreed_meta,
-    _tied_copies,
+    agreed_meta,
     average_gradients,
     sync_tied,
+    tied_copies,
 )
 
 
@@ -59,8 +59,8 @@ def clip_pipeline_grad_norm(optim: Any, model: PipelinedModel, max_norm: float, 
     grads = optim._unscaled_grads()
     duplicate: set[int] = set()
     for names in model.tied:  # type: ignore[attr-defined]
-        copies = _tied_copies(model, names)
-        _, _, lowest = _agreed_meta(copies, model.group)  # type: ignore[attr-defined]
+        copies = tied_copies(model, names)
+        _, _, lowest = agreed_meta(copies, model.group)  # type: ignore[attr-defined]
         duplicate |= {id(p.grad) for index, p in copies if index != lowest and p.grad is not None}
     local = total_norm([g for g in grads if id(g) not in duplicate], norm_type).float().reshape(())
     if norm_type == float("inf"):

@@ -120,9 +120,9 @@ class Coordinator:
                 dist.destroy_process_group(group)
         del groups
         if "deepspeed.utils.groups" in sys.modules:  # DeepSpeed keeps its engine's groups in module globals
-            from atorch.opt_lib.deepspeed_zero import _forget_destroyed_groups
+            from atorch.opt_lib.deepspeed_zero import forget_destroyed_groups
 
-            _forget_destroyed_groups()
+            forget_destroyed_groups()
         gc.collect()  # the trial's objects (a DDP reducer, a mesh) hold the groups in reference cycles
 
     # ----- the trial's process group -----------------------------------------------------------

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from atorch.build import build_context, build_result, preflight
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
 from atorch.dryrun.coordination import AbortWatcher, Coordinator
 from atorch.dryrun.memory import PeakMemory
@@ -54,7 +55,6 @@ from atorch.errors import SetupError
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.model_context import UserSetup
-from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
@@ -333,10 +333,8 @@ class _Trial:
 
     # ----- inside the trial's process group ----------------------------------------------------
     def _outcome(self) -> RankOutcome:
-        from atorch.accelerate import build_context, build_result, preflight
-
         self.phase = "preflight"
-        layout = ParallelLayout.of(self.strategy, self.env.world_size)
+        layout = self.strategy.layout(self.env.world_size)
         try:
             problems = self.strategy.problems(self.env.world_size) + self.unprepared
             skipped, found = preflight(self.setup, self.env, self.strategy, layout) if not problems else ({}, [])

@@ -2,7 +2,7 @@
 optimizer rebuilt from the one ``configure_optimizers`` returned.
 
 In place, as Lightning's own strategies do: the module the Trainer (and the user) holds is the one
-trained. Everything else is atorch's: ``preflight`` checks, ``apply_strategy`` builds, ``ModelContext``
+trained. Everything else is atorch's: ``atorch.build`` checks and builds, ``ModelContext``
 wraps the optimizer (loss scaling, gradient sync, clipping).
 """
 
@@ -15,12 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch import opt_lib  # noqa: F401  (registers the methods)
-from atorch.accelerate import _search, preflight
-from atorch.apply import apply_strategy
-from atorch.distributed import DistEnv, agreed_problems
+from atorch.build import agreed_preflight, build_context
+from atorch.distributed import DistEnv
 from atorch.errors import SetupError, StrategyError
-from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.model_context import ModelContext, UserSetup
 from atorch.options import StrategyOptions
@@ -119,6 +116,8 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOption
         raise SetupError("ATorchStrategy without load_strategy searches a strategy with the train dataloader's "
                          "dataset and batch size; give a train_dataloader with a batch_size (a DataLoader), "
                          "or pass ATorchStrategy(load_strategy=[...])")
+    from atorch.strategy_search.entry import search_and_check
+
     memory_limit = None if options.memory_limit is None else int(options.memory_limit)
     excluded = sorted(set(options.excluded) | set(PRECISION_METHODS))
     setup = UserSetup(
@@ -128,7 +127,7 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOption
     )
     with warnings.catch_warnings():  # self.log() in training_step has no Trainer in the search's copies
         warnings.filterwarnings("ignore", message=".*self.log.*")
-        strategy, _, _, micro_batches, record = _search(
+        strategy, _, _, micro_batches, record = search_and_check(
             setup, env, excluded, list(options.included), None, memory_limit, options.time_limit, options.search,
             options.strategy_server)
     if micro_batches > 1:
@@ -142,23 +141,13 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOption
 def build(module: nn.Module, strategy: Strategy, factory: OptimizerFactory, env: DistEnv,
           find_unused_parameters: bool = False, search_record: dict[str, Any] | None = None) -> Engine:
     """Check, then apply ``strategy`` to ``module`` in place and build the optimizer ``factory`` describes."""
-    layout = ParallelLayout.of(strategy, env.world_size)
+    layout = strategy.layout(env.world_size)
     setup = UserSetup(model=module, optim_func=factory.optim_func, optim_args=dict(factory.optim_args),
                       optim_param_func=factory.optim_param_func, find_unused_parameters=find_unused_parameters)
-    skipped, problems = preflight(setup, env, strategy, layout)
-    problems = agreed_problems(problems)
-    if problems:
-        raise StrategyError(problems, what=f"ATorchStrategy cannot apply {strategy}")
-    for name, reason in skipped.items():
-        logger.warning("%s skipped: %s", name, reason)
-    import_off_the_stack("torch._dynamo")
+    skipped = agreed_preflight(setup, env, strategy, what=f"ATorchStrategy cannot apply {strategy}")
     # The optimizer's parameters are named through a snapshot taken before sharding replaces them.
     ctx = ModelContext(replace(setup, model=names_module(module)), env, layout, model=module)
-    ctx.skipped = dict(skipped)
-    devices = [env.device] if env.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # the user's random stream is left as it was
-        apply_strategy(ctx, strategy)
-        ctx.finish()
+    ctx = build_context(setup, env, strategy, skipped, ctx)  # in place
     logger.info("ATorchStrategy: %s on %d process(es)", strategy, env.world_size)
     return Engine(module=module, model=ctx.model, optimizer=ctx.optimizer, strategy=strategy, layout=layout,
                   autocast_dtype=ctx.autocast_dtype, input_dtype=ctx.input_dtype, search=search_record)

@@ -88,7 +88,7 @@ class StrategyMixin:
         if self.engine is not None:
             return self.engine.layout
         if self._load_strategy is not None:
-            return ParallelLayout.of(Strategy.load(self._load_strategy), world)
+            return Strategy.load(self._load_strategy).layout(world)
         return ParallelLayout.data_parallel(world)
 
     @property

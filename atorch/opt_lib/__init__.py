@@ -1,18 +1,5 @@
-"""The optimization methods. Importing this package registers every method once."""
+"""The optimization methods: one module per method family, one registry (``registry.py``: it loads them)."""
 
-from atorch.opt_lib import (  # noqa: F401  (imported to register)
-    activation_checkpoint,
-    ds_3d_parallel,
-    fp8,
-    mixed_parallel,
-    module_replace,
-    parallel_mode,
-    pipeline_parallel,
-    precision,
-    sharding,
-    tensor_parallel,
-    zero1,
-)
 from atorch.opt_lib.base import Categorical, IntRange, Method, MethodConfig
 from atorch.opt_lib.compatibility import RULES, allowed_pairs, forbidden_pairs
 from atorch.opt_lib.module_replace import register_replace_pair

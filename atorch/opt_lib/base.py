@@ -50,11 +50,6 @@ class Categorical:
 
     choices: tuple[Any, ...]
 
-    def optuna_distribution(self) -> Any:
-        from optuna.distributions import CategoricalDistribution
-
-        return CategoricalDistribution(self.choices)
-
 
 @dataclass(frozen=True)
 class IntRange:
@@ -63,11 +58,6 @@ class IntRange:
     low: int
     high: int
     log: bool = False
-
-    def optuna_distribution(self) -> Any:
-        from optuna.distributions import IntDistribution
-
-        return IntDistribution(self.low, self.high, log=self.log)
 
 
 Dimension = Categorical | IntRange

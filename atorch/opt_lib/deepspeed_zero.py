@@ -82,7 +82,7 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ctx.env.local_rank))  # a plain `python` run: DeepSpeed asserts on it
     import deepspeed
 
-    _forget_destroyed_groups()
+    forget_destroyed_groups()
     bucket = int(min(DEEPSPEED_BUCKET_ELEMENTS, sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)))
     config = {
         "train_micro_batch_size_per_gpu": max(ctx.local_batch_size(), 1),
@@ -105,7 +105,7 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     logger.info("DeepSpeed ZeRO-%d over %d processes", stage, ctx.env.world_size)
 
 
-def _forget_destroyed_groups() -> None:
+def forget_destroyed_groups() -> None:
     """DeepSpeed caches process groups in module globals (its world and data-parallel groups) from its
     first engine on. A group destroyed since (a search's trial group) would be handed to the next engine
     and fail there, so cached groups that no longer exist are dropped and DeepSpeed makes them anew."""

@@ -127,10 +127,10 @@ def start_ds_pipeline(ctx: Any, config: Ds3dParallelConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ctx.env.local_rank))  # a plain `python` run: DeepSpeed asserts on it
     import deepspeed
 
-    from atorch.opt_lib.deepspeed_zero import _forget_destroyed_groups
+    from atorch.opt_lib.deepspeed_zero import forget_destroyed_groups
     from atorch.opt_lib.ds_pipe_layers import CHECKPOINTABLE, build_layers, stage_bounds
 
-    _forget_destroyed_groups()
+    forget_destroyed_groups()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     layers = build_layers(ctx.model)
     pipeline = ctx.layout.size(PIPELINE)
@@ -227,12 +227,12 @@ def is_ds_pipeline(model: Any) -> bool:
 
 def ds_pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     """train_step under ds_3d_parallel: one ``engine.train_batch`` over the concatenated micro-batches."""
-    from atorch.opt_lib.pipeline_parallel import _concatenated
+    from atorch.opt_lib.pipeline_parallel import concatenated
 
     run: DsPipelineRun = result.model.atorch_ds_pipeline
     if len(micro_batches) == 0:
         raise ValueError("train_step needs at least one micro-batch")
-    data = result.prepare_input(_concatenated(micro_batches), result.args.device)
+    data = result.prepare_input(concatenated(micro_batches), result.args.device)
     loss = run.engine.train_batch(iter(run.micro_batches(data)))
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
@@ -297,10 +297,10 @@ class Ds3dParallel(Method):
 
 def _sample_problems(ctx: Any) -> list[str]:
     """A transformers model's samples must be input_ids (and labels): nothing else crosses the stages."""
-    from atorch.opt_lib.ds_pipe_layers import _is_transformers
+    from atorch.opt_lib.pipeline_split import is_transformers
 
     dataset = ctx.setup.dataset
-    if dataset is None or not _is_transformers(ctx.model) or not hasattr(dataset, "__getitem__"):
+    if dataset is None or not is_transformers(ctx.model) or not hasattr(dataset, "__getitem__"):
         return []
     try:
         sample = dataset[0]

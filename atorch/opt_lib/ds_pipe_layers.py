@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from atorch.opt_lib.pipeline_split import BlockList, balanced_split, find_blocks
-from atorch.opt_lib.pipeline_split import _cost as cost_of  # multiply-adds per token (an embedding lookup: none)
+from atorch.opt_lib.pipeline_split import BlockList, balanced_split, find_blocks, is_transformers
+from atorch.opt_lib.pipeline_split import module_cost as cost_of  # multiply-adds per token (an embedding lookup: none)
 
 PRE, BLOCK, POST = "pre", "block", "post"
 TIED_KEY = "embedding"
@@ -145,7 +145,7 @@ def conversion_problem(model: nn.Module) -> str | None:
     blocks, why = find_blocks(model)
     if blocks is None:
         return why
-    if _is_transformers(model):
+    if is_transformers(model):
         if _family(model) is None:
             return (f"ds_3d_parallel converts transformers decoder LMs of the GPT-2 or Llama form (embeddings, "
                     f"blocks, final norm, lm_head); {type(model).__name__} is neither: use pipeline_parallel")
@@ -155,10 +155,6 @@ def conversion_problem(model: nn.Module) -> str | None:
                 f"decoders and nn.Sequential models, not {type(model).__name__} (its forward may do more than "
                 "call its modules in order): use pipeline_parallel")
     return None
-
-
-def _is_transformers(model: nn.Module) -> bool:
-    return callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "config")
 
 
 def _sequential_path(model: nn.Module, blocks: BlockList) -> bool:
@@ -181,7 +177,7 @@ def build_layers(model: nn.Module) -> PipeLayers:
     problem = conversion_problem(model)
     if problem is not None:
         raise ValueError(problem)
-    if not _is_transformers(model):
+    if not is_transformers(model):
         return _sequential_layers(model, LayerSpec)
     return _decoder_layers(model)
 
@@ -262,18 +258,3 @@ def stage_bounds(layers: PipeLayers, stages: int) -> list[int]:
         bounds.append(bounds[-1] + count + (pre if index == 0 else 0))
     bounds[-1] = len(layers.specs)
     return bounds
-
-
-def run_sequentially(layers: PipeLayers, ids: torch.Tensor) -> torch.Tensor:
-    """The converted layers run one after another in this process (what the stages compute together)."""
-    from deepspeed.pipe import TiedLayerSpec
-
-    built: dict[str, nn.Module] = {}
-    x = ids
-    for spec in layers.specs:
-        if isinstance(spec, TiedLayerSpec):
-            module = built.setdefault(spec.key, spec.build())
-            x = spec.forward_fn(module, x) if spec.forward_fn is not None else module(x)
-        else:
-            x = spec.build()(x)
-    return x

@@ -48,6 +48,7 @@ from atorch.opt_lib.pipeline_split import (
     stage_kwargs,
 )
 from atorch.opt_lib.registry import register
+from atorch.state_names import StagedModel
 
 logger = get_logger(__name__)
 
@@ -75,7 +76,7 @@ class PipelineParallelConfig(MethodConfig):
 
 
 # ----- the model under pipeline parallel ----------------------------------------------------------------
-class PipelinedModel(nn.Module):
+class PipelinedModel(StagedModel):
     """``result.model`` under pipeline parallel: this rank's stages (their parameters are the optimizer's).
     It cannot be called: the schedule runs the stages (``atorch.train_step``)."""
 
@@ -85,6 +86,9 @@ class PipelinedModel(nn.Module):
         if no_split:
             self._no_split_modules = list(no_split)
         self.runner: PipelineRunner | None = None
+
+    def state_roots(self) -> list[nn.Module]:
+        return [_stage_module(stage).module for stage in self.stages]  # a stage may be wrapped
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise SetupError(
@@ -165,7 +169,7 @@ def _block_class_names(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if classes and matches(m, classes)})
 
 
-def _tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:
+def tied_copies(pipelined: PipelinedModel, names: tuple[str, ...]) -> list[tuple[int, torch.Tensor]]:
     """(stage index, parameter) for each copy of one tied parameter on this rank."""
     copies = []
     for stage in pipelined.stages:
@@ -191,8 +195,8 @@ def sync_tied(pipelined: PipelinedModel, grads: bool) -> None:
 
     group = pipelined.group  # type: ignore[attr-defined]
     for names in pipelined.tied:  # type: ignore[attr-defined]
-        copies = _tied_copies(pipelined, names)
-        shape, dtype, lowest = _agreed_meta(copies, group)
+        copies = tied_copies(pipelined, names)
+        shape, dtype, lowest = agreed_meta(copies, group)
         with torch.no_grad():
             total = torch.zeros(shape, dtype=dtype, device=local_tensor(copies[0][1]).device if copies else None)
             for index, param in copies:
@@ -211,7 +215,7 @@ def sync_tied(pipelined: PipelinedModel, grads: bool) -> None:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[list[int], torch.dtype, int]:
+def agreed_meta(copies: list[tuple[int, torch.Tensor]], group: Any) -> tuple[list[int], torch.dtype, int]:
     """Local shape, dtype and lowest holding stage of a tied parameter, agreed over the pipeline group
     (ranks without a copy learn them). Encoded as maxima: -index gives the lowest stage."""
     from atorch.optimizer import local_tensor
@@ -393,7 +397,7 @@ def build_schedule(ctx: Any, config: PipelineParallelConfig) -> None:
     ctx.model.runner = PipelineRunner(ctx, config)
 
 
-def _concatenated(batches: Sequence[Any]) -> Any:
+def concatenated(batches: Sequence[Any]) -> Any:
     """The micro-batches of train_step as one batch (the schedule splits it again)."""
     if len(batches) == 1:
         return batches[0]
@@ -411,7 +415,7 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     model: PipelinedModel = result.model
     runner = model.runner
     assert runner is not None
-    data = result.prepare_input(_concatenated(micro_batches), result.args.device)
+    data = result.prepare_input(concatenated(micro_batches), result.args.device)
     loss = runner.step(data)
     average_gradients(model)
     sync_tied(model, grads=True)

@@ -104,7 +104,7 @@ def find_units(model: nn.Module) -> tuple[BlockList | None, str | None]:
     return blocks, why
 
 
-def _cost(module: nn.Module) -> int:
+def module_cost(module: nn.Module) -> int:
     """Multiply-adds per token: the parameters of its matrix products (an embedding lookup costs nothing)."""
     return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False))
@@ -144,9 +144,9 @@ def plan_stages(model: nn.Module, blocks: BlockList, stages: int) -> list[tuple[
         return [blocks.names[:1], blocks.names[1:]]
     holder = model.get_submodule(blocks.container) if blocks.container else model
     # A child without parameters (an activation) costs one, so that no stage is left with nothing to do.
-    costs = [max(_cost(holder.get_submodule(n)), 0 if blocks.container else 1) for n in blocks.names]
-    first = sum(_cost(model.get_submodule(n)) for n in blocks.pre)
-    last = sum(_cost(model.get_submodule(n)) for n in blocks.post)
+    costs = [max(module_cost(holder.get_submodule(n)), 0 if blocks.container else 1) for n in blocks.names]
+    first = sum(module_cost(model.get_submodule(n)) for n in blocks.pre)
+    last = sum(module_cost(model.get_submodule(n)) for n in blocks.post)
     counts = balanced_split(costs, first, last, stages)
     owned, start = [], 0
     for count in counts:

@@ -388,7 +388,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     # whole must agree, and each shard is cut from the same tensor); the shards are then cut locally.
     if communicate:
         broadcast_from_first(ctx.model, mesh)
-    if _has_conv1d(ctx.model):
+    if has_conv1d(ctx.model):
         _add_module_replace(ctx)
     plan = derive_plan(ctx.model, config, t)
     if plan.problems:  # checked before building; seen here only if the model changed in between
@@ -431,7 +431,7 @@ def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t
     return problems(model, config, t)
 
 
-def _has_conv1d(model: nn.Module) -> bool:
+def has_conv1d(model: nn.Module) -> bool:
     return any(type(m).__name__ == "Conv1D" for m in model.modules())
 
 

@@ -217,7 +217,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+def fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
     """A deep copy whose parameters and buffers are fresh fake tensors on ``device``, the sample batch's
     (tied ones stay tied): the search analyses the user's CPU model on the batch of the device it trains on."""
     memo: dict[int, Any] = {}
@@ -230,25 +230,25 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> 
     return copy.deepcopy(model, memo)
 
 
-def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, dict):
-        return type(data)((k, _map_tensors(v, fn)) for k, v in data.items())
+        return type(data)((k, map_tensors(v, fn)) for k, v in data.items())
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_map_tensors(v, fn) for v in data))
+        return type(data)(*(map_tensors(v, fn) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
+        return type(data)(map_tensors(v, fn) for v in data)
     return data
 
 
 def _leaves(data: Any) -> Iterator[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map_tensors(data, found.append)
+    map_tensors(data, found.append)
     return iter(found)
 
 
-def _batch_shape(batch: Any) -> tuple[int, int | None]:
+def batch_shape(batch: Any) -> tuple[int, int | None]:
     leaves = list(_leaves(batch))
     if not leaves or leaves[0].dim() == 0:
         raise ValueError("analyse: the sample batch holds no tensor with a batch dimension")
@@ -570,10 +570,10 @@ def _fake_setup(model: nn.Module, sample_batch: Any) -> tuple[FakeTensorMode, nn
     """A fake mode, the model's fake copy (train mode) and the batch as fake tensors, on the batch's device."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     batch_device = next((t.device for t in _leaves(sample_batch) if not t.is_meta), torch.device("cpu"))
-    work = _fake_copy(model, mode, batch_device)
+    work = fake_copy(model, mode, batch_device)
     work.train()
     with mode:
-        batch = _map_tensors(sample_batch, lambda t: torch.empty_strided(
+        batch = map_tensors(sample_batch, lambda t: torch.empty_strided(
             t.shape, t.stride(), dtype=t.dtype, device=batch_device) if t.is_meta else mode.from_tensor(t))
     return mode, work, batch, batch_device
 
@@ -662,7 +662,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     is a tensor, else its ``.loss``, else its first tensor that requires grad (summed). A model on the
     meta device is analysed as if on the sample batch's device.
     """
-    batch_size, seq_len = _batch_shape(sample_batch)
+    batch_size, seq_len = batch_shape(sample_batch)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     blocks = _block_instances(model)

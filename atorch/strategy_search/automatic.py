@@ -27,7 +27,6 @@ from atorch.errors import NoStrategyFound, SetupError, StrategyError
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.options import SearchOptions
-from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.describe import describe_record
 from atorch.strategy_search.outcome import Measured, Predicted
@@ -144,7 +143,7 @@ class _Leader:
         from atorch.strategy_search.space import SearchSpace
 
         per_rank = self.global_batch // self.env.world_size
-        batch = _sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
+        batch = sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
         # The model's statistics are made at the first prediction (a cached pick needs none: on a 206M-parameter
         # GPT-2 they took 9 of a cached call's 11 s). A failure is kept, so the cost model reports it once per
         # candidate without analysing again.
@@ -175,7 +174,7 @@ class _Leader:
         def analytical(cand: Any) -> Any:
             from atorch.strategy_search.cost_model import predict as cost_model
 
-            return cost_model(stats(), cand.strategy, ParallelLayout.of(cand.strategy, self.env.world_size),
+            return cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
                               optimizer_state_factor=state_factor)
 
@@ -296,7 +295,7 @@ class _Leader:
         timeout = self.options.trial_timeout_s
         if self.time_limit is not None:  # a trial never runs past the job's time limit
             timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
-        batch_size = cand.micro_batch_size * ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        batch_size = cand.micro_batch_size * cand.strategy.layout(self.env.world_size).data_size
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
                 "micro_batches": cand.micro_batches, "batch_size": batch_size}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
@@ -316,7 +315,7 @@ class _Leader:
         measured = Measured.of(trial)
         if trial.status != "ok" or not trial.losses:
             return measured
-        data_size = ParallelLayout.of(cand.strategy, self.env.world_size).data_size
+        data_size = cand.strategy.layout(self.env.world_size).data_size
         key = (batch_size, cand.micro_batches, data_size)
         if key not in self.references:
             try:
@@ -336,7 +335,7 @@ class _Leader:
                                            "reference_loss": reference})
 
 
-def _sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:
+def sample_batch(setup: UserSetup, env: DistEnv, per_rank: int) -> Any:
     """One per-rank batch from the user's dataset, as the model receives it (for the analyser)."""
     from atorch.data import build_dataloader
 

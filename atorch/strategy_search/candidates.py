@@ -29,7 +29,6 @@ def point_key(point: Point) -> str:
 
 def _dimensions() -> tuple[tuple[str, Any, str, bool], ...]:
     """The registry's search dimensions as (name, off value, kind, whether it changes the memory layout)."""
-    import atorch.opt_lib  # noqa: F401  (registers every method)
     from atorch.opt_lib import registry
 
     return _dimensions_of(tuple(registry.method_names()))  # a method registered later counts too

@@ -55,10 +55,8 @@ def describe_record(candidate: dict[str, Any], world_size: int | None = None) ->
 def _layout(strategy: Strategy, world_size: int | None) -> str:
     mode = strategy.get("parallel_mode")
     if world_size is not None:
-        from atorch.parallel_layout import ParallelLayout
-
         try:
-            return str(ParallelLayout.of(strategy, world_size))
+            return str(strategy.layout(world_size))
         except Exception:  # noqa: BLE001  (a layout that does not fit: shown as configured)
             pass
     dims = [tuple(d) for d in mode.dims] if mode is not None else [("data", -1)]  # type: ignore[attr-defined]

@@ -123,8 +123,6 @@ class StudyIdentity(BaseModel):
         functions and classes by qualified name). ``options``: further search options that change the answer."""
         import torch
 
-        import atorch
-
         built = {"excluded": sorted(space.excluded), "included": sorted(space.included),
                  "supported_dtypes": list(space.supported_dtypes), "half_dtypes": list(space.half_dtypes),
                  "host_offload": space.host_offload, "max_micro_batch_size": space.max_micro_batch_size,
@@ -134,7 +132,18 @@ class StudyIdentity(BaseModel):
                    model_input_format=model_input_format, global_batch=space.global_batch,
                    world_size=space.world_size, hardware=hardware_key(hardware), space=space.signature(),
                    options=identity_json({**built, **(options or {})}),
-                   versions={"atorch": atorch.__version__, "torch": torch.__version__})
+                   versions={"atorch": _atorch_version(), "torch": torch.__version__})
+
+
+def _atorch_version() -> str:
+    """The installed distribution's version (setup.cfg reads it from ``atorch.__version__``: the two are one),
+    asked of the package metadata so the search does not import the package facade above it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atorch")
+    except PackageNotFoundError:  # a source checkout on PYTHONPATH, never installed
+        return "unknown"
 
 
 def study_key(identity: StudyIdentity) -> str:
@@ -244,15 +253,17 @@ class Planner:
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
 
-    def ranked_by_cost_model(self) -> list[Candidate]:
-        """Predicted-feasible candidates, highest predicted samples/s first."""
-        return [self._candidate(k) for k in self.table().ranked(self.memory_budget)]
+    def ranked_by_cost_model(self, memory_budget: float | None = None) -> list[Candidate]:
+        """Candidates predicted to fit ``memory_budget`` (default: the planner's), highest predicted samples/s
+        first."""
+        budget = self.memory_budget if memory_budget is None else memory_budget
+        return [self._candidate(k) for k in self.table().ranked(budget)]
 
     def plan_without_dryrun(self) -> PlanResult:
         """The cost model's pick: no study, no dry-run. Nothing measures it, so it must be predicted to fit with
         COST_MODEL_ONLY_MARGIN to spare (the memory model's error reaches ~8% on the bench: bench/README.md)."""
         safe = self.memory_budget * (1.0 - COST_MODEL_ONLY_MARGIN)
-        ranked = [self._candidate(k) for k in self.table().ranked(safe)]
+        ranked = self.ranked_by_cost_model(safe)
         if not ranked:
             return PlanResult(None, None, "cost_model", self.study_name, stop_reason=(
                 f"no candidate is predicted to fit {100 * (1 - COST_MODEL_ONLY_MARGIN):.0f}% of the memory budget"))

@@ -182,9 +182,9 @@ class SearchSpace:
         sizes = [d for d in _divisors(self.world_size) if d > 1 and self.global_batch % (self.world_size // d) == 0]
         tensor: list[int] = [1]
         if self._allowed("tensor_parallel") and self.included.isdisjoint({"pipeline_parallel"}):
-            from atorch.opt_lib.tensor_parallel import TensorParallelConfig, _has_conv1d, derive_plan
+            from atorch.opt_lib.tensor_parallel import TensorParallelConfig, derive_plan, has_conv1d
 
-            self.conv1d = _has_conv1d(model)
+            self.conv1d = has_conv1d(model)
             if not self.conv1d or self._allowed("module_replace"):
                 tensor += [t for t in sizes if not derive_plan(model, TensorParallelConfig(), t).problems]
         pipeline: list[int] = [1]
@@ -452,52 +452,3 @@ class SearchSpace:
                     self._prefixes.setdefault(_prefix_key(items[:i]), set()).add(json.dumps(value))
         seen = self._prefixes.get(_prefix_key(list(partial.items())), set())
         return tuple(c for c in dim.choices if json.dumps(c) in seen)
-
-    def _param_name(self, dim: Dim, choices: tuple[Any, ...]) -> str:
-        # Optuna needs one distribution per parameter name: a dimension narrowed by the rules
-        # (e.g. precision under DeepSpeed) gets its own name.
-        canonical = self.micro_batch_sizes if dim.name == "micro_batch_size" else dim.choices
-        return dim.name if choices == canonical else f"{dim.name}|{','.join(map(str, choices))}"
-
-    def _walk(self, choose: Any) -> Point:
-        point: Point = {}
-        while (dim := self.next_dim(point)) is not None:
-            choices = self._valid_choices(point, dim)
-            point[dim.name] = choose(self._param_name(dim, choices), choices)
-        return point
-
-    def suggest(self, trial: Any) -> Candidate:
-        """Ask an Optuna trial for a valid candidate (define-by-run over the tree)."""
-        self.enumerate()
-        point = self._walk(lambda name, choices: trial.suggest_categorical(name, list(choices)))
-        return self.from_point(point)
-
-    def to_params(self, point: Point) -> dict[str, Any]:
-        """Optuna params of a point (for enqueue_trial)."""
-        params: dict[str, Any] = {}
-
-        def take(name: str, choices: tuple[Any, ...]) -> Any:
-            dim_name = name.split("|", 1)[0]
-            params[name] = point[dim_name]
-            return point[dim_name]
-
-        self.enumerate()
-        self._walk(take)
-        return params
-
-    def point_from_params(self, params: dict[str, Any]) -> Point:
-        return {name.split("|", 1)[0]: value for name, value in params.items()}
-
-    def optuna_distributions(self) -> dict[str, Any]:
-        """Every Optuna parameter the space can ask for, with its distribution."""
-        from optuna.distributions import CategoricalDistribution
-
-        out: dict[str, Any] = {}
-        self.enumerate()
-        for point in self._valid_points:
-            walked: Point = {}
-            while (dim := self.next_dim(walked)) is not None:
-                choices = self._valid_choices(walked, dim)
-                out.setdefault(self._param_name(dim, choices), CategoricalDistribution(choices))
-                walked[dim.name] = point[dim.name]
-        return out

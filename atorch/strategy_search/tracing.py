@@ -132,7 +132,7 @@ def memory_twin(strategy: Strategy) -> Strategy:
 
 def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
     """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
-    layout = ParallelLayout.of(strategy, world_size)
+    layout = strategy.layout(world_size)
     if layout.size("pipeline") > 1 or "pipeline_parallel" in strategy or "ds_3d_parallel" in strategy:
         return "pipeline schedules are built by a communicating step"
     for name in ("zero1", "zero2"):
@@ -191,7 +191,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    from atorch.strategy_search.analyser import _map_tensors as map_tensors
+    from atorch.strategy_search.analyser import map_tensors
 
     return map_tensors(data, fn)
 
@@ -201,13 +201,13 @@ class MemoryTracer:
 
     def __init__(self, setup: UserSetup, sample_batch: Any, world_size: int,
                  device: torch.device | None = None) -> None:
-        from atorch.strategy_search.analyser import _batch_shape
+        from atorch.strategy_search.analyser import batch_shape
 
         self.world_size = world_size
         self.device = device or torch.device("cpu")
         self.user_setup = setup
         self.sample = sample_batch
-        self.sample_size = _batch_shape(sample_batch)[0]
+        self.sample_size = batch_shape(sample_batch)[0]
         self._fresh_mode()
         self._cache: dict[tuple[str, int], TracedMemory | str] = {}
         self._keep: list[Any] | None = None  # in a forked child: every build, kept until the child exits
@@ -219,10 +219,10 @@ class MemoryTracer:
         with recompute and autocast crashed torch (segfault) after another candidate had run in the same mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from atorch.strategy_search.analyser import _fake_copy
+        from atorch.strategy_search.analyser import fake_copy
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = _fake_copy(self.user_setup.model, self.mode, self.device)
+        model = fake_copy(self.user_setup.model, self.mode, self.device)
         self.setup = replace(self.user_setup, model=model, dataset=None)
 
     # ----- one candidate -----------------------------------------------------------------------------------
@@ -249,8 +249,8 @@ class MemoryTracer:
     def _trace(self, strategy: Strategy, micro_batch_size: int, micro_batches: int) -> TracedMemory:
         from torch.distributed._tools.mem_tracker import _MemRefType
 
-        from atorch.accelerate import build_result, preflight
         from atorch.apply import apply_strategy
+        from atorch.build import build_result, preflight
         from atorch.distributed import DistEnv
         from atorch.model_context import ModelContext
         from atorch.training import train_step
@@ -258,7 +258,7 @@ class MemoryTracer:
         start = time.perf_counter()
         self._fresh_mode()
         env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, device=self.device, backend="fake")
-        layout = ParallelLayout.of(strategy, self.world_size)
+        layout = strategy.layout(self.world_size)
         setup = replace(self.setup, dataloader_args={**self.setup.dataloader_args,
                                                      "batch_size": micro_batch_size * layout.data_size})
         skipped, problems = preflight(setup, env, strategy, layout)

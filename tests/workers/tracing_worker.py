@@ -26,7 +26,7 @@ from atorch.distributed import init_distributed
 from atorch.dryrun.runner import DryRunSession
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search.automatic import _sample_batch
+from atorch.strategy_search.automatic import sample_batch
 from atorch.strategy_search.tracing import MemoryTracer
 
 MICRO_BATCHES = 2
@@ -55,7 +55,7 @@ def main() -> None:
         strategy = Strategy.load(items)
         traced = 0
         if env.rank == 0:  # as the search: rank 0 traces while the other rank waits
-            traced = MemoryTracer(setup, _sample_batch(setup, env, 1), env.world_size).trace(
+            traced = MemoryTracer(setup, sample_batch(setup, env, 1), env.world_size).trace(
                 strategy, 1, MICRO_BATCHES).peak
         dist.barrier()
         # FSDP2's collectives run asynchronously on gloo, so a buffer may outlive its step by a little, by timing:

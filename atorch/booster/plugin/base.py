@@ -149,7 +149,7 @@ class Plugin:
         problems = self.world_problems(world_size) or strategy.problems(world_size)
         if problems:
             raise StrategyError(problems, what=f"{type(self).__name__} does not fit {world_size} process(es)")
-        return ParallelLayout.of(strategy.adjusted(world_size), world_size)
+        return strategy.adjusted(world_size).layout(world_size)
 
     def is_pipeline(self) -> bool:
         return False

@@ -1,0 +1,34 @@
+"""The automatic search as ``auto_accelerate`` and the Lightning strategy start it: the search run on every
+rank, and the pick checked like a loaded strategy (the options are read by atorch/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from atorch.build import agreed_preflight
+from atorch.distributed import DistEnv
+from atorch.model_context import UserSetup
+from atorch.strategy import Strategy
+from atorch.strategy_search.automatic import SearchOptions, search_strategy
+from atorch.strategy_search.describe import search_json
+
+
+def search_and_check(
+    setup: UserSetup, env: DistEnv, excluded: list[str], included: list[str], finetune: Strategy | None,
+    memory_limit: int | None, time_limit: float | None, options: SearchOptions, strategy_server: str | None,
+) -> tuple[Strategy, UserSetup, dict[str, str], int, dict[str, Any]]:
+    """Automatic mode: search, then check the pick like a loaded strategy (every rank agrees).
+
+    Returns the pick, the setup with the dataloader's batch set to one micro-batch over the data-parallel
+    ranks, the methods skipped here, the micro-batches per optimizer step and the search's record."""
+    outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
+                              memory_limit=memory_limit, time_limit=time_limit, options=options,
+                              strategy_server=strategy_server)
+    strategy = outcome.strategy
+    layout = strategy.layout(env.world_size)
+    # The dataloader yields micro-batches; train_step takes outcome.micro_batches of them per step.
+    setup = replace(setup, dataloader_args={**setup.dataloader_args,
+                                            "batch_size": outcome.micro_batch_size * layout.data_size})
+    skipped = agreed_preflight(setup, env, strategy, what=f"the searched strategy {strategy} cannot be applied")
+    return strategy, setup, skipped, outcome.micro_batches, search_json(outcome, env.world_size)
