@@ -23,7 +23,10 @@ import torch
 from torch import nn
 
 from atorch.booster.hf_files import SAFE_EXT, TensorFiles, with_prefix, write_file, write_sharded
-from atorch.checkpoint import (
+from atorch.distributed import all_gather_json
+from atorch.gather import gather_to_rank0, like_live, put_whole
+from atorch.log import get_logger
+from atorch.state_io import (
     CheckpointError,
     barrier,
     inner_optimizer,
@@ -36,9 +39,6 @@ from atorch.checkpoint import (
     this_rank,
     typed_like,
 )
-from atorch.distributed import all_gather_json
-from atorch.gather import gather_to_rank0, like_live, put_whole
-from atorch.log import get_logger
 from atorch.state_names import named_state, state_roots, tied_names
 
 logger = get_logger(__name__)

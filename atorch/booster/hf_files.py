@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from atorch.checkpoint import CheckpointError, listed_names
+from atorch.state_io import CheckpointError, listed_names
 
 SAFE_EXT = ".safetensors"
 

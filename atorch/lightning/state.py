@@ -1,4 +1,4 @@
-"""Lightning checkpoints through atorch.checkpoint: model and optimizer with DCP (sharded where the
+"""Lightning checkpoints through atorch.state_io: model and optimizer with DCP (sharded where the
 strategy shards), Lightning's own metadata (epoch, global_step, loops, callbacks, LR schedulers) as
 JSON next to them. Nothing is pickled; small tensors in the metadata (a callback's best score) are
 stored as lists with their dtype.
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.state_io import CheckpointError, load_checkpoint, save_checkpoint
 
 LIGHTNING_FILE = "lightning.json"
 _TENSOR, _TUPLE, _PATH = "__tensor__", "__tuple__", "__path__"

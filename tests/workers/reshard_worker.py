@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from worker_common import run_each
 
 import atorch
-from atorch import checkpoint_qkv
-from atorch.checkpoint_names import CheckpointNames
+from atorch import state_io_qkv
 from atorch.distributed import all_gather_json
+from atorch.state_io_keys import CheckpointNames
 from atorch.training import train_step
 
 K = 2  # steps before the save
@@ -122,7 +122,7 @@ def held(result: Any) -> dict[str, torch.Tensor]:
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     flat.update({f"optim.{k}.{n}": v for k, entry in optim_state.items() for n, v in entry.items()
                  if isinstance(v, torch.Tensor)})
-    flat = checkpoint_qkv.to_user_order(flat, checkpoint_qkv.reordered_layers(result.model, names.user))
+    flat = state_io_qkv.to_user_order(flat, state_io_qkv.reordered_layers(result.model, names.user))
     out = {}
     for key in sorted(flat):
         value = flat[key].detach()

@@ -10,7 +10,7 @@ A checkpoint is a directory:
       LR scheduler and grad scaler state, and the name/shape/dtype of every tensor saved.
 
 Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part, no pipeline stage
-prefix: see checkpoint_names.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
+prefix: see state_io_keys.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
 so a checkpoint does not depend on the layout or the number of processes that wrote it: DCP reshards
 on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch import checkpoint_qkv
-from atorch.checkpoint_names import CheckpointNames
+from atorch import state_io_qkv
 from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import ProblemsError
 from atorch.log import get_logger
+from atorch.state_io_keys import CheckpointNames
 
 logger = get_logger(__name__)
 
@@ -87,7 +87,7 @@ def save_checkpoint(
     tensors, scalars, split_problems = _split(model_sd, optim_state)
     problems += split_problems
     # GPT-2's fused q|k|v rows, reordered by tensor_parallel, are written whole in the user's order.
-    tensors = checkpoint_qkv.to_user_order(tensors, checkpoint_qkv.reordered_layers(model, names.user))
+    tensors = state_io_qkv.to_user_order(tensors, state_io_qkv.reordered_layers(model, names.user))
     tensors.update(_rng_tensors())
     scheduler = result.lr_scheduler.state_dict() if result.lr_scheduler is not None else None
     scaler = getattr(result.optim, "grad_scaler", None)
@@ -179,9 +179,9 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     raise_agreed(where, problems)
 
     tensors.update(_rng_targets(saved))
-    tensors, reordered = checkpoint_qkv.user_order_targets(tensors, checkpoint_qkv.reordered_layers(model, names.user))
+    tensors, reordered = state_io_qkv.user_order_targets(tensors, state_io_qkv.reordered_layers(model, names.user))
     dcp.load(tensors, checkpoint_id=directory)
-    checkpoint_qkv.to_live_order(tensors, reordered)
+    state_io_qkv.to_live_order(tensors, reordered)
     _restore_rng(tensors)
     # Take the loaded values from the flat dict (whether DCP filled the tensors in place or not).
     model_sd = {fqn: tensors[f"model.{fqn}"] for fqn in model_sd}
@@ -252,15 +252,15 @@ def _whole_state(model: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     names = CheckpointNames(model)
-    layers = checkpoint_qkv.reordered_layers(model, names.user)
+    layers = state_io_qkv.reordered_layers(model, names.user)
     if names.pipelined:  # each stage's entries, from the ranks holding them
         from atorch.gather import gather_to_rank0
         from atorch.state_names import named_state
 
-        flat = checkpoint_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
+        flat = state_io_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
         return gather_to_rank0((k[len("model."):], v) for k, v in flat.items())
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    flat = checkpoint_qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
+    flat = state_io_qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
     return {k[len("model."):]: v for k, v in flat.items()}
 
 
