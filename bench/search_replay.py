@@ -22,7 +22,9 @@ from the machine's noise:
 * each policy side by side: ``corrected`` (the search as shipped: per-family time corrections) and ``plain``
   (``correct_time=False``: the cost model's predictions as they are).
 
-Memory is predicted analytically here (the search traces its favourites' memory; tracing is left out to keep
+Candidates that run one program (zero2 over FSDP2 is fsdp without resharding after forward) are one
+candidate in the space; their sweep rows are merged (the faster run, the higher peak). Memory is predicted
+analytically here (the search traces its favourites' memory; tracing is left out to keep
 the replay fast), so a few more candidates may be predicted to fit than in a real search.
 """
 
@@ -63,11 +65,22 @@ class Replay:
         self.global_batch = spec["global_batch"]
         self.space = SearchSpace(parts["model"], WORLD_SIZE, self.global_batch, loop=spec.get("loop", "user"),
                                  host_offload=False)  # as bench/search.py on a CPU device
+        rows = _current_keys(rows)
         self.cands = [c for c in self.space.enumerate() if search.sweep_id(c) in rows]
         if len(self.cands) < len(self.space.enumerate()):
             raise SystemExit(f"{name}: the sweep file lacks {len(self.space.enumerate()) - len(self.cands)} of the "
                              f"space's candidates: run bench/search.py --scenarios {name} --sweeps FILE first")
-        self.rows = {c.key: rows[search.sweep_id(c)] for c in self.cands}
+        self.rows = {c.key: dict(rows[search.sweep_id(c)]) for c in self.cands}
+        # A candidate the space leaves out as the same program as a kept one (zero2 over FSDP2 = fsdp without
+        # resharding) was swept too: two runs of one program, of which the faster is its time (as the sweep's
+        # two passes), and the higher peak its memory.
+        for twin, kept in self.space.duplicates():
+            other = rows.get(search.sweep_id(twin))
+            row = self.rows.get(kept)
+            if other is None or row is None or other["status"] != "ok" or row["status"] != "ok":
+                continue
+            row.update(samples_per_s=max(row["samples_per_s"], other["samples_per_s"]),
+                       peak=max(row["peak"], other["peak"]), wall_s=row["wall_s"])
         setup = search.user_setup(parts, self.global_batch)
         batch = _first_batch(parts["dataset"], self.global_batch // WORLD_SIZE)
         stats = analyse(parts["model"], batch, parts["model_input_format"], parts["loss_func"])
@@ -122,6 +135,19 @@ class Replay:
         return {"pick_over_best": picked / best if best else None, "dry_runs": len(ran), "wasted": wasted,
                 "search_over_sweep": clock[0] / sweep_s, "ran": order,
                 "pick": planner.describe(result.candidate) if result.candidate is not None else None}
+
+
+def _current_keys(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The sweep's rows keyed as this version of atorch writes a candidate (a strategy saved before a method
+    gained an option is read with that option's default), so a sweep outlives such additions."""
+    from atorch.strategy import Strategy
+
+    out = {}
+    for key, row in rows.items():
+        methods, micro_batch_size, micro_batches = json.loads(key)
+        strategy = Strategy.load([tuple(m) if isinstance(m, list) else m for m in methods])
+        out[json.dumps([strategy.to_list(), micro_batch_size, micro_batches], default=str)] = row
+    return out
 
 
 def _first_batch(dataset: Any, size: int) -> Any:

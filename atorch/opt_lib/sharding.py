@@ -283,6 +283,17 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     )
 
 
+def same_program(name: str, config: Any) -> tuple[str, Any]:
+    """A strategy item as the program it runs, for telling duplicate candidates apart: zero2 over FSDP2 is
+    FSDP2 keeping gathered parameters from forward to backward (apply.py calls ``shard_model`` with
+    ``reshard_after_forward=False`` for both), so ("zero2", fsdp2) and ("fsdp", reshard_after_forward=False)
+    with the same shared options are one program; the FSDP1 keys fsdp accepts are no-ops."""
+    if name == "zero2" and getattr(config, "implementation", None) == "fsdp2" or name == "fsdp":
+        shared = config.model_dump(mode="json", include=set(ShardingConfig.model_fields))
+        return "fsdp", {**shared, "reshard_after_forward": getattr(config, "reshard_after_forward", False)}
+    return name, config.model_dump(mode="json") if config is not None else None
+
+
 @register
 class FSDP(Method):
     name = "fsdp"

@@ -172,6 +172,7 @@ class SearchSpace:
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
         self._valid_points: list[Point] = []  # in walk order
+        self._duplicates: list[tuple[Candidate, str]] = []  # (left out, the kept one's key): the same program
         self._prefixes: dict[str, set[str]] | None = None
 
     # ----- model-parallel layouts --------------------------------------------------------------
@@ -405,15 +406,22 @@ class SearchSpace:
     def enumerate(self) -> list[Candidate]:
         """Every valid candidate (points whose strategy breaks a rule or check are left out)."""
         if self._candidates is None:
-            self._candidates, self._invalid = [], []
+            self._candidates, self._invalid, self._duplicates = [], [], []
+            programs: dict[str, str] = {}  # program -> the key of the candidate kept for it
             for point in self._points({}):
                 strategy = self.strategy_of(point)
                 problems = strategy.problems(self.world_size)
                 if problems:
                     self._invalid.append((point, problems))
                     continue
+                cand = self._candidate(strategy, point)
+                program = _program_key(cand)
+                if program in programs:  # the same program as an earlier candidate: measured once, as that one
+                    self._duplicates.append((cand, programs[program]))
+                    continue
+                programs[program] = cand.key
                 self._valid_points.append(point)
-                self._candidates.append(self._candidate(strategy, point))
+                self._candidates.append(cand)
             if not self._candidates:
                 why = sorted({p for _, ps in self._invalid for p in ps})[:5]
                 raise SetupError([f"the search space has no valid strategy (excluded/included/finetune): {why}"])
@@ -428,6 +436,12 @@ class SearchSpace:
         """Points the rules refused, with why (for reports and tests)."""
         self.enumerate()
         return list(self._invalid)
+
+    def duplicates(self) -> list[tuple[Candidate, str]]:
+        """Candidates left out because an earlier one runs the same program (zero2 over FSDP2 is fsdp
+        without resharding after forward), each with the kept candidate's key."""
+        self.enumerate()
+        return list(self._duplicates)
 
     def __len__(self) -> int:
         return len(self.enumerate())
@@ -452,3 +466,11 @@ class SearchSpace:
                     self._prefixes.setdefault(_prefix_key(items[:i]), set()).add(json.dumps(value))
         seen = self._prefixes.get(_prefix_key(list(partial.items())), set())
         return tuple(c for c in dim.choices if json.dumps(c) in seen)
+
+
+def _program_key(cand: Candidate) -> str:
+    """What a candidate runs: its methods as programs (``sharding.same_program``) and its micro-batching."""
+    from atorch.opt_lib.sharding import same_program
+
+    items = [same_program(item.name, item.config) for item in cand.strategy.methods]
+    return json.dumps([items, cand.micro_batch_size, cand.micro_batches], sort_keys=True, default=str)
