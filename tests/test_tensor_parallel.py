@@ -460,3 +460,23 @@ def test_the_model_plan_is_found_on_pipeline_stage_copies() -> None:
     assert plan.source == "model" and not plan.problems, plan.problems
     assert plan.styles["stages.0.module.model.layers.1.mlp.gate_up_proj"] == "colwise_gather_output"
     assert not any(n.endswith(("lm_head", "embed_tokens")) for n in plan.styles), plan.styles
+
+
+@pytest.mark.parametrize("make", [sm.tiny_bert_mlm, sm.tiny_t5], ids=["bert", "t5"])
+def test_derived_plan_on_a_pipeline_stage_names_only_its_own_layers(make: Any) -> None:
+    """A stage's stand-ins read attributes from a meta copy of the layer they replace: the derived plan (BERT,
+    T5: no plan shipped by transformers) must not find layers there that the stage does not hold."""
+    from atorch.opt_lib.pipeline_split import build_stage, find_units, plan_stages
+
+    model = make()
+    blocks, why = find_units(model)
+    assert blocks is not None, why
+    owned = plan_stages(model, blocks, 2)
+    for index, names in enumerate(owned):
+        holder = nn.Module()
+        holder.stages = nn.ModuleList([nn.Module()])
+        holder.stages[0].module = build_stage(model, blocks, names, first=index == 0, last=index == 1)
+        plan = derive_plan(holder, _auto(), 2)
+        modules = dict(holder.named_modules())
+        assert plan.styles and not plan.problems, plan.problems
+        assert all(name in modules for name in plan.styles), sorted(set(plan.styles) - set(modules))
