@@ -120,7 +120,8 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 TPxPP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2xpp2": {f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
-                for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5")},
+                for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
+                          "bart")},
 }
 # Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
 MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
