@@ -97,7 +97,9 @@ def _dims(module: nn.Module) -> tuple[int, int] | None:
 
 
 def _child(module: nn.Module, name: str) -> nn.Module | None:
-    child = getattr(module, name, None)
+    # From the module tree, not getattr: a pipeline stage's StandIn would give its meta copy's children (see
+    # tp_families._linear), naming layers the stage does not hold.
+    child = module._modules.get(name)
     return child if isinstance(child, nn.Module) and _dims(child) is not None else None
 
 

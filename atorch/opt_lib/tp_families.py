@@ -30,8 +30,10 @@ class FamilyMatch:
 
 
 def _linear(module: nn.Module, path: str) -> nn.Linear | None:
+    # Children from the module tree, not getattr: a pipeline stage's StandIn reads missing attributes from its
+    # meta copy of the layer it replaces, whose children are no modules of the stage (nothing there to split).
     for part in path.split("."):
-        module = getattr(module, part, None)
+        module = module._modules.get(part)
         if not isinstance(module, nn.Module):
             return None
     return module if isinstance(module, nn.Linear) else None

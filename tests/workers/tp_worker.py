@@ -115,7 +115,8 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 TPxPP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2xpp2": {f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
-                for m in ("phi3", "gemma_1kv")},
+                for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
+                          "bart")},
 }
 # Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
 MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
@@ -309,15 +310,51 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
     batches = iter(result.dataloader)
+    norms: list[float] = []  # the first step's, after the tied gradients are summed, before the update
+    hook = result.optim.optimizer.register_step_pre_hook(lambda *_: norms.append(pipelined_grad_norm(result.model)))
     entry = {"losses": [train_step(result, [next(batches)]).item() for _ in range(STEPS)],
              "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
+    hook.remove()
+    entry["grad_norm"] = norms[0]
     result.close()
     return entry
+
+
+def _gathered(value: float) -> list[float]:
+    mine = torch.tensor([value], dtype=torch.float64)
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [o.item() for o in out]
+
+
+def pipelined_grad_norm(model: nn.Module) -> float:
+    """The whole model's gradient norm under tensor 2 × pipeline 2 (a collective over all ranks): a split
+    parameter adds its local shard's squares on both ranks of its tensor group; a whole one (replicated over the
+    group) is counted by the group's first rank only (tensor is the last mesh dimension: even ranks); a tied
+    weight held by both stages once, by the lowest counting rank that holds it (its copies' gradients are summed)."""
+    first_of_group = dist.get_rank() % 2 == 0
+    params = {name: param for stage in model.stages for name, param in stage.module.named_parameters()}
+    skip: set[str] = set()
+    for group in getattr(model, "tied", ()):
+        held = [name for name in group if name in params]
+        holders = _gathered(1.0 if held and first_of_group else 0.0)
+        if held and (not first_of_group or holders.index(1.0) != dist.get_rank()):
+            skip.update(held)
+    total = torch.zeros((), dtype=torch.float64)
+    for name, param in params.items():
+        if param.grad is None or name in skip or not (first_of_group or _split_over_tensor(param)):
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        total += grad.double().pow(2).sum()
+    dist.all_reduce(total)
+    return total.sqrt().item()
 
 
 def main() -> None:
     pipelined = sys.argv[1] in PIPELINED
     scenarios = (PIPELINED if pipelined else GROUPS)[sys.argv[1]]
+    if sys.argv[2:]:  # optional scenario names, for a quick run by hand
+        scenarios = {name: scenario for name, scenario in scenarios.items() if name in sys.argv[2:]}
     report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
         name: functools.partial(run_pipelined, model, strategy) if pipelined
         else functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
