@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch.build import build_context, build_result, preflight
+from atorch.build import agreed_build, build_result, preflight
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
@@ -181,7 +181,7 @@ def auto_accelerate(
             logger.error("%s", exc)
             return False, AccelerateResult.failed(exc.problems), None
 
-    ctx = build_context(setup, env, strategy, skipped)
+    ctx = agreed_build(setup, env, strategy, skipped)  # a build that fails on one rank fails on all
     if save_strategy_to_file and env.is_main:
         strategy.save(save_strategy_to_file)
         logger.info("strategy saved to %s", save_strategy_to_file)

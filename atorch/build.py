@@ -121,6 +121,23 @@ def build_context(
     return ctx
 
 
+
+def agreed_build(setup: UserSetup, env: DistEnv, strategy: Strategy, skipped: dict[str, str]) -> ModelContext:
+    """``build_context``, then every rank agrees that it worked: a build that raised on some ranks only (a user's
+    optim_func failing on one, a layer only some pipeline stages hold) makes every rank raise that error, where
+    the others would otherwise go on and wait in their first training collective. A rank that raises while the
+    others are inside one of the build's own collectives (DDP's constructor) is not caught by this."""
+    try:
+        ctx, failure = build_context(setup, env, strategy, skipped), []
+    except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)
+        logger.error("building %s failed: %s: %s", strategy, type(exc).__name__, exc)
+        ctx, failure = None, [f"building the strategy failed: {type(exc).__name__}: {exc}"]
+    problems = agreed_problems(failure)
+    if problems:
+        raise StrategyError(problems, what=f"auto_accelerate could not build {strategy}")
+    assert ctx is not None
+    return ctx
+
 def build_result(
     ctx: ModelContext, setup: UserSetup, memory_limit: int | None = None, time_limit: float | None = None,
     micro_batches: int = 1, search: dict[str, Any] | None = None,

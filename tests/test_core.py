@@ -36,6 +36,15 @@ def test_a_problem_on_one_rank_is_raised_on_every_rank(report: dict[str, Any]) -
     assert "on rank(s) 1 only" in error and "nor a path to an existing file" in error, error
 
 
+def test_a_build_that_fails_on_one_rank_is_raised_on_every_rank(report: dict[str, Any]) -> None:
+    """The optimizer cannot be made on rank 1: rank 0, whose build worked, raises the same error instead of
+    returning a result and waiting in its first training collective."""
+    error = _entry(report, "build_failure")["error"]
+    assert error is not None, "rank 0 must raise too"
+    assert "on rank(s) 1 only: building the strategy failed: RuntimeError: this optimizer cannot be made on rank 1" \
+        in error, error
+
+
 def test_train_step_returns_the_global_mean_loss_on_every_rank(report: dict[str, Any]) -> None:
     returned = _entry(report, "global_loss")["returned"]
     assert returned[0] == returned[1], returned

@@ -2,6 +2,7 @@
 
 Scenarios, each reported under its name in ``RESULT {json}`` by rank 0:
 - ``agreement``: a strategy file that exists on rank 0 only; every rank must raise the same error.
+- ``build_failure``: an optim_func that raises on rank 1 only, under fsdp; every rank must raise its error.
 - ``global_loss``: train_step returns the mean loss over data-parallel ranks, equal on every rank.
 - ``param_names``: optim_param_func sees the user's own module and names under every strategy.
 - ``rank_order``: DDP with a permuted rank order saves a checkpoint that reloads at 2 ranks (and, in
@@ -86,6 +87,22 @@ def agreement(tmp: Path) -> dict[str, Any]:
         path = tmp / "only-on-rank-0" / "strategy.json"
     try:
         build(str(path))
+    except atorch.StrategyError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def build_failure(_: Path) -> dict[str, Any]:
+    def optim_func(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        if dist.get_rank() == 1:
+            raise RuntimeError("this optimizer cannot be made on rank 1")
+        return torch.optim.SGD(params, **kwargs)
+
+    try:
+        atorch.auto_accelerate(toy_models.mlp(), optim_func, load_strategy=["fsdp"],
+                               dataset=toy_models.mlp_dataset(), loss_func=toy_models.mlp_loss,
+                               model_input_format="unpack_sequence", optim_args={"lr": 1e-2},
+                               dataloader_args={"batch_size": 8})
     except atorch.StrategyError as exc:
         return {"error": str(exc)}
     return {"error": None}
@@ -223,8 +240,8 @@ def timeout(_: Path) -> dict[str, Any]:
     return outcome
 
 
-SCENARIOS = {f.__name__: f for f in (agreement, global_loss, param_names, rank_order, close_cycles, dropped, meshes,
-                                     rng)}
+SCENARIOS = {f.__name__: f for f in (agreement, build_failure, global_loss, param_names, rank_order, close_cycles,
+                                     dropped, meshes, rng)}
 
 
 def main(tmp: str) -> None:
