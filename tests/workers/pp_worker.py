@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Subset
-from worker_common import GLOBAL_BATCH, LR, STEPS, reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, gathered, reference_losses, run_each
 
 import atorch
 from atorch.optimizer import local_tensor
@@ -178,12 +178,6 @@ def make(name: str, rank: int = 0) -> nn.Module:
     return MODELS[name].make()
 
 
-def _gathered(value: float) -> list[float]:
-    mine = torch.tensor([value], dtype=torch.float64)
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [o.item() for o in out]
-
 
 def local_param_count(model: nn.Module) -> int:
     """Parameters held on this rank, from local tensors (tied copies within one module counted once)."""
@@ -205,7 +199,7 @@ def grad_norm(model: nn.Module) -> float:
     skip: set[str] = set()
     for group in getattr(model, "tied", ()):
         held = [name for name in group if name in params]
-        holders = _gathered(1.0 if held else 0.0)
+        holders = gathered(1.0 if held else 0.0)
         if held and holders.index(1.0) != dist.get_rank():
             skip.update(held)
     total = torch.zeros((), dtype=torch.float64)
@@ -239,7 +233,7 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
     entry: dict[str, Any] = {"whole": sum(p.numel() for p in model.parameters()),
-                             "built": _gathered(float(sum(p.detach().double().sum() for p in model.parameters())))}
+                             "built": gathered(float(sum(p.detach().double().sum() for p in model.parameters())))}
     if name.startswith("forward/"):
         batch = result.prepare_input(next(iter(result.dataloader)), result.args.device)
         try:
@@ -249,16 +243,16 @@ def run_scenario(name: str, model_name: str, strategy: list[Any]) -> dict[str, A
             entry["forward_error"] = str(exc)
         result.close()
         return entry
-    entry["local"] = _gathered(local_param_count(result.model))
-    entry["first_stage"] = _gathered(min(result.model.indices))  # the first stage each rank holds
+    entry["local"] = gathered(local_param_count(result.model))
+    entry["first_stage"] = gathered(min(result.model.indices))  # the first stage each rank holds
     batches = iter(result.dataloader)
     norms: list[float] = []
     hook = result.optim.optimizer.register_step_pre_hook(lambda *_: norms.append(grad_norm(result.model)))
     entry["losses"] = [train_step(result, [next(batches)]).item() for _ in range(STEPS)]
     hook.remove()
     entry["grad_norm"] = norms[0]
-    entry["loss_on_ranks"] = _gathered(entry["losses"][-1])
-    entry["tied"] = _gathered(tied_checksum(result.model))
+    entry["loss_on_ranks"] = gathered(entry["losses"][-1])
+    entry["tied"] = gathered(tied_checksum(result.model))
     result.close()
     return entry
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
-from worker_common import GLOBAL_BATCH, LR, STEPS, losses_of, mean_over_ranks, reference_losses, run_each
+from worker_common import GLOBAL_BATCH, LR, STEPS, gathered, losses_of, mean_over_ranks, reference_losses, run_each
 
 import atorch
 from atorch.model_context import call_model
@@ -320,12 +320,6 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     return entry
 
 
-def _gathered(value: float) -> list[float]:
-    mine = torch.tensor([value], dtype=torch.float64)
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [o.item() for o in out]
-
 
 def pipelined_grad_norm(model: nn.Module) -> float:
     """The whole model's gradient norm under tensor 2 × pipeline 2 (a collective over all ranks): a split
@@ -337,7 +331,7 @@ def pipelined_grad_norm(model: nn.Module) -> float:
     skip: set[str] = set()
     for group in getattr(model, "tied", ()):
         held = [name for name in group if name in params]
-        holders = _gathered(1.0 if held and first_of_group else 0.0)
+        holders = gathered(1.0 if held and first_of_group else 0.0)
         if held and (not first_of_group or holders.index(1.0) != dist.get_rank()):
             skip.update(held)
     total = torch.zeros((), dtype=torch.float64)
