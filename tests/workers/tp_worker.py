@@ -112,7 +112,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
     },
 }
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
-TPxPP = ("parallel_mode", {"dims": [["pipeline", 2], ["data", -1], ["tensor", 2]]})
+TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "tp2xpp2": {f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
                 for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
@@ -324,7 +324,7 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
 def pipelined_grad_norm(model: nn.Module) -> float:
     """The whole model's gradient norm under tensor 2 × pipeline 2 (a collective over all ranks): a split
     parameter adds its local shard's squares on both ranks of its tensor group; a whole one (replicated over the
-    group) is counted by the group's first rank only (tensor is the last mesh dimension: even ranks); a tied
+    group) is counted by the group's first rank only (tensor is listed first: adjacent ranks, even first); a tied
     weight held by both stages once, by the lowest counting rank that holds it (its copies' gradients are summed)."""
     first_of_group = dist.get_rank() % 2 == 0
     params = {name: param for stage in model.stages for name, param in stage.module.named_parameters()}
