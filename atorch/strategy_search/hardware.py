@@ -3,9 +3,12 @@
 ``measure_profile(group, memory_limit)`` runs short micro-benchmarks on every rank of the group at once
 (so shared cores and links are measured under the load training puts on them):
 
-* matmul throughput per dtype (fp32, bf16, fp16 where the device has them): square matmuls of growing
-  size, the median of a few timed calls per size, the best size's TFLOP/s (large enough to be sustained,
-  capped in time so a slow dtype, e.g. bf16 on a CPU without bf16 units, costs about a second);
+* matmul throughput per dtype (fp32, bf16, fp16 where the device has them): the three products of a
+  linear layer's training step (forward ``x @ w.T``, input gradient ``g @ w``, weight gradient ``g.T @ x``)
+  on square operands of growing size, the median of a few timed calls per size, the best size's TFLOP/s
+  (large enough to be sustained, capped in time so a slow dtype costs about a second). All three layouts,
+  because kernels differ by layout: on a CPU without fp16 units, fp16's forward layout runs ~10x faster than
+  its input-gradient one, so a plain ``a @ b`` put fp16 steps at 3x their measured time;
 * per-operation latency (``op_latency_s``): the time of one small operation as a training step runs it
   (a chain of multiplications of a 64-element tensor that requires grad, forward and backward, divided
   by the operations run; median of a few rounds): the fixed cost of an operation (Python, the
@@ -63,7 +66,7 @@ _OP_REPEATS = 2000  # small operations per timed round (~10-20 ms on a CPU)
 _OP_ROUNDS = 5
 _BANDWIDTH_ELEMENTS = 1 << 22  # fp32 elements per operand of the memory-bandwidth benchmark
 _BANDWIDTH_ROUNDS = 5
-PROFILE_FORMAT = 2  # 2: op_latency_s and memory_bytes_per_s
+PROFILE_FORMAT = 3  # 2: op_latency_s and memory_bytes_per_s; 3: matmul timed in a linear layer's three layouts
 _BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
 _BANDWIDTH_REPEATS = 5
 _COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
@@ -228,11 +231,14 @@ def _matmul_tflops(device: torch.device) -> dict[str, float]:
     for dtype in _matmul_dtypes(device):
         best, spent = 0.0, 0.0
         for n in _MATMUL_SIZES:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            first = _timed(lambda a=a, b=b: a @ b, device)  # warm-up (kernel selection, caches)
-            times = [_timed(lambda a=a, b=b: a @ b, device) for _ in range(_MATMUL_REPEATS)]
-            best = max(best, 2 * n**3 / statistics.median(times) / 1e12)
+            x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
+
+            def linear_step(x: torch.Tensor = x, w: torch.Tensor = w, g: torch.Tensor = g) -> None:
+                x @ w.T, g @ w, g.T @ x  # forward, input gradient, weight gradient
+
+            first = _timed(linear_step, device)  # warm-up (kernel selection, caches)
+            times = [_timed(linear_step, device) for _ in range(_MATMUL_REPEATS)]
+            best = max(best, 3 * 2 * n**3 / statistics.median(times) / 1e12)
             spent += first + sum(times)
             # The next size costs ~8x this one: stop before it would blow the budget.
             if spent + 8 * (_MATMUL_REPEATS + 1) * statistics.median(times) > _MATMUL_BUDGET_S:
