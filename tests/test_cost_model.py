@@ -249,3 +249,13 @@ def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
     assert gpipe.memory.activations - pp.memory.activations == round(2 * 1000 / 2 / 2)  # 2 more in flight
     no_bubble = 3e6 * 8 * 3000 / 4000 / 1e12  # FLOPs of this rank's share, 1 TFLOP/s
     assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)
+
+
+def test_compute_uses_the_rate_measured_at_the_model_s_matmul_size() -> None:
+    """The stats' average forward matmul at 4 samples a rank: 1e6 x 4 / 10 matmuls = 4e5 FLOPs, a cube of side
+    (2e5)^(1/3) = 58: below the smallest size measured, whose rate applies; tensor parallel halves each matmul."""
+    sized = _profile(2).model_copy(update={"matmul_tflops_by_size": {"float32": {128: 0.25, 1024: 1.0}}})
+    p = predict(_stats(), Strategy.load(["parallel_mode"]), ParallelLayout.data_parallel(2), sized, 8)
+    assert p.time.compute == pytest.approx(3e6 * 4 / 0.25e12)  # not the best size's 1 TFLOP/s
+    plain = _predict(["parallel_mode"])
+    assert p.time.compute == pytest.approx(4 * plain.time.compute)

@@ -35,6 +35,10 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
     assert set(first.matmul_tflops) == {"float32", "bfloat16", "float16"}
     assert 1e-3 < first.matmul_tflops["float32"] < 10
     assert all(v > 0 for v in first.matmul_tflops.values())
+    # Each dtype's rate at every size measured; the best of them is the headline figure.
+    for dtype, best in first.matmul_tflops.items():
+        sizes = first.matmul_tflops_by_size[dtype]
+        assert 128 in sizes and max(sizes.values()) == best
     # Loopback gloo: between 1 MB/s and 1 TB/s bus bandwidth, latency between 100 ns and 1 s.
     assert set(first.collectives) == set(COLLECTIVES)
     for stats in first.collectives.values():
@@ -103,3 +107,17 @@ def test_a_new_profile_format_measures_again(tmp_path: Path, monkeypatch: pytest
     assert cache_path(name, 1, backend) != stale
     fresh = measure_profile(memory_limit=1)
     assert fresh.op_latency_s > 0 and fresh.matmul_tflops != old.matmul_tflops
+
+
+def test_matmul_rate_is_read_at_the_model_s_own_matmul_size() -> None:
+    """A small model's matmuls do not reach the best size's rate: the rate is interpolated in log-size between
+    the sizes measured, clamped at both ends; a table (no sizes) gives its one figure for any size."""
+    base = load_profile("a100_80gb_8x_nvlink").model_dump()
+    profile = HardwareProfile.model_validate({**base, "matmul_tflops": {"float32": 0.1, "bfloat16": 0.2},
+                                              "matmul_tflops_by_size": {"bfloat16": {128: 0.1, 512: 0.2}}})
+    assert profile.matmul_tflops_at("bfloat16", 64) == 0.1  # below the smallest size: its rate
+    assert profile.matmul_tflops_at("bfloat16", 256) == pytest.approx(0.15)  # halfway in log-size
+    assert profile.matmul_tflops_at("bfloat16", 4096) == 0.2  # beyond the largest: its rate
+    assert profile.matmul_tflops_at("bfloat16") == 0.2  # no size given: the best size's
+    assert profile.matmul_tflops_at("float32", 64) == 0.1  # no sizes for the dtype: its one figure
+    assert profile.matmul_tflops_at("float16", 64) == 0.1  # no such dtype: float32's

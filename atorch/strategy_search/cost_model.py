@@ -121,7 +121,9 @@ lets a warm-up step through is failed, not measured.
 Step time (seconds): compute + overhead + exposed communication + optimizer (elementwise traffic).
 
 * compute = FLOPs per sample (forward+backward) × samples per rank per step / matmul throughput of the
-  compute dtype (fp32; bf16/fp16 under amp_native or half); checkpoint adds one more forward of the blocks.
+  compute dtype (fp32; bf16/fp16 under amp_native or half) at the model's average matmul size (the side of a
+  square matmul with the FLOPs of one of the analyser's forward matmuls at this micro-batch, split by tensor
+  parallel; the profile's rate by size, interpolated); checkpoint adds one more forward of the blocks.
 * overhead = operations × the profile's per-operation latency (``op_latency_s``: Python, the dispatcher,
   a kernel launch), which dominates small models. Operations per micro-batch are the analyser's counts
   of aten operations in forward and backward (independent of the batch size); checkpoint adds the
@@ -524,10 +526,19 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     return memory, notes
 
 
+def _matmul_size(stats: ModelStats, f: _Facts) -> float | None:
+    """The side of a square matmul with the FLOPs of the model's average one at this micro-batch (tensor
+    parallel splits each matmul): the size whose measured throughput the compute term uses."""
+    if not stats.fwd_lowp_ops or not stats.fwd_flops_per_sample:
+        return None
+    flops = stats.fwd_flops_per_sample * f.micro / stats.fwd_lowp_ops / f.tp
+    return (flops / 2) ** (1 / 3)
+
+
 def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, optimizer_state_factor: float,
           overlap: float, optimizer_bytes_per_s: float | None) -> TimePrediction:
     """Seconds per step: compute, per-operation overhead, exposed communication, optimizer traffic."""
-    tflops = profile.matmul_tflops.get(dtype) or profile.matmul_tflops.get("float32")
+    tflops = profile.matmul_tflops_at(dtype, _matmul_size(stats, f))
     if not tflops:
         raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
     flops = stats.fwd_bwd_flops_per_sample * f.samples

@@ -5,8 +5,11 @@
 
 * matmul throughput per dtype (fp32, bf16, fp16 where the device has them): the three products of a
   linear layer's training step (forward ``x @ w.T``, input gradient ``g @ w``, weight gradient ``g.T @ x``)
-  on square operands of growing size, the median of a few timed calls per size, the best size's TFLOP/s
-  (large enough to be sustained, capped in time so a slow dtype costs about a second). All three layouts,
+  on square operands of growing size, the fastest of a few timed calls per size (on a shared machine, the
+  least disturbed; the cost model uses each size's figure, so one disturbed call must not set it), the best size's TFLOP/s
+  (large enough to be sustained, capped in time so a slow dtype costs about a second), and every size's
+  (``matmul_tflops_by_size``: a small model's matmuls do not reach the best size's rate: on this CPU bf16 runs
+  1.3x fp32 at 128 and 1.9x at 512, so the cost model reads the rate at the model's own matmul size). All three layouts,
   because kernels differ by layout: on a CPU without fp16 units, fp16's forward layout runs ~10x faster than
   its input-gradient one, so a plain ``a @ b`` put fp16 steps at 3x their measured time;
 * per-operation latency (``op_latency_s``): the time of one small operation as a training step runs it
@@ -35,7 +38,9 @@ for a cluster that is not here (see ``profiles/``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import platform
 import re
@@ -58,15 +63,15 @@ logger = get_logger(__name__)
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # tables shipped with atorch
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-_MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+_MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 _MATMUL_BUDGET_S = 1.0  # per dtype: stop growing the matmul once this much time is spent
-_MATMUL_REPEATS = 3
+_MATMUL_REPEATS = 5
 _LATENCY_REPEATS = 15
 _OP_REPEATS = 2000  # small operations per timed round (~10-20 ms on a CPU)
 _OP_ROUNDS = 5
 _BANDWIDTH_ELEMENTS = 1 << 22  # fp32 elements per operand of the memory-bandwidth benchmark
 _BANDWIDTH_ROUNDS = 5
-PROFILE_FORMAT = 3  # 2: op_latency_s and memory_bytes_per_s; 3: matmul timed in a linear layer's three layouts
+PROFILE_FORMAT = 4  # 2: op_latency_s and memory_bytes_per_s; 3: matmul in a linear layer's three layouts; 4: by size
 _BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
 _BANDWIDTH_REPEATS = 5
 _COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
@@ -93,6 +98,8 @@ class HardwareProfile(_Frozen):
     backend: str
     torch_version: str
     matmul_tflops: dict[str, float]  # dtype name ("float32", "bfloat16", "float16") -> TFLOP/s
+    # dtype name -> {square operand size: TFLOP/s} (measured profiles; a table gives matmul_tflops only)
+    matmul_tflops_by_size: dict[str, dict[int, float]] = {}
     collectives: dict[str, CollectiveStats]  # by name in COLLECTIVES; empty at world size 1
     op_latency_s: float = 0.0  # fixed cost of one small operation (0: unknown, e.g. an older table)
     memory_bytes_per_s: float = 0.0  # elementwise bytes moved per second (0: unknown)
@@ -116,6 +123,24 @@ class HardwareProfile(_Frozen):
         data.setdefault("source", "table")
         data.setdefault("memory_source", "table")
         return cls.model_validate(data)
+
+    def matmul_tflops_at(self, dtype: str, size: float | None = None) -> float:
+        """TFLOP/s of ``dtype``'s matmuls whose operands are about ``size`` on a side (a cube of the same FLOPs):
+        interpolated in log-size between the measured sizes, the nearest measured size outside them; the best
+        size's rate when the profile has no sizes (a table) or no size is given. Falls back to float32."""
+        if dtype not in self.matmul_tflops:
+            dtype = "float32"
+        best = self.matmul_tflops.get(dtype, 0.0)
+        by_size = sorted(self.matmul_tflops_by_size.get(dtype, {}).items())
+        if not size or not by_size:
+            return best
+        if size <= by_size[0][0]:
+            return by_size[0][1]
+        for (n0, t0), (n1, t1) in itertools.pairwise(by_size):
+            if size <= n1:
+                w = math.log(size / n0) / math.log(n1 / n0)
+                return t0 + w * (t1 - t0)
+        return by_size[-1][1]  # beyond the largest size measured (the budget stopped there): its rate
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -226,10 +251,13 @@ def _matmul_dtypes(device: torch.device) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16, torch.float16]  # CPU kernels exist for all three
 
 
-def _matmul_tflops(device: torch.device) -> dict[str, float]:
+def _matmul_tflops(device: torch.device) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
+    """Per dtype: the best size's TFLOP/s, and every measured size's."""
     found: dict[str, float] = {}
+    by_size: dict[str, dict[int, float]] = {}
     for dtype in _matmul_dtypes(device):
         best, spent = 0.0, 0.0
+        sizes: dict[int, float] = {}
         for n in _MATMUL_SIZES:
             x, w, g = (torch.randn(n, n, device=device).to(dtype) for _ in range(3))
 
@@ -238,13 +266,15 @@ def _matmul_tflops(device: torch.device) -> dict[str, float]:
 
             first = _timed(linear_step, device)  # warm-up (kernel selection, caches)
             times = [_timed(linear_step, device) for _ in range(_MATMUL_REPEATS)]
-            best = max(best, 3 * 2 * n**3 / statistics.median(times) / 1e12)
+            sizes[n] = 3 * 2 * n**3 / min(times) / 1e12
+            best = max(best, sizes[n])
             spent += first + sum(times)
             # The next size costs ~8x this one: stop before it would blow the budget.
             if spent + 8 * (_MATMUL_REPEATS + 1) * statistics.median(times) > _MATMUL_BUDGET_S:
                 break
         found[str(dtype).removeprefix("torch.")] = best
-    return found
+        by_size[str(dtype).removeprefix("torch.")] = sizes
+    return found, by_size
 
 
 def _op_latency(device: torch.device) -> float:
@@ -342,10 +372,11 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
         return HardwareProfile.model_validate({**everyone[0]["cached"], **memory})
 
     start = time.perf_counter()
+    matmul, matmul_by_size = _matmul_tflops(device)
     measured = {
         "source": "measured", "device_type": device.type, "device_name": name, "world_size": world,
         "local_world_size": local_world, "backend": backend, "torch_version": torch.__version__,
-        "matmul_tflops": _matmul_tflops(device),
+        "matmul_tflops": matmul, "matmul_tflops_by_size": matmul_by_size,
         "op_latency_s": _op_latency(device),
         "memory_bytes_per_s": _memory_bandwidth(device),
         "collectives": _collective_stats(group, world, device),
