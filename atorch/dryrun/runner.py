@@ -158,12 +158,23 @@ class DryRunSession:
         self.coordinator = Coordinator(env.rank, env.world_size)
         self.lost: str | None = None
         self.trials = 0
+        self.words = 0  # the leader's words announced (rank 0) or heard (the others), in order
         # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
         import_off_the_stack("torch._dynamo")
         # Imported here, not inside a trial: ZeroRedundancyOptimizer's module binds ``dist.group.WORLD`` as a
         # default argument when imported, which inside a trial is the trial's group; kept alive by it, that
         # group's connections would never close after a failure, and its peers would wait until the deadline.
         import_off_the_stack("torch.distributed.optim.zero_redundancy_optimizer")
+
+    def announce_next(self, value: Any) -> None:
+        """The leader's next word to every rank (a trial, a task, the end); ``hear_next`` reads them in order."""
+        self.announce(f"next/{self.words}", value)
+        self.words += 1
+
+    def hear_next(self, timeout_s: float) -> Any:
+        value = self.hear(f"next/{self.words}", timeout_s)
+        self.words += 1
+        return value
 
     def announce(self, name: str, value: Any) -> None:
         """The leader (rank 0) tells every rank ``value``; the others read it with ``hear``."""

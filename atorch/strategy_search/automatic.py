@@ -35,6 +35,9 @@ from atorch.strategy_search.progress import SearchProgress, rejudged
 logger = get_logger(__name__)
 
 FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word, at least
+# Memory tracing before the first dry-run, fastest predicted first: 30 rank-seconds, split over the ranks (each
+# traces its share at once), so more ranks trace as much in less wall time, but never under 10 s.
+TRACE_RANK_S, TRACE_MIN_S = 30.0, 10.0
 
 
 @dataclass
@@ -98,10 +101,9 @@ def search_strategy(
                           start, strategy_server).plan()
     except BaseException as exc:
         problems = list(getattr(exc, "problems", None) or [f"{type(exc).__name__}: {exc}"])
-        session.announce(f"next/{session.trials}", {"kind": "error", "problems": problems,
-                                                     "no_strategy": isinstance(exc, NoStrategyFound)})
+        session.announce_next({"kind": "error", "problems": problems, "no_strategy": isinstance(exc, NoStrategyFound)})
         raise
-    session.announce(f"next/{session.trials}", {"kind": "done", "outcome": outcome.to_json()})
+    session.announce_next({"kind": "done", "outcome": outcome.to_json()})
     session.close()
     return outcome
 
@@ -110,8 +112,10 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
     """A follower: run what the leader announces until it announces the pick (or its problems)."""
     wait = max(FOLLOWER_WAIT_S, 2 * (time_limit or 0.0))
     while True:
-        word = session.hear(f"next/{session.trials}", wait)
-        if word["kind"] == "trial":
+        word = session.hear_next(wait)
+        if word["kind"] == "trace":
+            _trace_share(session, word)
+        elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
                         micro_batches=word["micro_batches"], batch_size=word["batch_size"])
         elif word["kind"] == "done":
@@ -121,6 +125,57 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
             raise NoStrategyFound(word["problems"], what="automatic strategy search found no strategy (on rank 0)")
         else:
             raise StrategyError(word["problems"], what="automatic strategy search failed (on rank 0)")
+
+
+def _trace_share(session: DryRunSession, word: dict[str, Any]) -> None:
+    """A follower's share of the memory traces (``MemoryTracer``): the candidates the leader sent this rank,
+    traced within the leader's time limit, sent back as JSON (a failure is sent as the reason)."""
+    from atorch.strategy_search.space import Candidate
+    from atorch.strategy_search.tracing import MemoryTracer
+
+    rank = session.env.rank
+    mine = [Candidate.from_json(c) for c in word["shares"].get(str(rank), [])]
+    found: dict[str, Any] = {}
+    try:
+        if mine:
+            batch = sample_batch(session.setup, session.env, word["per_rank"])
+            tracer = MemoryTracer(session.setup, batch, session.env.world_size, session.env.device)
+            found = tracer.trace_candidates(mine, time_limit_s=word["limit_s"])
+    except Exception as exc:  # noqa: BLE001  (the leader leaves these to the analytical model)
+        found = {c.key: f"{type(exc).__name__}: {exc}" for c in mine}
+    session.announce(f"trace/{word['index']}/{rank}",
+                     {key: t if isinstance(t, str) else t.to_json() for key, t in found.items()})
+
+
+def trace_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands: list[Any],
+                        limit_s: float, index: int = 0) -> dict[str, Any]:
+    """Trace ``cands``' memory with every rank's help: whole families (a strategy at its micro-batch sizes) go
+    round-robin to the ranks, fastest predicted first, each rank traces its share for ``limit_s``, and the
+    leader gathers the results (JSON through the job's store). A rank that sends nothing in time leaves its share
+    to the analytical model. Called by the leader; the followers hear the task as a word (``_follow``)."""
+    from atorch.strategy_search.tracing import MemoryTracer, TracedMemory, family_of
+
+    env = session.env
+    families: dict[str, list[Any]] = {}
+    for cand in cands:
+        families.setdefault(family_of(cand), []).append(cand)
+    shares: list[list[Any]] = [[] for _ in range(env.world_size)]
+    for i, members in enumerate(families.values()):
+        shares[i % env.world_size].extend(members)
+    if env.world_size > 1:
+        session.announce_next({"kind": "trace", "index": index, "limit_s": limit_s, "per_rank": per_rank,
+                               "shares": {str(r): [c.to_json() for c in shares[r]] for r in range(1, env.world_size)}})
+    tracer = MemoryTracer(session.setup, batch, env.world_size, env.device)
+    traced: dict[str, Any] = dict(tracer.trace_candidates(shares[0], time_limit_s=limit_s))
+    for rank in range(1, env.world_size):
+        if not shares[rank]:
+            continue
+        try:  # their limit, and their start-up (a forked child, the sample batch)
+            sent = session.hear(f"trace/{index}/{rank}", limit_s + 30.0)
+        except SetupError:
+            sent = {c.key: f"rank {rank} sent no trace within {limit_s + 30.0:g} s" for c in shares[rank]}
+        traced.update({key: t if isinstance(t, str) else TracedMemory(**t) for key, t in sent.items()})
+    return traced
 
 
 class _Leader:
@@ -181,17 +236,16 @@ class _Leader:
         def traced_peak(cand: Any) -> float | None:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
             # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
-            # predicted first, for at most 30 s (a fifth of what time_limit leaves): the rest stay analytical.
+            # predicted first, shared by every rank, for TRACE_RANK_S rank-seconds (at least TRACE_MIN_S, at most
+            # a fifth of what time_limit leaves): the rest stay analytical.
             if not traced:
-                from atorch.strategy_search.tracing import MemoryTracer
-
                 begin = time.monotonic()
-                limit = 30.0 if self.time_limit is None else max(0.0, min(
-                    30.0, 0.2 * (self.time_limit - (begin - self.start))))
+                limit = max(TRACE_MIN_S, TRACE_RANK_S / self.env.world_size)
+                if self.time_limit is not None:
+                    limit = max(0.0, min(limit, 0.2 * (self.time_limit - (begin - self.start))))
                 try:
                     cands = sorted(space.enumerate(), key=lambda c: analytical(c).time.step)
-                    tracer = MemoryTracer(self.setup, batch, self.env.world_size, self.env.device)
-                    traced.update(tracer.trace_candidates(cands, time_limit_s=limit))
+                    traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
@@ -300,7 +354,7 @@ class _Leader:
                 "micro_batches": cand.micro_batches, "batch_size": batch_size}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
         self.progress.started(cand, prediction)
-        self.session.announce(f"next/{self.session.trials}", word)
+        self.session.announce_next(word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
                                  batch_size=batch_size)
         measured = self._check_numerics(cand, trial, batch_size)

@@ -5,9 +5,9 @@
 
 * matmul throughput per dtype (fp32, bf16, fp16 where the device has them): the three products of a
   linear layer's training step (forward ``x @ w.T``, input gradient ``g @ w``, weight gradient ``g.T @ x``)
-  on square operands of growing size, the fastest of a few timed calls per size (on a shared machine, the
-  least disturbed; the cost model uses each size's figure, so one disturbed call must not set it), the best size's TFLOP/s
-  (large enough to be sustained, capped in time so a slow dtype costs about a second), and every size's
+  on square operands of growing size, the fastest of a few timed calls per size (on a shared machine the
+  least disturbed: the cost model reads each size's figure, so one disturbed call must not set it), the
+  best size's TFLOP/s (capped in time so a slow dtype costs about a second), and every size's
   (``matmul_tflops_by_size``: a small model's matmuls do not reach the best size's rate: on this CPU bf16 runs
   1.3x fp32 at 128 and 1.9x at 512, so the cost model reads the rate at the model's own matmul size). All three layouts,
   because kernels differ by layout: on a CPU without fp16 units, fp16's forward layout runs ~10x faster than

@@ -87,6 +87,11 @@ class Candidate:
             "micro_batches": self.micro_batches,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Candidate:
+        return cls(strategy=Strategy.load(data["strategy"]), micro_batch_size=int(data["micro_batch_size"]),
+                   micro_batches=int(data["micro_batches"]), point=tuple(data["point"].items()))
+
     def __str__(self) -> str:
         """The one description (atorch.strategy_search.describe); the data size is ``*`` here, where the world
         size is not known: callers that know it use ``describe_candidate`` with it."""

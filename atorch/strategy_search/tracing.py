@@ -515,6 +515,11 @@ def _gloo_buffers() -> Iterator[None]:
         dist.reduce_scatter_single = real  # type: ignore[assignment]
 
 
+def family_of(cand: Any) -> str:
+    """The family ``trace_candidates`` traces ``cand`` in: its traced strategy, and whether it accumulates."""
+    return _family(memory_twin(cand.strategy), cand.micro_batches)
+
+
 def _family(strategy: Strategy, micro_batches: int) -> str:
     return json.dumps([strategy.to_list(), micro_batches > 1], sort_keys=True, default=str)
 

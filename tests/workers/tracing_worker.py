@@ -26,7 +26,8 @@ from atorch.distributed import init_distributed
 from atorch.dryrun.runner import DryRunSession
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search.automatic import sample_batch
+from atorch.strategy_search.automatic import _trace_share, sample_batch, trace_on_every_rank
+from atorch.strategy_search.space import Candidate
 from atorch.strategy_search.tracing import MemoryTracer
 
 MICRO_BATCHES = 2
@@ -67,6 +68,16 @@ def main() -> None:
             assert trial.status == "ok", trial.reason
             measured.append(trial.peak_bytes)
         out[name] = {"traced": traced, "measured": min(measured), "runs": measured}
+    # The search's tracing shared by the ranks: one family each (round-robin, in order), rank 1's sent back as JSON.
+    cands = [Candidate(Strategy.load(items), 1, MICRO_BATCHES, (("name", name),)) for name, items in STRATEGIES.items()]
+    if env.rank == 0:
+        shared = trace_on_every_rank(session, sample_batch(setup, env, 1), 1, cands, limit_s=120)
+        out["shared"] = {name: getattr(shared[c.key], "peak", shared[c.key]) for name, c in zip(
+            STRATEGIES, cands, strict=True)}
+    else:
+        word = session.hear_next(120)
+        assert word["kind"] == "trace" and list(word["shares"]) == ["1"], word
+        _trace_share(session, word)
     session.close()
     if env.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
