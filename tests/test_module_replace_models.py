@@ -201,3 +201,19 @@ def test_atorch_pair_names_are_read_as_atorchs(config, atorch_log) -> None:
 def test_atorch_per_pair_settings_are_refused_with_where_they_go() -> None:
     with pytest.raises(atorch.StrategyError, match=r"register_replace_pair\(kwargs=\.\.\.\)"):
         atorch.Strategy.load([("module_replace", {"HF_GPT2Attention_FA": {"need_src_module": True}})])
+
+
+def test_the_bench_runs_and_compares_the_same_model(monkeypatch) -> None:
+    """bench/module_replace.py at a tiny size: both variants train, from the same loss."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.modules.pop("module_replace", None)
+    import module_replace as bench
+
+    [result] = bench.main(["--models", "llama", "--seq-len", "16", "--hidden", "32", "--vocab", str(VOCAB),
+                           "--repeats", "2", "--warmup", "1", "--device", "cpu"])
+    assert result["replaced"] == "hf_attention_sdpa 1, rms_norm_fused 5"
+    assert result["original_s"]["count"] == result["replaced_s"]["count"] == 2
+    assert result["first_loss_diff"] < 1e-5 * result["first_loss"]
