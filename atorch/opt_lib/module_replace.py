@@ -209,8 +209,9 @@ class ModuleReplaceConfig(MethodConfig):
 
     pairs: tuple[str, ...] | None = Field(
         default=None,
-        description="names of registered replace pairs to use (null: every pair whose source class is in the "
-                    "model); ATorch's pair names (HF_GPT2Attention_FA, ...) are read as atorch's",
+        description="names of registered replace pairs to use (null: every registered pair; each one says in "
+                    "the log what it replaced, or why nothing); ATorch's pair names (HF_GPT2Attention_FA, ...) are "
+                    "read as atorch's",
     )
 
     @model_validator(mode="before")
