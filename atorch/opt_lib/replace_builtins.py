@@ -12,6 +12,7 @@ Each model-wide function returns ``Replaced``: how many it changed, and why not 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 import torch
@@ -108,7 +109,15 @@ def _rms_norm_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def rms_norm_mismatch(module: nn.Module) -> str | None:
     """None if ``module`` computes torch's ``rms_norm(x, weight, eps)``, else why not. Checked on numbers in
-    fp32 with a random weight, so a different formula (Gemma's ``x * (1 + weight)``) is caught."""
+    fp32 with a random weight, so a different formula (Gemma's ``x * (1 + weight)``) is caught; on real
+    tensors even while the cost model traces the build on fake ones."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _probe(module)
+
+
+def _probe(module: nn.Module) -> str | None:
     eps = _rms_norm_eps(module)
     params = dict(module.named_parameters())
     if eps is None:
@@ -119,8 +128,11 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, width, generator=g)
     weight = torch.rand(width, generator=g) + 0.5
+    probe = copy.copy(module)  # the module's own code and attributes, with a real weight of its own
+    probe._parameters = {}  # (a shallow copy shares the parameter dict)
+    probe.weight = nn.Parameter(weight)
     try:
-        got = torch.func.functional_call(module, {"weight": weight}, (x,))
+        got = type(module).forward(probe, x)  # not through __call__: no hooks (the cost model's tracker has some)
     except Exception as err:  # the module's forward cannot run on the probe: it is not a plain RMSNorm
         return f"its forward failed on a probe ({type(err).__name__}: {err})"
     want = nn.functional.rms_norm(x, (width,), weight, eps)
