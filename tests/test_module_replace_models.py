@@ -217,3 +217,11 @@ def test_the_bench_runs_and_compares_the_same_model(monkeypatch) -> None:
     assert result["replaced"] == "hf_attention_sdpa 1, rms_norm_fused 5"
     assert result["original_s"]["count"] == result["replaced_s"]["count"] == 2
     assert result["first_loss_diff"] < 1e-5 * result["first_loss"]
+
+
+def test_norms_are_checked_on_real_numbers_while_the_cost_model_traces_on_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as atorch.strategy_search.tracing builds a candidate
+        model = llama()
+        assert replace_modules(model, [replace_pairs()["rms_norm_fused"]]) == {"rms_norm_fused": 5}
