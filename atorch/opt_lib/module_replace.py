@@ -14,6 +14,7 @@ decorator mode). A pair that finds nothing to replace says so in the log, with t
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -260,7 +261,8 @@ def replace_modules(model: nn.Module, pairs: list[ReplacePair], dtype: torch.dty
             logger.info("module_replace: %s replaced %d × %s%s", pair.name, done.count, pair.source,
                         f" ({done.why_not})" if done.why_not else "")
         else:
-            logger.log(30 if requested else 20, "module_replace: %s not applied: %s", pair.name, done.why_not)
+            logger.log(logging.WARNING if requested else logging.INFO, "module_replace: %s not applied: %s",
+                       pair.name, done.why_not)
     return counts
 
 
