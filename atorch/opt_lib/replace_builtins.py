@@ -111,7 +111,7 @@ def rms_norm_mismatch(module: nn.Module) -> str | None:
     """None if ``module`` computes torch's ``rms_norm(x, weight, eps)``, else why not. Checked on numbers in
     fp32 with a random weight, so a different formula (Gemma's ``x * (1 + weight)``) is caught; on real
     tensors even while the cost model traces the build on fake ones."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # torch has no public way out of fake mode
 
     with unset_fake_temporarily():
         return _probe(module)
@@ -167,8 +167,8 @@ def rms_norms_to_torch(model: nn.Module) -> Replaced:
 
 
 def holds_replaceable_rms_norm(model: nn.Module) -> bool:
-    return any(rms_norm_mismatch(m) is None for _, m in {type(m): (n, m) for n, m in _rms_norm_candidates(model)}
-               .values())
+    one_of_each_class = {type(m): m for _, m in _rms_norm_candidates(model)}
+    return any(rms_norm_mismatch(m) is None for m in one_of_each_class.values())
 
 
 def holds_eager_attention(model: nn.Module) -> bool:
