@@ -225,3 +225,16 @@ def test_norms_are_checked_on_real_numbers_while_the_cost_model_traces_on_fake_t
     with FakeTensorMode(allow_non_fake_inputs=True):  # as atorch.strategy_search.tracing builds a candidate
         model = llama()
         assert replace_modules(model, [replace_pairs()["rms_norm_fused"]]) == {"rms_norm_fused": 5}
+
+
+def test_the_search_offers_module_replace_where_a_pair_would_change_the_model() -> None:
+    from atorch.opt_lib import get_method
+
+    method = get_method("module_replace")
+    sdpa_bert = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=64))
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    assert method.searchable(bert()) and method.searchable(vit()) and method.searchable(llama())
+    assert not method.searchable(sdpa_bert)  # sdpa already, LayerNorm is torch's: nothing to replace
+    assert not method.searchable(gemma)  # sdpa already, and its RMSNorm is not torch's
