@@ -9,7 +9,8 @@ goes through ``atorch.opt_lib.module_replace.replace_modules`` with every built-
 ``load_strategy=["module_replace"]`` does. Both train on the same batch with AdamW. After a warm-up, timed
 steps alternate original / replaced, then replaced / original, so drift in machine load falls on both alike.
 Reports per model the median step time of each (and the interquartile spread), the speed-up
-(original / replaced), what was replaced, and the difference of the first step's losses (the same model: it
+(original / replaced), the same for the process's CPU time per step (steadier on a loaded machine), what
+was replaced, and the difference of the first step's losses (the same model: it
 should be at roundoff).
 """
 
@@ -109,11 +110,12 @@ class Trainer:
         self.model, self.batch, self.device = model.train(), batch, device
         self.optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # the process's CPU seconds: less sensitive to a loaded machine
 
     def step(self, timed: bool = True) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = self.model(**self.batch).loss
         loss.float().backward()
         self.optim.step()
@@ -122,6 +124,7 @@ class Trainer:
             torch.cuda.synchronize()
         if timed:
             self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.process_time() - cpu_start)
         return loss.item()
 
 
@@ -143,9 +146,12 @@ def measure(name: str, build: Callable[[], nn.Module], batch: Callable[[], dict]
         for trainer in order if i % 2 == 0 else order[::-1]:
             trainer.step()
     orig, repl = stats(runs["original"].times), stats(runs["replaced"].times)
+    orig_cpu, repl_cpu = stats(runs["original"].cpu_times), stats(runs["replaced"].cpu_times)
     what = ", ".join(f"{k} {v}" for k, v in counts.items() if v) or "nothing"
     return {"model": name, "replaced": what, "original_s": orig.as_dict(), "replaced_s": repl.as_dict(),
-            "speedup": orig.median / repl.median, "first_loss_diff": abs(first["original"] - first["replaced"]),
+            "speedup": orig.median / repl.median, "original_cpu_s": orig_cpu.as_dict(),
+            "replaced_cpu_s": repl_cpu.as_dict(), "cpu_speedup": orig_cpu.median / repl_cpu.median,
+            "first_loss_diff": abs(first["original"] - first["replaced"]),
             "first_loss": first["original"]}
 
 
@@ -156,14 +162,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}; choose from {sorted(table)}")
     results = []
-    header = f"{'model':<6} {'original ms':>12} {'replaced ms':>12} {'speed-up':>9} {'spread o/r':>11}  replaced"
+    header = (f"{'model':<6} {'original ms':>12} {'replaced ms':>12} {'speed-up':>9} {'spread o/r':>11} "
+              f"{'CPU ms o/r':>15} {'CPU speed-up':>12}  replaced")
     print(f"module_replace, {a.device} {a.dtype}, seq {a.seq_len}, image {a.image_size}, batch {a.batch_size}, "
           f"hidden {a.hidden}, {a.layers} layers, {a.heads} heads, {a.repeats} timed steps each\n{header}", flush=True)
     for name in a.models.split(","):
         r = measure(name, *table[name], a)
         results.append(r)
         print(f"{name:<6} {1e3 * r['original_s']['median']:>12.1f} {1e3 * r['replaced_s']['median']:>12.1f} "
-              f"{r['speedup']:>8.2f}x {r['original_s']['spread']:>5.2f}/{r['replaced_s']['spread']:<5.2f}  "
+              f"{r['speedup']:>8.2f}x {r['original_s']['spread']:>5.2f}/{r['replaced_s']['spread']:<5.2f} "
+              f"{1e3 * r['original_cpu_s']['median']:>7.0f}/{1e3 * r['replaced_cpu_s']['median']:<7.0f} "
+              f"{r['cpu_speedup']:>11.2f}x  "
               f"{r['replaced']} (first loss diff {r['first_loss_diff']:.1e})", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"date": str(date.today()), "args": vars(a), "machine": machine(),
