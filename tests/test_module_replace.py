@@ -1,5 +1,6 @@
 """module_replace: the built-in Conv1D -> nn.Linear pair keeps GPT-2's numbers; user pairs are
-applied, skipped where they do not support the run's dtype, and unknown pair names are refused."""
+applied (registered in atorch's form or ATorch's), skipped where they do not support the run's dtype, and
+unknown pair names are refused. The attention and norm pairs: test_module_replace_models.py."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class Scale(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
+        self.dim = dim
         self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,9 @@ def test_unknown_pair_names_are_refused(restore_pairs):
         Strategy.load(source, world_size=1)
     [problem] = info.value.problems
     assert problem == (
-        "'module_replace': unknown replace pair(s) ['no_such_pair']; registered: ['hf_conv1d_to_linear'] "
+        "'module_replace': unknown replace pair(s) ['no_such_pair']; registered: ['hf_attention_sdpa', "
+        "'hf_conv1d_to_linear', 'rms_norm_fused'], and ATorch's names ['HF_BertAttention_FA', 'HF_CLIPAttention_FA', "
+        "'HF_GPT2Attention_FA', 'HF_LlamaAttention_FA', 'LayerNorm_Apex', 'MultiheadAttention_FA'] "
         "(see register_replace_pair)"
     )
     with pytest.raises(StrategyError, match="unknown replace pair"):
@@ -169,8 +173,46 @@ def test_unknown_pair_names_are_refused(restore_pairs):
 
 
 def test_register_replace_pair_needs_a_way_to_build(restore_pairs):
-    with pytest.raises(ValueError, match=r"pass pair_cls=\(SourceClass, TargetClass\)"):
-        atorch.register_replace_pair("broken")
-    with pytest.raises(ValueError, match="Linear has no from_source"):
+    with pytest.raises(ValueError, match="Linear has no from_source.* takes no src_module argument"):
         atorch.register_replace_pair("broken", pair_cls=(Scale, nn.Linear))
+    with pytest.raises(ValueError, match=r"unknown kwargs \['bkup_ori'\]; ATorch's replace_module takes"):
+        atorch.register_replace_pair("broken", {"bkup_ori": True}, pair_cls=(Scale, FusedScale))
+    with pytest.raises(ValueError, match=r"need_src_module, but FusedScale\(\) takes no src_module"):
+        atorch.register_replace_pair("broken", {"need_src_module": True}, pair_cls=(Scale, FusedScale))
+    with pytest.raises(ValueError, match="names no class to replace; give it a _src_module_cls attribute"):
+        atorch.register_replace_pair("broken")(FusedScale)
     assert "broken" not in module_replace.replace_pairs()
+
+
+# ATorch's forms: the decorator (the target derives from the source, or names it in _src_module_cls), the
+# default kwargs {"need_src_module": True} (Target(src_module=old)) and {"init_from_attr": True}.
+class ScaleFromSource(Scale):
+    def __init__(self, src_module: Scale) -> None:
+        super().__init__(src_module.dim)
+        with torch.no_grad():
+            self.weight.copy_(src_module.weight)
+
+
+class ScaleFromAttrs(nn.Module):
+    _src_module_cls = Scale
+
+    def __init__(self, dim: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, self.weight)
+
+
+@pytest.mark.parametrize("register", [
+    lambda: atorch.register_replace_pair("atorch_form", supported_dtypes={torch.float32})(ScaleFromSource),
+    lambda: atorch.register_replace_pair("atorch_form", pair_cls=(Scale, ScaleFromSource)),
+    lambda: atorch.register_replace_pair("atorch_form", kwargs={"init_from_attr": True})(ScaleFromAttrs),
+], ids=["decorator, derived class", "pair_cls, src_module", "decorator, _src_module_cls, init_from_attr"])
+def test_pairs_registered_the_atorch_way_are_applied(restore_pairs, register):
+    register()
+    model, result = scaled_result([("module_replace", {"pairs": ["atorch_form"]})])
+    [new_type] = {type(m) for m in result.model.scales}
+    assert new_type in (ScaleFromSource, ScaleFromAttrs)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(result.model(x), model(x), rtol=0, atol=0)  # the weights came along
