@@ -6,7 +6,9 @@ one sample against the whole model. Rank r of the pipeline group holds stage r (
 r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV, V order). Training goes
 through ``atorch.train_step``, which runs the schedule: every rank of a pipeline group loads the same
 batch, the first stage takes its model inputs and the last stage runs the user's ``loss_func(data,
-output)`` per micro-batch.
+output)`` per micro-batch. Under fp16 ``amp_native`` the last stage scales that loss with the optimizer's
+GradScaler; the step unscales each stage's gradients and an overflow on any rank skips it on every rank
+(the scaler's inf/nan flag is agreed over all ranks: precision.grad_scaler_for), so the scale stays equal.
 
 What the batch must be: tensors (in a dict, list/tuple or alone) whose first dimension is the batch;
 each micro-batch is a slice of it, and every stage calls the model on it as ``model_input_format`` says
@@ -288,6 +290,11 @@ class PipelineRunner:
         self.user_loss = ctx.setup.loss_func
         self.micro_batches = config.micro_batch_count(dist.get_world_size(self.group))
         self.data: Any = None  # the batch of the running step (the loss reads its micro-batches)
+        # fp16: the last stage scales each micro-batch's loss (the scaled gradients flow back through every
+        # stage); the optimizer's step unscales each rank's gradients and skips on all ranks if any overflowed.
+        self.scaler = ctx.grad_scaler
+        self._scaling = False  # True while a training schedule runs (evaluation does not scale)
+        self._unscaled: list[torch.Tensor] = []  # this schedule's micro-batch losses before scaling
         stages = []
         for module in pipelined.stages:
             inner = _stage_module(module)
@@ -307,7 +314,12 @@ class PipelineRunner:
         data = _take(self.data, index)
         if is_transformers(self.last_model):
             output = _transformers_output(self.last_model, output, data)
-        return self.user_loss(data, output)
+        loss = self.user_loss(data, output)
+        if not self._scaling:
+            return loss
+        loss = loss.float()  # scaled in fp32: 2**16 times a loss above 1 is past fp16's largest value
+        self._unscaled.append(loss.detach())
+        return self.scaler.scale(loss)
 
     def step(self, data: Any) -> torch.Tensor:
         """One schedule over the batch; returns its mean loss (on the last stage; zero elsewhere)."""
@@ -319,6 +331,11 @@ class PipelineRunner:
         self.data = data
         losses: list[torch.Tensor] = []
         target = torch.arange(batch, device=_device_of(data))
+        if self.scaler is not None:
+            # Every rank creates its scale now (GradScaler makes it on first use): the stages that never
+            # scale a loss unscale their gradients with it in the optimizer's step.
+            self.scaler.scale(torch.zeros((), device=target.device))
+            self._scaling, self._unscaled = True, []
         try:
             self.schedule.step(target=target, losses=losses, return_outputs=False,
                                **stage_kwargs(data, self.input_format))
@@ -328,7 +345,9 @@ class PipelineRunner:
                          self.pipelined.indices, type(exc).__name__, exc)  # type: ignore[attr-defined]
             raise
         finally:
-            self.data = None
+            self.data, self._scaling = None, False
+        if self.scaler is not None:
+            losses = self._unscaled
         if self.has_last and losses:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=target.device)
