@@ -428,9 +428,10 @@ def concatenated(batches: Sequence[Any]) -> Any:
     return tree_unflatten(leaves, flat[0][1])
 
 
-def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
-    """train_step under pipeline parallel: one schedule, tied gradients summed, the optimizer step;
-    returns the step's loss on every rank (from the last stage, averaged over data-parallel ranks)."""
+def pipeline_train_step(result: Any, micro_batches: Sequence[Any], max_norm: float | None = None) -> torch.Tensor:
+    """train_step under pipeline parallel: one schedule, tied gradients summed, clipping to ``max_norm`` (the
+    norm over every stage), the optimizer step; returns the step's loss on every rank (from the last stage,
+    averaged over data-parallel ranks)."""
     model: PipelinedModel = result.model
     runner = model.runner
     assert runner is not None
@@ -438,6 +439,8 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     loss = runner.step(data)
     average_gradients(model)
     sync_tied(model, grads=True)
+    if max_norm is not None:
+        clip_grad_norm_over_stages(result.optim, model, float(max_norm), 2.0)
     result.optim.step()
     result.optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
@@ -447,6 +450,30 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
         dist.all_reduce(loss, group=result.args.data_parallel_group)
         loss /= result.args.data_parallel_size
     return loss
+
+
+def clip_grad_norm_over_stages(optim: Any, model: PipelinedModel, max_norm: float, norm_type: float) -> torch.Tensor:
+    """atorch's clipping with the norm taken over all stages: each stage's norm (sharded gradients combined by
+    atorch's ``total_norm``), a tied weight counted once (on its lowest stage), combined over the pipeline group."""
+    from atorch.clipping import clip_by_norm, total_norm
+
+    grads = optim._unscaled_grads()
+    duplicate: set[int] = set()
+    for names in model.tied:  # type: ignore[attr-defined]
+        copies = tied_copies(model, names)
+        _, _, lowest = agreed_meta(copies, model.group)  # type: ignore[attr-defined]
+        duplicate |= {id(p.grad) for index, p in copies if index != lowest and p.grad is not None}
+    local = total_norm([g for g in grads if id(g) not in duplicate], norm_type).float().reshape(())
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=model.group)  # type: ignore[attr-defined]
+        norm = local
+    else:
+        powered = local ** norm_type
+        dist.all_reduce(powered, group=model.group)  # type: ignore[attr-defined]
+        norm = powered ** (1.0 / norm_type)
+    if max_norm != float("inf"):
+        clip_by_norm(grads, max_norm, norm)
+    return norm
 
 
 def _one_sample(ctx: Any) -> Any:
