@@ -56,9 +56,9 @@ def train_step(result: Any, micro_batches: Sequence[Any], max_norm: float | None
                 loss.backward()
             losses.append(plain(loss.detach()))
     total = losses[0].float() if count == 1 else torch.stack(losses).float().sum()
-    # Started before the step so that it overlaps with it; the group is the data-parallel one.
     if max_norm is not None:
         optim.clip_grad_norm_(float(max_norm))
+    # Started before the step so that it overlaps with it; the group is the data-parallel one.
     reduction = _start_mean(total, result)
     optim.step()
     optim.zero_grad(set_to_none=True)
