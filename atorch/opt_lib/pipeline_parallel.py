@@ -294,7 +294,9 @@ class PipelineRunner:
         # stage); the optimizer's step unscales each rank's gradients and skips on all ranks if any overflowed.
         self.scaler = ctx.grad_scaler
         self._scaling = False  # True while a training schedule runs (evaluation does not scale)
-        self._unscaled: list[torch.Tensor] = []  # this schedule's micro-batch losses before scaling
+        # this schedule's micro-batch losses before scaling, by the scaled loss's id: the schedule also calls the
+        # loss once on placeholder outputs (torch's metadata inference on its first step), which must not count
+        self._unscaled: dict[int, torch.Tensor] = {}
         stages = []
         for module in pipelined.stages:
             inner = _stage_module(module)
@@ -318,8 +320,9 @@ class PipelineRunner:
         if not self._scaling:
             return loss
         loss = loss.float()  # scaled in fp32: 2**16 times a loss above 1 is past fp16's largest value
-        self._unscaled.append(loss.detach())
-        return self.scaler.scale(loss)
+        scaled = self.scaler.scale(loss)
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
 
     def step(self, data: Any) -> torch.Tensor:
         """One schedule over the batch; returns its mean loss (on the last stage; zero elsewhere)."""
@@ -335,7 +338,7 @@ class PipelineRunner:
             # Every rank creates its scale now (GradScaler makes it on first use): the stages that never
             # scale a loss unscale their gradients with it in the optimizer's step.
             self.scaler.scale(torch.zeros((), device=target.device))
-            self._scaling, self._unscaled = True, []
+            self._scaling, self._unscaled = True, {}
         try:
             self.schedule.step(target=target, losses=losses, return_outputs=False,
                                **stage_kwargs(data, self.input_format))
@@ -346,8 +349,9 @@ class PipelineRunner:
             raise
         finally:
             self.data, self._scaling = None, False
-        if self.scaler is not None:
-            losses = self._unscaled
+        if self.scaler is not None:  # the losses the schedule kept (its micro-batches'), unscaled
+            losses = [self._unscaled[id(loss)] for loss in losses]
+            self._unscaled = {}
         if self.has_last and losses:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=target.device)
