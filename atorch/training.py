@@ -8,14 +8,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from atorch.errors import SetupError
 from atorch.model_context import call_model
 from atorch.opt_lib.ds_3d_parallel import ds_pipeline_train_step, is_ds_pipeline
 from atorch.opt_lib.pipeline_parallel import PipelinedModel, pipeline_train_step
 from atorch.opt_lib.tp_sequence_vocab import plain, step_context, whole
 
 
-def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
-    """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step.
+def train_step(result: Any, micro_batches: Sequence[Any], max_norm: float | None = None) -> torch.Tensor:
+    """Forward/backward over the micro-batches (gradient accumulation), then one optimizer step (after
+    clipping the global gradient norm to ``max_norm`` when given: ``optim.clip_grad_norm_``, over every
+    stage under pipeline_parallel).
 
     Gradients are synchronised only on the last micro-batch (the boundary is set before each
     forward, the order every strategy reads it in); each micro-batch loss is divided by the number
@@ -25,9 +28,12 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
     """
     # [pipeline] Under pipeline_parallel a schedule runs the stages over micro-batches (pipeline_parallel.py).
     if isinstance(result.model, PipelinedModel):
-        return pipeline_train_step(result, micro_batches)
+        return pipeline_train_step(result, micro_batches, max_norm)
     # [ds_3d_parallel] DeepSpeed's pipeline engine runs its own schedule (ds_3d_parallel.py).
     if is_ds_pipeline(result.model):
+        if max_norm is not None:
+            raise SetupError("train_step(max_norm=...) is not available under ds_3d_parallel (DeepSpeed's engine "
+                             "runs the step); leave max_norm out")
         return ds_pipeline_train_step(result, micro_batches)
     model, optim, args = result.model, result.optim, result.args
     count = len(micro_batches)
@@ -50,6 +56,8 @@ def train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
                 loss.backward()
             losses.append(plain(loss.detach()))
     total = losses[0].float() if count == 1 else torch.stack(losses).float().sum()
+    if max_norm is not None:
+        optim.clip_grad_norm_(float(max_norm))
     # Started before the step so that it overlaps with it; the group is the data-parallel one.
     reduction = _start_mean(total, result)
     optim.step()

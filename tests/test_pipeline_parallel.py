@@ -230,8 +230,8 @@ def test_strategy_checks() -> None:
     # tensor × pipeline × data with DDP on the data dimension: refused (DTensor), with the fix.
     problems = Strategy.load([tp_pp, "tensor_parallel", "pipeline_parallel"]).problems(8)
     assert any("add 'fsdp'" in p for p in problems), problems
-    problems = Strategy.load([PP, "pipeline_parallel", ("amp_native", {"dtype": "fp16"})]).problems(2)
-    assert any("use amp_native with dtype 'bf16'" in p for p in problems), problems
+    # fp16: the schedule scales the loss (tests/test_booster_port.py)
+    assert Strategy.load([PP, "pipeline_parallel", ("amp_native", {"dtype": "fp16"})]).problems(2) == []
 
 
 def test_stages_are_built_without_a_process_group() -> None:

@@ -96,6 +96,46 @@ def test_hybrid_tensor_by_pipeline_on_four_processes() -> None:
     assert layout == {"tensor": 2, "pipeline": 2, "data": 1}
 
 
+# The tutorial's recipe, every flag at once: 2 micro-batches per step, clipping, warm-up + cosine LR, label
+# smoothing, activation checkpointing, the interleaved schedule under pp; fp32 so that layouts compare.
+RECIPE = ("--no-amp", "--accumulate", "2", "--clip", "1.0", "--lr-schedule", "cosine", "--warmup-ratio", "0.3",
+          "--label-smoothing", "0.1", "--grad-checkpoint", "--schedule", "interleaved_1f1b")
+# Data parallel and the interleaved pipeline run the same fp32 training (the clip norm taken over both stages):
+# only summation order differs (see RTOL); AdamW's normalisation can let it grow over the steps (measured 1.1e-7
+# over 6 steps), so 1e-4 (a clip norm of one stage only, or a missed micro-batch, is off by far more).
+RECIPE_RTOL = 1e-4
+
+
+def reference_recipe_first_loss() -> float:
+    """The first step's loss under the recipe: label-smoothed cross-entropy over samples 0..63 (2 micro-batches
+    of the global batch of 32), in one process."""
+    ex = _example()
+    model = ex.build_vit("tiny", seed=0)
+    data = ex.SyntheticCIFAR(4096, seed=1)
+    items = [data[i] for i in range(64)]
+    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    with torch.no_grad():
+        return float(ex.smoothed_loss(0.1)(batch, model(**batch)))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_the_tutorials_recipe_and_a_resumed_run(tmp_path: Any) -> None:
+    args = ("--step", "dp,pp", *RECIPE, "--checkpoint-dir", str(tmp_path))
+    runs = results(*args, "--save-at", "3", nproc=2, timeout=190)
+    reference = reference_recipe_first_loss()
+    for run in runs.values():
+        assert run["losses"][0] == pytest.approx(reference, rel=RTOL), run
+        assert run["losses"][-1] < run["losses"][0] and run["global_batch_size"] == 64, run
+        assert run["lr"] == 0.0  # the cosine schedule reached its end with the last step
+    assert runs["pp"]["losses"] == pytest.approx(runs["dp"]["losses"], rel=RECIPE_RTOL)
+    methods = {m[0]: m[1] for m in runs["pp"]["strategy"]}
+    assert methods["pipeline_parallel"]["schedule"] == "interleaved_1f1b" and "checkpoint" in methods
+    resumed = results(*args, "--resume", nproc=2, timeout=190)
+    for step, run in resumed.items():  # steps 4..6 continue exactly where the saved run was
+        assert run["first_step"] == 4 and run["losses"] == runs[step]["losses"][3:], (step, run["losses"])
+
+
 # ----- the model-side parts -------------------------------------------------------------------------
 def test_tensor_parallel_plan_of_vit_splits_attention_and_mlp() -> None:
     """Attention is recognised by its q/k/v/o names; the MLP (fc1, fc2) by pairing. The classifier stays

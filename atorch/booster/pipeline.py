@@ -12,11 +12,12 @@ import torch.distributed as dist
 from atorch.errors import SetupError
 from atorch.opt_lib.pipeline_parallel import (
     PipelinedModel,
-    agreed_meta,
     average_gradients,
+    clip_grad_norm_over_stages,
     sync_tied,
-    tied_copies,
 )
+
+clip_pipeline_grad_norm = clip_grad_norm_over_stages  # the Booster's name (wrappers.py)
 
 
 def input_format_of(batch: Any) -> str | None:
@@ -49,27 +50,3 @@ def run_pipeline(result: Any, data_iter: Iterator[Any]) -> torch.Tensor:
     sync_tied(model, grads=True)
     dist.all_reduce(loss, group=runner.group)  # [communication] the last stage's loss to every stage
     return loss
-
-
-def clip_pipeline_grad_norm(optim: Any, model: PipelinedModel, max_norm: float, norm_type: float) -> torch.Tensor:
-    """atorch's clipping with the norm taken over all stages: each stage's norm (sharded gradients combined by
-    atorch's ``total_norm``), a tied weight counted once (on its lowest stage), combined over the pipeline group."""
-    from atorch.clipping import clip_by_norm, total_norm
-
-    grads = optim._unscaled_grads()
-    duplicate: set[int] = set()
-    for names in model.tied:  # type: ignore[attr-defined]
-        copies = tied_copies(model, names)
-        _, _, lowest = agreed_meta(copies, model.group)  # type: ignore[attr-defined]
-        duplicate |= {id(p.grad) for index, p in copies if index != lowest and p.grad is not None}
-    local = total_norm([g for g in grads if id(g) not in duplicate], norm_type).float().reshape(())
-    if norm_type == float("inf"):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=model.group)  # type: ignore[attr-defined]
-        norm = local
-    else:
-        powered = local ** norm_type
-        dist.all_reduce(powered, group=model.group)  # type: ignore[attr-defined]
-        norm = powered ** (1.0 / norm_type)
-    if max_norm != float("inf"):
-        clip_by_norm(grads, max_norm, norm)
-    return norm

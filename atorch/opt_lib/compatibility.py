@@ -75,10 +75,6 @@ _TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
 _PP_DIMS = {"dims": [["pipeline", 1], ["data", 1]]}
 
 
-def _fp16(configs: Configs) -> bool:
-    return getattr(configs["amp_native"], "dtype", None) == "fp16"
-
-
 def _has_dim(name: str) -> Callable[[Configs], bool]:
     return lambda configs: configs.get("parallel_mode") is not None and name in dict(configs["parallel_mode"].dims)
 
@@ -139,14 +135,8 @@ RULES: tuple[Rule, ...] = (
         when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
         example=("tensor_parallel", ("parallel_mode", _TP_DIMS), ("zero2", {"implementation": "deepspeed"})),
     ),
-    # Pipeline parallel: the schedule runs forward and backward of every micro-batch itself.
-    Rule(
-        ("pipeline_parallel", "amp_native"),
-        "fp16 needs its loss scaled before backward, which the pipeline schedule runs without a GradScaler",
-        "use amp_native with dtype 'bf16' (no loss scaling needed)",
-        when=_fp16, condition="amp_native dtype='fp16'",
-        example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", ("amp_native", {"dtype": "fp16"})),
-    ),
+    # Pipeline parallel: the schedule runs forward and backward of every micro-batch itself (fp16's loss
+    # scaling runs inside it: pipeline_parallel.PipelineRunner).
     *(
         Rule(
             ("pipeline_parallel", zero), "DeepSpeed's engine owns forward, backward and step, which the pipeline "
@@ -176,13 +166,6 @@ RULES: tuple[Rule, ...] = (
         ("mixed_parallel", "zero1"), "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
         "use 'fsdp' on the data dimension instead of 'zero1'", when=_has_dim("tensor"),
         condition="a tensor dimension", example=(("parallel_mode", _3D_DIMS), "mixed_parallel", "zero1"),
-    ),
-    Rule(
-        ("mixed_parallel", "amp_native"),
-        "fp16 needs its loss scaled before backward, which the pipeline schedule runs without a GradScaler",
-        "use amp_native with dtype 'bf16' (no loss scaling needed)",
-        when=lambda c: _has_dim("pipeline")(c) and _fp16(c), condition="a pipeline dimension, amp_native dtype='fp16'",
-        example=(("parallel_mode", _3D_DIMS), "mixed_parallel", ("amp_native", {"dtype": "fp16"})),
     ),
     *(
         Rule(

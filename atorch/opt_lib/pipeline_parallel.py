@@ -6,7 +6,9 @@ one sample against the whole model. Rank r of the pipeline group holds stage r (
 r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV, V order). Training goes
 through ``atorch.train_step``, which runs the schedule: every rank of a pipeline group loads the same
 batch, the first stage takes its model inputs and the last stage runs the user's ``loss_func(data,
-output)`` per micro-batch.
+output)`` per micro-batch. Under fp16 ``amp_native`` the last stage scales that loss with the optimizer's
+GradScaler; the step unscales each stage's gradients and an overflow on any rank skips it on every rank
+(the scaler's inf/nan flag is agreed over all ranks: precision.grad_scaler_for), so the scale stays equal.
 
 What the batch must be: tensors (in a dict, list/tuple or alone) whose first dimension is the batch;
 each micro-batch is a slice of it, and every stage calls the model on it as ``model_input_format`` says
@@ -288,6 +290,13 @@ class PipelineRunner:
         self.user_loss = ctx.setup.loss_func
         self.micro_batches = config.micro_batch_count(dist.get_world_size(self.group))
         self.data: Any = None  # the batch of the running step (the loss reads its micro-batches)
+        # fp16: the last stage scales each micro-batch's loss (the scaled gradients flow back through every
+        # stage); the optimizer's step unscales each rank's gradients and skips on all ranks if any overflowed.
+        self.scaler = ctx.grad_scaler
+        self._scaling = False  # True while a training schedule runs (evaluation does not scale)
+        # this schedule's micro-batch losses before scaling, by the scaled loss's id: the schedule also calls the
+        # loss once on placeholder outputs (torch's metadata inference on its first step), which must not count
+        self._unscaled: dict[int, torch.Tensor] = {}
         stages = []
         for module in pipelined.stages:
             inner = _stage_module(module)
@@ -307,7 +316,13 @@ class PipelineRunner:
         data = _take(self.data, index)
         if is_transformers(self.last_model):
             output = _transformers_output(self.last_model, output, data)
-        return self.user_loss(data, output)
+        loss = self.user_loss(data, output)
+        if not self._scaling:
+            return loss
+        loss = loss.float()  # scaled in fp32: 2**16 times a loss above 1 is past fp16's largest value
+        scaled = self.scaler.scale(loss)
+        self._unscaled[id(scaled)] = loss.detach()
+        return scaled
 
     def step(self, data: Any) -> torch.Tensor:
         """One schedule over the batch; returns its mean loss (on the last stage; zero elsewhere)."""
@@ -319,6 +334,11 @@ class PipelineRunner:
         self.data = data
         losses: list[torch.Tensor] = []
         target = torch.arange(batch, device=_device_of(data))
+        if self.scaler is not None:
+            # Every rank creates its scale now (GradScaler makes it on first use): the stages that never
+            # scale a loss unscale their gradients with it in the optimizer's step.
+            self.scaler.scale(torch.zeros((), device=target.device))
+            self._scaling, self._unscaled = True, {}
         try:
             self.schedule.step(target=target, losses=losses, return_outputs=False,
                                **stage_kwargs(data, self.input_format))
@@ -328,7 +348,10 @@ class PipelineRunner:
                          self.pipelined.indices, type(exc).__name__, exc)  # type: ignore[attr-defined]
             raise
         finally:
-            self.data = None
+            self.data, self._scaling = None, False
+        if self.scaler is not None:  # the losses the schedule kept (its micro-batches'), unscaled
+            losses = [self._unscaled[id(loss)] for loss in losses]
+            self._unscaled = {}
         if self.has_last and losses:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=target.device)
@@ -409,9 +432,10 @@ def concatenated(batches: Sequence[Any]) -> Any:
     return tree_unflatten(leaves, flat[0][1])
 
 
-def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tensor:
-    """train_step under pipeline parallel: one schedule, tied gradients summed, the optimizer step;
-    returns the step's loss on every rank (from the last stage, averaged over data-parallel ranks)."""
+def pipeline_train_step(result: Any, micro_batches: Sequence[Any], max_norm: float | None = None) -> torch.Tensor:
+    """train_step under pipeline parallel: one schedule, tied gradients summed, clipping to ``max_norm`` (the
+    norm over every stage), the optimizer step; returns the step's loss on every rank (from the last stage,
+    averaged over data-parallel ranks)."""
     model: PipelinedModel = result.model
     runner = model.runner
     assert runner is not None
@@ -419,6 +443,8 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
     loss = runner.step(data)
     average_gradients(model)
     sync_tied(model, grads=True)
+    if max_norm is not None:
+        clip_grad_norm_over_stages(result.optim, model, float(max_norm), 2.0)
     result.optim.step()
     result.optim.zero_grad(set_to_none=True)
     if result.lr_scheduler is not None:
@@ -428,6 +454,30 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any]) -> torch.Tens
         dist.all_reduce(loss, group=result.args.data_parallel_group)
         loss /= result.args.data_parallel_size
     return loss
+
+
+def clip_grad_norm_over_stages(optim: Any, model: PipelinedModel, max_norm: float, norm_type: float) -> torch.Tensor:
+    """atorch's clipping with the norm taken over all stages: each stage's norm (sharded gradients combined by
+    atorch's ``total_norm``), a tied weight counted once (on its lowest stage), combined over the pipeline group."""
+    from atorch.clipping import clip_by_norm, total_norm
+
+    grads = optim._unscaled_grads()
+    duplicate: set[int] = set()
+    for names in model.tied:  # type: ignore[attr-defined]
+        copies = tied_copies(model, names)
+        _, _, lowest = agreed_meta(copies, model.group)  # type: ignore[attr-defined]
+        duplicate |= {id(p.grad) for index, p in copies if index != lowest and p.grad is not None}
+    local = total_norm([g for g in grads if id(g) not in duplicate], norm_type).float().reshape(())
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=model.group)  # type: ignore[attr-defined]
+        norm = local
+    else:
+        powered = local ** norm_type
+        dist.all_reduce(powered, group=model.group)  # type: ignore[attr-defined]
+        norm = powered ** (1.0 / norm_type)
+    if max_norm != float("inf"):
+        clip_by_norm(grads, max_norm, norm)
+    return norm
 
 
 def _one_sample(ctx: Any) -> Any:

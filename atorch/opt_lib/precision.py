@@ -64,12 +64,13 @@ def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
     if config.dtype != "fp16":
         return None
     device = ctx.env.device.type
-    if ctx.layout.size("tensor") > 1:
+    if ctx.layout.size("tensor") > 1 or ctx.layout.size("pipeline") > 1:
         import torch.distributed as dist
 
-        # Tensor-parallel gradients are DTensors beside plain ones (what the plan leaves whole): each rank
-        # checks its own shards, so every rank of the result must agree on the flag. dist.group.WORLD is read
-        # now: the group this result is built on (a search trial's own).
+        # Tensor-parallel gradients are DTensors beside plain ones (what the plan leaves whole), and a pipeline
+        # stage holds only its own layers' gradients: each rank checks its own, so every rank of the result
+        # must agree on the flag (an overflow on one stage skips the step on all, and the scale stays equal
+        # everywhere). dist.group.WORLD is read now: the group this result is built on (a search trial's own).
         return local_shard_grad_scaler()(device=device, process_group=dist.group.WORLD)
     if ctx.sharded_gradients:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -8,6 +8,13 @@ One script, one command per step; only the atorch strategy changes (printed at t
     torchrun --standalone --nproc_per_node 8 examples/vit/train.py --step hybrid   # tensor 2 x pipeline 2 x data 2
     torchrun --standalone --nproc_per_node 2 examples/vit/train.py --step auto     # atorch searches a strategy
 
+The tutorial's training recipe is a set of flags that apply to every step: --accumulate N (gradient
+accumulation), --clip MAX_NORM (clipping to the global gradient norm), --warmup-ratio R --lr-schedule cosine
+(linear warm-up, then cosine decay, stepped every optimizer step), --label-smoothing E, --grad-checkpoint
+(activation checkpointing), --schedule interleaved_1f1b (the interleaved pipeline schedule), and
+--checkpoint-dir DIR with --save-at STEP / --resume (save and resume training: model, optimizer, LR
+schedule).
+
 The model is transformers' ViTForImageClassification with random weights from a ViTConfig, and the data
 is CIFAR-10-shaped (32x32x3 images, 10 classes) and generated: each class is a fixed smooth colour
 pattern, each image that pattern at a random contrast and shift plus noise, so the classes are learnable
@@ -21,6 +28,7 @@ counts are summed over all ranks, so what it shows holds for the whole job. The 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -95,25 +103,56 @@ def loss_func(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
     return output.loss.float()
 
 
+def smoothed_loss(smoothing: float) -> Any:
+    """Cross-entropy with label smoothing (the tutorial's ``CrossEntropyLoss(label_smoothing=...)``), from the
+    logits; without smoothing the model's own loss."""
+    if not smoothing:
+        return loss_func
+
+    def loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.logits.float(), data["labels"], label_smoothing=smoothing)
+
+    return loss
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """The LR factor at optimizer step ``step``: linear warm-up over ``warmup`` steps, then cosine decay to 0 at
+    ``total`` (Colossal-AI's CosineAnnealingWarmupLR)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def lr_schedule(args: argparse.Namespace) -> dict[str, Any]:
+    """auto_accelerate's lr_scheduler_cls / lr_scheduler_args for --lr-schedule (none for 'constant')."""
+    if args.lr_schedule == "constant":
+        return {}
+    warmup = math.ceil(args.warmup_ratio * args.steps)
+    return {"lr_scheduler_cls": torch.optim.lr_scheduler.LambdaLR,
+            "lr_scheduler_args": {"lr_lambda": functools.partial(warmup_cosine, warmup=warmup, total=args.steps)}}
+
+
 # ----- the four steps -----------------------------------------------------------------------
 def strategy_for(step: str, args: argparse.Namespace, world: int) -> list[Any] | None:
     """The atorch strategy of each step (None: the automatic search picks one). bf16 autocast: by default
     on the data-parallel step only (the tutorial's first step), --amp / --no-amp for every step."""
     amp = [("amp_native", {"dtype": "bf16"})] if (step == "dp" if args.amp is None else args.amp) else []
-    pipe = {"schedule": "1f1b", "micro_batches": args.micro_batches}
+    recompute = ["checkpoint"] if args.grad_checkpoint else []  # activation checkpointing of every block
+    pipe = {"schedule": args.schedule, "micro_batches": args.micro_batches}
     if step == "dp":
-        return ["parallel_mode", *amp]
+        return ["parallel_mode", *amp, *recompute]
     if step == "pp":
         return [("parallel_mode", {"dims": [["pipeline", args.pp], ["data", -1]]}), *amp,
-                ("pipeline_parallel", pipe)]
-    if step == "tp":
-        data = world // args.tp
+                ("pipeline_parallel", pipe), *recompute]
+    if step == "tp":  # tensor × data: the shards replicated over the data ranks (gradients averaged)
         return [("parallel_mode", {"dims": [["tensor", args.tp], ["data", -1]]}), *amp, "tensor_parallel",
-                *(["fsdp"] if data > 1 else [])]  # DDP cannot replicate DTensor parameters: FSDP over data
+                *recompute]
     if step == "hybrid":
         data = world // (args.tp * args.pp)
         return [("parallel_mode", {"dims": [["tensor", args.tp], ["pipeline", args.pp], ["data", -1]]}), *amp,
-                ("mixed_parallel", {"tensor": {}, "pipeline": pipe}), *(["fsdp"] if data > 1 else [])]
+                ("mixed_parallel", {"tensor": {}, "pipeline": pipe}), *recompute,
+                *(["fsdp"] if data > 1 else [])]  # replicated tensor-parallel stages need FSDP over data
     return None
 
 
@@ -153,11 +192,14 @@ def batches(dataloader: Any) -> Any:
         yield from dataloader
 
 
-def one_step(result: Any, micro_batches: list[Any]) -> torch.Tensor:
-    """One optimizer step. Pipeline parallel: atorch.train_step runs the schedule. Otherwise the README's
-    loop written out: forward, backward (through the optimizer when it owns it), step."""
+def one_step(result: Any, micro_batches: list[Any], clip: float) -> torch.Tensor:
+    """One optimizer step over the micro-batches (gradient accumulation). Pipeline parallel: atorch.train_step
+    runs the schedule over them, clips over every stage and steps. Otherwise the README's loop written out:
+    forward, backward (through the optimizer when it owns it) per micro-batch, the gradients synchronised on
+    the last one only, then clipping to the global norm, the step and the LR schedule."""
+    max_norm = clip if clip > 0 else None
     if isinstance(result.model, PipelinedModel):
-        return train_step(result, micro_batches)
+        return train_step(result, micro_batches, max_norm=max_norm)
     model, optim, args = result.model, result.optim, result.args
     total = torch.zeros(())
     for index, batch in enumerate(micro_batches):
@@ -167,6 +209,8 @@ def one_step(result: Any, micro_batches: list[Any]) -> torch.Tensor:
         loss = result.loss_func(data, model(**data)) / len(micro_batches)
         optim.backward(loss) if args.use_optim_backward else loss.backward()
         total += loss.detach().float().cpu()
+    if max_norm is not None:
+        optim.clip_grad_norm_(max_norm)  # unscaled, over all ranks' shards: the norm one process would see
     optim.step()
     optim.zero_grad()
     if result.lr_scheduler is not None:
@@ -175,6 +219,13 @@ def one_step(result: Any, micro_batches: list[Any]) -> torch.Tensor:
         dist.all_reduce(total, group=args.data_parallel_group)
         total /= args.data_parallel_size
     return total
+
+
+def save_if_asked(result: Any, directory: str | None, step: int, args: argparse.Namespace) -> None:
+    """--save-at: every rank writes its part of the checkpoint (model, optimizer, LR schedule) after that step."""
+    if args.save_at == step and directory is not None:
+        atorch.save_checkpoint(directory, result, step=step)
+        log(f"saved {directory} after step {step}")
 
 
 def evaluate(result: Any, dataset: Dataset, batch_size: int) -> dict[str, float]:
@@ -216,6 +267,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=2, help="tensor size (tp, hybrid)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline size (pp, hybrid)")
     parser.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches (default: 2 x pp)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb",
+                                                                "zbv"),
+                        help="pipeline schedule (pp, hybrid); the interleaved ones hold 2 stages per rank")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (gradient accumulation; each of --batch-size)")
+    parser.add_argument("--clip", type=float, default=0.0, help="clip the global gradient norm (0: off)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="cosine: linear warm-up (--warmup-ratio of the steps), then cosine decay to 0")
+    parser.add_argument("--warmup-ratio", type=float, default=0.0)
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing of every block")
+    parser.add_argument("--checkpoint-dir", default=None, help="where --save-at writes and --resume reads "
+                        "(a subdirectory per step)")
+    parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this optimizer step")
+    parser.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir (weights, optimizer, "
+                        "LR schedule, step count; the data continues where it stopped)")
     amp = parser.add_mutually_exclusive_group()
     amp.add_argument("--amp", dest="amp", action="store_true", default=None, help="bf16 autocast (default: dp only)")
     amp.add_argument("--no-amp", dest="amp", action="store_false")
@@ -234,6 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown --step {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     if args.steps <= MEMORY_STEPS:
         parser.error(f"--steps must be more than {MEMORY_STEPS}")
+    if (args.save_at is not None or args.resume) and args.checkpoint_dir is None:
+        parser.error("--save-at and --resume need --checkpoint-dir")
+    if args.accumulate < 1:
+        parser.error("--accumulate must be 1 or more")
     return args
 
 
@@ -244,40 +315,51 @@ def train(step: str, args: argparse.Namespace) -> dict[str, Any]:
                              else (torch.optim.SGD, {"lr": args.lr}))
     load_strategy = strategy_for(step, args, int(os.environ.get("WORLD_SIZE", "1")))
     status, result, strategy = atorch.auto_accelerate(
-        model, optim_cls, SyntheticCIFAR(args.train_samples, seed=1), loss_func,
+        model, optim_cls, SyntheticCIFAR(args.train_samples, seed=1), smoothed_loss(args.label_smoothing),
         model_input_format="unpack_dict", optim_args=optim_args,
         dataloader_args={"batch_size": args.batch_size, "shuffle": not args.no_shuffle, "drop_last": True},
-        load_strategy=load_strategy,
+        load_strategy=load_strategy, **lr_schedule(args),
         **({} if load_strategy else {"time_limit": args.time_limit, "search": {"max_trials": args.max_trials}}),
     )
     assert status
     del model  # atorch trains a copy; the original would count in the peak memory below
     log(f"step {step}: ViT '{args.size}' ({params / 1e6:.2f}M parameters) on {world_size()} processes")
     log(f"strategy: {json.dumps(strategy.to_list())}")
-    accumulation = result.args.gradient_accumulation_steps
+    # --accumulate micro-batches per step (times what the search picked, under --step auto)
+    accumulation = args.accumulate * result.args.gradient_accumulation_steps
     data = batches(result.dataloader)
+    first = 0  # optimizer steps already taken (a resumed run continues from its checkpoint)
+    directory = os.path.join(args.checkpoint_dir, step) if args.checkpoint_dir else None
+    if args.resume:
+        first = atorch.load_checkpoint(directory, result)["step"]
+        for _ in range(first * accumulation):  # the batches those steps consumed
+            next(data)
+        log(f"resumed from {directory} after step {first}")
     losses: list[float] = []
     times: list[float] = []
     with PeakMemory(result.args.device) as peak:  # the first steps: optimizer state and activations appear
-        for _ in range(MEMORY_STEPS):
-            losses.append(float(one_step(result, [next(data) for _ in range(accumulation)])))
-    log(f"step 1/{args.steps}  loss {losses[0]:.4f}")
-    for index in range(MEMORY_STEPS, args.steps):
+        for index in range(first, min(first + MEMORY_STEPS, args.steps)):
+            losses.append(float(one_step(result, [next(data) for _ in range(accumulation)], args.clip)))
+            save_if_asked(result, directory, index + 1, args)
+    log(f"step {first + 1}/{args.steps}  loss {losses[0]:.4f}")
+    for index in range(first + MEMORY_STEPS, args.steps):
         start = time.perf_counter()
-        losses.append(float(one_step(result, [next(data) for _ in range(accumulation)])))
+        losses.append(float(one_step(result, [next(data) for _ in range(accumulation)], args.clip)))
         times.append(time.perf_counter() - start)
+        save_if_asked(result, directory, index + 1, args)
         if (index + 1) % args.log_every == 0 or index == args.steps - 1:
-            log(f"step {index + 1}/{args.steps}  loss {losses[-1]:.4f}")
+            log(f"step {index + 1}/{args.steps}  loss {losses[-1]:.4f}  lr {result.optim.param_groups[0]['lr']:.2e}")
     evaluation = evaluate(result, SyntheticCIFAR(args.eval_samples, seed=2), result.args.local_batch_size)
     log(f"held-out: accuracy {evaluation['accuracy']:.3f}  loss {evaluation['loss']:.4f} "
         f"({int(evaluation['samples'])} counted)")
-    median = statistics.median(times)
+    median = statistics.median(times) if times else float("nan")  # a resumed run may time no step
     peaks = gathered(peak.bytes)
     summary = {
         "step": step, "size": args.size, "world_size": world_size(), "parameters": params,
-        "strategy": strategy.to_list(), "steps": args.steps, "global_batch_size": args.batch_size,
+        "strategy": strategy.to_list(), "steps": args.steps, "first_step": first + 1,
+        "global_batch_size": args.batch_size * accumulation, "lr": result.optim.param_groups[0]["lr"],
         "losses": losses, "eval": evaluation, "median_step_s": median,
-        "images_per_s": args.batch_size / median, "peak_bytes_per_rank": peaks,
+        "images_per_s": args.batch_size * accumulation / median, "peak_bytes_per_rank": peaks,
         "search": result.args.search,  # auto: how the strategy was found (source, dry-runs)
     }
     log(f"throughput {summary['images_per_s']:.1f} images/s (median step {median * 1000:.0f} ms); peak memory per "

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from atorch.booster.plugin.base import Plugin, precision_methods
+
+# Older Gemini's placement policies (Colossal-AI < 0.3.1), which scripts still pass; the current one knows
+# 'static' and 'auto' only. Both are read as the placement they named.
+_LEGACY_PLACEMENT = {
+    "cpu": "atorch offloads parameters, gradients and optimizer state to CPU memory, as it did (FSDP2 cpu_offload; "
+           "today's spelling: placement_policy='static', offload_param_frac=1.0, offload_optim_frac=1.0)",
+    "cuda": "atorch keeps parameters and optimizer state on the device, as it did (no offload; today's spelling: "
+            "placement_policy='static' with the offload fractions at 0.0)",
+}
 
 
 class GeminiPlugin(Plugin):
@@ -15,7 +25,8 @@ class GeminiPlugin(Plugin):
     - ``shard_param_frac=1.0`` (default) / ``0.0`` -> ``fsdp`` (parameters sharded) / ``zero2`` (parameters whole)
     - ``offload_param_frac`` or ``offload_optim_frac`` = 1.0 -> ``cpu_offload: true`` (parameters, gradients and
       optimizer state in CPU memory)
-    - ``placement_policy`` 'static' / 'auto' -> the same translation (FSDP2 places by the fractions above)
+    - ``placement_policy`` 'static' / 'auto' -> the same translation (FSDP2 places by the fractions above); an
+      older Gemini's 'cpu' / 'cuda' -> with a warning, offload everything / nothing, as they did (numerics unchanged)
     - ``precision`` fp16 / bf16 (fp32 also accepted) -> ``amp_native`` (``master_weights=False``: ``half``)
     - ``tp_size`` > 1 -> ``parallel_mode`` tensor dimension + ``tensor_parallel`` (FSDP2 over the data dimension)
     - ``max_norm``, ``norm_type``, loss-scale arguments -> as in LowLevelZeroPlugin
@@ -49,8 +60,8 @@ class GeminiPlugin(Plugin):
                  fp8_communication: bool = False) -> None:
         super().__init__()
         self._precision(precision)
-        self._refuse_unless(placement_policy in ("static", "auto"), "placement_policy", placement_policy,
-                            "use 'static' or 'auto'")
+        self._refuse_unless(placement_policy in ("static", "auto", *_LEGACY_PLACEMENT), "placement_policy",
+                            placement_policy, "use 'static' or 'auto'")
         for name, frac in (("shard_param_frac", shard_param_frac), ("offload_optim_frac", offload_optim_frac),
                            ("offload_param_frac", offload_param_frac)):
             self._refuse_unless(frac in (0.0, 1.0), name, frac, "atorch shards and offloads whole tensors: use 0.0 "
@@ -66,7 +77,10 @@ class GeminiPlugin(Plugin):
         self._scaler(initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self.precision, self.master_weights, self.tp_size, self.use_fp8 = precision, master_weights, tp_size, use_fp8
         self.sharding = "fsdp" if shard_param_frac == 1.0 else "zero2"
-        self.offload = offload_param_frac == 1.0 or offload_optim_frac == 1.0
+        self.offload = offload_param_frac == 1.0 or offload_optim_frac == 1.0 or placement_policy == "cpu"
+        if placement_policy in _LEGACY_PLACEMENT:  # neither changes numerics: only where tensors live
+            warnings.warn(f"GeminiPlugin(placement_policy={placement_policy!r}) is an older Gemini's name; "
+                          f"{_LEGACY_PLACEMENT[placement_policy]}", UserWarning, stacklevel=2)
         self.max_norm, self.norm_type = float(max_norm), float(norm_type)
         self._accepted_without_effect(
             locals(),

@@ -20,8 +20,10 @@ class HybridParallelPlugin(Plugin):
       1f1b / interleaved_1f1b / zbv, ``virtual_stages``
     - ``num_microbatches`` / ``microbatch_size`` -> ``micro_batches`` (from the boosted dataloader's batch size for
       ``microbatch_size``)
-    - ``zero_stage`` 0 / 1 / 2 -> DDP (stages: gradients averaged) / ``zero1`` / ``zero2``
-    - ``precision`` fp16 / bf16 / fp32 -> ``amp_native`` fp16 / bf16 / none
+    - ``zero_stage`` 0 / 1 / 2 -> DDP (stages and tensor-parallel shards: gradients averaged) / ``zero1`` / ``zero2``;
+      with ``tp_size`` > 1 and data-parallel ranks: 0 or 2 (and 2 with ``pp_size`` > 1 too)
+    - ``precision`` fp16 / bf16 / fp32 -> ``amp_native`` fp16 / bf16 / none (fp16 with ``pp_size`` > 1: the last
+      stage scales the loss, every stage unscales its gradients, an overflow anywhere skips the step everywhere)
     - ``cpu_offload`` -> ``zero2``'s ``cpu_offload`` (zero_stage 2 only)
     - ``gradient_checkpoint_config`` (any) -> ``checkpoint`` of every repeated block
     - ``max_norm`` > 0 -> clip to the global norm (over stages too) in ``optimizer.step()``
@@ -129,10 +131,18 @@ class HybridParallelPlugin(Plugin):
             return [f"tp_size × pp_size = {model_parallel} does not divide the {world_size} processes; use sizes "
                     "whose product divides the world size"]
         data = world_size // model_parallel
-        if self.tp_size > 1 and data > 1 and self.zero_stage != 2:
-            return [f"tp_size={self.tp_size} with {data} data-parallel ranks needs zero_stage=2 (FSDP2 over the data "
-                    "dimension): DDP and ZeRO-1 cannot hold tensor-parallel (DTensor) parameters; set zero_stage=2, "
-                    f"or tp_size={world_size // self.pp_size}"]
+        if self.tp_size == 1 or data == 1:
+            return []
+        # tensor × data: zero_stage 0 replicates the shards (gradients averaged over the data ranks), 2 shards
+        # them with FSDP2; ZeRO-1's ZeroRedundancyOptimizer cannot partition DTensor parameters.
+        if self.zero_stage == 1:
+            return [f"tp_size={self.tp_size} with {data} data-parallel ranks cannot use zero_stage=1 "
+                    "(ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters); set "
+                    "zero_stage=0 (replicas) or zero_stage=2 (FSDP2 over the data dimension)"]
+        if self.pp_size > 1 and self.zero_stage == 0:
+            return [f"tp_size={self.tp_size} × pp_size={self.pp_size} with {data} data-parallel ranks needs "
+                    "zero_stage=2 (FSDP2 per stage over the data dimension): replicated tensor-parallel stages are "
+                    f"not supported; set zero_stage=2, or tp_size × pp_size = {world_size}"]
         return []
 
     def resolve_micro_batches(self, per_rank_batch: int | None) -> None:

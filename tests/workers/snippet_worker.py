@@ -1,0 +1,47 @@
+"""Run documentation examples (launched by tests/test_doc_snippets.py), each in a fresh namespace.
+
+Usage: ``torchrun --nproc_per_node=N snippet_worker.py SNIPPETS.json WORKDIR``: the JSON file maps a name to
+the source of one example; they run one after the other in WORKDIR (what they write lands there). Rank 0
+prints ``RESULT {name: {"seconds": ...} or {"error": ...}}``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from worker_common import run_each
+
+
+def runner(name: str, source: str) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        torch.manual_seed(0)  # the examples build models with random weights: the same on every rank
+        start = time.perf_counter()
+        exec(compile(source, name, "exec"), {"__name__": "__main__"})  # noqa: S102 - this repository's own docs
+        return {"seconds": round(time.perf_counter() - start, 2)}
+
+    return run
+
+
+def main() -> None:
+    with open(sys.argv[1], encoding="utf-8") as handle:
+        snippets: dict[str, str] = json.load(handle)
+    os.chdir(sys.argv[2])
+    dist.init_process_group("gloo")  # the examples' own calls find it and use it
+    report = run_each({name: runner(name, source) for name, source in snippets.items()})
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
