@@ -2,7 +2,8 @@
 
 For each published row: the prediction for the published layout (tensor × pipeline × data, data-parallel
 DDP, full activation recompute as the paper ran it, no sequence parallel: it came a year later; the schedule
-and micro-batch size are left to the planner, as ``--layout`` does) against the published TFLOP/s per GPU,
+and micro-batch size of the paper's scripts, Megatron-LM examples/sc21/run_table_1.sh) against the published
+TFLOP/s per GPU,
 whether it is predicted to fit in 80 GB, and atorch's own top pick's predicted step time against it.
 
 Nothing here is fitted: the model and the A100 profile (atorch/strategy_search/profiles/a100-80gb.json,
