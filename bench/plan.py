@@ -2,7 +2,8 @@
 
 For each published row: the prediction for the published layout (tensor × pipeline × data, data-parallel
 DDP, full activation recompute as the paper ran it, no sequence parallel: it came a year later; the schedule
-and micro-batch size are left to the planner, as ``--layout`` does) against the published TFLOP/s per GPU,
+and micro-batch size of the paper's scripts, Megatron-LM examples/sc21/run_table_1.sh) against the published
+TFLOP/s per GPU,
 whether it is predicted to fit in 80 GB, and atorch's own top pick's predicted step time against it.
 
 Nothing here is fitted: the model and the A100 profile (atorch/strategy_search/profiles/a100-80gb.json,
@@ -25,50 +26,59 @@ from atorch.strategy_search.cluster_plan import Layout, Plan, evaluate, layouts,
 from atorch.strategy_search.cost_model import TransformerShape
 from atorch.strategy_search.hardware import HardwareProfile, load_profile
 
-# params (B), heads, hidden, layers, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU
+# params (B), heads, hidden, layers, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU (the paper's Table 1);
+# micro-batch size and virtual pipeline stages per rank as the paper's scripts ran each row (Megatron-LM,
+# examples/sc21/run_table_1.sh: MBS, and layers / (pipeline x --num-layers-per-virtual-pipeline-stage))
 TABLE_1 = (
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 )
 SEQ, VOCAB = 2048, 51200
 
 
 def megatron_gpt(heads: int, hidden: int, layers: int) -> TransformerShape:
     """The paper's GPT: learned positions, biases, dropout, tied embeddings, attention without fusion (2021),
-    fp16 weights and activations with fp32 master weights (no autocast)."""
+    fp16 weights, activations and gradients with fp32 master weights (``--fp16``: no autocast), its 2021 layer
+    code and stage-to-stage sends scattered over the tensor ranks (``megatron_2021``)."""
     return TransformerShape(layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=VOCAB,
                             seq=SEQ, position_embeddings=SEQ, tied_embeddings=True, dropout=True,
-                            flash_attention=False, biases=True, autocast=False)
+                            flash_attention=False, biases=True, autocast=False,
+                            megatron_2021=True)
 
 
-def published_layout(shape: TransformerShape, gpus: int, batch: int, t: int, p: int, profile: HardwareProfile) -> Plan:
+def published_layout(shape: TransformerShape, gpus: int, batch: int, t: int, p: int, mbs: int, v: int,
+                     profile: HardwareProfile) -> Plan:
     """The published layout as Megatron-LM ran it: data parallel by all-reduce (DDP), full recompute, the
-    vocabulary split over the tensor ranks, no sequence parallel; its schedule, virtual stages and micro-batch
-    size the best predicted (atorch's rules are not applied: atorch itself would need FSDP on the data
-    dimension of a tensor × pipeline layout, and keeps the vocabulary whole under a pipeline)."""
+    vocabulary split over the tensor ranks, no sequence parallel, the scripts' micro-batch size and schedule
+    (1F1B, interleaved with ``v`` stages per rank). atorch's rules are not applied: atorch itself would need FSDP
+    on the data dimension of a tensor × pipeline layout, and keeps the vocabulary whole under a pipeline."""
+    schedule = "none" if p == 1 else "interleaved_1f1b" if v > 1 else "1f1b"
+    wanted = (t, p, "none", "full", False, schedule, v, mbs)
     plans = [evaluate(shape, replace(lay, vocab_parallel=t > 1), profile, batch, profile.memory_per_rank)
              for lay in layouts(shape, gpus, 8, batch)
-             if (lay.tensor, lay.pipeline, lay.sharding, lay.recompute, lay.sequence_parallel)
-             == (t, p, "none", "full", False)]
-    return min(plans, key=lambda pl: (not pl.fits, pl.prediction.time.step))
+             if (lay.tensor, lay.pipeline, lay.sharding, lay.recompute, lay.sequence_parallel, lay.schedule,
+                 lay.virtual_stages, lay.micro_batch_size) == wanted]
+    if len(plans) != 1:
+        raise SystemExit(f"the published layout {wanted} is {len(plans)} layouts of the planner's")
+    return plans[0]
 
 
 def run() -> dict:
     profile = load_profile("a100-80gb")
     rows = []
-    for params, heads, hidden, layers, t, p, gpus, batch, published in TABLE_1:
+    for params, heads, hidden, layers, t, p, gpus, batch, published, mbs, v in TABLE_1:
         shape = megatron_gpt(heads, hidden, layers)
         start = time.perf_counter()
         result = plan_job(shape, gpus, batch, profile, gpus_per_node=8)
-        ours = published_layout(shape, gpus, batch, t, p, profile)
+        ours = published_layout(shape, gpus, batch, t, p, mbs, v, profile)
         seconds = time.perf_counter() - start
         top = next((pl for pl in result.plans if pl.fits), None)
         lay = ours.layout

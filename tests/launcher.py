@@ -43,6 +43,66 @@ def run_json(script: str | Path, *args: str, nproc: int = 2, timeout: float = 30
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_json_nodes(script: str | Path, node_args: list[tuple[str, ...]], nproc: int = 2,
+                   timeout: float = 300.0) -> dict:
+    """A multi-node job on this machine: one torchrun launcher per entry of ``node_args`` (that node's script
+    arguments), ``--nnodes len(node_args) --node-rank i --rdzv-backend c10d`` on a local endpoint, ``nproc``
+    processes each; the JSON of the 'RESULT ' line printed by global rank 0 (on whichever node it is). A node
+    that fails stops the others (they would wait for it in their next collective)."""
+    import contextlib
+    import tempfile
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    with contextlib.ExitStack() as stack:
+        files = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
+                 for _ in node_args]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(node_args)}", f"--node-rank={i}",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=atorch-test",
+             f"--nproc-per-node={nproc}", str(script), *args], stdout=out, stderr=err, text=True, env=env)
+            for i, (args, (out, err)) in enumerate(zip(node_args, files, strict=True))]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + 20):
+                for proc in procs:  # SIGTERM: torchrun stops its workers before it exits
+                    if proc.poll() is None:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=15)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                break
+            time.sleep(0.2)
+        texts = []
+        for out, err in files:
+            out.seek(0)
+            err.seek(0)
+            texts.append((out.read(), err.read()))
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        why = "timed out" if time.monotonic() > deadline else f"exit codes {codes}"
+        raise AssertionError(f"{script} {why}:\n" + "\n".join(
+            f"--- node {i}:\n{o[-3000:]}\n{e[-6000:]}" for i, (o, e) in enumerate(texts)))
+    lines = [line for out, _ in texts for line in out.splitlines() if line.startswith("RESULT ")]
+    if len(lines) != 1:
+        raise AssertionError(f"{script}: {len(lines)} RESULT lines:\n" + "\n".join(o[-2000:] for o, _ in texts))
+    return json.loads(lines[0][len("RESULT "):])
+
+
 def launch_fixture(script: str | Path, *, timeout: float, groups: dict[str, int] | None = None) -> Any:
     """A module-scoped ``launch`` fixture: the report of one run of ``script`` on 2 processes; with ``groups``
     (group -> processes), one run per group, the group as the script's argument: ``(group, report)``."""

@@ -46,6 +46,68 @@ def test_flops_and_activations_follow_megatron() -> None:
     assert shape.layer_activation_bytes(8, True, False) == pytest.approx(34 * h / 8)
 
 
+def _one_gpu(shape: TransformerShape, batch: int, mbs: int, **kw: object) -> tuple[float, float]:
+    """(compute, communication) seconds of a layout with full recompute off, DDP, on the A100 profile."""
+    from atorch.strategy_search.cluster_plan import Layout
+
+    t, p = int(kw.get("t", 1)), int(kw.get("p", 1))
+    gpus = int(kw.get("gpus", t * p))
+    schedule = "1f1b" if p > 1 else "none"
+    lay = Layout(t, p, gpus // (t * p), "none", "none", schedule, 1, False, mbs, batch // (gpus // (t * p)) // mbs)
+    pred = evaluate(shape, lay, load_profile("a100-80gb"), batch, 80 * 2**30).prediction
+    return pred.time.compute, pred.time.communication
+
+
+def test_unfused_attention_on_the_roofline_and_gradient_accumulation() -> None:
+    from atorch.strategy_search.cost_model import ELEMENTWISE_PASSES, VOCAB_LOSS_BYTES
+
+    profile = load_profile("a100-80gb")
+    flops_s = profile.matmul_tflops["bfloat16"] * 1e12 * profile.matmul_efficiency["bfloat16"]
+    bw = profile.memory_bytes_per_s
+    shape = _gpt(layers=2, hidden=1024, heads=16).model_copy(update={"dropout": False, "autocast": False})
+    tokens, s, h, ell = 2048, shape.seq, shape.hidden, shape.layers
+    score_s = max(4 * s * h / flops_s, shape.attention_matmul_bytes(1) / bw)
+    assert shape.attention_matmul_bytes(1) / bw > 2 * 4 * s * h / flops_s  # head size 64: memory-bound
+    expected = (tokens * (ell * (shape.layer_fwd_flops() - 4 * s * h) * 3 + 3 * shape.vocab_fwd_flops()) / flops_s
+                + tokens * ell * 3 * score_s
+                + tokens * (ell * shape.layer_elementwise_bytes(1, False) * (ELEMENTWISE_PASSES - 1)
+                            + VOCAB_LOSS_BYTES * shape.vocab) / bw)
+    one, _ = _one_gpu(shape, 1, 1)
+    assert one == pytest.approx(expected, rel=1e-9)
+    fused, _ = _one_gpu(shape.model_copy(update={"flash_attention": True}), 1, 1)
+    assert fused < one
+    # four micro-batches accumulate three gradients into the first one's (read two, write one; 16-bit here)
+    four, _ = _one_gpu(shape, 4, 1)
+    assert four - 4 * one == pytest.approx(3 * 3 * 2.0 * shape.params() / bw, rel=1e-6)
+
+
+def test_megatron_2021_layer_and_scattered_pipeline_sends() -> None:
+    shape = _gpt(layers=8, hidden=4096, heads=32).model_copy(update={"autocast": False})
+    old = shape.model_copy(update={"megatron_2021": True})
+    h = shape.hidden
+    # the QKV bias pass and the attention output's copy: 4·3h + 4h bytes per token, split over tensor ranks
+    assert old.layer_elementwise_bytes(8, False) - shape.layer_elementwise_bytes(8, False) == pytest.approx(16 * h / 8)
+    # tensor 8 x pipeline 2 over two nodes: each stage boundary crosses them; scattered, each rank sends 1/8
+    _, whole = _one_gpu(shape, 32, 1, t=8, p=2)
+    _, scattered = _one_gpu(old, 32, 1, t=8, p=2)
+    assert scattered < whole
+
+
+def test_megatron_table_1_published_layouts_within_20_percent() -> None:
+    """bench/plan.py's check (Narayanan et al. 2021, Table 1): every published layout, as its scripts ran it, is
+    predicted within ±20% of the published TFLOP/s per GPU and to fit in 80 GB."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_plan", Path(__file__).parent.parent / "bench" / "plan.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profile = load_profile("a100-80gb")
+    for _, heads, hidden, layers, t, p, gpus, batch, published, mbs, v in bench.TABLE_1:
+        plan = bench.published_layout(bench.megatron_gpt(heads, hidden, layers), gpus, batch, t, p, mbs, v, profile)
+        assert plan.fits and abs(plan.tflops_per_gpu / published - 1) <= 0.2, (hidden, plan.tflops_per_gpu)
+
+
 def test_published_sizes() -> None:
     for name, billions in (("Llama-2 7B", 6.74), ("llama2-70b", 68.98), ("Llama-3 8B", 8.03),
                            ("llama3-70b", 70.55), ("llama3-405b", 405.85), ("GPT-3 175B", 174.6)):

@@ -194,6 +194,7 @@ class _Leader:
 
     def plan(self) -> SearchOutcome:
         from atorch.strategy_search.analyser import StepError, analyse
+        from atorch.strategy_search.hardware import ranks_per_node
         from atorch.strategy_search.planner import Planner, default_storage, study_key
         from atorch.strategy_search.space import SearchSpace
 
@@ -222,7 +223,7 @@ class _Leader:
                             excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
                             max_micro_batch_size=self.options.max_micro_batch_size,
                             host_offload=self.profile.device_type != "cpu", loop=self.options.loop,
-                            precision=self.options.precision)
+                            precision=self.options.precision, ranks_per_node=ranks_per_node(self.env.world_size))
         state_factor = optimizer_state_factor(self.setup)
         traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
 

@@ -659,10 +659,14 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
 #   its elementwise work at ``memory_bytes_per_s`` (norms, residual adds, activations, softmax: bytes read and
 #   written, backward twice the forward), its tensor-parallel collectives (two in forward, two in backward,
 #   two more when recomputed; sequence parallel moves the same bytes as reduce-scatter + all-gather) and the
-#   stage-to-stage sends (not overlapped: Megatron-LM 2021 and torch's pipelining run them in line).
-# * Data-parallel collectives: DDP all-reduces fp32 gradients, overlapped with the backward of the last
-#   micro-batch when there is no pipeline (DDP's buckets); ZeRO-1 adds the updated parameters' all-gather
-#   (after the step: exposed); FSDP / ZeRO-2 (FSDP2) all-gather 16-bit parameters ahead of use (prefetched:
+#   stage-to-stage sends (not overlapped: Megatron-LM 2021 and torch's pipelining run them in line). Unfused
+#   attention's score matmuls are priced on the roofline (the longer of FLOPs and bytes: they read and write
+#   s×s matrices); the step adds the weight gradients' accumulation over its micro-batches (bytes at the
+#   memory bandwidth).
+# * Data-parallel collectives: DDP all-reduces the gradients (fp32 under autocast; 16-bit in Megatron-LM's
+#   --fp16), overlapped with the backward of the last micro-batch when there is no pipeline (DDP's buckets;
+#   Megatron-LM's published runs without a pipeline used torch's DDP too); ZeRO-1 adds the updated parameters'
+#   all-gather (after the step: exposed); FSDP / ZeRO-2 (FSDP2) all-gather 16-bit parameters ahead of use (prefetched:
 #   hidden behind the compute of the micro-batch that needs them, all but the first layer's) and reduce-scatter
 #   fp32 gradients (overlapped with the last backward); both use the same links, so together they hide behind
 #   the step's compute. Under a pipeline the gradients are reduced after the flush (exposed),
@@ -696,8 +700,15 @@ class TransformerShape(_Frozen):
     biases: bool = False
     # mixed precision as torch autocast runs it (atorch's amp_native): fp32 weights cast to 16 bits in every
     # forward, the residual stream and norms in fp32; False: 16 bits throughout, fp32 master weights in the
-    # optimizer only (Megatron-LM)
+    # optimizer only, 16-bit gradients accumulated and all-reduced (Megatron-LM with --fp16)
     autocast: bool = True
+    # the layer as Megatron-LM's 2021 code ran it (megatron/model/transformer.py, mpu/layers.py, on torch 1.8/1.9):
+    # the QKV bias added after its matmul (ColumnParallelLinear calls F.linear on a 3-D input, which torch then
+    # ran as matmul and add_), the attention output copied back to [s, b, h] (``permute(...).contiguous()``),
+    # and stage-to-stage sends split over the tensor ranks and all-gathered on arrival (its scatter/gather
+    # optimisation, on by default: Narayanan et al. 2021, section 4.1). False: torch's pipelining sends whole
+    # tensors, and today's linear fuses the bias into the matmul.
+    megatron_2021: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -754,17 +765,28 @@ class TransformerShape(_Frozen):
             return (replicated + split + score) / tp
         return replicated + (split + score) / tp
 
+    def attention_matmul_bytes(self, tp: int) -> float:
+        """Bytes the attention's two batched matmuls read and write per token in one forward when attention is
+        not fused, in 16 bits: Q·Kᵀ reads q (2h) and k (2·kv) and writes the scores (2as); probabilities·V reads
+        them (2as) and v (2·kv) and writes its output (2h). Split with the heads over tensor ranks. Their
+        backward (dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q) writes one s×s matrix and reads three: twice
+        the forward, as for the FLOPs."""
+        return (4 * self.hidden + 4 * self.kv_dim + 4 * self.heads * self.seq) / tp
+
     def layer_elementwise_bytes(self, tp: int, sequence_parallel: bool) -> float:
         """Bytes an elementwise pass (norms, residual adds, activation, softmax) reads and writes per token in
         one forward of a layer: two norms (read and write 2h each), two residual adds (read 4h, write 2h), the
         MLP's activation (gelu: read 2f write 2f; SwiGLU: read 4f write 2f), the scores' softmax without fused
         attention (read and write 2as), dropout (its mask written, h per dropout). Under autocast the residual
         stream is fp32: a norm reads and writes 4h and its output is cast for the matmul (read 4h, write 2h),
-        a residual add reads 4h + 2h and writes 4h."""
+        a residual add reads 4h + 2h and writes 4h. Megatron-LM 2021 (``megatron_2021``) adds the QKV bias in a
+        pass of its own (read and write 2·(h + 2·kv)) and copies the attention output (read and write 2h)."""
         h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
         norms_residual = (2 * 14 * h + 2 * 10 * h) if self.autocast else (2 * 4 * h + 2 * 6 * h)
         norms_residual += 3 * h if self.dropout else 0
         mlp = (6 if self.gated_mlp else 4) * f
+        if self.megatron_2021:
+            mlp += 4 * (h + 2 * self.kv_dim) + 4 * h  # split over tensor ranks with the heads, as the MLP
         softmax = 0.0 if self.flash_attention else (4 + (5 if self.dropout else 0)) * a * s
         if sequence_parallel:
             return (norms_residual + mlp + softmax) / tp
@@ -807,6 +829,9 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     tokens = b * s  # per micro-batch
     stage_layers = math.ceil(shape.layers / pp)
     wbytes = 2.0 if f.half else 4.0  # parameter bytes as built (fp32 master weights under amp_native)
+    # gradient bytes: the parameters' under autocast (fp32); Megatron-LM's --fp16 keeps 16-bit gradients and
+    # all-reduces them so (without --accumulate-allreduce-grads-in-fp32, which its published runs did not pass)
+    grad_el = 2.0 if f.half or not shape.autocast else 4.0
 
     # Parameters on the busiest stage: its layers split over tensor ranks, plus the vocabulary layer(s) it holds
     # (first stage: the embedding; last: the head, a copy of the embedding when tied; pp = 1: both).
@@ -871,9 +896,19 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
         raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
     flops_s = peak_tflops * 1e12 * profile.matmul_efficiency.get(dtype, 1.0)
     bandwidth = profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
-    layer_flops = shape.layer_fwd_flops() * (3 + (1 if recompute == "full" else 0)) + (
-        4.0 * s * h if recompute == "selective" else 0.0)
+    # The weights' matmuls are compute-bound at these sizes; the attention scores' batched matmuls (Q·Kᵀ and
+    # probabilities·V, 4·s·h FLOPs per token, K = the head size) are not when attention is unfused: each one
+    # writes or reads an s×s matrix per head, a·s elements per token against 4·s·h FLOPs, an intensity near the
+    # head size (64–160 FLOP/byte), below the ridge of a GPU (A100: 312 TFLOP/s over 2 TB/s = 153). Priced on the
+    # roofline: the longer of their FLOPs at the matmul rate and their bytes at the memory bandwidth.
+    score_flops = 4.0 * s * h
+    score_passes = 3 + (1 if recompute in ("full", "selective") else 0)
+    layer_flops = (shape.layer_fwd_flops() - score_flops) * (3 + (1 if recompute == "full" else 0))
     mb_flops = tokens * (stage_layers * layer_flops + 3 * shape.vocab_fwd_flops()) / tp
+    score_s = score_flops / tp / flops_s
+    if not shape.flash_attention:
+        score_s = max(score_s, shape.attention_matmul_bytes(tp) / bandwidth)
+    mb_scores = tokens * stage_layers * score_passes * score_s
     elementwise_passes = ELEMENTWISE_PASSES - (0.0 if recompute == "full" else 1.0)
     mb_elementwise = tokens * stage_layers * shape.layer_elementwise_bytes(tp, sp) * elementwise_passes
     # the loss on the last stage: 16-bit logits written (2V), cast to fp32 (read 2V, write 4V), cross-entropy
@@ -889,14 +924,24 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     if pp > 1:
         bandwidth_p2p, latency_p2p = _group_link(profile, "all_gather", 2, tp)
         sent = act_bytes / (tp if sp else 1)
-        mb_p2p = 2 * v * (sent / bandwidth_p2p + latency_p2p)
-    mb_compute = mb_flops / flops_s + mb_elementwise / bandwidth
+        one = sent / bandwidth_p2p + latency_p2p
+        if shape.megatron_2021 and tp > 1 and not sp:
+            # each tensor rank sends 1/t of the replicated activations over its own link and the receiving stage
+            # all-gathers them within its tensor group
+            one = act_bytes / tp / bandwidth_p2p + latency_p2p + _group_collective_s(
+                profile, "all_gather", act_bytes, tp, 1, 1)
+        mb_p2p = 2 * v * one
+    mb_compute = mb_flops / flops_s + mb_scores + mb_elementwise / bandwidth
     mb_time = mb_compute + mb_tp + mb_p2p
-    compute = mb_compute * m
+    # Weight gradients accumulated over the step's micro-batches, at the memory bandwidth: torch's AccumulateGrad
+    # adds each micro-batch's gradient into ``.grad`` from the second one on (reads both, writes one: 3 × the
+    # gradient's bytes; Megatron-LM's own DDP adds the first one too, into its ``main_grad`` buffer).
+    accumulate = (m - 1) * 3 * grad_el * n_rank
+    compute = mb_compute * m + accumulate / bandwidth
     bubble = mb_time * (pp - 1) / v if pp > 1 else 0.0
 
     # Data-parallel collectives over the data group (stride t·p), exposed where nothing hides them.
-    grad_bytes = n_rank * 4.0  # reduced in fp32
+    grad_bytes = n_rank * grad_el
     gather_bytes = n_rank * (2.0 if f.amp and not f.half else wbytes)
     stride = tp * pp
     dp_comm, hidden_by = 0.0, 0.0

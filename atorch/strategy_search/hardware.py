@@ -25,11 +25,13 @@
   other two; busbw = algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter),
   each repeat started after a barrier;
 * the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
-  RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks.
+  RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks;
+* the job's nodes: on a multi-node job (torchrun ``--nnodes``) ``gpus_per_node`` is the processes per node
+  (LOCAL_WORLD_SIZE), so ``nodes`` = world size / that; 0 (one node) otherwise.
 
 Rank 0's measurements are what every rank returns (sent as JSON, never pickled), so all ranks plan with
 the same numbers. The measured part is cached as JSON in ``$ATORCH_CACHE_DIR/profiles`` (default
-``~/.cache/atorch/profiles``), keyed by device name, world size, backend, torch version and
+``~/.cache/atorch/profiles``), keyed by device name, world size, ranks per node, backend, torch version and
 ``PROFILE_FORMAT`` (bumped when the measured fields change, so older caches are measured again); the memory
 budget is taken afresh on each call. ``load_profile`` / ``HardwareProfile.from_table`` read a profile
 for a cluster that is not here (see ``profiles/``).
@@ -116,6 +118,11 @@ class HardwareProfile(_Frozen):
     matmul_efficiency: dict[str, float] = {}
     sources: tuple[str, ...] = ()  # where each figure comes from
 
+    @property
+    def nodes(self) -> int:
+        """Nodes of ``world_size`` ranks (``gpus_per_node`` each; 1 when not recorded)."""
+        return self.world_size // self.gpus_per_node if self.gpus_per_node else 1
+
     @classmethod
     def from_table(cls, table: dict[str, Any] | str | Path) -> HardwareProfile:
         """A profile from a table (a dict, or a JSON file) for a cluster that is not here."""
@@ -167,9 +174,13 @@ def profile_dir() -> Path:
     return cache_dir() / "profiles"
 
 
-def cache_path(device_name: str, world_size: int, backend: str) -> Path:
-    key = f"{device_name}|{world_size}|{backend}|{torch.__version__}|format {PROFILE_FORMAT}"
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{device_name}_{world_size}x_{backend}").strip("_")[:80]
+def cache_path(device_name: str, world_size: int, backend: str, per_node: int = 0) -> Path:
+    """Where a measured profile is cached: by device, world size, ranks per node (0: one node), backend, torch
+    and format (4 ranks on one node and 2 nodes × 2 ranks measure different collectives)."""
+    nodes = f"|{world_size // per_node} nodes x {per_node}" if per_node else ""
+    key = f"{device_name}|{world_size}{nodes}|{backend}|{torch.__version__}|format {PROFILE_FORMAT}"
+    shape = f"{world_size // per_node}x{per_node}" if per_node else f"{world_size}x"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", f"{device_name}_{shape}_{backend}").strip("_")[:80]
     return profile_dir() / f"{slug}_{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
 
@@ -347,6 +358,13 @@ def _collective_stats(group: Any, world: int, device: torch.device) -> dict[str,
 
 # ----- the profile ---------------------------------------------------------------------------------------
 
+def ranks_per_node(world_size: int) -> int:
+    """Processes per node of this job: torchrun's LOCAL_WORLD_SIZE (the same on every node), else the whole
+    world (one node). A local world that does not divide the world (uneven nodes) counts as one node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return local if 0 < local < world_size and world_size % local == 0 else world_size
+
+
 def measure_profile(group: Any = None, memory_limit: int | str | None = None, refresh: bool = False) -> HardwareProfile:
     """Measure (or read from the cache) the profile of ``group`` (default: the world); call on all its ranks.
 
@@ -360,8 +378,9 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
     rank = dist.get_rank(group) if distributed else 0
     backend = str(dist.get_backend(group)) if distributed else "none"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    per_node = ranks_per_node(world)
     name = _device_name(device)
-    path = cache_path(name, world, backend)
+    path = cache_path(name, world, backend, per_node if per_node < world else 0)
 
     budget, source = _memory_budget(limit, device, local_world)
     cached = _read_cache(path) if rank == 0 and not refresh else None
@@ -376,6 +395,8 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
     measured = {
         "source": "measured", "device_type": device.type, "device_name": name, "world_size": world,
         "local_world_size": local_world, "backend": backend, "torch_version": torch.__version__,
+        # nodes × ranks per node: the processes of a multi-node job (torchrun --nnodes), for the planner
+        "gpus_per_node": per_node if per_node < world else 0,
         "matmul_tflops": matmul, "matmul_tflops_by_size": matmul_by_size,
         "op_latency_s": _op_latency(device),
         "memory_bytes_per_s": _memory_bandwidth(device),

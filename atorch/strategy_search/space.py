@@ -122,6 +122,8 @@ class SearchSpace:
     "train_step" adds the methods that need ``atorch.train_step``.
     precision: the most the numerics may change: "exact" (the user's dtypes), "mixed" (16-bit compute, fp32
     master weights and optimizer state), "low" (also 16-bit weights and optimizer state: ``half``).
+    ranks_per_node: processes per node of a multi-node job (torchrun's LOCAL_WORLD_SIZE): tensor sizes divide it,
+    so a tensor group (adjacent ranks) stays in a node. None: one node.
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class SearchSpace:
         host_offload: bool = True,
         loop: str = "user",
         precision: Numerics = "mixed",
+        ranks_per_node: int | None = None,
     ) -> None:
         if loop not in ("user", "train_step"):
             raise SetupError([f"loop must be 'user' or 'train_step', got {loop!r}"])
@@ -145,6 +148,8 @@ class SearchSpace:
             raise SetupError([f"precision must be one of {list(NUMERICS_ORDER)}, got {precision!r}"])
         self.loop, self.precision = loop, precision
         self.world_size = world_size
+        # a tensor group stays within a node (its collectives run every layer): tensor sizes divide this
+        self.ranks_per_node = ranks_per_node or world_size
         self.global_batch = global_batch
         self.supported_dtypes = tuple(supported_dtypes)
         self.excluded = frozenset(excluded)
@@ -192,7 +197,8 @@ class SearchSpace:
 
             self.conv1d = has_conv1d(model)
             if not self.conv1d or self._allowed("module_replace"):
-                tensor += [t for t in sizes if not derive_plan(model, TensorParallelConfig(), t).problems]
+                tensor += [t for t in sizes if self.ranks_per_node % t == 0
+                           and not derive_plan(model, TensorParallelConfig(), t).problems]
         pipeline: list[int] = [1]
         if self._allowed("pipeline_parallel") and self.included.isdisjoint({"tensor_parallel"}):
             from atorch.opt_lib.pipeline_split import find_blocks
