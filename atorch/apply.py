@@ -1,4 +1,4 @@
-"""Applying a strategy: one function, every method in one fixed order.
+"""Applying a strategy: one function, every method in the registry's order (``registry.APPLY_ORDER``).
 
 Transformations of the model (module swaps, casts, autocast, recompute, sharding wrappers) do not
 communicate. The steps that do (making the initial weights equal on every rank, DDP's constructor,
@@ -8,6 +8,8 @@ function can transform a model made of fake or meta tensors for the cost model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from atorch.opt_lib.mixed_parallel import expand_mixed
 from atorch.opt_lib.module_replace import replace_registered
 from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
+from atorch.opt_lib.registry import APPLY_ORDER
 from atorch.opt_lib.sharding import broadcast_from_first, shard_model
 from atorch.opt_lib.tensor_data_parallel import replicate_tensor_parallel
 from atorch.opt_lib.tensor_parallel import parallelize
@@ -33,82 +36,123 @@ from atorch.strategy import Strategy
 logger = get_logger(__name__)
 
 
+@dataclass
+class _Build:
+    """What the steps of one apply_strategy share: the context, every method's config, and the choices read from
+    several of them."""
+
+    ctx: ModelContext
+    cfg: dict[str, Any]
+    communicate: bool
+    deepspeed_stage: int | None  # ZeRO through DeepSpeed's engine (zero1 / zero2 with implementation="deepspeed")
+    sharding: Any  # the FSDP2 config (fsdp, or zero2 on FSDP2), or None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        fsdp = self.cfg.get("fsdp")
+        return fsdp is not None and fsdp.reshard_after_forward
+
+
+# Each method's transformation of the model, run in the registry's order (registry.METHOD_MODULES says why each
+# comes where it does). A step returns True when it finished the whole build (DeepSpeed's pipeline engine).
+# parallel_mode (the layout), mixed_parallel (expanded up front) and zero1 (the optimizer, below) have none.
+def _replace_modules(b: _Build, config: Any) -> None:
+    half = b.cfg.get("half")
+    dtype = TORCH_DTYPES[half.dtype] if half is not None else next(b.ctx.model.parameters()).dtype
+    replace_registered(b.ctx, config, dtype)
+
+
+def _split_stages(b: _Build, config: Any) -> None:
+    split_into_stages(b.ctx, config, b.communicate)
+
+
+def _start_ds_pipeline(b: _Build, config: Any) -> bool:
+    if not b.communicate:  # (the cost model measures the model as transformed so far)
+        return False
+    start_ds_pipeline(b.ctx, config)
+    return True
+
+
+def _split_tensors(b: _Build, config: Any) -> None:
+    parallelize(b.ctx, config, b.communicate)
+
+
+def _shard(b: _Build, config: Any) -> None:
+    if config is not b.sharding:  # zero2 through DeepSpeed: its engine shards, after the optimizer is built
+        return
+    ctx, label = b.ctx, "fsdp" if "fsdp" in b.cfg else "zero2"
+    # [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its constructor and
+    # DeepSpeed in its engine; FSDP2 does not, so it happens here. A model on the meta device is initialised
+    # identically on every rank instead (meta_init.py).
+    if b.communicate and config.sync_module_states and ctx.dp_size > 1 and not is_meta(ctx.model):
+        broadcast_from_first(ctx.model, ctx.data_mesh)
+    if "pipeline_parallel" in b.cfg:  # [pipeline] each stage its own FSDP2 root
+        shard_stages(ctx, shard_model, config, reshard_after_forward=b.reshard_after_forward, label=label)
+    else:
+        shard_model(ctx, config, reshard_after_forward=b.reshard_after_forward, label=label)
+
+
+_MODEL_STEPS: dict[str, Callable[[_Build, Any], bool | None]] = {
+    "module_replace": _replace_modules,
+    "pipeline_parallel": _split_stages,
+    "ds_3d_parallel": _start_ds_pipeline,
+    "half": lambda b, config: cast_to_half(b.ctx, config),
+    "fp8": lambda b, config: use_fp8_linears(b.ctx, config),
+    "amp_native": lambda b, config: autocast_forward(b.ctx, config),
+    "tensor_parallel": _split_tensors,
+    "checkpoint": lambda b, config: checkpoint_blocks(b.ctx, config),
+    "fsdp": _shard,
+    "zero2": _shard,
+}
+
+
 def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True) -> None:
-    """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it."""
+    """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it: each method's
+    transformation of the model in the registry's order (``registry.APPLY_ORDER``), then the optimizer and
+    what wraps model and optimizer (DDP or DeepSpeed, loss scaling, the pipeline schedule)."""
     cfg = {item.name: item.config for item in strategy.methods if item.name not in ctx.skipped}
     cfg = expand_mixed(cfg)  # [mixed_parallel] its tensor_parallel and pipeline_parallel, on their dimensions
     ctx.strategy = strategy
-    half, amp = cfg.get("half"), cfg.get("amp_native")
     zero1, zero2, fsdp = cfg.get("zero1"), cfg.get("zero2"), cfg.get("fsdp")
     deepspeed_stage = next(
         (stage for stage, c in ((1, zero1), (2, zero2)) if c is not None and c.implementation == "deepspeed"), None
     )
-    sharding = fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None
+    build = _Build(ctx, cfg, communicate, deepspeed_stage,
+                   sharding=fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None)
 
-    # 0. A model built on the meta device is materialised and initialised identically on every rank,
-    #    here as a whole, or under FSDP2 one unit at a time as it is sharded (meta_init.py).
-    if sharding is None and is_meta(ctx.model):
+    # A model built on the meta device is materialised and initialised identically on every rank, here as a
+    # whole before any step, or under FSDP2 one unit at a time as it is sharded (meta_init.py).
+    if build.sharding is None and is_meta(ctx.model):
         materialise(ctx.model, ctx.env.device)
-    # 1. Module swaps first: every later step sees the replaced modules (Conv1D -> Linear, ...).
-    if "module_replace" in cfg:
-        dtype = TORCH_DTYPES[half.dtype] if half is not None else next(ctx.model.parameters()).dtype
-        replace_registered(ctx, cfg["module_replace"], dtype)
-    # 1a. [ds_3d_parallel] DeepSpeed's pipeline engine takes model and optimizer from here (ds_3d_parallel.py).
-    if "ds_3d_parallel" in cfg and communicate:
-        return start_ds_pipeline(ctx, cfg["ds_3d_parallel"])
-    # 1b. [pipeline] This rank's stages replace the model: every later step sees only them. [communication,
-    #     with communicate=True] tied weights across stages start equal.
-    pipeline = cfg.get("pipeline_parallel")
-    if pipeline is not None:
-        split_into_stages(ctx, pipeline, communicate)
-    # 2. Whole-model dtype before anything captures parameters or their dtype.
-    if half is not None:
-        cast_to_half(ctx, half)
-    # 3. fp8 layers, then autocast around the whole forward (fp8's context runs inside autocast's).
-    if "fp8" in cfg:
-        use_fp8_linears(ctx, cfg["fp8"])
-    if amp is not None:
-        autocast_forward(ctx, amp)
-    # 4a. Tensor parallel splits the plain layers (DTensor) before recompute wraps the blocks and before
-    #     FSDP2 shards over the data dimension (2-D: FSDP2 takes DTensor parameters). [communication, with
-    #     communicate=True] the tensor group first takes its first rank's weights.
-    if "tensor_parallel" in cfg:
-        parallelize(ctx, cfg["tensor_parallel"], communicate)
-    # 4b. Activation recompute wraps the plain blocks, so it ends up inside any sharding unit.
-    if "checkpoint" in cfg:
-        checkpoint_blocks(ctx, cfg["checkpoint"])
-    # 5. [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its
-    #    constructor and DeepSpeed in its engine; FSDP2 does not, so it happens here.
-    #    A model on the meta device is initialised identically on every rank instead (meta_init.py).
-    if communicate and sharding is not None and sharding.sync_module_states and ctx.dp_size > 1 \
-            and not is_meta(ctx.model):
-        broadcast_from_first(ctx.model, ctx.data_mesh)
-    # 6. Data parallel: shard (fsdp, zero2) ...
-    if sharding is not None and pipeline is not None:  # [pipeline] each stage its own FSDP2 root
-        shard_stages(ctx, shard_model, sharding, reshard_after_forward=fsdp is not None and fsdp.reshard_after_forward,
-                     label="fsdp" if fsdp is not None else "zero2")
-    elif sharding is not None:
-        shard_model(ctx, sharding, reshard_after_forward=fsdp is not None and fsdp.reshard_after_forward,
-                    label="fsdp" if fsdp is not None else "zero2")
-    # 7. ... the optimizer over the parameters the model now trains (the user's groups, by name) ...
-    params = _optimizer_params(ctx)
+    for name in APPLY_ORDER:
+        step = _MODEL_STEPS.get(name)
+        if step is not None and name in cfg and step(build, cfg[name]):
+            return
+    _finish(build)
+
+
+def _finish(b: _Build) -> None:
+    """The optimizer over the parameters the model now trains, then what wraps model and optimizer."""
+    ctx, cfg, communicate = b.ctx, b.cfg, b.communicate
+    amp, zero1, pipeline = cfg.get("amp_native"), cfg.get("zero1"), cfg.get("pipeline_parallel")
+    params = _optimizer_params(ctx)  # the user's groups, by name
     if ctx.setup.optim_func is None:  # ATorch's optim_func=None: no optimizer (atorch/no_optimizer.py)
         ctx.optimizer = None
-    elif zero1 is not None and deepspeed_stage is None:
+    elif zero1 is not None and b.deepspeed_stage is None:
         ctx.optimizer = _zero_redundancy(ctx, params)
     else:
         ctx.optimizer = ctx.setup.optim_func(params, **ctx.setup.optim_args)
-    # 8. ... or [communication] replicate with DDP, or hand model and optimizer to DeepSpeed.
-    if communicate and deepspeed_stage is not None:
-        start_deepspeed(ctx, deepspeed_stage)
-    elif communicate and sharding is None and ctx.dp_size > 1 and pipeline is None and "tensor_parallel" in cfg:
+    # [communication] Replicate with DDP, or hand model and optimizer to DeepSpeed.
+    if communicate and b.deepspeed_stage is not None:
+        start_deepspeed(ctx, b.deepspeed_stage)
+    elif communicate and b.sharding is None and ctx.dp_size > 1 and pipeline is None and "tensor_parallel" in cfg:
         replicate_tensor_parallel(ctx)  # [tensor_parallel] replicas of DTensor shards: DDP refuses them, see there
-    elif communicate and sharding is None and ctx.dp_size > 1:
+    elif communicate and b.sharding is None and ctx.dp_size > 1:
         replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
-    # 9. Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
+    # Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
     if amp is not None and ctx.engine is None and ctx.optimizer is not None:  # no optimizer: nothing to scale for
         ctx.grad_scaler = grad_scaler_for(ctx, amp)
-    # 10. [pipeline] The schedule over this rank's (wrapped) stages; train_step runs it.
+    # [pipeline] The schedule over this rank's (wrapped) stages; train_step runs it.
     if pipeline is not None and communicate:
         build_schedule(ctx, pipeline)
 

@@ -28,6 +28,7 @@ import weakref
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,8 +43,9 @@ logger = get_logger(__name__)
 # Wrapper parts followed by a dot: a module's own name keeps a trailing wrapper part (the wrapped module is
 # initialised under a name of its own, apart from its wrapper's).
 _WRAPPER_PARTS = tuple(f"{part}." for part in sorted(WRAPPER_PARTS))
-# Measured while an FSDP2 model is materialised: parameter bytes alive on this rank (tests read it).
-LAST_STATS: dict[str, int] = {}
+# The key of the record ``ShardMaterialiser.finish`` logs its MaterialiseStats under (``record.<key>``), for a
+# handler that wants the figures (the tests read them there).
+STATS_KEY = "atorch_materialise_stats"
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -278,6 +280,16 @@ def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@dataclass(frozen=True)
+class MaterialiseStats:
+    """Parameter bytes alive on this rank while an FSDP2 model is materialised one unit at a time."""
+
+    peak_bytes: int  # full tensors of the unit being made plus the shards already kept
+    peak_full_bytes: int  # full (unsharded) tensors alive at once
+    full_bytes: int  # the whole model's parameter bytes
+    live_full_bytes_after: int  # full tensors still alive once every unit is sharded (0: none leaked)
+
+
 class ShardMaterialiser:
     """Materialise a meta model one FSDP2 unit at a time (call ``before_shard(unit)`` before each
     ``fully_shard``, deepest units first, the root last)."""
@@ -299,16 +311,15 @@ class ShardMaterialiser:
         self.tracker.peak_full = max(self.tracker.peak_full, self.tracker.live)
         self.sharded.add(id(unit))
 
-    def finish(self) -> None:
-        LAST_STATS.clear()
-        LAST_STATS.update(
-            peak_bytes=self.tracker.peak, peak_full_bytes=self.tracker.peak_full, full_bytes=self.full_bytes,
-            live_full_bytes_after=self.tracker.live,
-        )
+    def finish(self) -> MaterialiseStats:
+        """The figures measured while materialising, also logged (``extra``: STATS_KEY) with the summary line."""
+        stats = MaterialiseStats(peak_bytes=self.tracker.peak, peak_full_bytes=self.tracker.peak_full,
+                                 full_bytes=self.full_bytes, live_full_bytes_after=self.tracker.live)
         logger.info(
             "meta model materialised one unit at a time (seed %d): peak %.1f%% of the full model's parameter bytes",
-            self.seed, 100 * self.tracker.peak / max(self.full_bytes, 1),
+            self.seed, 100 * stats.peak_bytes / max(stats.full_bytes, 1), extra={STATS_KEY: stats},
         )
+        return stats
 
 
 def _local_shard_bytes(model: nn.Module) -> int:

@@ -32,6 +32,14 @@ def test_every_method_is_registered_once_in_apply_order() -> None:
         assert method.name == name and method.group in GROUPS and method.summary
 
 
+def test_apply_steps_are_registered_methods() -> None:
+    """apply_strategy runs its model steps in the registry's order: a step under a name the registry does not list
+    would never run."""
+    from atorch import apply
+
+    assert set(apply._MODEL_STEPS) <= set(APPLY_ORDER), set(apply._MODEL_STEPS) - set(APPLY_ORDER)
+
+
 def test_conflict_table_names_registered_methods_only() -> None:
     for rule in RULES:
         assert set(rule.methods) <= set(method_names()), rule

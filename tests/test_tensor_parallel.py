@@ -1,9 +1,10 @@
 """tensor_parallel: plans (the user's, transformers' own, derived), refusals, and training on real processes.
 
-Three launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART, and the family
+Four launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART, and the family
 sweep: Qwen2, OPT, GPT-NeoX, Phi-3, Gemma with one key/value head, Bloom), tensor 2 × data 2 on 4 processes
 (GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also with gradient accumulation
-over 2 micro-batches), and tensor 2 × pipeline 2 on 4 (every family above but ViT). Each scenario
+over 2 micro-batches), tensor 4 on 4 (8 query heads with 1 and 2 key/value heads, replicated over the
+group), and tensor 2 × pipeline 2 on 4 (every family above but ViT). Each scenario
 must train like plain single-process fp32 training from the same weights on the same global batches
 (losses, and the first gradient norm) or be refused with the reason asserted; split layers must hold 1/t of
 their parameters on each rank (1/(t·d) under fsdp).
@@ -50,6 +51,8 @@ SPLIT = {
     "phi3/tp2": ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
     "phi3/tp2[user plan, fused gate_up_proj]": ("mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
     "gemma_1kv/tp2": ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"),
+    "gemma_8h_1kv/tp4": ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"),
+    "llama_8h_2kv/tp4": ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"),
     "gpt_neox/tp2": ("attention.query_key_value.weight", "mlp.dense_4h_to_h.weight"),
     "opt/tp2": ("self_attn.q_proj.weight", "self_attn.out_proj.weight", "fc1.weight"),
 }
@@ -59,13 +62,17 @@ LOGGED = {
     "llama/tp2": ("the model's own (transformers) plan", "kept whole: lm_head, model.embed_tokens"),
     "phi3/tp2": ("the model's own (transformers) plan",),
     "phi3/tp2[user plan, fused gate_up_proj]": ("the user's plan", "rewritten to the model's gather-output styles"),
-    "gemma_1kv/tp2": ("one key/value head replicated in 2 attention layers",),
+    "gemma_1kv/tp2": ("1 key/value head replicated (each over 2 ranks) in 2 attention layers",),
+    "gemma_8h_1kv/tp4": ("1 key/value head replicated (each over 4 ranks) in 2 attention layers",),
+    "llama_8h_2kv/tp4": ("2 key/value heads replicated (each over 2 ranks) in 2 attention layers",),
     "bloom/tp2": ("atorch's derived plan",),
 }
-# Parameters a plan must leave whole: Gemma's one key/value head is replicated over the tensor group.
-WHOLE = {"gemma_1kv/tp2": ("self_attn.k_proj.weight", "self_attn.v_proj.weight")}
-# Ranks per launch group, and the data-parallel size each group's layout gives.
-NPROC = {"tp2": 2, "tp2xdp2": 4}
+# Parameters a plan must leave whole: key/value heads fewer than the ranks are replicated over the tensor group.
+WHOLE = {name: ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+         for name in ("gemma_1kv/tp2", "gemma_8h_1kv/tp4", "llama_8h_2kv/tp4")}
+# Ranks per launch group, and the tensor size of its layout (the data-parallel size is their quotient).
+NPROC = {"tp2": 2, "tp2xdp2": 4, "tp4": 4}
+TENSOR = {"tp2": 2, "tp2xdp2": 2, "tp4": 4}
 
 
 @pytest.fixture(scope="module", params=list(GROUPS))
@@ -94,11 +101,11 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
             torch.tensor(entry["losses"]), torch.tensor(reference), rtol=rtol, atol=atol,
             msg=lambda m, s=scenario, e=entry, r=reference: f"{s} losses {e['losses']} vs reference {r}: {m}",
         )
-        # Memory per rank from local tensors: split layers hold 1/t (tensor 2), 1/(t·d) also under fsdp
-        # (plain data parallel replicates the shards).
-        memory, dp = entry["memory"], entry["dp_size"]
-        assert dp == NPROC[group] // 2, entry
-        parts = 2 * dp if "fsdp" in scenario else 2
+        # Memory per rank from local tensors: split layers hold 1/t, 1/(t·d) also under fsdp (plain data parallel
+        # replicates the shards).
+        memory, dp, t = entry["memory"], entry["dp_size"], TENSOR[group]
+        assert dp == NPROC[group] // t, entry
+        parts = t * dp if "fsdp" in scenario else t
         assert memory["split_global"] > 0 and memory["split_local"] * parts == memory["split_global"], memory
         for suffix in SPLIT.get(scenario, ()):
             assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
@@ -112,11 +119,11 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         if "grad_norm" in entry:  # the first step's gradient norm, before any update (fp32 scenarios)
             torch.testing.assert_close(entry["grad_norm"], report["reference_grad_norm"][model_name],
                                        rtol=FP32_TOL[0], atol=FP32_TOL[1], msg=lambda m, s=scenario: f"{s}: {m}")
-        # The two ranks of a tensor group (adjacent ranks: tensor is listed first, varying fastest) see one batch;
+        # The ranks of a tensor group (adjacent ranks: tensor is listed first, varying fastest) see one batch;
         # data-parallel ranks see different ones.
         sums = entry["batch_sums"]
-        assert all(sums[2 * d] == sums[2 * d + 1] for d in range(dp)), sums
-        assert len({sums[2 * d] for d in range(dp)}) == dp, sums
+        assert all(len(set(sums[t * d:t * (d + 1)])) == 1 for d in range(dp)), sums
+        assert len({sums[t * d] for d in range(dp)}) == dp, sums
         _check_vocabulary_layout(scenario, entry)
 
 
@@ -161,12 +168,17 @@ def test_tensor_by_pipeline_trains_like_the_reference() -> None:
     """Tensor 2 × pipeline 2 on 4 processes, every family of the sweep (GPT-2 with Conv1D replaced automatically,
     Phi-3 with its own gather-output plan, Gemma with one key/value head replicated, T5 and BART split into their
     encoder and decoder) on each stage's copy of the model, against fp32: the 4 training losses and the first
-    gradient norm."""
+    gradient norm; each stage's build checked on one sample, and a wrong plan on the second stage refused."""
     report = run_json(WORKER, "tp2xpp2", nproc=4, timeout=420)
-    assert {m for m, _ in PIPELINED["tp2xpp2"].values()} == set(PIPELINED_SPLIT)
-    for scenario, (model_name, _) in PIPELINED["tp2xpp2"].items():
+    refused = report["scenarios"].pop("refused/fused layer split column-wise on the second stage")
+    # Only the second stage (ranks 2 and 3) splits a layer, wrongly: its build check, run on that stage alone, finds it.
+    assert any(p.startswith("on rank(s) 2, 3 only: ") and "the split stages.0.module.blocks.1 computes other numbers "
+               "than the unsplit one on one sample" in p for p in refused.get("refused", ())), refused
+    assert {m for m, _ in PIPELINED["tp2xpp2"].values()} - {"fused_mlp"} == set(PIPELINED_SPLIT)
+    for scenario, model_name in ((s, m) for s, (m, _) in PIPELINED["tp2xpp2"].items() if s in report["scenarios"]):
         entry = report["scenarios"][scenario]
         assert "error" not in entry and "refused" not in entry, (scenario, entry)
+        assert entry["checked"] == [1.0] * 4, (scenario, entry["checked"])  # every stage's split block checked
         reference = report["reference"][model_name][:len(entry["losses"])]
         assert abs(reference[0] - reference[-1]) > 5 * (FP32_TOL[1] + FP32_TOL[0] * max(map(abs, reference)))
         torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(reference), rtol=FP32_TOL[0],
@@ -206,9 +218,10 @@ def test_llama_family_plan(family: str) -> None:
         assert plan.styles[f"{mlp}.gate_proj"] == plan.styles[f"{mlp}.up_proj"] == "colwise"
         assert plan.styles[f"{mlp}.down_proj"] == "rowwise"
     assert len(plan.styles) == 14  # nothing else: embeddings, norms and the head stay whole
-    # 2 key/value heads do not divide over 4 ranks: refused, with the fix.
-    problems = derive_plan(model, _auto(), 4).problems
-    assert any("2 key/value heads do not divide over tensor size 4" in p for p in problems), problems
+    # 2 key/value heads over 4 ranks: each replicated over 2 of them, the query heads still split.
+    plan = derive_plan(model, _auto(), 4)
+    assert not plan.problems and plan.replicated_kv == [f"model.layers.{i}.self_attn" for i in range(2)], plan
+    assert "model.layers.0.self_attn.k_proj" not in plan.styles and len(plan.styles) == 10
 
 
 def test_bert_plan() -> None:
@@ -436,12 +449,53 @@ def test_one_key_value_head_is_replicated_over_the_tensor_group() -> None:
     assert plan.replicated_kv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert "model.layers.0.self_attn.k_proj" not in plan.styles and "model.layers.0.self_attn.v_proj" not in plan.styles
     assert plan.styles["model.layers.0.self_attn.q_proj"] == "colwise"
-    # Query heads must still divide; 2 key/value heads over 4 ranks are refused (only one is replicated).
+    # Query heads must still divide.
     problems = derive_plan(gemma, _auto(), 8).problems
     assert any("4 attention heads do not divide over tensor size 8" in p for p in problems), problems
-    problems = derive_plan(sm.tiny_llama(), _auto(), 4).problems
-    assert any("2 key/value heads do not divide over tensor size 4; use a tensor size that divides 2 "
-               "(a single key/value head is replicated)" in p for p in problems), problems
+
+
+def test_key_value_heads_that_neither_divide_nor_are_divided_are_refused_with_the_sizes_that_work() -> None:
+    model = _llama_shapes(heads=12, kv_heads=4, hidden=48, intermediate=96)
+    problems = derive_plan(model, _auto(), 6).problems
+    assert any("model.layers.0.self_attn: 4 key/value heads do not divide over tensor size 6, and 6 is not a "
+               "multiple of 4 (fewer key/value heads than ranks are replicated, each over t/4 ranks); use a tensor "
+               "size among [2, 4, 12] for 12 query heads" in p for p in problems), problems
+    assert not derive_plan(model, _auto(), 4).problems  # sharded: one key/value head per rank
+    plan = derive_plan(model, _auto(), 12)  # replicated: each head over 3 ranks
+    assert not plan.problems and plan.replicated_kv == ["model.layers.0.self_attn"], plan
+
+
+def _llama_shapes(heads: int, kv_heads: int, hidden: int = 32, intermediate: int = 64) -> nn.Module:
+    """A one-layer Llama on the meta device (plans read shapes only), head_dim 8."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "t"), [(8, 2, 8), (8, 4, 8), (16, 2, 8), (16, 4, 8), (8, 1, 4),
+                                                      (8, 2, 4), (32, 8, 16)])
+def test_each_rank_uses_the_key_value_head_its_query_heads_read(heads: int, kv_heads: int, t: int) -> None:
+    """The arithmetic of replicated key/value heads at sizes no launch here reaches: rank r holds query heads
+    [r·h/t, (r+1)·h/t) (a colwise q_proj), GQA gives query head j the key/value head j // (h/kv); the head a rank
+    keeps must serve all of its query heads, and each head serves t/kv ranks."""
+    from atorch.opt_lib.tensor_parallel import kv_head_of_rank, valid_tensor_sizes
+
+    per_rank, group = heads // t, heads // kv_heads
+    for rank in range(t):
+        read = {j // group for j in range(rank * per_rank, (rank + 1) * per_rank)}
+        assert read == {kv_head_of_rank(rank, t, kv_heads)}, (rank, read)
+    assert sorted(kv_head_of_rank(r, t, kv_heads) for r in range(t)) == [h for h in range(kv_heads)
+                                                                         for _ in range(t // kv_heads)]
+    assert t in valid_tensor_sizes(heads, kv_heads)
+    assert valid_tensor_sizes(8, 2) == [2, 4, 8] and valid_tensor_sizes(6, 3) == [3, 6]
+    assert valid_tensor_sizes(12, 4) == [2, 4, 12]  # 3 and 6: neither divides 4 nor is a multiple of it
+    plan = derive_plan(_llama_shapes(heads, kv_heads, intermediate=16 * t), _auto(), t)
+    assert not plan.problems and plan.replicated_kv == ["model.layers.0.self_attn"], plan
+    assert plan.notes[-1] == (f"{kv_heads} key/value head{'s' if kv_heads > 1 else ''} replicated (each over "
+                              f"{t // kv_heads} ranks) in 1 attention layers"), plan.notes
 
 
 def test_check_tolerance_follows_the_dtype() -> None:
@@ -451,22 +505,28 @@ def test_check_tolerance_follows_the_dtype() -> None:
     assert tolerance(torch.bfloat16) == tolerance(torch.float16) == 0.1  # capped: a wrong plan is off by ~1
 
 
-def test_cost_model_counts_a_replicated_key_value_head_whole() -> None:
-    """Gemma's one key/value head: its k_proj / v_proj bytes are found, and stay whole per rank in the cost model."""
+def test_cost_model_counts_replicated_key_value_heads_whole() -> None:
+    """Key/value projections with fewer heads than the tensor size: their bytes are found, and stay whole per rank
+    in the cost model (at a tensor size above their head count only)."""
     from test_cost_model import _profile, _stats
 
-    from atorch.opt_lib.tensor_parallel import replicated_kv_bytes
+    from atorch.opt_lib.tensor_parallel import kv_projection_bytes, replicated_kv_bytes
     from atorch.strategy_search.cost_model import predict
 
     gemma = _hf("Gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=8)
     kv = sum(p.numel() * 4 for n, p in gemma.named_parameters() if ".k_proj." in n or ".v_proj." in n)
-    assert replicated_kv_bytes(gemma) == kv > 0 and replicated_kv_bytes(sm.tiny_llama()) == 0
+    assert kv_projection_bytes(gemma) == ((1, kv),) and replicated_kv_bytes(gemma, 2) == kv > 0
+    llama = sm.tiny_llama()  # 4 query heads, 2 key/value heads: split at tensor 2, replicated at 4
+    llama_kv = sum(p.numel() * 4 for n, p in llama.named_parameters() if ".k_proj." in n or ".v_proj." in n)
+    assert (replicated_kv_bytes(llama, 2), replicated_kv_bytes(llama, 4)) == (0, llama_kv)
     strategy = Strategy.load([TP, "tensor_parallel"])
     layout = strategy.layout(2)
     plain = predict(_stats(), strategy, layout, _profile(2), 8).memory.parameters
-    kept = predict(_stats().model_copy(update={"tp_whole_param_bytes": 400}), strategy, layout, _profile(2), 8)
-    # 2000 block bytes over 2 ranks = 1000 + 2000 outside; 400 of them kept whole: 800 + 400 + 2000.
-    assert (plain, kept.memory.parameters) == (3000, 3200)
+    kept = predict(_stats().model_copy(update={"tp_kv_param_bytes": ((1, 400),)}), strategy, layout, _profile(2), 8)
+    split = predict(_stats().model_copy(update={"tp_kv_param_bytes": ((2, 400),)}), strategy, layout, _profile(2), 8)
+    # 2000 block bytes over 2 ranks = 1000 + 2000 outside; 400 of them kept whole: 800 + 400 + 2000. Two
+    # key/value heads divide over 2 ranks: split like the rest.
+    assert (plain, kept.memory.parameters, split.memory.parameters) == (3000, 3200, 3000)
 
 
 def test_the_model_plan_is_found_on_pipeline_stage_copies() -> None:
@@ -498,3 +558,33 @@ def test_derived_plan_on_a_pipeline_stage_names_only_its_own_layers(make: Any) -
         modules = dict(holder.named_modules())
         assert plan.styles and not plan.problems, plan.problems
         assert all(name in modules for name in plan.styles), sorted(set(plan.styles) - set(modules))
+
+
+@pytest.mark.parametrize("make", [sm.tiny_llama, sm.tiny_t5], ids=["llama", "t5"])
+def test_the_build_check_reaches_a_later_stage_block_on_stand_in_hidden_states(make: Any) -> None:
+    """Under pipeline parallel a rank checks the first split block of its own stages: a later stage runs alone on
+    the first sample, its first block taking a fixed random tensor (the same on every rank, the user's random
+    stream untouched) in place of the previous stage's hidden states (T5: the decoder's encoder states)."""
+    from atorch.apply import apply_strategy
+    from atorch.distributed import DistEnv
+    from atorch.model_context import ModelContext, UserSetup
+    from atorch.opt_lib.tp_check import BlockCheck
+    from atorch.parallel_layout import ParallelLayout
+
+    strategy = Strategy.load([("parallel_mode", {"dims": [["pipeline", 2]]}), "pipeline_parallel"])
+    dataset = sm.Seq2SeqDataset() if make is sm.tiny_t5 else sm.TokenDataset()
+    env = DistEnv(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), backend="gloo")
+    setup = UserSetup(model=make(), optim_func=torch.optim.SGD, dataset=dataset, loss_func=sm.hf_loss,
+                      model_input_format="unpack_dict", dataloader_args={"batch_size": 4})
+    ctx = ModelContext(setup, env, ParallelLayout((("pipeline", 2),))).fresh()
+    apply_strategy(ctx, strategy, communicate=False)  # this rank (1) holds the second stage
+    plan = derive_plan(ctx.model, _auto(), 2)
+    state = torch.random.get_rng_state()
+    check = BlockCheck.prepare(ctx, list(plan.styles))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert check is not None and check.name.startswith("stages.0.module.")
+    args, kwargs = check.inputs
+    # Llama: the block's hidden states are the stand-in; T5: the decoder block's encoder states (4th positional).
+    given = args[3] if make is sm.tiny_t5 else args[0] if args else kwargs["hidden_states"]
+    assert torch.equal(given, torch.randn(given.shape, generator=torch.Generator().manual_seed(0))), given
+    assert ctx.model.stages[0].injector.stand_in is None  # left as it was

@@ -116,8 +116,8 @@ class Method(ABC):
     - ``search_role``: how the automatic search offers the method (``SearchRole``), with ``searchable(model)``
       and ``offered_at(partial, space)`` where the model or earlier choices decide.
 
-    A method is data only; ``atorch.apply.apply_strategy`` applies every method, in one fixed order,
-    through the transformation functions next to each method's class.
+    A method is data only; ``atorch.apply.apply_strategy`` applies every method, in the registry's order
+    (``registry.APPLY_ORDER``), through the transformation functions next to each method's class.
     """
 
     name: ClassVar[str]

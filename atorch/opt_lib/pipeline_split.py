@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +212,9 @@ class HiddenInjector:
     def __init__(self, keyword: str = "hidden_states") -> None:
         self.keyword = keyword  # the argument replaced (an encoder-decoder's decoder: encoder_hidden_states)
         self.pending: torch.Tensor | None = None  # set by StageModule for one forward
+        # Where no hidden states were given, made from the tensor they would replace (tensor_parallel's build
+        # check runs a later stage alone on one sample: tp_check.py); None: the stage computes on as it is.
+        self.stand_in: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.given: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -223,6 +226,8 @@ class HiddenInjector:
             raise SetupError(f"pipeline_parallel: the model calls its block {type(module).__name__} without the "
                              f"hidden states as its first argument or as '{self.keyword}', so a later stage cannot "
                              "feed it the previous stage's output; use a pipeline size of 1 for this model")
+        if self.pending is None and self.stand_in is not None and key not in self.given:
+            self.pending = self.stand_in(key)
         if self.pending is not None:
             if tuple(self.pending.shape) != tuple(key.shape):
                 raise SetupError(f"pipeline_parallel: a stage received hidden states of shape "

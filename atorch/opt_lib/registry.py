@@ -13,26 +13,28 @@ from dataclasses import dataclass
 
 from atorch.opt_lib.base import Method, SearchRole
 
-# Every method and its module (in atorch.opt_lib), in the order atorch.apply.apply_strategy applies them (the
-# reason for each step is commented there): layout first; module swaps, then the pipeline split (every later
-# method sees this rank's stages), or DeepSpeed's pipeline engine (it takes model and optimizer from there);
-# dtype changes before anything captures parameters; autocast wraps the forward; tensor parallel splits the plain
-# layers; activation checkpointing wraps the (split) blocks; sharding wraps last; ZeRO-1 changes the optimizer.
-# Listings (the CLI, the docs' tables, Strategy.in_apply_order) follow it. A new method is one line here.
+# Every method and its module (in atorch.opt_lib), in the order atorch.apply.apply_strategy transforms the model
+# with them (it iterates this order; after the last, it builds the optimizer, then DDP or DeepSpeed, loss scaling
+# and the pipeline schedule). Listings (the CLI, the docs' tables, Strategy.in_apply_order) follow it too. A new
+# method is one line here (and its step in apply.py's _MODEL_STEPS if it transforms the model). Why this order:
 METHOD_MODULES: dict[str, str] = {
-    "parallel_mode": "parallel_mode",
-    "module_replace": "module_replace",
+    "parallel_mode": "parallel_mode",  # the layout: read by the build before any step
+    "module_replace": "module_replace",  # module swaps first: every later step sees them (Conv1D -> Linear, ...)
+    # this rank's stages replace the model: every later step sees only them [communication: rank 0's weights,
+    # tied copies equal]
     "pipeline_parallel": "pipeline_parallel",
-    "ds_3d_parallel": "ds_3d_parallel",
-    "half": "precision",
-    "fp8": "fp8",
+    "ds_3d_parallel": "ds_3d_parallel",  # DeepSpeed's pipeline engine takes model and optimizer: the build ends
+    "half": "precision",  # whole-model dtype before anything captures parameters or their dtype
+    "fp8": "fp8",  # fp8 layers, then autocast around the whole forward (fp8's context runs inside autocast's)
     "amp_native": "precision",
+    # splits the plain layers before recompute wraps the blocks and before FSDP2 shards over the data dimension
+    # (2-D: FSDP2 takes DTensor parameters) [communication: the tensor group takes its first rank's weights]
     "tensor_parallel": "tensor_parallel",
-    "mixed_parallel": "mixed_parallel",
-    "checkpoint": "activation_checkpoint",
-    "fsdp": "sharding",
+    "mixed_parallel": "mixed_parallel",  # expanded up front into tensor_parallel and pipeline_parallel
+    "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
+    "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",
-    "zero1": "zero1",
+    "zero1": "zero1",  # changes the optimizer, built after the model steps
 }
 APPLY_ORDER: tuple[str, ...] = tuple(METHOD_MODULES)
 

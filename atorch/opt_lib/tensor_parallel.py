@@ -41,6 +41,7 @@ from atorch.opt_lib.tp_styles import (
     unknown_style,
     vocabulary_layers,
 )
+from atorch.state_names import StagedModel
 
 logger = get_logger(__name__)
 
@@ -81,7 +82,7 @@ class Plan:
     fused_qkv: list[str] = field(default_factory=list)  # GPT-2 style attention modules (c_attn fused q|k|v)
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
     widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
-    replicated_kv: list[str] = field(default_factory=list)  # attentions whose one key/value head stays whole
+    replicated_kv: list[str] = field(default_factory=list)  # attentions with fewer key/value heads than ranks
     source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
     notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
@@ -185,25 +186,54 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
     return plan
 
 
-def replicated_kv_bytes(model: nn.Module) -> int:
-    """Parameter bytes tensor parallel keeps whole on every rank at any tensor size > 1: the k_proj / v_proj of
-    attentions with one key/value head and more query heads (see _uneven_heads; for the cost model)."""
-    total = 0
+def kv_projection_bytes(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """For the cost model: (key/value heads, parameter bytes of their k_proj / v_proj) for the attentions with
+    fewer key/value heads than query heads (GQA), one pair per head count. At a tensor size above the head count
+    those projections stay whole on every rank of the group (see _uneven_heads)."""
+    by_heads: dict[int, int] = {}
     for module in model.modules():
-        head_dim = getattr(module, "head_dim", None)
-        if _has(module, "q_proj", "k_proj", "v_proj") and isinstance(head_dim, int) and head_dim \
-                and _dims(module.k_proj)[1] == head_dim < _dims(module.q_proj)[1]:
-            total += sum(p.numel() * p.element_size() for n in ("k_proj", "v_proj")
-                         for p in getattr(module, n).parameters())
-    return total
+        kv_heads, heads = _head_counts(module) or (0, 0)
+        if kv_heads < heads:
+            by_heads[kv_heads] = by_heads.get(kv_heads, 0) + sum(
+                p.numel() * p.element_size() for n in ("k_proj", "v_proj") for p in getattr(module, n).parameters())
+    return tuple(sorted(by_heads.items()))
+
+
+def replicated_kv_bytes(model: nn.Module, t: int) -> int:
+    """Parameter bytes tensor parallel keeps whole on every rank at tensor size t: the k_proj / v_proj of the
+    attentions with fewer key/value heads than t."""
+    return sum(size for kv_heads, size in kv_projection_bytes(model) if kv_heads < t)
+
+
+def _head_counts(module: nn.Module) -> tuple[int, int] | None:
+    """(key/value heads, query heads) of an attention with q_proj, k_proj, v_proj and a head_dim; else None."""
+    head_dim = getattr(module, "head_dim", None)
+    if not _has(module, "q_proj", "k_proj", "v_proj") or not isinstance(head_dim, int) or not head_dim:
+        return None
+    return _dims(module.k_proj)[1] // head_dim, _dims(module.q_proj)[1] // head_dim
+
+
+def kv_head_of_rank(rank: int, t: int, kv_heads: int) -> int:
+    """The key/value head the query heads of tensor rank ``rank`` read when ``kv_heads`` (fewer than t, dividing
+    it) are replicated over the group. A colwise q_proj gives rank r query heads [r·h/t, (r+1)·h/t); grouped-query
+    attention gives query head j the key/value head j // (h/kv); a group of h/kv query heads spans t/kv ranks."""
+    return rank // (t // kv_heads)
+
+
+def valid_tensor_sizes(heads: int, kv_heads: int) -> list[int]:
+    """Tensor sizes (above 1) an attention of ``heads`` query and ``kv_heads`` key/value heads splits over: the
+    query heads divide, and the key/value heads either divide too or are each replicated over t/kv ranks."""
+    return [t for t in range(2, heads + 1) if heads % t == 0 and (kv_heads % t == 0 or t % kv_heads == 0)]
 
 
 def _explicit_plan(model: nn.Module, patterns: dict[str, Style], source: str = "explicit") -> Plan:
     plan = Plan(source=source)
     names = [n for n, m in model.named_modules() if _dims(m) is not None or isinstance(m, nn.Embedding)]
+    # A pipeline stage holds some of the layers only: the patterns were checked on the whole model.
+    staged = isinstance(model, StagedModel)
     for pattern, style in patterns.items():
         hits = match(names, pattern)
-        if not hits and source == "explicit":
+        if not hits and source == "explicit" and not staged:
             plan.problems.append(f"plan pattern {pattern!r} matches no nn.Linear of the model")
         plan.styles.update({n: style for n in hits})
     return plan
@@ -234,28 +264,35 @@ def _head_attrs(module: nn.Module) -> bool:
 
 def _uneven_heads(model: nn.Module, plan: Plan, t: int) -> None:
     """Attentions (q_proj, k_proj, v_proj and a head_dim) split by head: query heads must divide over the ranks.
-    With fewer key/value heads than ranks (Gemma-2B: one), k_proj / v_proj stay whole on every rank (as
-    Megatron and torchtitan replicate them) and each rank's query heads share that head; other key/value head
-    counts that do not divide are refused."""
+    With fewer key/value heads than ranks (Gemma-2B: one; GQA models at a large tensor size) and t a multiple of
+    their count, k_proj / v_proj stay whole on every rank and each rank uses the head its query heads read (as
+    Megatron and torchtitan replicate them: each head over t/kv ranks); other counts are refused with the tensor
+    sizes that work."""
+    replicated: dict[int, int] = {}  # key/value heads -> attentions
     for name, module in model.named_modules():
-        if not _has(module, "q_proj", "k_proj", "v_proj") or not getattr(module, "head_dim", None):
+        counts = _head_counts(module)
+        if counts is None:
             continue
+        kv_heads, heads = counts
         k_name, q_name = _join(name, "k_proj"), _join(name, "q_proj")
-        kv_heads, heads = _dims(module.k_proj)[1] // module.head_dim, _dims(module.q_proj)[1] // module.head_dim
         if plan.styles.get(q_name) in ("colwise", "local_colwise") and heads % t:
             plan.problems.append(f"{name}: {heads} attention heads do not divide over tensor size {t}; "
                                  f"use a tensor size that divides {heads}")
             continue
         if plan.styles.get(k_name) not in ("colwise", "local_colwise") or kv_heads % t == 0:
             continue
-        if kv_heads == 1 and heads % t == 0 and plan.styles.get(q_name) == plan.styles[k_name]:
+        if t % kv_heads == 0 and heads % t == 0 and plan.styles.get(q_name) == plan.styles[k_name]:
             del plan.styles[k_name], plan.styles[_join(name, "v_proj")]
             plan.replicated_kv.append(name)
+            replicated[kv_heads] = replicated.get(kv_heads, 0) + 1
             continue
-        plan.problems.append(f"{name}: {kv_heads} key/value heads do not divide over tensor size {t}; use a "
-                             f"tensor size that divides {kv_heads} (a single key/value head is replicated)")
-    if plan.replicated_kv:
-        plan.notes.append(f"one key/value head replicated in {len(plan.replicated_kv)} attention layers")
+        plan.problems.append(
+            f"{name}: {kv_heads} key/value heads do not divide over tensor size {t}, and {t} is not a multiple of "
+            f"{kv_heads} (fewer key/value heads than ranks are replicated, each over t/{kv_heads} ranks); use a "
+            f"tensor size among {valid_tensor_sizes(heads, kv_heads)} for {heads} query heads")
+    for kv_heads, count in sorted(replicated.items()):
+        plan.notes.append(f"{kv_heads} key/value head{'s' if kv_heads > 1 else ''} replicated (each over "
+                          f"{t // kv_heads} ranks) in {count} attention layers")
 
 
 def _fused_rewrites(model: nn.Module, plan: Plan) -> None:
@@ -344,13 +381,23 @@ class _SumGradOverTensor(torch.autograd.Function):
         return grad, None
 
 
-def _replicate_kv(attention: nn.Module, t: int, group: Any) -> None:
-    """The one key/value head stays whole on every rank; the rank's h/t query heads all share it."""
+def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any) -> None:
+    """k_proj / v_proj stay whole on every rank; each rank uses the key/value head its h/t query heads read
+    (kv_head_of_rank). The output gradient is summed over the group before the head is taken, so every rank
+    gets the whole projections' gradient, each head's from the ranks that use it."""
+    kv_heads, heads = _head_counts(attention)  # type: ignore[misc]
+    width = attention.head_dim
+    start = kv_head_of_rank(rank, t, kv_heads) * width
+
+    def own_head(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return _SumGradOverTensor.apply(output, group)[..., start:start + width]
+
     for name in ("k_proj", "v_proj"):
-        getattr(attention, name).register_forward_hook(
-            lambda module, args, output: _SumGradOverTensor.apply(output, group))
+        getattr(attention, name).register_forward_hook(own_head)
     if isinstance(getattr(attention, "num_key_value_groups", None), int):
-        attention.num_key_value_groups //= t
+        attention.num_key_value_groups = heads // t  # the rank's query heads share its one key/value head
+    if isinstance(getattr(attention, "num_key_value_heads", None), int):
+        attention.num_key_value_heads = 1
     for attr in ("num_heads", "num_attention_heads"):
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, getattr(attention, attr) // t)
@@ -370,8 +417,6 @@ def _check_problems(ctx: Any, config: TensorParallelConfig) -> str | None:
     """Why the one-block check cannot run on this build, or None."""
     if config.sequence_parallel:
         return "under sequence_parallel the block's input is a sequence shard"
-    if ctx.layout.size("pipeline") > 1:
-        return "a pipeline stage has no sample input of its own"
     return None
 
 
@@ -407,7 +452,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     for name, widths in plan.widths.items():  # [families] BERT, T5, BART
         local_widths(modules[name], widths, t)
     for name in plan.replicated_kv:
-        _replicate_kv(modules[name], t, mesh.get_group())
+        _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group())
     tied = tp_sequence_vocab.is_tied(ctx.model)
     # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)

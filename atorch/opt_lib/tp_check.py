@@ -6,7 +6,8 @@ block (the first holding a split layer) twice on the input it receives for the d
 unsplit, copied before the split, and split, on the tensor group. The output and the gradient of every
 parameter (for a fixed random projection of the output) must agree within a tolerance derived from the
 parameters' dtype; otherwise the build is refused with the figures. Cost: one forward of the model up to
-that block, then one block's forward and backward twice.
+that block, then one block's forward and backward twice. Under pipeline parallel the block is the first split
+one of this rank's stages, reached by running that stage alone (a later stage on stand-in hidden states).
 
 The check draws no numbers from the user's random generators and leaves no gradients behind.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from atorch.log import get_logger
+from atorch.state_names import StagedModel
 
 logger = get_logger(__name__)
 
@@ -71,6 +74,36 @@ def _first_sample(ctx: Any) -> Any:
     return ctx.input_preparer()(batch)
 
 
+def _stage_run(ctx: Any, name: str) -> Callable[[Any], Any] | str:
+    """Under pipeline parallel (ctx.model: this rank's stages), how to run the stage holding block ``name`` on
+    one sample, or why it cannot be. A later stage has no previous stage to receive hidden states from: its first
+    block gets a fixed random tensor of their shape instead (the same on every rank of the tensor group, the
+    user's random stream untouched); what the stage computes around the blocks (masks, positions) is its own."""
+    from atorch.opt_lib.pipeline_split import stage_kwargs
+
+    if not name.startswith("stages."):
+        return "no repeated block of this rank's stages holds a split layer"
+    stage = ctx.model.get_submodule(".".join(name.split(".")[:2]))  # "stages.<i>": a StageModule
+    if stage.children_split and not stage.first:
+        return "a later stage of an nn.Sequential split at its children takes only the previous stage's output"
+    injector = None if stage.first else stage.injector
+
+    def stand_in(like: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
+
+    def run(sample: Any) -> Any:
+        if injector is None:
+            return stage(**stage_kwargs(sample, stage.input_format))
+        injector.stand_in = stand_in
+        try:  # no hidden states given (None): the stand-in is made at the first block
+            return stage(None, **stage_kwargs(sample, stage.input_format))
+        finally:
+            injector.stand_in = None
+
+    return run
+
+
 class BlockCheck:
     """Made before the split (the block's input and an unsplit copy), run after it."""
 
@@ -93,12 +126,17 @@ class BlockCheck:
             held.append((_detached(args), _detached(kwargs)))
             raise _Captured
 
+        run = _stage_run(ctx, name) if isinstance(ctx.model, StagedModel) else \
+            (lambda sample: call_model(ctx.model, sample, ctx.setup.model_input_format))
+        if isinstance(run, str):
+            logger.info("tensor_parallel: build not checked against the unsplit model (%s)", run)
+            return None
         handle = block.register_forward_pre_hook(hook, with_kwargs=True)
         modes = {m: m.training for m in ctx.model.modules()}
         ctx.model.eval()  # no dropout: no random numbers drawn, and the two runs compare
-        try:
-            with torch.no_grad():
-                call_model(ctx.model, _first_sample(ctx), ctx.setup.model_input_format)
+        try:  # (the dataloader's iterator draws its base seed from torch's generator: forked)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                run(_first_sample(ctx))
         except _Captured:
             pass
         finally:

@@ -139,8 +139,9 @@ class ModelStats(_Frozen):
     # saved for backward by the same step's forward under bf16 autocast, 16-bit weight casts left out (the
     # cost model counts those apart: they do not grow with the batch); None where it could not run
     amp_activation_bytes: int | None = None
-    # block parameters tensor parallel keeps whole on every rank (a single key/value head's projections)
-    tp_whole_param_bytes: int = 0
+    # (key/value heads, bytes of their k_proj / v_proj) for attentions with fewer key/value heads than query heads:
+    # tensor parallel keeps those projections whole on every rank at a tensor size above the head count
+    tp_kv_param_bytes: tuple[tuple[int, int], ...] = ()
     blocks: tuple[BlockStats, ...]
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
@@ -704,7 +705,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         if own and (largest_layer is None or own > largest_layer.param_bytes):
             largest_layer = LayerStats(name=name, class_path=class_path(type(module)), param_bytes=own)
 
-    from atorch.opt_lib.tensor_parallel import replicated_kv_bytes
+    from atorch.opt_lib.tensor_parallel import kv_projection_bytes
 
     trainable_bytes = sum(_nbytes(p) for p in trainable)
     param_bytes = sum(_nbytes(p) for p in params)
@@ -730,7 +731,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         activation_bytes=saved.total,
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
         amp_activation_bytes=amp_saved,
-        tp_whole_param_bytes=replicated_kv_bytes(model),
+        tp_kv_param_bytes=kv_projection_bytes(model),
         blocks=block_stats,
         largest_layer=largest_layer,
         largest_activation=saved.largest,

@@ -372,8 +372,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     split = tp * pp
     share = 1.0  # the share of the model's parameters (and, as a proxy, of its matmul FLOPs) on this rank
     if split > 1 and stats.param_bytes:
-        # [tensor_parallel] a single key/value head's projections stay whole on each rank of a tensor group
-        whole = stats.tp_whole_param_bytes * scale if tp > 1 else 0.0
+        # [tensor_parallel] key/value projections with fewer heads than tp stay whole on each rank of the group
+        whole = sum(size for kv_heads, size in stats.tp_kv_param_bytes if kv_heads < tp) * scale
         per_block = whole / max(sum(b.count for b in stats.blocks), 1)
         share = (root_params + (block_params - whole) / split + whole / pp) / (stats.param_bytes * scale)
         trainable, frozen = trainable * share, frozen * share

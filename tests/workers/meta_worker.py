@@ -13,8 +13,10 @@ import os
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
+import dataclasses
 import functools
 import json
+import logging
 from typing import Any
 
 import shard_models as sm
@@ -77,19 +79,38 @@ def max_over_ranks(value: float) -> float:
     return tensor.item()
 
 
+class MaterialiseStatsLog(logging.Handler):
+    """The figures of a one-unit-at-a-time materialisation, from the record atorch logs them with (rank 0 logs
+    at INFO; the report is rank 0's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.found: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stats = getattr(record, meta_init.STATS_KEY, None)
+        if stats is not None:
+            self.found = dataclasses.asdict(stats)
+
+
 def run_scenario(name: str, strategy: list[Any]) -> dict[str, Any]:
     _, make_dataset, loss, input_format = MODELS[name]
     model, dataset = on_meta(name), repeated_batch(make_dataset())
     torch.manual_seed(0)  # rank 0's seed is the one every rank initialises with
-    meta_init.LAST_STATS.clear()
-    _, result, _ = atorch.auto_accelerate(
-        model, torch.optim.SGD, dataset, loss, model_input_format=input_format,
-        optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
-    )
+    stats = MaterialiseStatsLog()
+    logging.getLogger("atorch").addHandler(stats)
+    try:
+        _, result, _ = atorch.auto_accelerate(
+            model, torch.optim.SGD, dataset, loss, model_input_format=input_format,
+            optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False},
+            load_strategy=strategy,
+        )
+    finally:
+        logging.getLogger("atorch").removeHandler(stats)
     entry: dict[str, Any] = {
         "weight_gap": max_over_ranks(weight_gap(result.model, reference(name))),
         "user_model_still_meta": meta_init.is_meta(model),
-        "stats": dict(meta_init.LAST_STATS),
+        "stats": stats.found,
         "whole": sorted(clean(n) for n, p in result.model.named_parameters() if not isinstance(p, DTensor)),
     }
     entry["losses"] = losses_of(result, STEPS, loss, input_format)

@@ -57,11 +57,17 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
                           sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "bloom": sm.Setup(lambda: _hf("Bloom", n_head=4, n_layer=2), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "fused_mlp": sm.Setup(lambda: FusedMLPModel(), sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    # 8 query heads over tensor 4 with fewer key/value heads than ranks: each replicated over 4 / kv ranks
+    "gemma_8h_1kv": sm.Setup(lambda: _hf("Gemma", num_attention_heads=8, num_key_value_heads=1, head_dim=8),
+                             sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "llama_8h_2kv": sm.Setup(lambda: _hf("Llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+                             sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 })
 # The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
 PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
 FUSED_PLAN = ("tensor_parallel", {"plan": {"blocks.*.gate_up": "colwise", "blocks.*.down": "rowwise"}})
 TP2 = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1]]})  # tensor first: adjacent ranks
+TP4 = ("parallel_mode", {"dims": [["tensor", 4], ["data", -1]]})
 LOSS_PARALLEL = ("tensor_parallel", {"loss_parallel": True})
 SEQUENCE_PARALLEL = ("tensor_parallel", {"sequence_parallel": True})
 BOTH = ("tensor_parallel", {"loss_parallel": True, "sequence_parallel": True})
@@ -110,6 +116,10 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/tp2xdp2+module_replace[ddp]": ("gpt2", [TP2, "module_replace", "tensor_parallel"]),
         "llama/tp2xdp2[ddp]+accumulation": ("llama", [TP2, "tensor_parallel"]),
     },
+    "tp4": {
+        "gemma_8h_1kv/tp4": ("gemma_8h_1kv", [TP4, "tensor_parallel"]),
+        "llama_8h_2kv/tp4": ("llama_8h_2kv", [TP4, "tensor_parallel"]),
+    },
 }
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
 TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
@@ -118,6 +128,11 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
                 for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
                           "bart")},
 }
+# A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
+# alone on stand-in hidden states, must refuse it.
+PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
+    TPxPP, ("tensor_parallel", {"plan": {"*blocks.1.gate_up": "colwise", "*blocks.1.down": "rowwise"}}),
+    ("pipeline_parallel", {"schedule": "1f1b"})])
 # Scenarios whose steps each take their batch as this many micro-batches (gradient accumulation).
 MICRO_BATCHES = {"llama/tp2xdp2[ddp]+accumulation": 2}
 
@@ -301,6 +316,11 @@ def run_scenario(model_name: str, strategy: list[Any], micro: int = 1) -> dict[s
 def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     """STEPS training steps under a pipeline layout (the last stage's loss, the same on every rank)."""
     setup = MODELS[model_name]
+    # Every rank's build-check lines (the other ranks log at WARNING only): each stage's check must run.
+    log, check_logger = TensorParallelLog(), logging.getLogger("atorch.opt_lib.tp_check")
+    level = check_logger.level
+    check_logger.setLevel(logging.INFO)
+    check_logger.addHandler(log)
     try:
         _, result, _ = atorch.auto_accelerate(
             make(model_name), torch.optim.SGD, repeated_batch(setup.dataset()), setup.loss,
@@ -309,11 +329,15 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         )
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
+    finally:
+        check_logger.removeHandler(log)
+        check_logger.setLevel(level)
+    checked = gathered(float(any("build checked on one sample" in line for line in log.lines)))
     batches = iter(result.dataloader)
     norms: list[float] = []  # the first step's, after the tied gradients are summed, before the update
     hook = result.optim.optimizer.register_step_pre_hook(lambda *_: norms.append(pipelined_grad_norm(result.model)))
     entry = {"losses": [train_step(result, [next(batches)]).item() for _ in range(STEPS)],
-             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)]}
+             "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)], "checked": checked}
     hook.remove()
     entry["grad_norm"] = norms[0]
     result.close()
