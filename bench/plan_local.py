@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("atorch").setLevel(logging.WARNING)
     sweeps = json.loads(Path(args.sweeps).read_text())
     profile = HardwareProfile.model_validate_json(Path(args.profile).read_text())
-    out = {"search_path": [search_path(name, sweeps, profile) for name in SCENARIOS],
+    kept = [n for n in SCENARIOS if f"{search.SCENARIOS[n]['model']}/{search.SCENARIOS[n]['global_batch']}" in sweeps]
+    out = {"search_path": [search_path(name, sweeps, profile) for name in kept],
            "transformer_terms": transformer_path(sweeps, profile)}
     for row in out["search_path"]:
         print(f"search path, {row['model']} (global batch {row['global_batch']}): {row['candidates']} candidates, "
