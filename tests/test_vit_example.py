@@ -34,15 +34,21 @@ def _example() -> Any:
     return module
 
 
-def reference_first_loss() -> float:
-    """The untrained model's loss on the first global batch (samples 0..31), in this one process."""
+def _untrained_loss(samples: int, loss: Any = None) -> float:
+    """The untrained tiny ViT's loss on samples 0..samples-1 (the model's own, or ``loss(batch, output)``)."""
     ex = _example()
     model = ex.build_vit("tiny", seed=0)
     data = ex.SyntheticCIFAR(4096, seed=1)
-    items = [data[i] for i in range(32)]
+    items = [data[i] for i in range(samples)]
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     with torch.no_grad():
-        return float(model(**batch).loss)
+        output = model(**batch)
+        return float(output.loss if loss is None else loss(ex)(batch, output))
+
+
+def reference_first_loss() -> float:
+    """The untrained model's loss on the first global batch (samples 0..31), in this one process."""
+    return _untrained_loss(32)
 
 
 def results(*args: str, nproc: int, timeout: float) -> dict[str, dict[str, Any]]:
@@ -109,13 +115,7 @@ RECIPE_RTOL = 1e-4
 def reference_recipe_first_loss() -> float:
     """The first step's loss under the recipe: label-smoothed cross-entropy over samples 0..63 (2 micro-batches
     of the global batch of 32), in one process."""
-    ex = _example()
-    model = ex.build_vit("tiny", seed=0)
-    data = ex.SyntheticCIFAR(4096, seed=1)
-    items = [data[i] for i in range(64)]
-    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-    with torch.no_grad():
-        return float(ex.smoothed_loss(0.1)(batch, model(**batch)))
+    return _untrained_loss(64, lambda ex: ex.smoothed_loss(0.1))
 
 
 @pytest.mark.distributed
