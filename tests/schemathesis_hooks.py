@@ -1,9 +1,11 @@
 """schemathesis hooks for tests/test_server.py: besides each generated body, the same body with one of its
 numbers made NaN, Infinity or -Infinity (JSON's non-standard tokens, as Python's json writes them), so that
-every float field of every route meets a non-finite value."""
+every float field of every route meets a non-finite value. Those bodies go as the bytes Python's json writes
+(schemathesis's own JSON encoder refuses non-finite numbers)."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -35,5 +37,6 @@ def _with(body: Any, path: tuple, value: float) -> Any:
 
 @schemathesis.hook
 def flatmap_body(context: Any, body: Any) -> Any:
-    variants = [_with(body, path, value) for path in _paths(body)[:MAX_LEAVES] for value in NON_FINITE]
+    variants = [json.dumps(_with(body, path, value)).encode()
+                for path in _paths(body)[:MAX_LEAVES] for value in NON_FINITE]
     return st.sampled_from([body, *variants])

@@ -436,6 +436,10 @@ class Studies:
             expires = now + lease
             if not untaken:
                 return _answer(None, EXHAUSTED, [], None)
+            if not any(table.fits(pred := table.prediction(k), state.budget, state.correction(k)) or "error" in pred
+                       for k in untaken):  # each would be told predicted_oom, one trial at a time: answered at once
+                return _answer(None, f"exhausted: none of the {len(untaken)} candidates left is predicted to fit the "
+                                     f"memory budget ({state.budget / 2**20:.1f} MiB)", [], None)
             told: list[dict[str, Any]] = []
             state.on_trial = told.append
             direct = len(untaken) * DIRECT_FRACTION <= len(table.keys)
