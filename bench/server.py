@@ -1,11 +1,13 @@
 """Strategy server load against what the machine and the storage can do, measured in the same run.
 
 The server runs as ``atorch serve`` in its own process on 127.0.0.1; each client is a thread with its own httpx
-connection doing ask -> tell in a closed loop (the measurement itself is instant), on a fresh study of a synthetic
-table of 4096 candidates, all within the budget. Per storage and client count it reports ask and tell p50/p99,
-``/healthz`` p99 polled every 20 ms while the load runs, requests/s, and errors, duplicate and lost trials
-(checked in the study afterwards); and the same ask/tell sequence called in-process on Optuna directly (the
-same storage, the same number of threads, no HTTP: the floor of the storage itself).
+connection doing ask -> tell in a closed loop (the measurement itself is instant, and equal to the prediction), on
+a fresh study of a synthetic table of 4096 candidates, all within the budget. Per storage and client count it
+reports ask and tell p50/p99, ``/healthz`` p99 polled every 20 ms while the load runs, requests/s, and errors,
+duplicate and lost trials (checked in the study afterwards); and the same ask/tell sequence called in-process on
+Optuna directly (the same storage, the same number of threads, no HTTP: the floor of the storage itself).
+``--journal`` adds that sequence on a JournalStorage over the same database; ``--statements`` counts SQL
+statements per pair instead.
 
     python bench/server.py                                  # SQLite (a file in a temp dir)
     python bench/server.py --postgres "$(bash scripts/postgres.sh)" --json results.json
@@ -102,7 +104,10 @@ def over_http(url: str, clients: int, pairs: int, tbl: dict) -> dict:
         t1 = time.perf_counter()
         if p["number"] is None:
             raise RuntimeError(f"stopped: {p['stop']}")
-        c.tell(name, p["number"], {"status": "ok", "samples_per_s": 1.0 + p["number"], "peak_memory_bytes": 1e6})
+        # The measurement is the prediction: no candidate is ruled out as hopelessly slow on the way, so each ask
+        # creates one trial, as in the in-process sequence.
+        c.tell(name, p["number"], {"status": "ok", "samples_per_s": p["predicted"]["samples_per_s"],
+                                   "peak_memory_bytes": 1e6})
         return t1 - t0, time.perf_counter() - t1
 
     poller = threading.Thread(target=poll)
@@ -123,15 +128,55 @@ def over_http(url: str, clients: int, pairs: int, tbl: dict) -> dict:
             "left_running": sum(t["state"] == "RUNNING" for t in trials)}
 
 
-def in_process(storage: str, clients: int, pairs: int, tbl: dict) -> dict:
-    """The same ask/tell sequence on Optuna directly: ask, suggest the point, set its attributes, tell."""
+class SQLJournal:
+    """A ``BaseJournalBackend`` on a SQLAlchemy database (Optuna ships file and Redis ones): one row per
+    journal entry, numbered in commit order (an append locks the table, so no reader sees entry n + 1 before
+    entry n). Made here to measure what a JournalStorage on the server's database would sustain (``--journal``);
+    the server does not use it."""
+
+    def __init__(self, url: str) -> None:
+        import sqlalchemy as sa
+
+        self.sa, self.engine = sa, sa.create_engine(url)
+        self.table = f"journal_{uuid.uuid4().hex[:8]}"
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"create table {self.table} (n integer primary key, entry text not null)"))
+
+    def read_logs(self, log_number_from: int) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(self.sa.text(f"select entry from {self.table} where n >= :n order by n"),
+                                {"n": log_number_from}).scalars().all()
+        return [json.loads(r) for r in rows]
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        with self.engine.begin() as conn:
+            if self.engine.dialect.name == "postgresql":
+                conn.execute(self.sa.text(f"lock table {self.table} in exclusive mode"))
+            else:
+                conn.execute(self.sa.text(f"delete from {self.table} where n < 0"))  # SQLite: take the write lock
+            n = conn.execute(self.sa.text(f"select coalesce(max(n) + 1, 0) from {self.table}")).scalar()
+            conn.execute(self.sa.text(f"insert into {self.table} (n, entry) values (:n, :e)"),
+                         [{"n": n + i, "e": json.dumps(log)} for i, log in enumerate(logs)])
+
+    def drop(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(self.sa.text(f"drop table {self.table}"))
+        self.engine.dispose()
+
+
+def in_process(storage: str, clients: int, pairs: int, tbl: dict, journal: bool = False) -> dict:
+    """The same ask/tell sequence on Optuna directly: ask, suggest the point, set its attributes, tell (on the
+    RDB storage; with ``journal``, on a JournalStorage over ``SQLJournal`` in the same database)."""
     import optuna
 
     from atorch.strategy_search.candidates import CandidateTable, point_key
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cand = CandidateTable.from_json(tbl)
-    study = optuna.create_study(storage=storage, study_name=f"floor-{uuid.uuid4().hex[:8]}", direction="maximize",
+    cand.to_params(cand.points[0])  # builds its walk index before the threads share it (the build is not thread-safe)
+    backend = SQLJournal(storage) if journal else None
+    on = optuna.storages.JournalStorage(backend) if backend is not None else storage
+    study = optuna.create_study(storage=on, study_name=f"floor-{uuid.uuid4().hex[:8]}", direction="maximize",
                                 sampler=optuna.samplers.TPESampler(n_startup_trials=5000))
     number = itertools.count()
 
@@ -148,8 +193,75 @@ def in_process(storage: str, clients: int, pairs: int, tbl: dict) -> dict:
         return t1 - t0, time.perf_counter() - t1
 
     asks, tells, errors, wall = closed_loop(clients, pairs, pair, lambda: None)
-    optuna.delete_study(study_name=study.study_name, storage=storage)
-    return {"inproc_requests_per_s": 2 * len(asks) / wall, "inproc_errors": len(errors)}
+    prefix = "journal_inproc" if journal else "inproc"
+    if backend is not None:
+        backend.drop()
+    else:
+        optuna.delete_study(study_name=study.study_name, storage=storage)
+    return {f"{prefix}_requests_per_s": 2 * len(asks) / wall, f"{prefix}_errors": len(errors)}
+
+
+def statements(storage: str, pairs: int, tbl: dict) -> dict:
+    """SQL statements and commits per ask + tell pair (a SQLAlchemy event listener on the engine): the server's
+    ``Studies`` called in this process (no HTTP), and the in-process floor's sequence, on the same storage. Each
+    tell reports the candidate's predicted samples/s, so no candidate is skipped and every pair is one trial."""
+    import optuna
+    from sqlalchemy import event
+
+    from atorch.server.store import Studies
+    from atorch.strategy_search.candidates import CandidateTable, point_key
+
+    def counting(engine: Any) -> dict[str, int]:
+        counts = {"statements": 0, "commits": 0}
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def _statement(*_: Any) -> None:
+            counts["statements"] += 1
+
+        @event.listens_for(engine, "commit")
+        def _commit(*_: Any) -> None:
+            counts["commits"] += 1
+
+        return counts
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    studies = Studies(storage)
+    name = studies.create(f"sql-{uuid.uuid4().hex[:8]}", tbl, {"memory_budget": 1e9, "sampler": "tpe",
+                                                                "max_trials": 10_000, "top_k": 0, "seed": 1,
+                                                                "lease_s": 600.0})["study_key"]
+
+    def server_pair() -> None:
+        p = studies.ask(name, None)
+        studies.tell(name, p["number"], {"status": "ok", "samples_per_s": p["predicted"]["samples_per_s"],
+                                         "peak_memory_bytes": 1e6, "reason": ""})
+
+    rdb = optuna.storages.RDBStorage(storage)
+    cand = CandidateTable.from_json(tbl)
+    study = optuna.create_study(storage=rdb, study_name=f"sql-floor-{uuid.uuid4().hex[:8]}", direction="maximize",
+                                sampler=optuna.samplers.TPESampler(n_startup_trials=5000, seed=1))
+
+    def floor_pair() -> None:
+        trial = study.ask()
+        point = cand.suggest(trial)
+        trial.set_user_attr("key", point_key(point))
+        trial.set_user_attr("lease_expires", time.time() + 600)
+        trial.set_user_attr("measured", {"status": "ok", "samples_per_s": 1.0})
+        trial.set_user_attr("status", "ok")
+        study.tell(trial, 1.0)
+
+    row = {}
+    for label, engine, pair in (("server", studies.rdb.engine, server_pair), ("in_process", rdb.engine, floor_pair)):
+        for _ in range(5):  # warm: connections, caches
+            pair()
+        counts = counting(engine)
+        for _ in range(pairs):
+            pair()
+        row.update({f"{label}_{k}_per_pair": v / pairs for k, v in counts.items()})
+    studies.delete(name)
+    studies.close()
+    optuna.delete_study(study_name=study.study_name, storage=rdb)
+    rdb.engine.dispose()
+    return row
 
 
 def main() -> int:
@@ -160,6 +272,10 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=160, help="ask+tell pairs per run")
     parser.add_argument("--storages", nargs="+", default=["sqlite", "postgresql"])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--journal", action="store_true",
+                        help="also run the in-process sequence on a JournalStorage over the same database")
+    parser.add_argument("--statements", action="store_true",
+                        help="only count SQL statements and commits per ask + tell pair (server vs in-process)")
     args = parser.parse_args()
     tbl = table()
     results = []
@@ -168,6 +284,14 @@ def main() -> int:
         for name in args.storages:
             if not urls.get(name):
                 continue
+            if args.statements:
+                row = {"storage": name, **statements(urls[name], 30, tbl)}
+                results.append(row)
+                print(f"{name:10s} SQL per ask + tell pair: server {row['server_statements_per_pair']:.1f} statements, "
+                      f"{row['server_commits_per_pair']:.1f} commits | in-process "
+                      f"{row['in_process_statements_per_pair']:.1f} statements, "
+                      f"{row['in_process_commits_per_pair']:.1f} commits", flush=True)
+                continue
             server = ProcessServer(urls[name]).start()
             try:
                 over_http(server.url, 1, 5, tbl)  # warm-up: connections, table parse
@@ -175,6 +299,8 @@ def main() -> int:
                     row = {"storage": name, "clients": clients, "load_average": os.getloadavg()[0],
                            **over_http(server.url, clients, args.pairs, tbl)}
                     row.update(in_process(urls[name], clients, args.pairs, tbl))
+                    if args.journal:
+                        row.update(in_process(urls[name], clients, args.pairs, tbl, journal=True))
                     row["vs_in_process"] = row["requests_per_s"] / row["inproc_requests_per_s"]
                     results.append(row)
                     print(f"{name:10s} {clients:3d} clients: ask p50 {row['ask_p50_ms']:6.1f} p99 "
@@ -183,7 +309,9 @@ def main() -> int:
                           f"{row['healthz_p99_ms']:6.1f} ms | {row['requests_per_s']:6.1f} req/s "
                           f"({row['vs_in_process']:.2f}x in-process {row['inproc_requests_per_s']:.1f}) | errors "
                           f"{row['errors']} twice {row['twice_measured']} lost {row['lost']} extra trials "
-                          f"{row['extra_trials']}", flush=True)
+                          f"{row['extra_trials']}"
+                          + (f" | journal in-process {row['journal_inproc_requests_per_s']:.1f} req/s "
+                             f"({row['journal_inproc_errors']} errors)" if args.journal else ""), flush=True)
             finally:
                 server.kill()
     if args.json:

@@ -9,6 +9,7 @@ import json
 import sqlite3
 import threading
 import time
+import uuid
 
 import httpx
 import optuna
@@ -167,33 +168,59 @@ def test_a_failed_commit_is_a_503_that_changes_nothing_and_the_retry_stores_it(t
         server.kill()
 
 
+def _drop_connections(admin, app: str) -> int:
+    """Terminate the PostgreSQL sessions of one server (its ``application_name``, from $PGAPPNAME): never another
+    suite's, on a cluster shared with it."""
+    import sqlalchemy as sa
+
+    with admin.connect() as conn:
+        return conn.execute(sa.text("select count(pg_terminate_backend(pid)) from pg_stat_activity "
+                                    "where application_name = :app and pid <> pg_backend_pid()"),
+                            {"app": app}).scalar()
+
+
 def test_a_dropped_postgresql_connection_loses_no_acknowledged_tell(table) -> None:
-    """Every server connection to PostgreSQL is terminated between asks and tells: requests answer 503 or go
-    through on a fresh connection, the client's retries store every result once, and kill -9 keeps them."""
+    """Every connection of the server to PostgreSQL is terminated between asks and tells: requests answer 503 or
+    go through on a fresh connection, the client's retries store every result once, and kill -9 keeps them. Then
+    the restarted server's connections are dropped again, its advisory session (the study locks) included: a
+    DELETE is a 204 (its commit stands; releasing the lock of a dropped session is no error: not a 503 whose
+    retry is a 404), the server opens a new advisory session for the next study and takes its other study's lock
+    again (a second server is refused it)."""
     import sqlalchemy as sa
 
     storage = postgres_or_skip()
+    app = f"atorch-test-{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(storage, isolation_level="AUTOCOMMIT")
-    server = ProcessServer(storage).start()
-    name = None
+    server = ProcessServer(storage, env={"PGAPPNAME": app}).start()
+    names: list[str] = []
     try:
         client = StrategyClient(server.url)
         name = client.create_study(f"pg-{time.time_ns()}", table, BUDGET, max_trials=8)["study_key"]
+        names.append(name)
         acked = {}
         for _ in range(4):
             p = client.ask(name)
-            with admin.connect() as conn:
-                dropped = conn.execute(sa.text(
-                    "select count(pg_terminate_backend(pid)) from pg_stat_activity "
-                    "where datname = current_database() and pid <> pg_backend_pid()")).scalar()
-            assert dropped >= 1
+            assert _drop_connections(admin, app) >= 1
             told = client.tell(name, p["number"], run_of(p["point"]))
             assert not told["already_told"]
             acked[p["number"]] = told["record"]
         _acknowledged_tells_survive(server, storage, name, acked)
+        other = client.create_study(f"pg-other-{time.time_ns()}", table, BUDGET)["study_key"]
+        names.append(other)
+        assert _drop_connections(admin, app) >= 2  # the pool's and the advisory session
+        r = httpx.delete(f"{server.url}/v1/studies/{name}", timeout=30)
+        assert r.status_code == 204, (r.status_code, r.text)
+        names.remove(name)
+        assert httpx.get(f"{server.url}/v1/studies/{name}", timeout=30).status_code == 404
+        names.append(client.create_study(f"pg-third-{time.time_ns()}", table, BUDGET)["study_key"])
+        with ThreadServer(storage) as second:
+            r = httpx.post(f"{second.url}/v1/studies/{other}/ask", json={}, timeout=30)
+            assert r.status_code == 409 and "another atorch server" in r.text, (r.status_code, r.text)
+        assert client.ask(other)["number"] is not None
     finally:
-        if name is not None and server.proc is not None:
-            StrategyClient(server.url).delete(name)
+        if server.proc is not None:
+            for left in names:
+                StrategyClient(server.url).delete(left)
         server.kill()
         admin.dispose()
 

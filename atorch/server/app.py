@@ -39,6 +39,13 @@ API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
 RETRY_AFTER_S = 1
 StudyKey = Path(pattern=models.STUDY_KEY, description="the study's name (PUT answers it as ``study_key``)")
+# OpenAPI links (what a client, or schemathesis's stateful phase, calls next with a value from an answer): the
+# routes that take the name a PUT answers, and the tell of the trial an ask answers.
+_BY_NAME = {"study_key": "$response.body#/study_key"}
+STUDY_LINKS = {op: {"operationId": op, "parameters": _BY_NAME}
+               for op in ("ask", "get_study", "trials", "best", "store_best", "contenders", "delete_study")}
+ASK_LINKS = {"tell": {"operationId": "tell", "parameters": {"study_key": "$request.path.study_key",
+                                                            "number": "$response.body#/number"}}}
 
 
 class BodyLimit:
@@ -151,7 +158,8 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
 
     v1 = [Depends(auth)]
 
-    @app.put("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"])
+    @app.put("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"],
+             operation_id="create_study", responses={200: {"links": STUDY_LINKS}})
     def create_study(body: models.CreateStudy, study_key: str = StudyKey) -> dict[str, Any]:
         """Create-or-get (idempotent) the study of this key for this table (the space and the hardware's
         predictions): its name, answered as ``study_key``, is the key plus the table's digest; the other routes
@@ -161,33 +169,36 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
         except ValueError as exc:
             raise HTTPException(422, f"table: {exc}") from exc
 
-    @app.get("/v1/studies", dependencies=v1, tags=["studies"])
+    @app.get("/v1/studies", dependencies=v1, tags=["studies"], operation_id="list_studies")
     def list_studies() -> list[str]:
         return studies.names()
 
-    @app.get("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"])
+    @app.get("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"],
+             operation_id="get_study")
     def get_study(study_key: str = StudyKey,
                   memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         return studies.info(study_key, memory_budget)
 
-    @app.delete("/v1/studies/{study_key}", status_code=204, dependencies=v1, tags=["studies"])
+    @app.delete("/v1/studies/{study_key}", status_code=204, dependencies=v1, tags=["studies"],
+                operation_id="delete_study")
     def delete_study(study_key: str = StudyKey) -> None:
         studies.delete(study_key)
 
-    @app.post("/v1/studies/{study_key}/ask", response_model=models.AskResponse, dependencies=v1, tags=["search"])
+    @app.post("/v1/studies/{study_key}/ask", response_model=models.AskResponse, dependencies=v1, tags=["search"],
+              operation_id="ask", responses={200: {"links": ASK_LINKS}})
     def ask(body: models.AskRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """The next candidate to measure (a trial number, its point and a lease), or why to stop."""
         return studies.ask(study_key, body.lease_s, body.memory_budget)
 
     @app.post("/v1/studies/{study_key}/trials/{number}/tell", response_model=models.TellResponse,
-              dependencies=v1, tags=["search"])
+              dependencies=v1, tags=["search"], operation_id="tell")
     def tell(body: models.TellRequest, study_key: str = StudyKey,
              number: int = Path(ge=0, le=2**31 - 1)) -> dict[str, Any]:
         """A measured result or failure, answered once committed; telling a finished trial again changes nothing."""
         return studies.tell(study_key, number, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/contenders", response_model=models.Contenders, dependencies=v1,
-             tags=["search"])
+             tags=["search"], operation_id="contenders")
     def contenders(study_key: str = StudyKey,
                    within: float = Query(ge=0, lt=1, allow_inf_nan=False),
                    memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
@@ -195,24 +206,27 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
         return studies.contenders(study_key, within, memory_budget)
 
     @app.post("/v1/studies/{study_key}/confirm", response_model=models.ConfirmResponse, dependencies=v1,
-              tags=["search"])
+              tags=["search"], operation_id="confirm")
     def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
         """A second measurement of a measured candidate: its faster run counts, and the best is chosen again."""
         return studies.confirm(study_key, body.key, body.measured.to_json(), body.memory_budget)
 
-    @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
+    @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"],
+             operation_id="best")
     def best(study_key: str = StudyKey,
              memory_budget: float | None = Query(None, gt=0, allow_inf_nan=False)) -> dict[str, Any]:
         """The stored best strategy, if it fits ``memory_budget`` (default: the study's)."""
         return {"best": studies.best(study_key, memory_budget)}
 
-    @app.put("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"])
+    @app.put("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"],
+             operation_id="store_best")
     def store_best(body: models.StoreBest, study_key: str = StudyKey) -> dict[str, Any]:
         """Store the best measured feasible trial as the study's answer (what later jobs get)."""
         extra = {"strategy": body.strategy} if body.strategy else None
         return {"best": studies.store_best(study_key, extra, body.memory_budget)}
 
-    @app.get("/v1/studies/{study_key}/trials", response_model=list[models.Trial], dependencies=v1, tags=["search"])
+    @app.get("/v1/studies/{study_key}/trials", response_model=list[models.Trial], dependencies=v1, tags=["search"],
+             operation_id="trials")
     def trials(study_key: str = StudyKey) -> list[dict[str, Any]]:
         return studies.trials(study_key)
 

@@ -53,11 +53,14 @@ class StrategyClient:
         try:
             response = self.http.request(method, path, json=body, params=params)
             # 503: the server stored nothing (its storage failed, or the study was busy): the same request again
+            retried = False
             for _ in range(RETRIES_503):
                 if response.status_code != 503:
                     break
                 time.sleep(min(30.0, float(response.headers.get("retry-after", "1") or 1)))
-                response = self.http.request(method, path, json=body, params=params)
+                response, retried = self.http.request(method, path, json=body, params=params), True
+            if retried and method == "DELETE" and response.status_code == 404:
+                return None  # a 503 whose deletion was committed as the database connection dropped: done
         except httpx.HTTPError as exc:
             raise SetupError(
                 f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); start it with "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from atorch.strategy_search import outcome
 from atorch.strategy_search.outcome import Predicted
@@ -31,7 +31,7 @@ class Table(BaseModel):
     points: list[dict[str, Scalar]] = Field(min_length=1, max_length=MAX_POINTS)
     predictions: list[Prediction] = Field(min_length=1, max_length=MAX_POINTS)
     global_batch: int = Field(gt=0)
-    details: list[dict[str, Any]] | None = Field(None, max_length=MAX_POINTS)
+    details: list[dict[str, JsonValue]] | None = Field(None, max_length=MAX_POINTS)  # JsonValue: NaN refused too
 
     @model_validator(mode="after")
     def _aligned(self) -> Table:
@@ -132,7 +132,7 @@ class ConfirmResponse(BaseModel):
 
 class StoreBest(BaseModel):
     model_config = STRICT
-    strategy: dict[str, Any] | None = None
+    strategy: dict[str, JsonValue] | None = None
     memory_budget: float | None = BUDGET_FIELD
 
 

@@ -5,9 +5,12 @@ server holds nothing the storage does not (optuna-dashboard and ``atorch search-
 and a request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with
 Retry-After) and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's
 ``tell`` committed the trial's state, its last write: until then the trial is RUNNING, and a retried tell
-stores it. The only things kept in memory are the per-study locks and the candidate tables, which never
-change for a study: its name ends with a digest of its space (the table's points and global batch:
-``study_name``), so a job with another space under the same key gets another study. The hardware is in the
+stores it. Within one request, what it read is not read again (``RequestMemo``: Optuna reads a told trial six
+times); nothing read outlives the request. Kept between requests: the per-study locks (``Turns``: first come,
+first served), each study's sampler (what it derives from the trials is updated from those it reads on each
+ask, not rebuilt) and the candidate tables, which never change for a study: its name ends with a digest of its
+space (the table's points and global batch: ``study_name``), so a job with another space under the same key gets
+another study. The hardware is in the
 key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
 budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures
 for one machine vary a little between runs: they must not split the study). The memory budget is the
@@ -28,6 +31,7 @@ first touched; a second server asking for it gets ``StudyBusy`` (409).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -41,6 +45,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from atorch.server.memo import RequestMemo
 from atorch.strategy_search.ask_tell import SearchState, make_sampler
 from atorch.strategy_search.candidates import CandidateTable, family_key, is_baseline, point_key
 
@@ -133,11 +138,43 @@ def _storage_errors() -> Iterator[None]:
         raise Unavailable(f"the storage failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
 
 
+class Turns:
+    """A lock whose waiters get it in the order they came (``threading.Lock`` wakes any one of them: under 32
+    clients a request could wait many times the median while later ones went first)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._queue: collections.deque[threading.Event] = collections.deque()
+        self._held = False
+
+    def acquire(self, timeout: float) -> bool:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return True
+            turn = threading.Event()
+            self._queue.append(turn)
+        if turn.wait(timeout):
+            return True
+        with self._mutex:
+            if turn.is_set():  # handed over as the wait ran out
+                return True
+            self._queue.remove(turn)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._queue:
+                self._queue.popleft().set()  # handed over: still held
+            else:
+                self._held = False
+
+
 class _Open:
     """One request's view of a study: what the storage holds now (its trials, config and SearchState)."""
 
     def __init__(self, studies: Studies, name: str, budget: float | None = None) -> None:
-        storage = studies.storage
+        storage = studies.memo
         try:
             self.sid = storage.get_study_id_from_name(name)
         except KeyError:
@@ -151,8 +188,7 @@ class _Open:
         self.study = optuna.Study(study_name=name, storage=storage)
         self.trials = self.study.get_trials(deepcopy=False)
         cfg = self.config
-        # Seeded by the trial count, so a sampler rebuilt for each request does not repeat itself.
-        self.study.sampler = make_sampler(cfg["sampler"], cfg["max_trials"], cfg["seed"] + len(self.trials))
+        self.study.sampler = studies.sampler(name, self.sid, cfg, len(self.trials))
         self.budget = float(budget if budget is not None else cfg["memory_budget"])
         self.state = SearchState(self.study, self.table, self.budget, storage=storage,
                                  max_asks=10**9, trials=self.trials)  # bounded by time and by the table
@@ -194,12 +230,15 @@ class Studies:
         self.rdb = open_storage(storage, busy_timeout_s)
         # What optuna.load_study uses: finished trials are read once and kept; the rest is read on each call.
         self.storage = optuna.storages.get_storage(self.rdb)
+        self.memo = RequestMemo(self.storage)  # what requests read through (``RequestMemo.request``)
         self.clock, self.ask_cap_s, self.busy_timeout_s = clock, ask_cap_s, busy_timeout_s
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, Turns] = {}
         self._tables: dict[str, CandidateTable] = {}  # by study name (whose digest fixes its table)
+        self._samplers: dict[tuple[Any, ...], Any] = {}  # by study name, id and sampler settings
         self._guard = threading.Lock()
-        engine = self.rdb.engine
-        self._advisory = engine.connect() if engine.dialect.name == "postgresql" else None
+        self._postgres = self.rdb.engine.dialect.name == "postgresql"
+        self._advisory: Any = None  # the PostgreSQL session holding this process's study locks (``_claim``)
+        self._advisory_checked = 0.0
         self._claimed: set[str] = set()
 
     def close(self) -> None:
@@ -212,38 +251,115 @@ class Studies:
     def _locked(self, name: str, wait_s: float) -> Iterator[None]:
         """This process's one request at a time on a study (waiting at most ``wait_s``; then 503)."""
         with self._guard:
-            lock = self._locks.setdefault(name, threading.Lock())
+            lock = self._locks.setdefault(name, Turns())
         if not lock.acquire(timeout=wait_s):
             raise Unavailable(f"study {name!r} is busy with other requests")
         try:
-            with _storage_errors():
+            with self._request():
                 yield
         finally:
             lock.release()
 
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        """One request's storage work: its reads memoized (``RequestMemo``), its database errors ``Unavailable``."""
+        with _storage_errors(), self.memo.request():
+            yield
+
     def _claim(self, name: str, release: bool = False) -> None:
         """PostgreSQL: this process serves ``name`` alone (a session advisory lock, held until it exits or
-        deletes the study)."""
-        if self._advisory is None or (name in self._claimed) != release:
+        deletes the study). The database may drop that session (a restart, ``pg_terminate_backend``): its locks
+        go with it, so a session found dropped is opened again and every claim taken again (one another server
+        took meanwhile is that server's: ``StudyBusy`` here). A release never fails its request: the study's
+        deletion is committed by then, and a dropped session holds no lock left to release."""
+        if not self._postgres:
             return
+        import sqlalchemy.exc
+
+        with self._guard:
+            if release:
+                if name in self._claimed and self._advisory is not None:
+                    with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+                        self._advisory_call("pg_advisory_unlock", name)
+                self._claimed.discard(name)
+                return
+            if name in self._claimed and self._session_alive():
+                return
+            if self._advisory is None:
+                self._reclaim()
+            if name in self._claimed:
+                return
+            if not self._advisory_call("pg_try_advisory_lock", name):
+                raise StudyBusy(f"study {name!r} is served by another atorch server on this database; "
+                                "send every request for a study to one server")
+            self._claimed.add(name)
+
+    def _advisory_call(self, call: str, name: str) -> bool:
+        """``select call(7431, <name's id>)`` on the advisory session (opened on first use). A database error
+        drops the session (its locks are gone or about to go) and is raised: the request is a 503."""
         import sqlalchemy as sa
 
+        if self._advisory is None:
+            self._advisory = self.rdb.engine.connect()
         ident = zlib.crc32(name.encode()) - 2**31
-        call = "pg_advisory_unlock" if release else "pg_try_advisory_lock"
-        with self._guard:
+        try:
             got = self._advisory.execute(sa.text(f"select {call}(7431, :k)"), {"k": ident}).scalar()
             self._advisory.commit()
-        if release:
-            self._claimed.discard(name)
-        elif not got:
-            raise StudyBusy(f"study {name!r} is served by another atorch server on this database; "
-                            "send every request for a study to one server")
-        else:
-            self._claimed.add(name)
+        except sa.exc.SQLAlchemyError:
+            self._drop_session()
+            raise
+        self._advisory_checked = time.monotonic()
+        return bool(got)
+
+    def _session_alive(self, every_s: float = 5.0) -> bool:
+        """Whether the advisory session still stands (asked of the database at most every ``every_s``)."""
+        import sqlalchemy as sa
+
+        if self._advisory is None:
+            return False
+        if time.monotonic() - self._advisory_checked < every_s:
+            return True
+        try:
+            self._advisory.execute(sa.text("select 1")).scalar()
+            self._advisory.commit()
+        except sa.exc.SQLAlchemyError:
+            self._drop_session()
+            return False
+        self._advisory_checked = time.monotonic()
+        return True
+
+    def _drop_session(self) -> None:
+        """Close the advisory session for good (never back into the pool: its locks must not outlive it)."""
+        import sqlalchemy.exc
+
+        with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+            self._advisory.invalidate()
+        with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+            self._advisory.close()
+        self._advisory = None
+
+    def _reclaim(self) -> None:
+        """A new advisory session: take again every study this process held (those another server took
+        meanwhile are its: dropped from this process's claims)."""
+        held, self._claimed = self._claimed, set()
+        for other in sorted(held):
+            if self._advisory_call("pg_try_advisory_lock", other):
+                self._claimed.add(other)
 
     def _open(self, name: str, budget: float | None = None) -> _Open:
         self._claim(name)
         return _Open(self, name, budget)
+
+    def sampler(self, name: str, sid: int, config: dict[str, Any], n_trials: int) -> Any:
+        """The study's sampler, kept between requests: what it derives from the trials (TPE's intersection search
+        space) is then updated with the trials since its last ask instead of rebuilt from all of them each time;
+        it reads the trials from the storage on every ask, so it knows nothing the storage does not. A new one
+        (a restart, other settings) is seeded by the trial count, so that it does not repeat a former one."""
+        key = (name, sid, config["sampler"], config["max_trials"], config["seed"])
+        with self._guard:
+            if key not in self._samplers:
+                self._samplers[key] = make_sampler(config["sampler"], config["max_trials"], config["seed"] + n_trials)
+            return self._samplers[key]
 
     def table(self, name: str, sid: int, attrs: dict[str, Any]) -> CandidateTable:
         table = self._tables.get(name)
@@ -280,7 +396,7 @@ class Studies:
             return self._info(opened, config["memory_budget"])
 
     def info(self, name: str, memory_budget: float | None = None) -> dict[str, Any]:
-        with _storage_errors():
+        with self._request():
             opened = self._open(name)
             return self._info(opened, memory_budget if memory_budget is not None else opened.config["memory_budget"])
 
@@ -302,6 +418,8 @@ class Studies:
             self._claim(name)
             self.storage.delete_study(sid)
             self._tables.pop(name, None)
+            with self._guard:
+                self._samplers = {k: v for k, v in self._samplers.items() if k[0] != name}
             self._claim(name, release=True)
 
     # ----- ask / tell ------------------------------------------------------------------------
@@ -318,6 +436,10 @@ class Studies:
             expires = now + lease
             if not untaken:
                 return _answer(None, EXHAUSTED, [], None)
+            if not any(table.fits(pred := table.prediction(k), state.budget, state.correction(k)) or "error" in pred
+                       for k in untaken):  # each would be told predicted_oom, one trial at a time: answered at once
+                return _answer(None, f"exhausted: none of the {len(untaken)} candidates left is predicted to fit the "
+                                     f"memory budget ({state.budget / 2**20:.1f} MiB)", [], None)
             told: list[dict[str, Any]] = []
             state.on_trial = told.append
             direct = len(untaken) * DIRECT_FRACTION <= len(table.keys)
@@ -365,7 +487,7 @@ class Studies:
 
     def contenders(self, name: str, within: float, budget: float | None = None) -> dict[str, Any]:
         """The best and the runner-up when it measured within ``within`` of the best (SearchState.contenders)."""
-        with _storage_errors():
+        with self._request():
             found, measured_ok = self._open(name, budget).state.contenders(within)
         return {"contenders": found, "measured_ok": measured_ok}
 
@@ -391,7 +513,7 @@ class Studies:
             return opened.study.user_attrs["best"]
 
     def best(self, name: str, memory_budget: float | None) -> dict[str, Any] | None:
-        with _storage_errors():
+        with self._request():
             opened = self._open(name)
         budget = memory_budget if memory_budget is not None else opened.config["memory_budget"]
         best = opened.attrs.get("best")
