@@ -243,6 +243,16 @@ def test_transformers_models(name: str) -> None:
         assert fingerprint(make()) == stats.fingerprint
 
 
+def test_layers_tensor_parallel_splits_are_counted() -> None:
+    """GPT-2's plan splits four layers a block (c_attn, attn.c_proj, c_fc, mlp.c_proj), each with a weight and
+    a bias: the cost model prices DTensor's dispatch on them. A CNN has nothing the plan splits."""
+    stats = analyse(gpt2(), tokens(), "unpack_dict")
+    assert (stats.tp_split_layers, stats.tp_split_params) == (4 * LAYERS, 8 * LAYERS)
+    images = (torch.randn(BATCH, 3, 8, 8), torch.randint(0, 8, (BATCH,)))
+    cnn = analyse(sm.StagedCNN(), images, "unpack_sequence", sm.class_loss)
+    assert (cnn.tp_split_layers, cnn.tp_split_params) == (0, 0)
+
+
 def test_gpt2_flops_follow_the_6n_rule() -> None:
     model = gpt2()
     stats = analyse(model, tokens(), "unpack_dict")

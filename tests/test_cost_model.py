@@ -251,6 +251,33 @@ def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
     assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)
 
 
+def test_tensor_parallel_pays_dtensor_dispatch_per_split_layer_and_parameter() -> None:
+    """Each layer the plan splits costs the profile's DTensor figure per micro-batch (its forward's part once more
+    under checkpoint: the recompute), each of its parameters the update's figure once per step (AdamW: x1)."""
+    stats = _stats().model_copy(update={"tp_split_layers": 4, "tp_split_params": 8})
+    costs = {"tensor_parallel_linear_s": 2e-3, "tensor_parallel_linear_forward_s": 5e-4, "dtensor_param_step_s": 1e-4}
+    priced = _profile(2).model_copy(update=costs)
+
+    def overhead(items: list, profile: HardwareProfile, micro_batches: int = 1, factor: float = 2.0) -> float:
+        strategy = Strategy.load([("parallel_mode", {"dims": [("tensor", 2), ("data", -1)]}), "tensor_parallel",
+                                  *items])
+        return predict(stats, strategy, strategy.layout(2), profile, 8, micro_batches,
+                       optimizer_state_factor=factor).time.overhead
+
+    assert overhead([], priced) - overhead([], _profile(2)) == pytest.approx(4 * 2e-3 + 8 * 1e-4)
+    assert overhead([], priced, micro_batches=2) - overhead([], _profile(2), micro_batches=2) == pytest.approx(
+        2 * 4 * 2e-3 + 8 * 1e-4)
+    assert overhead(["checkpoint"], priced) - overhead(["checkpoint"], _profile(2)) == pytest.approx(
+        4 * (2e-3 + 5e-4) + 8 * 1e-4)
+    # SGD with momentum (one state): 2 + 4 foreach operations against AdamW's 2 + 8
+    assert overhead([], priced, factor=1.0) - overhead([], _profile(2), factor=1.0) == pytest.approx(
+        4 * 2e-3 + 8 * 1e-4 * 6 / 10)
+    # data parallel alone has no DTensor
+    plain = Strategy.load(["parallel_mode"])
+    assert predict(stats, plain, plain.layout(2), priced, 8).time == predict(stats, plain, plain.layout(2),
+                                                                            _profile(2), 8).time
+
+
 def test_compute_uses_the_rate_measured_at_the_model_s_matmul_size() -> None:
     """The stats' average forward matmul at 4 samples a rank: 1e6 x 4 / 10 matmuls = 4e5 FLOPs, a cube of side
     (2e5)^(1/3) = 58: below the smallest size measured, whose rate applies; tensor parallel halves each matmul."""

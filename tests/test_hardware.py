@@ -47,6 +47,11 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
     # One small operation dispatched from Python: between 100 ns and 10 ms on any machine; elementwise
     # bandwidth between 100 MB/s and 10 TB/s.
     assert 1e-7 < first.op_latency_s < 1e-2 and 1e8 < first.memory_bytes_per_s < 1e13
+    # DTensor's dispatch under tensor parallel: a split linear costs many plain operations per micro-batch (its
+    # forward a part of that), a DTensor parameter's update more than one; all well under a second.
+    assert 10 * first.op_latency_s < first.tensor_parallel_linear_s < 0.5
+    assert 0 <= first.tensor_parallel_linear_forward_s < first.tensor_parallel_linear_s
+    assert first.op_latency_s < first.dtensor_param_step_s < 0.1
     assert first.measure_s < 15, "the micro-benchmarks must stay short"
 
     # The second call reads the cache: the same profile, no measuring (available RAM, the budget, moves).

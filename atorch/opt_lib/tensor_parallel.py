@@ -199,6 +199,23 @@ def kv_projection_bytes(model: nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(by_heads.items()))
 
 
+def split_layer_counts(model: nn.Module) -> tuple[int, int]:
+    """For the cost model: (layers, trainable parameter tensors) the automatic plan splits. Under tensor parallel
+    each such layer runs as DTensor operations in every micro-batch and each such parameter is a DTensor in the
+    optimizer's step: DTensor's dispatch costs far more than a plain operation (the hardware profile measures
+    it). (0, 0) where the model has nothing the automatic plan splits."""
+    try:
+        plan = derive_plan(model, TensorParallelConfig(), 1)
+    except Exception:  # noqa: BLE001 - a model the planner cannot read is one tensor parallel is not offered for
+        return 0, 0
+    if plan.problems:
+        return 0, 0
+    modules = dict(model.named_modules())
+    params = sum(p.requires_grad for name in plan.styles if name in modules
+                 for p in modules[name].parameters(recurse=False))
+    return len(plan.styles), params
+
+
 def replicated_kv_bytes(model: nn.Module, t: int) -> int:
     """Parameter bytes tensor parallel keeps whole on every rank at tensor size t: the k_proj / v_proj of the
     attentions with fewer key/value heads than t."""

@@ -142,6 +142,10 @@ class ModelStats(_Frozen):
     # (key/value heads, bytes of their k_proj / v_proj) for attentions with fewer key/value heads than query heads:
     # tensor parallel keeps those projections whole on every rank at a tensor size above the head count
     tp_kv_param_bytes: tuple[tuple[int, int], ...] = ()
+    # layers tensor parallel's automatic plan splits, and their parameter tensors (DTensors under tensor parallel:
+    # each adds DTensor's dispatch to every micro-batch / optimizer step, which the cost model counts)
+    tp_split_layers: int = 0
+    tp_split_params: int = 0
     blocks: tuple[BlockStats, ...]
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
@@ -705,7 +709,9 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         if own and (largest_layer is None or own > largest_layer.param_bytes):
             largest_layer = LayerStats(name=name, class_path=class_path(type(module)), param_bytes=own)
 
-    from atorch.opt_lib.tensor_parallel import kv_projection_bytes
+    from atorch.opt_lib.tensor_parallel import kv_projection_bytes, split_layer_counts
+
+    tp_layers, tp_params = split_layer_counts(model)
 
     trainable_bytes = sum(_nbytes(p) for p in trainable)
     param_bytes = sum(_nbytes(p) for p in params)
@@ -732,6 +738,8 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         activation_bytes_outside_blocks=saved.total - sum(saved.by_block.values()),
         amp_activation_bytes=amp_saved,
         tp_kv_param_bytes=kv_projection_bytes(model),
+        tp_split_layers=tp_layers,
+        tp_split_params=tp_params,
         blocks=block_stats,
         largest_layer=largest_layer,
         largest_activation=saved.largest,

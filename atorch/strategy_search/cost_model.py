@@ -139,7 +139,11 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   ``t·p`` ways, parameter bytes as the proxy for FLOPs), a stage runs ``1/p`` of the operations, and the
   pipeline's fill and drain idle each stage: × ``(n + p − 1) / n`` for ``n`` micro-batches. Tensor
   parallel adds ``TP_BLOCK_OPS`` all-reduces of a block's hidden states per block and micro-batch;
-  pipeline parallel sends each micro-batch's hidden states forward and their gradient back.
+  pipeline parallel sends each micro-batch's hidden states forward and their gradient back. Each layer the
+  tensor-parallel plan splits runs as DTensor operations, whose dispatch the profile measures
+  (``tensor_parallel_linear_s`` per layer and micro-batch, its forward's part again under checkpoint,
+  ``dtensor_param_step_s`` per DTensor parameter and optimizer step, scaled by the optimizer's foreach
+  operations against AdamW's): on a CPU it is milliseconds per layer, most of a small model's step.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
@@ -566,6 +570,13 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     if f.deepspeed:  # DeepSpeed's per-parameter gradient hooks, bucket copies and partition copies (Python)
         ops += DEEPSPEED_PARAM_OPS * stats.param_tensors * f.micro_batches
     overhead = ops * profile.op_latency_s
+    if f.tp > 1:  # DTensor's dispatch on every split linear (and its recompute) and on each DTensor parameter's update
+        linear = profile.tensor_parallel_linear_s + (
+            profile.tensor_parallel_linear_forward_s if f.checkpoint and stats.blocks else 0.0)
+        overhead += stats.tp_split_layers / f.pp * f.micro_batches * linear
+        adamw = OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * 2  # the profile times AdamW's foreach step
+        update = (OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor) / adamw
+        overhead += stats.tp_split_params / f.pp * profile.dtensor_param_step_s * update
 
     comm = 0.0
     full_grads = f.rank_trainable_bytes * f.scale

@@ -24,6 +24,8 @@
   (algbw = bytes / time, where bytes is the full tensor for all-reduce and the gathered output for the
   other two; busbw = algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter),
   each repeat started after a barrier;
+* DTensor's dispatch under tensor parallel (``dtensor_cost.py``, two or more ranks): what a split linear adds
+  to a micro-batch's forward and backward, and a DTensor parameter to an optimizer step, beyond plain tensors;
 * the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
   RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks;
 * the job's nodes: on a multi-node job (torchrun ``--nnodes``) ``gpus_per_node`` is the processes per node
@@ -59,6 +61,7 @@ from pydantic import BaseModel, ConfigDict
 from atorch.distributed import all_gather_json
 from atorch.log import get_logger
 from atorch.settings import cache_dir
+from atorch.strategy_search.dtensor_cost import measure_dtensor_costs
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
@@ -73,7 +76,8 @@ _OP_REPEATS = 2000  # small operations per timed round (~10-20 ms on a CPU)
 _OP_ROUNDS = 5
 _BANDWIDTH_ELEMENTS = 1 << 22  # fp32 elements per operand of the memory-bandwidth benchmark
 _BANDWIDTH_ROUNDS = 5
-PROFILE_FORMAT = 4  # 2: op_latency_s and memory_bytes_per_s; 3: matmul in a linear layer's three layouts; 4: by size
+# 2: op_latency_s and memory_bytes_per_s; 3: matmul in a linear layer's three layouts; 4: by size; 5: DTensor's costs
+PROFILE_FORMAT = 5
 _BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
 _BANDWIDTH_REPEATS = 5
 _COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
@@ -105,6 +109,11 @@ class HardwareProfile(_Frozen):
     collectives: dict[str, CollectiveStats]  # by name in COLLECTIVES; empty at world size 1
     op_latency_s: float = 0.0  # fixed cost of one small operation (0: unknown, e.g. an older table)
     memory_bytes_per_s: float = 0.0  # elementwise bytes moved per second (0: unknown)
+    # DTensor's dispatch under tensor parallel (dtensor_cost.py; 0: unknown, or one rank): seconds per split linear
+    # and micro-batch (forward and backward, and the forward's part), per DTensor parameter and optimizer step
+    tensor_parallel_linear_s: float = 0.0
+    tensor_parallel_linear_forward_s: float = 0.0
+    dtensor_param_step_s: float = 0.0
     memory_per_rank: int  # bytes a rank may use
     memory_source: Literal["memory_limit", "cuda", "ram", "table"]
     measure_s: float = 0.0  # how long the micro-benchmarks took
@@ -402,6 +411,9 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
         "memory_bytes_per_s": _memory_bandwidth(device),
         "collectives": _collective_stats(group, world, device),
     }
+    reduce = measured["collectives"].get("all_reduce")
+    measured.update(measure_dtensor_costs(group, world, device, lambda size: reduce["latency_s"] + size * 2 * (
+        world - 1) / world / reduce["bus_bandwidth"] if reduce else 0.0))
     measured["measure_s"] = time.perf_counter() - start
     if distributed:
         measured = all_gather_json(measured, group=group)[0]
