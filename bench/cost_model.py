@@ -184,7 +184,8 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     setup = search.user_setup(parts, args.global_batch)
     stats = analyse(parts["model"], sample_batch(setup, env, args.global_batch // env.world_size),
                     parts["model_input_format"], parts["loss_func"])
-    cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=EXCLUDED,
+    excluded = [m for m in EXCLUDED if not (args.tensor_parallel and m == "tensor_parallel")]
+    cands = SearchSpace(parts["model"], env.world_size, args.global_batch, excluded=excluded,
                         host_offload=env.device.type != "cpu").enumerate()
     cands = cands[args.first:: args.every]
     traced: dict[str, Any] = {}
@@ -322,6 +323,8 @@ def main() -> None:
     parser.add_argument("--json", default="", help="save statistics, profile and measurements here")
     parser.add_argument("--replay", default="", help="predict the measurements saved by --json (no run)")
     parser.add_argument("--no-trace", action="store_true", help="analytical memory only (no fake-tensor trace)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="keep tensor parallel in the space (its DTensor dispatch is priced from the profile)")
     args = parser.parse_args()
     if args.replay:
         evaluate(json.loads(Path(args.replay).read_text()))

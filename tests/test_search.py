@@ -43,6 +43,8 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     assert all(math.isfinite(x) for x in losses) and min(losses[1:]) < losses[0], losses
     assert first["global_batch"] == 8  # the user's global batch, whatever the micro-batching
     assert first["unchanged"], "the search changed the user's model"
+    # No memory limit on a host with RAM to spare: tracing could not change any candidate's fit, so none is traced.
+    assert len(first["trace_lines"]) == 1 and first["trace_lines"][0].startswith("cost model: memory of 0 of ")
 
 
 def test_second_run_with_the_same_key_uses_the_cache(auto: dict[str, Any]) -> None:
@@ -63,6 +65,9 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     # a candidate predicted over the budget is told to the sampler as predicted_oom, never run (whether the
     # sampler proposes one within 6 trials depends on its draws; the mechanism is test_planner's)
     assert out["measured_predicted_peaks"], out
+    # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced.
+    (line,) = out["trace_lines"]
+    assert not line.startswith("cost model: memory of 0 of "), line
     assert all(p is not None and p <= out["limit"] for p in out["measured_predicted_peaks"]), out
     assert all(math.isfinite(x) for x in out["losses"])
     # Every candidate that ran was checked against the user's model on the same samples (2 ranks, sharded):

@@ -25,6 +25,7 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
     os.environ["ATORCH_CACHE_DIR"] = sys.argv[2]
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -40,6 +41,19 @@ from atorch.strategy import Strategy
 from atorch.training import train_step
 
 SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
+
+
+class _TraceLines(logging.Handler):
+    """The search's line on how many candidates' memory it traced."""
+
+    lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "candidates traced" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
+logging.getLogger("atorch.strategy_search.automatic").addHandler(_TraceLines())
 STORAGE = f"sqlite:///{SCRATCH}/search.db"
 QUICK = {"warmup_steps": 1, "measure_steps": 2, "min_measure_s": 0, "storage": STORAGE}
 
@@ -75,7 +89,8 @@ def auto() -> dict[str, Any]:
     first = {"strategy": strategy.to_list(), "search": result.args.search, "seconds": first_s, "losses": losses,
              "accumulation": result.args.gradient_accumulation_steps, "global_batch": result.args.global_batch_size,
              "unchanged": all(torch.equal(before[k], v) for k, v in setup["model"].state_dict().items()),
-             "trials": [{k: t.get(k) for k in ("status", "reason")} for t in trials_of(result)]}
+             "trials": [{k: t.get(k) for k in ("status", "reason")} for t in trials_of(result)],
+             "trace_lines": list(_TraceLines.lines)}
     result.close()
     start = time.monotonic()
     _, again, strategy2 = atorch.auto_accelerate(**gpt2_setup(), time_limit=240, search=QUICK)
@@ -101,6 +116,7 @@ def budget() -> dict[str, Any]:
     losses = train(result, 2)
     result.close()
     return {"ddp_peak": ddp.peak_bytes, "limit": limit, "strategy": strategy.to_list(), "search": best,
+            "trace_lines": list(_TraceLines.lines),
             "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
             "statuses": [t.get("status") for t in trials], "losses": losses,
             "first_losses": [[t["measured"].get("loss"), t["measured"].get("reference_loss"),
