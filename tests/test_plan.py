@@ -15,7 +15,7 @@ from torch import nn
 
 from atorch.cli import main
 from atorch.strategy import Strategy
-from atorch.strategy_search.cluster_plan import evaluate, parse_layout, plan_job
+from atorch.strategy_search.cluster_plan import evaluate, layouts, parse_layout, plan_job
 from atorch.strategy_search.cost_model import TransformerShape, _group_link
 from atorch.strategy_search.hardware import load_profile
 from atorch.strategy_search.model_shapes import resolve_model
@@ -161,6 +161,25 @@ def test_given_layout_first(tmp_path: Path) -> None:
     # the planner's free choices (schedule, recompute, micro-batch) were the best among that layout's
     same = [p for p in plans[1:] if p["layout"] == first["layout"] and p["sharding"] == "fsdp" and p["fits"]]
     assert all(first["step_time_s"] <= p["step_time_s"] for p in same)
+
+
+def test_a_published_layout_atorch_cannot_run_yet_is_evaluated_and_marked(tmp_path: Path) -> None:
+    """Llama 3 405B as published (Dubey et al. 2024, Table 4: 16,384 H100, TP 8, PP 16, sequence parallel, 400
+    TFLOP/s per GPU): atorch's sequence parallel has no pipeline yet, so the layout is predicted and reported
+    first as not runnable, with the reason, and never ranked; its 126 layers interleave over 16 ranks unevenly."""
+    out = tmp_path / "plans.json"
+    assert main(["plan", "llama3-405b", "--gpus", "16384", "--hardware", "h100-80gb", "--global-batch", "2048",
+                 "--seq", "8192", "--layout", "tensor=8,pipeline=16,sequence_parallel=true,recompute=none",
+                 "--json", str(out)]) == 0
+    given, *ranked = json.loads(out.read_text())["plans"]
+    assert given["given"] and not given["runnable"] and given["fits"]
+    assert any("sequence_parallel is not available with a pipeline" in p for p in given["problems"])
+    assert abs(given["tflops_per_gpu"] / 400 - 1) <= 0.2, given["tflops_per_gpu"]
+    assert all(p["runnable"] and not p["given"] for p in ranked)
+    shape = resolve_model("llama3-405b", 8192)[1]
+    uneven = {lay.virtual_stages for lay in layouts(shape, 16384, 8, 2048)
+              if lay.pipeline == 16 and lay.schedule == "interleaved_1f1b"}
+    assert uneven == set(range(2, 7 + 1)), uneven  # 126 layers: none of 32..112 virtual stages divides them
 
 
 def test_config_json_and_meta_module(tmp_path: Path) -> None:

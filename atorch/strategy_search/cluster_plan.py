@@ -164,15 +164,17 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
             if global_batch % dp:
                 continue
             schedules: list[tuple[str, int]] = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)]
-            if p > 1:
+            if p > 1:  # atorch splits the blocks as evenly as it can: the stages need not hold equal counts
                 schedules += [("interleaved_1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)
-                              if shape.layers % (p * v) == 0]
+                              if p * v <= shape.layers]
             for schedule, v in schedules:
                 for sharding in SHARDINGS if dp > 1 else ("none",):
                     for recompute in RECOMPUTE:
-                        # atorch's sequence parallel and vocabulary split need a tensor dimension and no pipeline
+                        # atorch's vocabulary split needs a tensor dimension and no pipeline. Its sequence parallel
+                        # does too: with a pipeline the layout is enumerated, the registry refuses it (so it is not
+                        # ranked), and ``--layout`` can still evaluate it, reported as not runnable by atorch.
                         split = t > 1 and p == 1
-                        for sp in ((False, True) if split and shape.seq % t == 0 else (False,)):
+                        for sp in ((False, True) if t > 1 and shape.seq % t == 0 else (False,)):
                             for b in _micro_batch_sizes(global_batch // dp, p):
                                 m = global_batch // dp // b
                                 if schedule == "interleaved_1f1b" and m % p:
@@ -287,7 +289,7 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
                           f"batch divides the per-rank batch"])
     ranked = sorted(plans, key=_rank)
     if given_plans:
-        best = min(given_plans, key=_rank)
+        best = min(given_plans, key=lambda plan: (bool(plan.problems), *_rank(plan)))  # runnable completions first
         best.given = True
         ranked = [best, *(p for p in ranked if p is not best)]
     return PlanResult(plans=ranked, considered=considered, seconds=time.perf_counter() - start, memory_limit=limit)
