@@ -10,8 +10,11 @@ ran is predicted from that profile, and Spearman's rank correlation of predicted
 
 * ``search path``: the search's space (``SearchSpace``) and ``cost_model.predict`` from the analyser's statistics
   of the model: what the automatic search ranks its favourites by, and the one cost model ``atorch plan`` calls;
+* ``atorch plan`` with a measured profile (GPT-2 only: its config): the model built from its config on the meta
+  device and analysed (``model_shapes.analysed_stats``), then the search's ``cost_model.predict``: what
+  ``atorch plan CONFIG.json --hardware MEASURED.json`` ranks layouts with;
 * ``plan's transformer terms`` (GPT-2 only: a shape): ``predict(..., transformer=shape)``, what ``atorch plan``
-  evaluates a layout with when it knows the model only by its shape.
+  evaluates a layout with for a profile table (a cluster that is not here) or a model it cannot build.
 
 In sample: the cost model's calibrated time constants (FSDP's per-parameter operations, DeepSpeed's) were fitted on
 bench/cost_model.py's GPT-2 on this machine, so the GPT-2 figure is not a held-out one; the ResNet's is closer to
@@ -68,6 +71,31 @@ def transformer_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[s
     return {"model": "gpt2", "candidates": len(predicted), "spearman": spearman(predicted, measured)}
 
 
+def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any]:
+    """The GPT-2's sweep predicted as ``atorch plan CONFIG.json --hardware MEASURED.json`` predicts: the model built
+    from its config on the meta device and analysed (``analysed_stats``), the search's terms."""
+    import tempfile
+
+    from atorch.strategy_search.model_shapes import analysed_stats
+
+    config = search.MODELS["gpt2"]()["model"].config
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "config.json"
+        path.write_text(config.to_json_string())
+        stats = analysed_stats(str(path), config.n_positions)
+    assert stats is not None
+    predicted, measured = [], []
+    for key, row in _current_keys(sweeps["gpt2/2"]).items():
+        if row["status"] != "ok":
+            continue
+        methods, micro_batch_size, micro_batches = json.loads(key)
+        strategy = Strategy.load([tuple(m) if isinstance(m, list) else m for m in methods])
+        pred = predict(stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches)
+        predicted.append(pred.time.step)
+        measured.append(2 / row["samples_per_s"])
+    return {"model": "gpt2", "candidates": len(predicted), "spearman": spearman(predicted, measured)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweeps", default=str(DATA / "sweeps_2026-11-24.json"))
@@ -81,10 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     profile = HardwareProfile.model_validate_json(Path(args.profile).read_text())
     kept = [n for n in SCENARIOS if f"{search.SCENARIOS[n]['model']}/{search.SCENARIOS[n]['global_batch']}" in sweeps]
     out = {"search_path": [search_path(name, sweeps, profile) for name in kept],
+           "plan_measured_profile": plan_path(sweeps, profile),
            "transformer_terms": transformer_path(sweeps, profile)}
     for row in out["search_path"]:
         print(f"search path, {row['model']} (global batch {row['global_batch']}): {row['candidates']} candidates, "
               f"Spearman {row['spearman']:.3f}")
+    row = out["plan_measured_profile"]
+    print(f"atorch plan CONFIG --hardware MEASURED (the search's terms), gpt2: {row['candidates']} candidates, "
+          f"Spearman {row['spearman']:.3f}")
     row = out["transformer_terms"]
     print(f"transformer terms, gpt2: {row['candidates']} candidates, Spearman {row['spearman']:.3f}")
     if args.json:

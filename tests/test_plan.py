@@ -182,6 +182,34 @@ def test_a_published_layout_atorch_cannot_run_yet_is_evaluated_and_marked(tmp_pa
     assert uneven == set(range(2, 7 + 1)), uneven  # 126 layers: none of 32..112 virtual stages divides them
 
 
+def test_a_measured_profile_plans_with_the_search_s_cost_model(tmp_path: Path) -> None:
+    """With a profile atorch measured (the local processes), a config's model is analysed on fake tensors and
+    every layout is predicted by the automatic search's own cost model (per-operation, DTensor costs); a table
+    profile keeps the transformer terms."""
+    from atorch.strategy_search.cost_model import predict
+    from atorch.strategy_search.model_shapes import analysed_stats
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
+                                  "n_positions": 32}))
+    measured = Path(__file__).parent.parent / "bench" / "data" / "profile_cpu_2ranks_2026-11-25.json"
+    outs = {}
+    for label, hardware in (("measured", str(measured)), ("table", "h100-80gb")):
+        outs[label] = tmp_path / f"{label}.json"
+        assert main(["plan", str(config), "--gpus", "2", "--hardware", hardware, "--global-batch", "4", "--seq", "32",
+                     "--json", str(outs[label])]) == 0
+    local, table = (json.loads(outs[k].read_text()) for k in ("measured", "table"))
+    assert (local["cost_model"], table["cost_model"]) == ("search", "transformer")
+    stats = analysed_stats(str(config), 32)
+    assert stats is not None and stats.tp_split_layers == 2 * 4  # c_attn, c_proj, c_fc, c_proj per block
+    best = local["plans"][0]
+    strategy = Strategy.load(json.dumps(best["strategy"]))
+    micro = 1 if best["layout"]["pipeline"] > 1 else best["micro_batches"]
+    expected = predict(stats, strategy, strategy.layout(2), load_profile(measured), 4, micro).time.step
+    assert best["step_time_s"] == pytest.approx(expected)
+    assert resolve_model("llama2-7b", 32) and analysed_stats("llama2-7b", 32) is None  # a built-in: shape only
+
+
 def test_config_json_and_meta_module(tmp_path: Path) -> None:
     config = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
               "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, "hidden_act": "silu"}

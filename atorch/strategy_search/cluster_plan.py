@@ -26,6 +26,7 @@ from atorch.errors import SetupError
 from atorch.opt_lib import registry
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy, StrategyItem
+from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.cost_model import Prediction, TransformerShape, predict
 from atorch.strategy_search.hardware import HardwareProfile
 from atorch.strategy_search.model_shapes import stats_of
@@ -183,13 +184,18 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
 
 
 def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, global_batch: int,
-             memory_limit: int, strategy: Strategy | None = None) -> Plan:
-    """One layout's plan: ``predict`` with the transformer terms, and the figures a plan reports."""
+             memory_limit: int, strategy: Strategy | None = None, stats: ModelStats | None = None) -> Plan:
+    """One layout's plan: ``predict`` with the transformer terms, and the figures a plan reports. With the
+    analyser's ``stats`` of the model, ``predict`` uses the automatic search's own terms instead (measured
+    per-operation and DTensor costs: what ranks small models on the local processes)."""
     strategy = strategy or strategy_for(lay)
     mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
                                                     ("data", lay.data))))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
-    pred = predict(_stats(shape), strategy, mesh, profile, global_batch, accumulation, transformer=shape)
+    if stats is not None:
+        pred = predict(stats, strategy, mesh, profile, global_batch, accumulation)
+    else:
+        pred = predict(_stats(shape), strategy, mesh, profile, global_batch, accumulation, transformer=shape)
     gpus = lay.tensor * lay.pipeline * lay.data
     tokens = global_batch * shape.seq
     step = pred.time.step
@@ -256,8 +262,9 @@ def check_job(gpus: int, gpus_per_node: int, global_batch: int, seq: int) -> Non
 
 def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: HardwareProfile,
              gpus_per_node: int | None = None, memory_limit: int | None = None,
-             given: dict[str, Any] | None = None) -> PlanResult:
-    """Every runnable layout, predicted and ranked; a ``given`` layout's best completion first."""
+             given: dict[str, Any] | None = None, stats: ModelStats | None = None) -> PlanResult:
+    """Every runnable layout, predicted and ranked; a ``given`` layout's best completion first. ``stats``: see
+    ``evaluate``."""
     start = time.perf_counter()
     per_node = gpus_per_node or profile.gpus_per_node or profile.local_world_size
     check_job(gpus, per_node, global_batch, shape.seq)
@@ -272,7 +279,7 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
         wanted = given is not None and _matches(lay, given)
         if problems and not wanted:
             continue
-        plan = evaluate(shape, lay, profile, global_batch, limit)
+        plan = evaluate(shape, lay, profile, global_batch, limit, stats=stats)
         plan.problems = problems
         if not problems:
             plans.append(plan)

@@ -143,6 +143,47 @@ def resolve_model(spec: str, seq: int) -> tuple[str, TransformerShape]:
                       f"{builtin_names()}"])
 
 
+def _transformers_model(spec: str) -> Any:
+    """The transformers model ``spec`` names (a config.json, or module:function returning one), built on the meta
+    device; None for a built-in architecture or a module without a transformers config."""
+    import torch
+
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        import transformers
+
+        config = json.loads(path.read_text())
+        model_type = config.pop("model_type", None)
+        if model_type is None:
+            return None
+        try:
+            cfg = transformers.AutoConfig.for_model(model_type, **config)
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(cfg)
+        except (ValueError, KeyError, TypeError):  # a type transformers cannot build as a causal LM
+            return None
+    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", spec):
+        model = _call_factory(spec)
+        return model if callable(getattr(getattr(model, "config", None), "to_dict", None)) else None
+    return None
+
+
+def analysed_stats(spec: str, seq: int) -> ModelStats | None:
+    """The analyser's statistics of the model ``spec`` names (built on the meta device, one sequence of ``seq``
+    tokens as input and labels, the model's own loss): what the automatic search's cost model predicts from.
+    None where there is no transformers model to build (a built-in architecture, a plain module)."""
+    import torch
+
+    from atorch.strategy_search.analyser import analyse
+
+    model = _transformers_model(spec)
+    if model is None:
+        return None
+    tokens = torch.zeros(1, seq, dtype=torch.long)
+    return analyse(model, {"input_ids": tokens, "labels": tokens}, "unpack_dict",
+                   lambda data, output: output.loss)
+
+
 def stats_of(shape: TransformerShape) -> ModelStats:
     """The ``ModelStats`` of a shape (fp32 as built, one sample of ``seq`` tokens): what ``predict`` reads
     besides the shape itself (parameter bytes, the repeated blocks)."""

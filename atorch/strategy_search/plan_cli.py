@@ -62,23 +62,29 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from atorch.strategy_search.hardware import load_profile
-    from atorch.strategy_search.model_shapes import resolve_model
+    from atorch.strategy_search.model_shapes import analysed_stats, resolve_model
 
     profile = load_profile(args.hardware)
     name, shape = resolve_model(args.model, args.seq)
     limit = parse_bytes(args.memory_limit) if args.memory_limit else None
     given = parse_layout(args.layout) if args.layout else None
-    result = plan_job(shape, args.gpus, args.global_batch, profile, args.gpus_per_node, limit, given)
+    # A profile atorch measured on these processes: predict as the automatic search does, from the analyser's
+    # statistics of the model itself (per-operation and DTensor costs dominate the steps of the small models such
+    # machines plan); a table (a cluster that is not here): the transformer terms of large runs.
+    stats = analysed_stats(args.model, args.seq) if profile.source == "measured" else None
+    terms = "the search's terms (the model analysed on fake tensors)" if stats is not None else "transformer terms"
+    result = plan_job(shape, args.gpus, args.global_batch, profile, args.gpus_per_node, limit, given, stats)
     per_node = args.gpus_per_node or profile.gpus_per_node or profile.local_world_size
     print(f"{name}: {humanize_count(shape.params())} parameters, {shape.layers} layers, hidden {shape.hidden}, "
           f"heads {shape.heads} (kv {shape.kv_heads}), vocabulary {shape.vocab}; {args.gpus} × {profile.device_name} "
           f"({per_node} per node), global batch {args.global_batch} × {args.seq} tokens; "
-          f"{result.considered} layouts in {result.seconds:.2f} s")
+          f"{result.considered} layouts in {result.seconds:.2f} s; cost model: {terms}")
     print_table(result, args.top)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": name, "gpus": args.gpus, "hardware": args.hardware,
                                                "global_batch": args.global_batch, "seq": args.seq,
                                                "memory_limit_bytes": result.memory_limit,
+                                               "cost_model": "search" if stats is not None else "transformer",
                                                "plans": [p.to_json() for p in result.plans]}, indent=1) + "\n")
         print(f"plans written to {args.json}")
     if args.html:
