@@ -24,7 +24,7 @@
   (algbw = bytes / time, where bytes is the full tensor for all-reduce and the gathered output for the
   other two; busbw = algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter),
   each repeat started after a barrier;
-* DTensor's dispatch under tensor parallel (``dtensor_cost.py``, two or more ranks): what a split linear adds
+* DTensor's dispatch under tensor parallel (``parallel_costs.py``, two or more ranks): what a split linear adds
   to a micro-batch's forward and backward, and a DTensor parameter to an optimizer step, beyond plain tensors;
 * the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
   RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks;
@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict
 from atorch.distributed import all_gather_json
 from atorch.log import get_logger
 from atorch.settings import cache_dir
-from atorch.strategy_search.dtensor_cost import measure_dtensor_costs
+from atorch.strategy_search.parallel_costs import measure_parallel_costs
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)
@@ -109,7 +109,7 @@ class HardwareProfile(_Frozen):
     collectives: dict[str, CollectiveStats]  # by name in COLLECTIVES; empty at world size 1
     op_latency_s: float = 0.0  # fixed cost of one small operation (0: unknown, e.g. an older table)
     memory_bytes_per_s: float = 0.0  # elementwise bytes moved per second (0: unknown)
-    # DTensor's dispatch under tensor parallel (dtensor_cost.py; 0: unknown, or one rank): seconds per split linear
+    # DTensor's dispatch under tensor parallel (parallel_costs.py; 0: unknown, or one rank): seconds per split linear
     # and micro-batch (forward and backward, and the forward's part), per DTensor parameter and optimizer step
     tensor_parallel_linear_s: float = 0.0
     tensor_parallel_linear_forward_s: float = 0.0
@@ -411,8 +411,10 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
         "memory_bytes_per_s": _memory_bandwidth(device),
         "collectives": _collective_stats(group, world, device),
     }
+    # What the cost model charges for the all-reduce the tensor-parallel benchmark runs (cost_model._collective_s),
+    # taken off its figures.
     reduce = measured["collectives"].get("all_reduce")
-    measured.update(measure_dtensor_costs(group, world, device, lambda size: reduce["latency_s"] + size * 2 * (
+    measured.update(measure_parallel_costs(group, world, device, lambda size: reduce["latency_s"] + size * 2 * (
         world - 1) / world / reduce["bus_bandwidth"] if reduce else 0.0))
     measured["measure_s"] = time.perf_counter() - start
     if distributed:

@@ -1,4 +1,4 @@
-"""What tensor parallel's DTensors cost beyond plain tensors: a micro-benchmark of the hardware profile.
+"""What tensor parallel's DTensors cost beyond plain tensors: micro-benchmarks of the hardware profile.
 
 Under tensor parallel (DTensor ``parallelize_module``) every split linear runs through DTensor's dispatch
 (sharding propagation, redistribution, autograd on the wrapper) in forward and in backward, and each of its
@@ -15,13 +15,12 @@ tensor-parallel steps at a third of their measured time. Measured on the group's
 * ``dtensor_param_step_s``: an AdamW step (foreach) over those DTensor parameters less the same step over the
   plain ones, per parameter.
 
-Each difference is taken within one round (the timed calls run one after the other, under the same load) and
-the median over a few rounds is kept, never below zero.
+The functions compared alternate within each of a few rounds and each one's fastest round is kept (on a shared
+machine the least disturbed); the differences are never below zero.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,8 +31,8 @@ from torch import nn
 
 _HIDDEN = 256  # the MLP's width; its inner width is _HIDDEN x ranks (each rank's share: _HIDDEN)
 _TOKENS = 64
-_STEPS = 8  # calls per timed function and round
-_ROUNDS = 5
+_STEPS = 4  # calls per timed function and round
+_ROUNDS = 9
 
 
 def _round(fns: list[Callable[[], Any]], group: Any, device: torch.device) -> list[float]:
@@ -53,24 +52,31 @@ def _round(fns: list[Callable[[], Any]], group: Any, device: torch.device) -> li
     return times
 
 
-def _median_over_rounds(fns: list[Callable[[], Any]], combine: Callable[[list[float]], float], group: Any,
-                        device: torch.device) -> float:
-    """The median over rounds of ``combine`` of one round's times (after a warm-up round)."""
+def _over_rounds(fns: list[Callable[[], Any]], combine: Callable[[list[float]], float], group: Any,
+                 device: torch.device) -> float:
+    """``combine`` of each function's fastest round (after a warm-up round): the rounds alternate the functions,
+    and on a shared machine the fastest round of each is the least disturbed one."""
     _round(fns, group, device)  # warm-up: DTensor's sharding-propagation cache, buffers
-    return statistics.median(combine(_round(fns, group, device)) for _ in range(_ROUNDS))
+    rounds = [_round(fns, group, device) for _ in range(_ROUNDS)]
+    return combine([min(times) for times in zip(*rounds, strict=True)])
 
 
 def _mlp(inner: int, device: torch.device) -> nn.Sequential:
     return nn.Sequential(nn.Linear(_HIDDEN, inner), nn.GELU(), nn.Linear(inner, _HIDDEN)).to(device)
 
 
-def measure_dtensor_costs(group: Any, world: int, device: torch.device,
-                          all_reduce_s: Callable[[int], float]) -> dict[str, float]:
+def measure_parallel_costs(group: Any, world: int, device: torch.device,
+                           all_reduce_s: Callable[[int], float]) -> dict[str, float]:
     """The profile's three DTensor figures (see the module docstring); zeros on one rank (nothing to split).
     ``all_reduce_s(bytes)``: what the cost model charges for one all-reduce of that size over the group (from the
     profile's measured collectives), taken off so that the two are not counted twice."""
     if world < 2:
         return {"tensor_parallel_linear_s": 0.0, "tensor_parallel_linear_forward_s": 0.0, "dtensor_param_step_s": 0.0}
+    return _dtensor_costs(group, world, device, all_reduce_s)
+
+
+def _dtensor_costs(group: Any, world: int, device: torch.device,
+                   all_reduce_s: Callable[[int], float]) -> dict[str, float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -91,9 +97,10 @@ def measure_dtensor_costs(group: Any, world: int, device: torch.device,
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
         return lambda: opt.step()
 
-    step = _median_over_rounds([train(split), train(plain)], lambda t: t[0] - t[1] - 2 * reduced, group, device)
-    ahead = _median_over_rounds([forward(split), forward(plain)], lambda t: t[0] - t[1] - reduced, group, device)
+    step = _over_rounds([train(split), train(plain)], lambda t: t[0] - t[1] - 2 * reduced, group, device)
+    ahead = _over_rounds([forward(split), forward(plain)], lambda t: t[0] - t[1] - reduced, group, device)
     params = len(list(split.parameters()))
-    optimizer = _median_over_rounds([update(split), update(plain)], lambda t: t[0] - t[1], group, device)
+    optimizer = _over_rounds([update(split), update(plain)], lambda t: t[0] - t[1], group, device)
     return {"tensor_parallel_linear_s": max(0.0, step / 2), "tensor_parallel_linear_forward_s": max(0.0, ahead / 2),
             "dtensor_param_step_s": max(0.0, optimizer / params)}
+
