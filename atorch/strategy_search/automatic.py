@@ -35,13 +35,15 @@ from atorch.strategy_search.progress import SearchProgress, rejudged
 logger = get_logger(__name__)
 
 FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word, at least
-# Memory tracing before the first dry-run, fastest predicted first: 30 rank-seconds, split over the ranks (each
-# traces its share at once), so more ranks trace as much in less wall time, but never under 10 s.
-TRACE_RANK_S, TRACE_MIN_S = 30.0, 10.0
-# Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically at under this share of
-# the budget fits unless the analytical model is off by 2x (its worst held-out error: 27% low, bench/README.md),
-# so it is not traced (without a memory limit, on a host with RAM to spare, that is every candidate).
-TRACE_FROM_SHARE = 0.5
+# Memory tracing before the first dry-run, fastest predicted first: 20 rank-seconds, split over the ranks (each
+# traces its share at once), so more ranks trace as much in less wall time, but never under 10 s (at 2 ranks about
+# 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30).
+TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
+# Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
+# fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
+# worst errors: 27% low, 18% high, bench/README.md), so neither is traced (without a memory limit, on a host with
+# RAM to spare, no candidate is).
+TRACE_BAND = (0.5, 1.5)
 
 
 @dataclass
@@ -242,15 +244,15 @@ class _Leader:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
             # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
             # predicted first, shared by every rank, for TRACE_RANK_S rank-seconds (at least TRACE_MIN_S, at most
-            # a fifth of what time_limit leaves): the rest stay analytical, as do the candidates that fit by a wide
-            # margin (TRACE_FROM_SHARE).
+            # a fifth of what time_limit leaves): the rest stay analytical, as do the candidates whose fit the
+            # analytical figure decides by a wide margin (TRACE_BAND).
             if not traced:
                 begin = time.monotonic()
                 limit = max(TRACE_MIN_S, TRACE_RANK_S / self.env.world_size)
                 if self.time_limit is not None:
                     limit = max(0.0, min(limit, 0.2 * (self.time_limit - (begin - self.start))))
-                doubtful = [c for c in space.enumerate()
-                            if analytical(c).memory.peak > TRACE_FROM_SHARE * self.profile.memory_per_rank]
+                low, high = (share * self.profile.memory_per_rank for share in TRACE_BAND)
+                doubtful = [c for c in space.enumerate() if low < analytical(c).memory.peak < high]
                 traced["*"] = "fits by a wide margin"  # marks tracing as done, whatever follows
                 try:
                     cands = sorted(doubtful, key=lambda c: analytical(c).time.step)
@@ -259,10 +261,10 @@ class _Leader:
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
-                logger.info("cost model: memory of %d of %d candidates traced in %.1f s (%d fit within %.0f%% of the "
-                            "budget by the analytical model, which stands for them and for the untraced rest)",
-                            done, len(space), time.monotonic() - begin, len(space) - len(doubtful),
-                            100 * TRACE_FROM_SHARE)
+                logger.info("cost model: memory of %d of %d candidates traced in %.1f s (%d are under %.0f%% or over "
+                            "%.0f%% of the budget by the analytical model, which stands for them and for the untraced "
+                            "rest)", done, len(space), time.monotonic() - begin, len(space) - len(doubtful),
+                            *(100 * share for share in TRACE_BAND))
             found = traced.get(cand.key)
             return None if found is None or isinstance(found, str) else float(found.peak)
 
