@@ -249,6 +249,9 @@ def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
     assert gpipe.memory.activations - pp.memory.activations == round(2 * 1000 / 2 / 2)  # 2 more in flight
     no_bubble = 3e6 * 8 * 3000 / 4000 / 1e12  # FLOPs of this rank's share, 1 TFLOP/s
     assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)
+    # The busiest stage: half the blocks' operations (60 of the 100 forward ones are in blocks: 60% of the 300)
+    # and all 40% outside them, x 5/4 for the fill and drain, per micro-batch; + AdamW's 10 foreach operations.
+    assert pp.time.ops == round(300 * (0.4 + 0.6 / 2) * 5 / 4 * 4 + 10)
 
 
 def test_tensor_parallel_pays_dtensor_dispatch_per_split_layer_and_parameter() -> None:

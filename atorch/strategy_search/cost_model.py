@@ -136,7 +136,9 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   DeepSpeed's ZeRO runs ``DEEPSPEED_PARAM_OPS`` per parameter and micro-batch (its gradient hook, the copy
   into its bucket and into the fp32 partition, the updated parameter copied back: Python per parameter).
 * tensor / pipeline parallel: a rank computes its share of the matmuls (the blocks' FLOPs split
-  ``t·p`` ways, parameter bytes as the proxy for FLOPs), a stage runs ``1/p`` of the operations, and the
+  ``t·p`` ways, parameter bytes as the proxy for FLOPs), the busiest stage runs ``1/p`` of the blocks'
+  operations and all of those outside them (the embedding's on the first stage, the head's and the loss's on
+  the last, as their parameters stay whole; the blocks' share of the backward taken as of the forward), and the
   pipeline's fill and drain idle each stage: × ``(n + p − 1) / n`` for ``n`` micro-batches. Tensor
   parallel adds ``TP_BLOCK_OPS`` all-reduces of a block's hidden states per block and micro-batch;
   pipeline parallel sends each micro-batch's hidden states forward and their gradient back. Each layer the
@@ -559,8 +561,10 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
         ops += stats.block_fwd_ops  # the blocks' forward runs again in backward
     if f.amp and not f.half:
         ops += AMP_CAST_OPS * stats.fwd_lowp_ops
-    if f.pp > 1:
-        ops = ops / f.pp * bubble  # a stage runs its share of the operations
+    if f.pp > 1:  # a stage runs its share of the blocks' operations; the busiest also those outside the blocks
+        # (the embedding on the first stage, the head and the loss on the last: kept whole, as their parameters)
+        inside = stats.block_fwd_ops / stats.fwd_ops if stats.fwd_ops and stats.blocks else 1.0
+        ops = ops * ((1 - inside) + inside / f.pp) * bubble
     if f.tp > 1:
         ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / f.pp
     ops *= f.micro_batches
