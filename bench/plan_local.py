@@ -1,7 +1,7 @@
 """The planner's cost model on this machine's processes: does it rank the bench's small models as the dry-runs do?
 
-    PYTHONPATH=. python bench/plan_local.py [--sweeps bench/data/sweeps_2026-11-24.json] \
-        [--profile bench/data/profile_cpu_2ranks_2026-11-24.json] [--json out.json]
+    PYTHONPATH=. python bench/plan_local.py [--sweeps bench/data/sweeps_2026-11-25b.json] \
+        [--profile bench/data/profile_cpu_2ranks_2026-11-25b.json] [--json out.json]
 
 ``bench/search.py --sweeps`` measured every candidate of each scenario's space once with the search's dry-run
 (2 CPU processes, gloo) and saved the hardware profile measured with it (bench/data/). Here every candidate that
@@ -98,8 +98,8 @@ def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweeps", default=str(DATA / "sweeps_2026-11-24.json"))
-    parser.add_argument("--profile", default=str(DATA / "profile_cpu_2ranks_2026-11-24.json"))
+    parser.add_argument("--sweeps", default=str(DATA / "sweeps_2026-11-25b.json"))
+    parser.add_argument("--profile", default=str(DATA / "profile_cpu_2ranks_2026-11-25b.json"))
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     import logging
