@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +55,26 @@ def search_path(name: str, sweeps: dict[str, Any], profile: HardwareProfile) -> 
             "spearman": spearman(predicted, measured)}
 
 
-def transformer_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any]:
-    """The GPT-2's sweep predicted with the transformer terms of its shape (as ``atorch plan`` for a config)."""
-    parts = search.MODELS["gpt2"]()
-    shape = shape_from_config(parts["model"].config.to_dict(), parts["model"].config.n_positions)
-    stats = stats_of(shape)
+def _gpt2_sweep(sweeps: dict[str, Any], step_s: Callable[[Strategy, int], float]) -> dict[str, Any]:
+    """Spearman of ``step_s(strategy, micro_batches)`` against the GPT-2 sweep's measured step times."""
     predicted, measured = [], []
     for key, row in _current_keys(sweeps["gpt2/2"]).items():
         if row["status"] != "ok":
             continue
         methods, _, micro_batches = json.loads(key)
-        strategy = Strategy.load([tuple(m) if isinstance(m, list) else m for m in methods])
-        pred = predict(stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches, transformer=shape)
-        predicted.append(pred.time.step)
+        predicted.append(step_s(Strategy.load([tuple(m) if isinstance(m, list) else m for m in methods]),
+                                micro_batches))
         measured.append(2 / row["samples_per_s"])
     return {"model": "gpt2", "candidates": len(predicted), "spearman": spearman(predicted, measured)}
+
+
+def transformer_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any]:
+    """The GPT-2's sweep predicted with the transformer terms of its shape (``atorch plan`` with a profile table)."""
+    config = search.MODELS["gpt2"]()["model"].config
+    shape = shape_from_config(config.to_dict(), config.n_positions)
+    stats = stats_of(shape)
+    return _gpt2_sweep(sweeps, lambda strategy, micro_batches: predict(
+        stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches, transformer=shape).time.step)
 
 
 def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any]:
@@ -84,16 +90,8 @@ def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any
         path.write_text(config.to_json_string())
         stats = analysed_stats(str(path), config.n_positions)
     assert stats is not None
-    predicted, measured = [], []
-    for key, row in _current_keys(sweeps["gpt2/2"]).items():
-        if row["status"] != "ok":
-            continue
-        methods, micro_batch_size, micro_batches = json.loads(key)
-        strategy = Strategy.load([tuple(m) if isinstance(m, list) else m for m in methods])
-        pred = predict(stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches)
-        predicted.append(pred.time.step)
-        measured.append(2 / row["samples_per_s"])
-    return {"model": "gpt2", "candidates": len(predicted), "spearman": spearman(predicted, measured)}
+    return _gpt2_sweep(sweeps, lambda strategy, micro_batches: predict(
+        stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches).time.step)
 
 
 def main(argv: list[str] | None = None) -> int:
