@@ -41,7 +41,7 @@ FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word,
 TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
-# worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 12% low, 18% high; bench/README.md), so
+# worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
 # neither is traced (without a memory limit, on a host with RAM to spare, no candidate is).
 TRACE_BAND = (0.5, 1.5)
 
