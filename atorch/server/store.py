@@ -255,15 +255,15 @@ class Studies:
         if not lock.acquire(timeout=wait_s):
             raise Unavailable(f"study {name!r} is busy with other requests")
         try:
-            with self._request():
+            with self._request(keep=True):  # holding the study's turn: its trials are kept between requests
                 yield
         finally:
             lock.release()
 
     @contextlib.contextmanager
-    def _request(self) -> Iterator[None]:
+    def _request(self, keep: bool = False) -> Iterator[None]:
         """One request's storage work: its reads memoized (``RequestMemo``), its database errors ``Unavailable``."""
-        with _storage_errors(), self.memo.request():
+        with _storage_errors(), self.memo.request(keep=keep):
             yield
 
     def _claim(self, name: str, release: bool = False) -> None:
