@@ -18,9 +18,12 @@ every read: with 31 trials in flight that doubled a request's CPU time). They st
 that writes a study's trials first commits a new token in the study's user attributes (``WRITTEN_ATTR``), and a
 request uses the kept trials only while the token it reads there is the one this process wrote last; another
 process's write (a second server on the same SQLite file) changes the token, and the trials are read again. A
-trial whose state the storage set is read back from the storage; a request that fails forgets what it kept of
-its studies (a write whose commit failed may or may not be stored), so the next one reads them again. Nothing
-is kept that the storage does not hold: a restart after ``kill -9`` and optuna-dashboard see what the memo saw.
+request that wrote reads the token once more as it ends: if another process set one meanwhile (two servers'
+requests at once), it sets a new one, so that both read the storage again. A trial whose state the storage set
+is read back from the storage; a request that fails forgets what it kept of its studies (a write whose commit
+failed may or may not be stored), so the next one reads them again. Nothing is kept that the storage does not
+hold: a restart after ``kill -9`` and optuna-dashboard see what the memo saw (a write to a running trial that
+does not set the token, such as one from the dashboard, is seen after the next failed request).
 Finished trials come from the storage's own copies (Optuna's ``_CachedStorage`` keeps them once read).
 """
 
@@ -93,6 +96,8 @@ class RequestMemo(BaseStorage):
         memo = self._local.memo = _Memo(keep)
         try:
             yield
+            for study_id in memo.written:
+                self._still_mine(study_id)
         except BaseException:
             for study_id in memo.checked | memo.written:  # a failed commit may or may not be stored
                 self._forget(study_id)
@@ -105,6 +110,15 @@ class RequestMemo(BaseStorage):
         kept = self._kept.pop(study_id, None)
         for trial_id in kept.numbers if kept is not None else ():
             self._owner.pop(trial_id, None)
+
+    def _still_mine(self, study_id: int) -> None:
+        """After a request wrote a study's trials: the token it set is still the storage's, or another process set
+        one meanwhile (its writes may be missing here, and it may hold ours as missing): a new token then sends
+        every process back to the storage, this one included."""
+        kept = self._kept.get(study_id)
+        if kept is None or self.backend.get_study_user_attrs(study_id).get(WRITTEN_ATTR) != kept.token:
+            self._forget(study_id)
+            self.backend.set_study_user_attr(study_id, WRITTEN_ATTR, uuid.uuid4().hex)
 
     def _kept_trials(self, memo: _Memo, study_id: int) -> _Kept:
         """The study's kept trials, checked once per request: read again when the storage's token is not the one
