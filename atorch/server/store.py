@@ -1,22 +1,22 @@
 """The server's studies: Optuna studies on Optuna's own storage (RDB), the one record of every search.
 
 Every request reads the study from the storage and rebuilds its ``SearchState`` from the trials there, so the
-server holds nothing the storage does not (optuna-dashboard and ``atorch search-report`` read the same rows),
-and a request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with
-Retry-After) and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's
-``tell`` committed the trial's state, its last write: until then the trial is RUNNING, and a retried tell
-stores it. Within one request, what it read is not read again (``RequestMemo``: Optuna reads a told trial six
-times); nothing read outlives the request. Kept between requests: the per-study locks (``Turns``: first come,
-first served), each study's sampler (what it derives from the trials is updated from those it reads on each
-ask, not rebuilt) and the candidate tables, which never change for a study: its name ends with a digest of its
-space (the table's points and global batch: ``study_name``), so a job with another space under the same key gets
-another study. The hardware is in the
-key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
-budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures
-for one machine vary a little between runs: they must not split the study). The memory budget is the
-caller's: each request may carry its own (default: the one the study was created with), and the stored
-measurements are judged under it, so jobs with different budgets share measurements and each gets answers
-under its own budget.
+server holds nothing the storage does not (optuna-dashboard and ``atorch search-report`` read the same rows), and a
+request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with Retry-After)
+and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's ``tell`` committed
+the trial's state, its last write: until then the trial is RUNNING, and a retried tell stores it. Within one
+request, what it read is not read again (``RequestMemo``: Optuna reads a told trial six times). Kept between
+requests: a study's trials as committed, for the requests that hold its turn (used while the token each writing
+request commits in the study is this process's, else read again: ``RequestMemo``; re-reading every trial in flight
+on every request doubled its CPU time at 32 clients), the per-study locks (``Turns``: first come, first served),
+each study's sampler (what it derives from the trials is updated from those it reads on each ask, not rebuilt) and
+the candidate tables, which never change for a study: its name ends with a digest of its space (the table's points
+and global batch: ``study_name``), so a job with another space under the same key gets another study. The hardware
+is in the key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
+budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures for one
+machine vary a little between runs: they must not split the study). The memory budget is the caller's: each request
+may carry its own (default: the one the study was created with), and the stored measurements are judged under it,
+so jobs with different budgets share measurements and each gets answers under its own budget.
 
 An ask has a time cap: the sampler proposing candidates that are taken (measured, or in flight with another
 client) is answered by enqueueing an untaken one, a study whose every candidate is taken answers ``exhausted``
