@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import socket
 import sys
@@ -48,5 +49,9 @@ def serve(host: str, port: int, storage: str | None, token: str | None, max_body
     busy = settings().server_busy_timeout_s
     app = create_app(storage or default_storage(), token=token, max_body=max_body, busy_timeout_s=busy)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # What is loaded by now (torch, Optuna, SQLAlchemy, FastAPI: most of the heap) lives as long as the process: out
+    # of the collector's way. Each full collection walked it, 110-170 ms with every thread stopped (a /healthz p99 of
+    # 129 ms at 32 clients); the objects requests make are still collected.
+    gc.freeze()
     uvicorn.run(app, host=host, port=port, log_level="info")
     return 0
