@@ -108,7 +108,7 @@ class RequestMemo(BaseStorage):
     # ----- kept trials -------------------------------------------------------------------------
     def _forget(self, study_id: int) -> None:
         kept = self._kept.pop(study_id, None)
-        for trial_id in kept.numbers if kept is not None else ():
+        for trial_id in list(kept.numbers) if kept is not None else ():  # another thread may be adding to it
             self._owner.pop(trial_id, None)
 
     def _still_mine(self, study_id: int) -> None:
