@@ -179,6 +179,52 @@ def test_a_request_memo_reads_each_thing_once_and_the_next_request_reads_the_sto
     other.engine.dispose()
 
 
+def test_a_study_s_trials_are_kept_between_its_turns_and_read_again_when_another_process_wrote(tmp_path) -> None:
+    """RequestMemo.request(keep=True) (a request holding the study's turn): the next such request does not read the
+    trials in flight again (its SQL does not grow with them); each writing request first commits a new token in
+    the study's user attributes; another process's token makes the next request read the storage; a trial's
+    state is read back as the storage set it; a failed request forgets what it kept."""
+    import optuna
+    from sqlalchemy import event
+
+    from atorch.server.memo import WRITTEN_ATTR, RequestMemo
+
+    url = sqlite(tmp_path)
+    rdb = optuna.storages.RDBStorage(url)
+    memo = RequestMemo(optuna.storages.get_storage(rdb))
+    other = optuna.storages.RDBStorage(url)  # another process
+    optuna.create_study(storage=other, study_name="k")
+    sid = other.get_study_id_from_name("k")
+    with memo.request(keep=True):
+        ids = [memo.create_new_trial(sid) for _ in range(12)]
+        memo.set_trial_user_attr(ids[0], "a", 1)
+    token = other.get_study_user_attrs(sid)[WRITTEN_ATTR]
+    statements = []
+    event.listen(rdb.engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    with memo.request(keep=True):
+        trials = memo.get_all_trials(sid)
+        assert len(trials) == 12 and memo.get_trial(ids[0]).user_attrs == {"a": 1}
+        assert len(statements) <= 2  # the study's attributes (its token), not the 12 running trials
+        memo.set_trial_state_values(ids[0], optuna.trial.TrialState.COMPLETE, [1.0])
+    assert other.get_study_user_attrs(sid)[WRITTEN_ATTR] != token  # set before the write
+    done = other.get_trial(ids[0])
+    with memo.request(keep=True):
+        kept = memo.get_all_trials(sid)[0]
+        assert kept.state == done.state and kept.datetime_complete == done.datetime_complete
+    other.set_trial_user_attr(ids[1], "b", 2)
+    other.set_study_user_attr(sid, WRITTEN_ATTR, "another server")
+    with memo.request(keep=True):
+        assert memo.get_all_trials(sid)[1].user_attrs == {"b": 2}
+    with pytest.raises(RuntimeError), memo.request(keep=True):
+        memo.get_all_trials(sid)
+        raise RuntimeError("the storage failed")
+    other.set_trial_user_attr(ids[2], "c", 3)  # no token: seen only because the failed request forgot the study
+    with memo.request(keep=True):
+        assert memo.get_all_trials(sid)[2].user_attrs == {"c": 3}
+    rdb.engine.dispose()
+    other.engine.dispose()
+
+
 def test_a_study_s_requests_take_turns_in_the_order_they_came() -> None:
     """Turns (the per-study lock): waiters get it first come, first served, and one that stopped waiting is
     skipped (a threading.Lock wakes any waiter: under 32 clients some requests waited many times the median)."""

@@ -225,6 +225,36 @@ def test_a_dropped_postgresql_connection_loses_no_acknowledged_tell(table) -> No
         admin.dispose()
 
 
+def test_postgresql_sessions_commit_without_waiting_and_each_answer_follows_a_durable_commit() -> None:
+    """PostgreSQL: the server's sessions commit without waiting for the WAL flush, and every request that holds
+    a study's turn ends with one commit that waits (synchronous_commit on, with a commit record), after its own
+    writes: what it answers is on disk."""
+    import sqlalchemy as sa
+
+    from atorch.server.store import Studies
+
+    storage = postgres_or_skip()
+    studies = Studies(storage)
+    seen: list[str] = []
+    sa.event.listen(studies.rdb.engine, "before_cursor_execute", lambda *args: seen.append(args[2]))
+    name = f"durable-{uuid.uuid4().hex[:8]}"
+    try:
+        with studies.rdb.engine.connect() as conn:
+            assert conn.execute(sa.text("show synchronous_commit")).scalar() == "off"
+        name = studies.create(name, grid(), {"memory_budget": 1e9, "sampler": "tpe", "max_trials": 64, "top_k": 0,
+                                             "seed": 1, "lease_s": 600.0})["study_key"]
+        p = studies.ask(name, None)
+        del seen[:]
+        told = studies.tell(name, p["number"], {**ok(p["point"]), "reason": ""})
+        assert not told["already_told"] and told["record"]["measured"]["status"] == "ok"
+        writes = [i for i, q in enumerate(seen) if q.lstrip().upper().startswith(("INSERT", "UPDATE"))]
+        assert seen[-2:] == ["set local synchronous_commit to on", "select txid_current()"] and writes
+        assert max(writes) < len(seen) - 2
+    finally:
+        studies.delete(name)
+        studies.close()
+
+
 def test_each_job_is_judged_under_its_own_budget_and_another_space_is_another_study(table, tmp_path) -> None:
     """Jobs A and B share a space but not a memory budget: one study, whose measurements each re-uses judged
     under its own budget (B re-creating it does not make A's measurements OOM); another space under the same

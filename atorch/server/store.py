@@ -1,22 +1,22 @@
 """The server's studies: Optuna studies on Optuna's own storage (RDB), the one record of every search.
 
 Every request reads the study from the storage and rebuilds its ``SearchState`` from the trials there, so the
-server holds nothing the storage does not (optuna-dashboard and ``atorch search-report`` read the same rows),
-and a request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with
-Retry-After) and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's
-``tell`` committed the trial's state, its last write: until then the trial is RUNNING, and a retried tell
-stores it. Within one request, what it read is not read again (``RequestMemo``: Optuna reads a told trial six
-times); nothing read outlives the request. Kept between requests: the per-study locks (``Turns``: first come,
-first served), each study's sampler (what it derives from the trials is updated from those it reads on each
-ask, not rebuilt) and the candidate tables, which never change for a study: its name ends with a digest of its
-space (the table's points and global batch: ``study_name``), so a job with another space under the same key gets
-another study. The hardware is in the
-key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
-budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures
-for one machine vary a little between runs: they must not split the study). The memory budget is the
-caller's: each request may carry its own (default: the one the study was created with), and the stored
-measurements are judged under it, so jobs with different budgets share measurements and each gets answers
-under its own budget.
+server holds nothing the storage does not (optuna-dashboard and ``atorch search-report`` read the same rows), and a
+request whose commit fails leaves no copy behind that disagrees: it answers ``Unavailable`` (503 with Retry-After)
+and the retry starts again from what the storage holds. A tell is acknowledged after Optuna's ``tell`` committed
+the trial's state, its last write: until then the trial is RUNNING, and a retried tell stores it. Within one
+request, what it read is not read again (``RequestMemo``: Optuna reads a told trial six times). Kept between
+requests: a study's trials as committed, for the requests that hold its turn (used while the token each writing
+request commits in the study is this process's, else read again: ``RequestMemo``; re-reading every trial in flight
+on every request doubled its CPU time at 32 clients), the per-study locks (``Turns``: first come, first served),
+each study's sampler (what it derives from the trials is updated from those it reads on each ask, not rebuilt) and
+the candidate tables, which never change for a study: its name ends with a digest of its space (the table's points
+and global batch: ``study_name``), so a job with another space under the same key gets another study. The hardware
+is in the key a ``RemotePlanner`` sends (``StudyIdentity``: the model, space, hardware, ... — everything but the
+budget); a table sent again for the same space keeps the predictions stored first (a cost model's figures for one
+machine vary a little between runs: they must not split the study). The memory budget is the caller's: each request
+may carry its own (default: the one the study was created with), and the stored measurements are judged under it,
+so jobs with different budgets share measurements and each gets answers under its own budget.
 
 An ask has a time cap: the sampler proposing candidates that are taken (measured, or in flight with another
 client) is answered by enqueueing an untaken one, a study whose every candidate is taken answers ``exhausted``
@@ -106,9 +106,12 @@ def check_table(table: CandidateTable) -> None:
 
 def open_storage(url: str, busy_timeout_s: float = 5.0) -> Any:
     """Optuna's RDB storage of a URL. SQLite: WAL (readers never wait for the writer) and a busy timeout after
-    which a request is a 503 rather than a hang; PostgreSQL: commits are durable (an acknowledged tell is on
-    disk)."""
-    from sqlalchemy import event
+    which a request is a 503 rather than a hang. PostgreSQL: the sessions' commits do not wait for the disk
+    (``synchronous_commit`` off: a request's dozen commits waited for a dozen WAL flushes, one after the other, in
+    the study's turn); a request that holds a study's turn ends with one commit that does (``Studies._durable``),
+    which flushes the WAL up to it: what it answers (an acknowledged tell) is on disk before the answer, and a
+    crash of the database keeps a prefix of the commits, as a server stopped mid-request would leave."""
+    from sqlalchemy import event, make_url
 
     if url.startswith("sqlite"):
         rdb = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": busy_timeout_s}})
@@ -123,7 +126,9 @@ def open_storage(url: str, busy_timeout_s: float = 5.0) -> Any:
         rdb.engine.dispose()  # connections opened before the listener reconnect with the pragmas
         return rdb
     if url.startswith("postgresql"):
-        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+        options = " ".join(filter(None, [make_url(url).query.get("options"), "-c synchronous_commit=off"]))
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True,
+                                                              "connect_args": {"options": options}})
     return optuna.storages.RDBStorage(url)
 
 
@@ -255,15 +260,30 @@ class Studies:
         if not lock.acquire(timeout=wait_s):
             raise Unavailable(f"study {name!r} is busy with other requests")
         try:
-            with self._request():
+            with self._request(keep=True):  # holding the study's turn: its trials are kept between requests
                 yield
+            with _storage_errors():
+                self._durable()  # last: after the memo's own end-of-request writes
         finally:
             lock.release()
 
+    def _durable(self) -> None:
+        """PostgreSQL: one commit that waits for the disk (``synchronous_commit`` on; ``txid_current()`` gives the
+        transaction a commit record), so the WAL is flushed up to it: every commit this request made or read is on
+        disk before it answers (the sessions' own commits do not wait: ``open_storage``)."""
+        if not self._postgres:
+            return
+        import sqlalchemy as sa
+
+        with self.rdb.engine.connect() as conn:
+            conn.execute(sa.text("set local synchronous_commit to on"))
+            conn.execute(sa.text("select txid_current()"))
+            conn.commit()
+
     @contextlib.contextmanager
-    def _request(self) -> Iterator[None]:
+    def _request(self, keep: bool = False) -> Iterator[None]:
         """One request's storage work: its reads memoized (``RequestMemo``), its database errors ``Unavailable``."""
-        with _storage_errors(), self.memo.request():
+        with _storage_errors(), self.memo.request(keep=keep):
             yield
 
     def _claim(self, name: str, release: bool = False) -> None:
