@@ -15,6 +15,7 @@ and returns the ``TransformerShape`` the cost model's transformer terms read, pl
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -109,6 +110,7 @@ def _shape_from_module(module: Any, seq: int) -> TransformerShape:
                             vocab=token.num_embeddings, seq=seq, gated_mlp=gated)
 
 
+@functools.lru_cache(maxsize=4)  # resolve_model and analysed_stats both need it: the user's factory runs once
 def _call_factory(spec: str) -> Any:
     module_name, _, function = spec.partition(":")
     try:
