@@ -140,11 +140,60 @@ class ReadsValues(nn.Module):
         return self.layer(x) if x.sum() > 0 else -self.layer(x)  # data-dependent: no value on fake tensors
 
 
-def test_a_model_that_reads_values_gets_a_clear_error() -> None:
-    with pytest.raises(SetupError, match="could not run on fake tensors.*reads tensor values"):
-        analyse(ReadsValues(), torch.randn(BATCH, 16))
-    with pytest.raises(SetupError, match="model_input_format"):
+def test_a_model_that_reads_values_is_measured_on_real_tensors(atorch_log) -> None:
+    """The fake run cannot branch on a value; one real step on the sample batch measures it instead (never blind),
+    and the log says which path was taken. On the meta device there is no real step: a clear error that does
+    not blame the user's input format."""
+    model = ReadsValues()
+    before = copy.deepcopy(model.state_dict())
+    stats = analyse(model, torch.randn(BATCH, 16))
+    assert stats.measured_on == "real"
+    assert stats.fwd_flops_per_sample == 2 * 16 * 8 and stats.param_count == 16 * 8 + 8
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the user's model was touched"
+    assert all(p.grad is None for p in model.parameters())
+    assert "analysed ReadsValues on real tensors" in atorch_log.text
+    assert analyse(toy_models.MLP(), mlp_batch(), "unpack_sequence", toy_models.mlp_loss).measured_on == "fake"
+    with torch.device("meta"):
+        on_meta = ReadsValues()
+    with pytest.raises(SetupError, match="on the meta device") as info:
+        analyse(on_meta, torch.randn(BATCH, 16))
+    assert "model_input_format" not in str(info.value)
+    with pytest.raises(SetupError, match="model_input_format"):  # the user's mistake is still named as such
         analyse(toy_models.MLP(), {"x": torch.randn(BATCH, 16)}, "unpack_sequence")
+
+
+def tiny_mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        use_cache=False))
+
+
+def test_a_mixture_of_experts_model_is_analysed_as_such() -> None:
+    """transformers runs the experts through aten._grouped_mm, whose fake kernel takes only bf16: the analysis
+    runs it anyway (on fake tensors), counts its FLOPs at top-k routing as a real step does, and reports the
+    experts: total against active parameters."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from atorch.strategy_search.analyser import _EXTRA_FLOPS
+
+    model = tiny_mixtral()
+    ids = torch.randint(0, 128, (BATCH, 32))
+    stats = analyse(model, {"input_ids": ids, "labels": ids}, "unpack_dict")
+    assert stats.measured_on == "fake"
+    with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as real:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert stats.fwd_bwd_flops_per_sample == real.get_total_flops() / BATCH
+    # 4 experts of 3 (32 x 64) matrices in each of 2 layers; a token runs 2 of them
+    expert_params = 2 * 4 * 3 * 32 * 64
+    assert (stats.experts, stats.experts_per_token, stats.expert_param_count) == (4, 2, expert_params)
+    assert stats.active_param_count == stats.param_count - expert_params // 2
+    # FLOPs at top-2 of 4: far below every token through every expert
+    dense_expert_flops = 2 * 2 * 4 * 3 * 32 * 64 * 32  # fwd, 2 layers, 4 experts, 3 matmuls, 32 tokens
+    assert stats.fwd_flops_per_sample < dense_expert_flops
 
 
 def test_non_transformer_models() -> None:

@@ -95,6 +95,21 @@ def test_rules_refuse_points_and_those_never_become_candidates(space: SearchSpac
         assert Strategy(methods=()).to_json() not in keys
 
 
+def test_sharding_over_one_data_rank_is_no_candidate(space: SearchSpace) -> None:
+    """Tensor 2 x pipeline 1 on 2 ranks leaves one data rank: zero1/zero2/fsdp there shard nothing (twins)."""
+    sharded_alone = [c for c in space.enumerate()
+                     if space.data_size(dict(c.point)) == 1 and dict(c.point)["sharding"] != "ddp"]
+    assert sharded_alone == []
+    degenerate = space.degenerate_points()
+    assert degenerate and all(space.data_size(p) == 1 and p["sharding"] != "ddp" for p, _ in degenerate)
+    assert all("dimension of one rank changes nothing" in why[0] for _, why in degenerate)
+    with pytest.raises(SetupError, match="changes nothing"):
+        space.from_point(degenerate[0][0])
+    # with data ranks left, sharding is still searched beside the layout
+    assert any(space.data_size(dict(c.point)) == WORLD and dict(c.point)["sharding"] == "fsdp"
+               for c in space.enumerate())
+
+
 def test_points_round_trip_and_optuna_view_covers_every_param(space: SearchSpace) -> None:
     dists = optuna_distributions(space)
     for cand in space.enumerate():

@@ -140,8 +140,10 @@ class Method(ABC):
         return True
 
     def offered_at(self, partial: dict[str, Any], space: Any) -> bool:
-        """Whether its search dimension is offered after the choices in ``partial`` (a SearchSpace's point)."""
-        return True
+        """Whether the search offers the method after the choices in ``partial`` (a SearchSpace's point). By
+        default: where every mesh dimension it works over has more than one rank (sharding over one data rank
+        shards nothing: a twin of the candidate without it)."""
+        return all(space.mesh_size(partial, dim) > 1 for dim in self.mesh_dims)
 
     def schedule_micro_batches(self, config: MethodConfig) -> int:
         """The micro-batches a pipeline schedule splits one batch into under ``config`` (0: it runs none)."""

@@ -34,9 +34,9 @@ def _norm(module: nn.Module) -> bool:
 
 
 def _embedding_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
+    from atorch.opt_lib.tp_styles import model_layer
+
+    embedding, head = model_layer(model, "get_input_embeddings"), model_layer(model, "get_output_embeddings")
     return (embedding if isinstance(embedding, nn.Embedding) else None,
             head if isinstance(head, nn.Linear) else None)
 

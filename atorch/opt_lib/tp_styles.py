@@ -97,14 +97,26 @@ def match(names: list[str], pattern: str) -> list[str]:
     return [n for n in names if fnmatch.fnmatchcase(n, pattern)]
 
 
+def model_layer(model: nn.Module, getter: str) -> nn.Module | None:
+    """What a transformers-style getter (``get_input_embeddings``...) returns, or None where the model has none:
+    no such method, or one that refuses (transformers' vision models raise NotImplementedError)."""
+    get = getattr(model, getter, None)
+    if not callable(get):
+        return None
+    try:
+        layer = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    return layer if isinstance(layer, nn.Module) else None
+
+
 def vocabulary_layers(model: nn.Module) -> set[str]:
     """The token embedding and LM head by name: kept whole from a model's own plan (they are split over the
     vocabulary by the ``loss_parallel`` option, and a tied pair must stay one parameter)."""
     layers = []
     for carrier in [model] + [module for _, module, _ in _carriers(model)]:
         for getter in ("get_input_embeddings", "get_output_embeddings"):
-            get = getattr(carrier, getter, None)
-            layers.append(get() if callable(get) else None)
+            layers.append(model_layer(carrier, getter))
     return {n for n, m in model.named_modules() if any(m is layer for layer in layers if layer is not None)}
 
 

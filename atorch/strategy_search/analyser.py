@@ -38,6 +38,7 @@ analysis could not predict.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -71,6 +72,8 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
+from atorch.strategy_search import fake_kernels
+from atorch.strategy_search.fake_kernels import FakeKernelGaps
 
 logger = get_logger(__name__)
 
@@ -149,6 +152,20 @@ class ModelStats(_Frozen):
     blocks: tuple[BlockStats, ...]
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
+    # mixture of experts (``moe_structure``): every expert's parameters are in memory, a token visits top-k of them
+    experts: int = 0  # experts per MoE layer (0: no MoE layer)
+    experts_per_token: int = 0
+    expert_param_count: int = 0  # parameters of all experts of all MoE layers
+    # how the step was measured: "fake" tensors, or "real" tensors on the sample batch where the fake run failed
+    measured_on: str = "fake"
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token runs through: the experts' at top-k of ``experts``, the rest whole."""
+        if not self.experts:
+            return self.param_count
+        return self.param_count - self.expert_param_count + self.expert_param_count * self.experts_per_token // \
+            self.experts
 
     @property
     def activation_bytes_per_sample(self) -> float:
@@ -293,6 +310,7 @@ def _sdpa_cpu_backward(grad_shape: Any, query_shape: Any, key_shape: Any, value_
 _EXTRA_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+    **fake_kernels.EXTRA_FLOPS,
 }
 
 
@@ -591,7 +609,7 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
     try:
         with _quiet_fake_tensor_log(), torch.random.fork_rng(devices=[]):
             mode, work, batch, _ = _fake_setup(model, sample_batch)
-            with mode:
+            with mode, FakeKernelGaps():
                 _forward_and_loss(work, batch, model_input_format, loss_func)
     except StepError as exc:
         return [str(exc)]
@@ -621,12 +639,12 @@ def _step(work: nn.Module, batch: Any, model_input_format: str | None, loss_func
     fwd_ops, bwd_ops = _OpCounter(saved), _OpCounter()
     with ExitStack() as hooks:
         saved.track(work, hooks)
-        with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, fwd_ops, \
+        with mode, FakeKernelGaps(), FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as fwd, fwd_ops, \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             loss = _forward_and_loss(work, batch, model_input_format, loss_func)
     if loss is None:
         return fwd.get_total_flops(), 0, fwd_ops, bwd_ops
-    with mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd, bwd_ops:
+    with mode, FakeKernelGaps(), FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as bwd, bwd_ops:
         loss.backward()
     return fwd.get_total_flops(), bwd.get_total_flops(), fwd_ops, bwd_ops
 
@@ -651,7 +669,7 @@ def _amp_saved_bytes(work: nn.Module, batch: Any, model_input_format: str | None
     """Bytes one forward saves for backward under bf16 autocast (weight casts left out), or None."""
     saved = _SavedTensors(work, {})
     try:
-        with mode, _WeightCasts(saved), torch.autocast(device.type, dtype=torch.bfloat16), \
+        with mode, FakeKernelGaps(), _WeightCasts(saved), torch.autocast(device.type, dtype=torch.bfloat16), \
                 torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             _loss_of(call_model(work, batch, model_input_format), batch, loss_func)
     except Exception:  # noqa: BLE001  (a model autocast cannot run: the cost model's calibrated factor is used)
@@ -674,21 +692,35 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
 
     mode, work, batch, batch_device = _fake_setup(model, sample_batch)
     saved = _SavedTensors(work, blocks)
+    measured_on = "fake"
     try:
         with _quiet_fake_tensor_log():
             fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode, saved)
     except StepError:
         raise
     except Exception as exc:
-        raise SetupError(
-            f"analyse: one training step of {type(model).__name__} could not run on fake tensors (shapes, no "
-            f"values): {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. "
-            "A forward that reads tensor values (.item(), `if tensor:`, shapes that depend on data) cannot be "
-            "analysed; check that model_input_format and loss_func match the sample batch"
-        ) from exc
+        # The fake run's own limits (a forward that reads values, an operation without a fake kernel): measured
+        # on real tensors instead, one step on the sample batch, so the search never plans blind.
+        fake_failure = _first_line(exc)
+        work, batch, mode, saved = _real_setup(model, sample_batch, blocks, fake_failure)
+        measured_on = "real"
+        try:
+            with torch.random.fork_rng(devices=[]):
+                fwd_flops, bwd_flops, fwd_ops, bwd_ops = _step(work, batch, model_input_format, loss_func, mode,
+                                                               saved)
+        except StepError:
+            raise
+        except Exception as real_exc:
+            raise SetupError(
+                f"analyse: one training step of {type(model).__name__} fails: on fake tensors {fake_failure}; on "
+                f"real tensors, on the sample batch ({describe(sample_batch)}), {_first_line(real_exc, work)}"
+            ) from real_exc
+        logger.info("analysed %s on real tensors (one step on the sample batch): the fake-tensor run failed: %s",
+                    type(model).__name__, fake_failure)
 
     work.zero_grad(set_to_none=True)
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
+    experts, per_token, expert_params = moe_structure(model)
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
@@ -743,4 +775,47 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         blocks=block_stats,
         largest_layer=largest_layer,
         largest_activation=saved.largest,
+        experts=experts,
+        experts_per_token=per_token,
+        expert_param_count=expert_params,
+        measured_on=measured_on,
     )
+
+
+def _real_setup(model: nn.Module, sample_batch: Any, blocks: dict[str, str],
+                fake_failure: str) -> tuple[nn.Module, Any, Any, _SavedTensors]:
+    """A real copy of the model (train mode) for one measured step, where the fake run failed."""
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())) or any(
+            t.is_meta for t in _leaves(sample_batch)):
+        raise SetupError(
+            f"analyse: one training step of {type(model).__name__} could not run on fake tensors ({fake_failure}), "
+            "and the model is on the meta device, so it cannot be measured on real tensors either; build it on a "
+            "real device for the automatic search, or give load_strategy")
+    work = copy.deepcopy(model)
+    work.train()
+    return work, sample_batch, contextlib.nullcontext(), _SavedTensors(work, blocks)
+
+
+# Config fields transformers' mixture-of-experts families name their expert count and top-k with.
+_EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "router_top_k")
+
+
+def moe_structure(model: nn.Module) -> tuple[int, int, int]:
+    """(experts per MoE layer, experts each token visits, parameters of all experts): the modules named
+    ``experts`` (transformers' convention for a layer's expert bank, stacked or a ModuleList), the counts from
+    the model's config where it has one, else from the bank's shape (top-k then unknown: 0). (0, 0, 0): no MoE."""
+    banks = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    if not banks:
+        return 0, 0, 0
+    params = sum(p.numel() for bank in banks for p in bank.parameters())
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config  # multimodal models keep the decoder's apart
+    count = next((int(v) for k in _EXPERT_COUNT if isinstance(v := getattr(config, k, None), int) and v > 0), 0)
+    if not count:
+        first = banks[0]
+        count = len(first) if isinstance(first, nn.ModuleList) else next(
+            (p.shape[0] for p in first.parameters() if p.dim() == 3), 0)
+    per_token = next((int(v) for k in _EXPERTS_PER_TOKEN if isinstance(v := getattr(config, k, None), int) and v > 0),
+                     0)
+    return count, min(per_token, count), params

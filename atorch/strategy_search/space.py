@@ -181,6 +181,7 @@ class SearchSpace:
         self.tensor_sizes, self.pipeline_sizes = self._model_parallel_sizes(model)
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
+        self._degenerates: list[tuple[Point, list[str]]] = []  # choices that change nothing at their layout
         self._valid_points: list[Point] = []  # in walk order
         self._duplicates: list[tuple[Candidate, str]] = []  # (left out, the kept one's key): the same program
         self._prefixes: dict[str, set[str]] | None = None
@@ -219,6 +220,10 @@ class SearchSpace:
 
     def data_size(self, point: Point) -> int:
         return self.world_size // (int(point.get("tensor", 1)) * int(point.get("pipeline", 1)))
+
+    def mesh_size(self, point: Point, dim: str) -> int:
+        """The size of a parallel_mode dimension in a (partial) point: the layout's sizes, data what is left."""
+        return self.data_size(point) if dim == "data" else int(point.get(dim, 1))
 
     def _layout_dims(self, partial: Point) -> Iterator[Dim]:
         if len(self.tensor_sizes) > 1:
@@ -390,7 +395,7 @@ class SearchSpace:
         if set(point) != expected:
             raise SetupError([f"point {point} does not fit this space: it needs exactly the keys {sorted(expected)}"])
         strategy = self.strategy_of(point)
-        problems = strategy.problems(self.world_size)
+        problems = strategy.problems(self.world_size) + self._degenerate(point)
         if problems:
             raise SetupError([f"point {point} is not a valid strategy: {p}" for p in problems])
         return self._candidate(strategy, point)
@@ -417,13 +422,17 @@ class SearchSpace:
     def enumerate(self) -> list[Candidate]:
         """Every valid candidate (points whose strategy breaks a rule or check are left out)."""
         if self._candidates is None:
-            self._candidates, self._invalid, self._duplicates = [], [], []
+            self._candidates, self._invalid, self._duplicates, self._degenerates = [], [], [], []
             programs: dict[str, str] = {}  # program -> the key of the candidate kept for it
             for point in self._points({}):
                 strategy = self.strategy_of(point)
                 problems = strategy.problems(self.world_size)
                 if problems:
                     self._invalid.append((point, problems))
+                    continue
+                twin = self._degenerate(point)
+                if twin:
+                    self._degenerates.append((point, twin))
                     continue
                 cand = self._candidate(strategy, point)
                 program = _program_key(cand)
@@ -438,6 +447,14 @@ class SearchSpace:
                 raise SetupError([f"the search space has no valid strategy (excluded/included/finetune): {why}"])
         return list(self._candidates)
 
+    def _degenerate(self, point: Point) -> list[str]:
+        """Choices that change nothing at this point's layout (a method's ``offered_at``: sharding over one data
+        rank is its twin without sharding); not candidates."""
+        chosen = (self._chosen(d, point[d.name])[0] for d in self.dimensions
+                  if d.kind == "choice" and point.get(d.name, d.off) != d.off)
+        return [f"{m.name} over a {'/'.join(m.mesh_dims) or 'layout'} dimension of one rank changes nothing"
+                for m in chosen if m.name not in self.included and not m.offered_at(point, self)]
+
     def valid_points(self) -> list[Point]:
         """The valid points in walk order, each keyed in walk order (what a CandidateTable is built from)."""
         self.enumerate()
@@ -447,6 +464,11 @@ class SearchSpace:
         """Points the rules refused, with why (for reports and tests)."""
         self.enumerate()
         return list(self._invalid)
+
+    def degenerate_points(self) -> list[tuple[Point, list[str]]]:
+        """Points left out because a choice changes nothing at their layout (sharding over one data rank)."""
+        self.enumerate()
+        return list(self._degenerates)
 
     def duplicates(self) -> list[tuple[Candidate, str]]:
         """Candidates left out because an earlier one runs the same program (zero2 over FSDP2 is fsdp

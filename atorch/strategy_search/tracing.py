@@ -253,6 +253,7 @@ class MemoryTracer:
         from atorch.build import build_result, preflight
         from atorch.distributed import DistEnv
         from atorch.model_context import ModelContext
+        from atorch.strategy_search.fake_kernels import FakeKernelGaps
         from atorch.training import train_step
 
         start = time.perf_counter()
@@ -269,7 +270,8 @@ class MemoryTracer:
         result = None
         try:
             buffers = _gloo_buffers() if self.device.type == "cpu" else contextlib.nullcontext()
-            with _quiet(), warnings.catch_warnings(), self.mode, tracker, buffers, _shadows_uncounted(tracker):
+            with _quiet(), warnings.catch_warnings(), self.mode, FakeKernelGaps(), tracker, buffers, \
+                    _shadows_uncounted(tracker):
                 warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor")  # torch's own checks
                 ctx = ModelContext(setup, env, layout).fresh()
                 ctx.skipped = dict(skipped)

@@ -1,10 +1,18 @@
-"""The README's training loop, run literally under every strategy on 2 ranks (tests/test_readme_loop.py).
+"""The README's training loop, run literally under every family of the default search space
+(tests/test_readme_loop.py).
 
-The loop (between ``<!-- loop:start -->`` and ``<!-- loop:end -->`` in README.md) is executed as
-written, with ``result`` from ``auto_accelerate`` and ``epochs`` given. Each strategy's final
-weights are compared with a single-process reference that trains on the same global batches in the
-same order (the distributed sampler's shuffled order, a new one each epoch), with the same
-accumulation and clipping. Rank 0 prints ``RESULT {json}``.
+Usage: ``torchrun --nproc_per_node=N readme_loop_worker.py CASE`` with CASE ``mlp`` (2 processes: every sharding
+method and implementation, precision, checkpointing) or ``llama`` (4 processes: a transformers Llama, whose space
+adds tensor-parallel layouts beside and under sharding). The strategies are not a hand list: they are the space's
+own candidates (``SearchSpace(model, world, batch).enumerate()``, the automatic search's defaults), one per
+family (a point without its micro-batch size), reduced to a covering set: every layout x sharding pair, then
+families until every value of every key is taken at least once.
+
+The loop (between ``<!-- loop:start -->`` and ``<!-- loop:end -->`` in README.md) is executed as written, with
+``status`` and ``result`` from ``auto_accelerate``; the result says 2 micro-batches a step, as an automatic pick
+with micro-batching does. Each family's final weights are compared with a single-process reference that trains
+on the same global batches in the same order (the distributed sampler's order over the data ranks, shuffled anew each
+epoch under data parallel), with the same accumulation and clipping. Rank 0 prints ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -18,34 +26,26 @@ import json
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import toy_models
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-import atorch
-from atorch.distributed import init_distributed
-
 README = Path(__file__).resolve().parents[2] / "README.md"
-EPOCHS, GLOBAL_BATCH, ACCUMULATION, MAX_NORM, LR = 2, 8, 2, 1.0, 0.1
-STRATEGIES: dict[str, list[Any]] = {
-    "ddp": ["parallel_mode"], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"],
-    "checkpoint_fsdp": ["checkpoint", "fsdp"],
-    "zero1_deepspeed": [("zero1", {"implementation": "deepspeed"})],
-    "zero2_deepspeed": [("zero2", {"implementation": "deepspeed"})],
-    "amp_fp16_ddp": ["parallel_mode", ("amp_native", {"dtype": "fp16"})],
-    "amp_fp16_fsdp": ["fsdp", ("amp_native", {"dtype": "fp16"})],
-}
+EPOCHS, GLOBAL_BATCH, ACCUMULATION, MAX_NORM, LR = 2, 8, 2, 1.0, 0.1  # EPOCHS: the README loop's own
+CASES = {"mlp": 2, "llama": 4}  # case -> processes
 
 
 class DictDataset(Dataset):
     """The MLP's samples as dicts, so that the README's ``model(**data)`` applies."""
 
     def __init__(self) -> None:
+        import toy_models
+
         self.inner = toy_models.mlp_dataset()
 
     def __len__(self) -> int:
@@ -56,8 +56,55 @@ class DictDataset(Dataset):
         return {"x": x, "y": y}
 
 
-def loss_func(data: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+def mlp_loss(data: dict[str, torch.Tensor], output: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(output.float(), data["y"])
+
+
+def lm_loss(data: dict[str, torch.Tensor], output: Any) -> torch.Tensor:
+    return output.loss.float()
+
+
+def case_setup(case: str) -> tuple[Callable[[], torch.nn.Module], Dataset, Callable[..., torch.Tensor]]:
+    """(model factory: the same weights on every call, dataset, loss)."""
+    if case == "mlp":
+        import toy_models
+
+        return toy_models.mlp, DictDataset(), mlp_loss
+    import shard_models
+
+    def llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return shard_models.tiny_llama()
+
+    return llama, shard_models.TokenDataset(), lm_loss
+
+
+def families(model: torch.nn.Module, world: int, skip: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Name -> strategy: a covering set of the default space's families (see the module's docstring)."""
+    from atorch.strategy_search.space import SearchSpace
+
+    by_family: dict[str, dict[str, Any]] = {}
+    strategies: dict[str, Any] = {}
+    for cand in SearchSpace(model, world, GLOBAL_BATCH).enumerate():
+        point = {k: v for k, v in cand.point if k != "micro_batch_size"}
+        name = json.dumps(point, sort_keys=True)
+        if not skip(point) and name not in by_family:
+            by_family[name], strategies[name] = point, cand.strategy
+    chosen: list[str] = []
+    groups: set[tuple[Any, ...]] = set()
+    for name, point in by_family.items():  # every layout x sharding (and its implementation)
+        group = (point.get("tensor", 1), point.get("pipeline", 1), point["sharding"],
+                 point.get(f"{point['sharding']}.implementation"))
+        if group not in groups:
+            groups.add(group)
+            chosen.append(name)
+    covered = {(k, json.dumps(v)) for name in chosen for k, v in by_family[name].items()}
+    for name, point in by_family.items():  # then every value of every key at least once
+        new = {(k, json.dumps(v)) for k, v in point.items()} - covered
+        if new and name not in chosen:
+            chosen.append(name)
+            covered |= new
+    return {name: strategies[name] for name in chosen}
 
 
 def readme_loop() -> str:
@@ -72,22 +119,22 @@ def flat_weights(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in params])
 
 
-def reference(dataset: Dataset, world: int) -> torch.Tensor:
+def reference(make: Callable[[], torch.nn.Module], dataset: Dataset, loss_func: Callable[..., torch.Tensor],
+              data_ranks: int) -> torch.Tensor:
     """One process, no atorch: the same global micro-batches, accumulation and clipping."""
-    model = toy_models.mlp()
+    model = make()
     optim = torch.optim.SGD(model.parameters(), lr=LR)
-    local = GLOBAL_BATCH // world
+    local = GLOBAL_BATCH // data_ranks
     for epoch in range(EPOCHS):
         orders = []
-        for rank in range(world):
-            sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True)
+        for rank in range(data_ranks):
+            # atorch's dataloader shuffles by default under data parallel only (one data rank: torch's default)
+            sampler = DistributedSampler(dataset, num_replicas=data_ranks, rank=rank, shuffle=data_ranks > 1)
             sampler.set_epoch(epoch)
             orders.append(list(sampler))
         for index in range(len(orders[0]) // local):
-            ids = [i for order in orders for i in order[index * local:(index + 1) * local]]
-            batch = [dataset[i] for i in ids]
-            x, y = torch.stack([b["x"] for b in batch]), torch.stack([b["y"] for b in batch])
-            (torch.nn.functional.cross_entropy(model(x), y) / ACCUMULATION).backward()
+            batch = default_collate([dataset[i] for order in orders for i in order[index * local:(index + 1) * local]])
+            (loss_func(batch, model(**batch)) / ACCUMULATION).backward()
             if (index + 1) % ACCUMULATION == 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
                 optim.step()
@@ -95,33 +142,50 @@ def reference(dataset: Dataset, world: int) -> torch.Tensor:
     return flat_weights(model)
 
 
-def run(strategy: list[Any], dataset: Dataset) -> dict[str, Any]:
-    _, result, _ = atorch.auto_accelerate(
-        toy_models.mlp(), torch.optim.SGD, dataset, loss_func, model_input_format="unpack_dict",
+def run(strategy: Any, make: Callable[[], torch.nn.Module], dataset: Dataset,
+        loss_func: Callable[..., torch.Tensor]) -> dict[str, Any]:
+    import atorch
+
+    status, result, _ = atorch.auto_accelerate(
+        make(), torch.optim.SGD, dataset, loss_func, model_input_format="unpack_dict",
         optim_args={"lr": LR}, dataloader_args={"batch_size": GLOBAL_BATCH}, load_strategy=strategy,
     )
-    exec(readme_loop(), {"result": result, "epochs": EPOCHS})  # the README's code, as written
+    # what build_result hands out for an automatic pick of 2 micro-batches a step (the dataloader's batch is one)
+    object.__setattr__(result.args, "gradient_accumulation_steps", ACCUMULATION)
+    exec(readme_loop(), {"status": status, "result": result})  # the README's code, as written
     weights = flat_weights(result.model)
     mine = weights.clone()
     dist.broadcast(weights, src=0)
     replicas = (mine - weights).abs().max().reshape(1)
     dist.all_reduce(replicas, op=dist.ReduceOp.MAX)
+    data_ranks = result.args.data_parallel_size
     result.close()
-    return {"weights": mine, "replica_gap": replicas.item()}
+    return {"weights": mine, "replica_gap": replicas.item(), "data_ranks": data_ranks}
 
 
 def main() -> None:
+    from atorch.distributed import init_distributed
+
+    case = sys.argv[1]
     init_distributed()
-    dataset = DictDataset()
-    expected = reference(dataset, dist.get_world_size())
-    start = flat_weights(toy_models.mlp())
-    report: dict[str, Any] = {"moved": (expected - start).abs().max().item(), "strategies": {}}
-    for name, strategy in STRATEGIES.items():
+    make, dataset, loss_func = case_setup(case)
+    # DeepSpeed's implementations are covered by the MLP case (its engine builds its ops once per process)
+    skip = (lambda point: False) if case == "mlp" else (lambda point: "deepspeed" in point.values())
+    strategies = families(make(), dist.get_world_size(), skip)
+    start = flat_weights(make())
+    expected: dict[int, torch.Tensor] = {}
+    report: dict[str, Any] = {"strategies": {}}
+    for name, strategy in strategies.items():
         try:
-            entry = run(strategy, dataset)
-            entry["max_diff"] = (entry.pop("weights") - expected).abs().max().item()
+            entry = run(strategy, make, dataset, loss_func)
+            ranks = entry.pop("data_ranks")
+            if ranks not in expected:
+                expected[ranks] = reference(make, dataset, loss_func, ranks)
+                report["moved"] = (expected[ranks] - start).abs().max().item()
+            entry["max_diff"] = (entry.pop("weights") - expected[ranks]).abs().max().item()
+            entry["strategy"] = strategy.to_json(indent=None)
             report["strategies"][name] = entry
-        except Exception as exc:  # reported per strategy; the others still run
+        except Exception as exc:  # reported per family; the others still run
             report["strategies"][name] = {"error": "".join(traceback.format_exception_only(exc)).strip()[-2000:]}
             print(f"[rank {dist.get_rank()}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
         dist.barrier()
