@@ -449,3 +449,32 @@ def test_merged_runs_keep_the_faster_and_the_higher_peak_and_a_failure_decides()
     assert merged["runs"] == 2
     failed = {**ok, "status": "failed", "reason": "RuntimeError: boom"}
     assert merge_runs(ok, failed) == failed and merge_runs(failed, ok) == failed
+
+
+def test_a_close_call_on_memory_is_measured_not_dropped(space, tmp_path) -> None:
+    """The cost model over-predicts the best candidate's memory by 15% (a held-out family's error): with the model's
+    known memory band, the search dry-runs it (it fits) instead of ruling it out on the estimate; without the band,
+    the estimate alone drops it. A candidate far over (beyond the band) is still never measured."""
+    truth, truth_sps = exhaustive_best(space, BUDGET)
+
+    def over(cand: Candidate) -> Predicted:  # the truth, with the best candidate's memory 15% high
+        p = dict(cand.point)
+        memory = true_memory(p) * (1.15 if cand == truth else 1.0)
+        return Predicted.of(memory, GLOBAL_BATCH / true_speed(p), GLOBAL_BATCH, memory_band=band)
+
+    outcomes = {}
+    for band in (0.15, 0.0):
+        measure = Measure()
+        result = Planner(space, storage=storage(tmp_path), study_key=f"band{band}", predict=over, measure=measure,
+                         memory_budget=BUDGET, max_trials=6).search()
+        outcomes[band] = (result.candidate, {c.key for c in measure.calls})
+        assert all(true_memory(dict(c.point)) * (1 - band) <= BUDGET * 1.0001 for c in measure.calls), \
+            "a candidate beyond the band was measured"
+    assert true_memory(dict(truth.point)) * 1.15 > BUDGET, "the over-prediction must put the best over the budget"
+    assert outcomes[0.15][0] == truth and truth.key in outcomes[0.15][1]
+    assert outcomes[0.0][0] != truth and truth.key not in outcomes[0.0][1]
+    assert CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0)
+    assert not CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0, banded=False)
+    assert not CandidateTable.fits({"peak_memory_bytes": 120.0, "memory_band": 0.15}, 100.0)
+    # a family's measured correction replaces the band: the peak is then measured
+    assert not CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0, correction=1.01)

@@ -369,7 +369,9 @@ class SearchState:
                 continue
             scale = self.correction(key)
             if not self.table.fits(pred, self.budget, scale) and "error" not in pred:
-                corrected = "" if scale == 1.0 else f" (x{scale:.2f}, its family's measured / predicted)"
+                corrected = (f" (x{scale:.2f}, its family's measured / predicted)" if scale != 1.0 else
+                             f" (even {100 * pred['memory_band']:.0f}% lower, the cost model's known error)"
+                             if pred.get("memory_band") else "")
                 attrs.update(status="predicted_oom", reason=(
                     f"predicted peak {pred['peak_memory_bytes'] * scale / 2**20:.1f} MiB{corrected} "
                     f"> budget {self.budget / 2**20:.1f} MiB"

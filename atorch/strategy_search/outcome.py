@@ -19,6 +19,10 @@ class Predicted(BaseModel):
     peak_memory_bytes: float | None = Field(None, ge=0)
     step_time_s: float | None = Field(None, ge=0)
     samples_per_s: float | None = Field(None, ge=0)
+    # the relative error of peak_memory_bytes the cost model is known to make (measured against dry-runs): a
+    # candidate is ruled out for memory only when even the low end of that band is over the budget, so a close
+    # call is settled by a measurement, never by the estimate alone
+    memory_band: float = Field(0.0, ge=0, lt=1)
     error: str | None = None
 
     @model_validator(mode="after")
@@ -29,10 +33,11 @@ class Predicted(BaseModel):
         return self
 
     @classmethod
-    def of(cls, peak_memory_bytes: float, step_time_s: float, global_batch: int) -> Predicted:
+    def of(cls, peak_memory_bytes: float, step_time_s: float, global_batch: int,
+           memory_band: float = 0.0) -> Predicted:
         step = float(step_time_s)
         return cls(peak_memory_bytes=float(peak_memory_bytes), step_time_s=step,
-                   samples_per_s=global_batch / step if step > 0 else 0.0)
+                   samples_per_s=global_batch / step if step > 0 else 0.0, memory_band=memory_band)
 
     @classmethod
     def estimate(cls, raw: Any, global_batch: int) -> Predicted:

@@ -236,9 +236,6 @@ class Planner:
                 self._predictions = {c.key: self._predict(c, warn) for c in self.space.enumerate()}
         return self._predictions
 
-    def _fits(self, pred: Predicted) -> bool:
-        return pred.ok and pred.peak_memory_bytes <= self.memory_budget  # type: ignore[operator]
-
     def table(self) -> CandidateTable:
         """The space's valid points with the cost model's predictions (what ask/tell works from)."""
         if self._table is None:
@@ -253,17 +250,17 @@ class Planner:
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
 
-    def ranked_by_cost_model(self, memory_budget: float | None = None) -> list[Candidate]:
+    def ranked_by_cost_model(self, memory_budget: float | None = None, banded: bool = True) -> list[Candidate]:
         """Candidates predicted to fit ``memory_budget`` (default: the planner's), highest predicted samples/s
-        first."""
+        first; ``banded``: within the cost model's known memory error of it (a dry-run settles those)."""
         budget = self.memory_budget if memory_budget is None else memory_budget
-        return [self._candidate(k) for k in self.table().ranked(budget)]
+        return [self._candidate(k) for k in self.table().ranked(budget, banded=banded)]
 
     def plan_without_dryrun(self) -> PlanResult:
         """The cost model's pick: no study, no dry-run. Nothing measures it, so it must be predicted to fit with
         COST_MODEL_ONLY_MARGIN to spare (the memory model's error reaches ~8% on the bench: bench/README.md)."""
         safe = self.memory_budget * (1.0 - COST_MODEL_ONLY_MARGIN)
-        ranked = self.ranked_by_cost_model(safe)
+        ranked = self.ranked_by_cost_model(safe, banded=False)
         if not ranked:
             return PlanResult(None, None, "cost_model", self.study_name, stop_reason=(
                 f"no candidate is predicted to fit {100 * (1 - COST_MODEL_ONLY_MARGIN):.0f}% of the memory budget"))
