@@ -72,8 +72,8 @@ class StrategyClient:
         return response.json() if response.content else None
 
     def _send(self, method: str, path: str, body: Any, params: dict | None) -> tuple[Any, bool]:
-        """The server's answer, retried through restarts and overloads (``retry``) until ``retry_s``; and
-        whether it took a retry."""
+        """The server's answer, retried through restarts and overloads (``atorch.server.retry``) until
+        ``retry_s`` after the first failure; and whether it took a retry."""
         import httpx
 
         backoff: Backoff | None = None
@@ -87,20 +87,19 @@ class StrategyClient:
                 if not transient(exc):
                     raise SetupError(f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); "
                                      f"fix the URL (strategy_server= / ${SERVER_ENV})") from exc
-                failure, unreachable = f"{type(exc).__name__}: {exc}", exc
+                failure, cause = f"{type(exc).__name__}: {exc}", exc
             else:
                 if response.status_code not in RETRIED_STATUS:
                     if backoff is not None and self._logged_at >= backoff.start:
                         logger.info("strategy server %s answers again (%s %s after %.1f s, %d attempts)",
                                     self.url, method, path, backoff.elapsed(), backoff.attempts)
                     return response, backoff is not None
-                failure, unreachable = f"{response.status_code} {_detail(response)}", None
+                failure, cause = f"{response.status_code} {_detail(response)}", None
                 hint = retry_after(response)
             backoff = backoff or Backoff(self.retry_s)
-            self._log_retry(backoff, method, path, failure, unreachable is not None)
+            self._log_retry(backoff, method, path, failure, cause is not None)
             if not backoff.wait(hint):
-                raise SetupError(self._gave_up(backoff, method, path, failure, unreachable is not None)
-                                 ) from unreachable
+                raise SetupError(self._gave_up(backoff, method, path, failure, cause is not None)) from cause
 
     def _log_retry(self, backoff: Backoff, method: str, path: str, failure: str, unreachable: bool) -> None:
         now = time.monotonic()
@@ -115,7 +114,7 @@ class StrategyClient:
     def _gave_up(self, backoff: Backoff, method: str, path: str, failure: str, unreachable: bool) -> str:
         state = "is unreachable" if unreachable else "kept failing"
         fix = (f"start it with `atorch serve --host 127.0.0.1 --port 8765` or fix the URL (strategy_server= / "
-               f"${SERVER_ENV})" if unreachable else "check the server's log")
+               f"${SERVER_ENV})" if unreachable else "check the server's log (or its proxy's)")
         return (f"strategy server {self.url} {state}: {method} {path} failed {backoff.attempts} time(s) over "
                 f"{backoff.elapsed():.1f} s (last error: {failure}); {fix}; to wait longer for a server that is "
                 f"restarting, set ${RETRY_ENV} (now {backoff.deadline_s:g} s) or pass retry_s=")

@@ -51,11 +51,10 @@ def retry_after(response: Any) -> float | None:
 class Backoff:
     """One request's retries, from its first failure until ``deadline_s`` later."""
 
-    def __init__(self, deadline_s: float, rng: random.Random | None = None) -> None:
+    def __init__(self, deadline_s: float) -> None:
         self.deadline_s = deadline_s
         self.start = time.monotonic()
         self.attempts = 1  # the one that failed
-        self.rng = rng or random.Random()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
@@ -70,10 +69,9 @@ class Backoff:
         left = self.remaining()
         if left <= 0:
             return False
-        if hint_s is not None:
-            pause = hint_s * self.rng.uniform(1.0, 1.2)
-        else:
-            pause = min(MAX_WAIT_S, FIRST_WAIT_S * 2 ** (self.attempts - 1)) * self.rng.uniform(0.5, 1.0)
+        pause = min(MAX_WAIT_S, FIRST_WAIT_S * 2 ** (self.attempts - 1)) * random.uniform(0.5, 1.0)
+        if hint_s is not None:  # 0.125 s at least: a server saying "Retry-After: 0" gets no tight loop
+            pause = max(FIRST_WAIT_S / 2, hint_s * random.uniform(1.0, 1.2))
         time.sleep(min(pause, left))
         self.attempts += 1
         return True
