@@ -55,7 +55,8 @@ class SearchOptions(BaseModel):
         "with fp32 master weights and optimizer state (amp_native); 'low' adds 16-bit weights and optimizer "
         "state with no fp32 master copy ('half'). A method in included= is used whatever this says"))
     server_fallback: bool = Field(
-        default=False, description="if the strategy server cannot be reached or fails: log it and search locally"
+        default=False, description=("if the strategy server cannot be reached or fails (after the client's "
+                                    "retries, $ATORCH_SERVER_RETRY_S): log it and search locally")
     )
 
 

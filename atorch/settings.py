@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     strategy_server: str | None = Field(default=None, description=(
         "the strategy server's URL, when auto_accelerate's strategy_server is not given"))
     server_token: str | None = Field(default=None, description="bearer token of the strategy server (client and serve)")
+    server_retry_s: float = Field(default=120.0, ge=0, allow_inf_nan=False, description=(
+        "how long the strategy server's client retries a server that is unreachable or restarting (refused or "
+        "dropped connections, time-outs, 429/502/503/504) before the search fails (seconds; 0: no retry)"))
     server_busy_timeout_s: float = Field(default=5.0, gt=0, description=(
         "the strategy server's SQLite busy timeout (seconds): a request waiting longer for the lock is a 503"))
 

@@ -38,12 +38,12 @@ def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
 class ThreadServer:
     """uvicorn.Server in a thread (same process: fast to start, stopped cleanly)."""
 
-    def __init__(self, storage: str, token: str | None = None, **app_kwargs) -> None:
+    def __init__(self, storage: str, token: str | None = None, port: int | None = None, **app_kwargs) -> None:
         import uvicorn
 
         from atorch.server.app import create_app
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(storage, token=token, **app_kwargs)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")

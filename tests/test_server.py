@@ -321,7 +321,7 @@ def test_restart_mid_search_loses_nothing(table, tmp_path) -> None:
         before = client.trials(r)
         server.kill()
         with pytest.raises(SetupError, match=server.url):
-            client.trials(r)
+            StrategyClient(server.url, retry_s=0).trials(r)  # no retry (test_server_restart.py: the retries)
         server.start()  # same port, same storage
         after = client.trials(r)
         assert after == before
@@ -416,8 +416,11 @@ def test_unreachable_server_is_a_clear_setup_error(space) -> None:
     from server_harness import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(SetupError, match=rf"{url} is unreachable.*atorch serve"):
-        RemotePlanner(space, server_url=url, predict=predict, measure=Measure(), memory_budget=BUDGET).search()
+    t0 = time.monotonic()
+    with pytest.raises(SetupError, match=rf"{url} is unreachable.*atorch serve.*ATORCH_SERVER_RETRY_S"):
+        RemotePlanner(space, server_url=url, predict=predict, measure=Measure(), memory_budget=BUDGET,
+                      retry_s=0.5).search()
+    assert 0.5 <= time.monotonic() - t0 < 10  # retried until the deadline, then the error
 
 
 class StatusCount:

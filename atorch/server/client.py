@@ -8,12 +8,14 @@ with no dry-run.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
+from atorch.server.retry import LOG_EVERY_S, RETRIED_STATUS, RETRY_ENV, Backoff, retry_after, transient
 from atorch.settings import settings
 from atorch.strategy_search.ask_tell import Proposal
 from atorch.strategy_search.candidates import CandidateTable
@@ -23,7 +25,6 @@ from atorch.strategy_search.space import SearchSpace
 
 logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
-RETRIES_503 = 60  # a minute of Retry-After: 1 (a storage locked or failing over) before the error is raised
 
 
 class ServerError(SetupError):
@@ -35,49 +36,88 @@ class ServerError(SetupError):
 
 
 class StrategyClient:
-    """The /v1 API. Every failure is a SetupError naming the URL and the fix."""
+    """The /v1 API. Every failure is a SetupError naming the URL and the fix.
 
-    def __init__(self, server_url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+    A server that is restarting or briefly failing (refused or dropped connections, time-outs, 429/502/503/504)
+    is retried with growing waits for up to ``retry_s`` seconds (default $ATORCH_SERVER_RETRY_S, else 120 s;
+    0: no retry); see ``atorch.server.retry``."""
+
+    def __init__(self, server_url: str, token: str | None = None, timeout_s: float = 30.0,
+                 retry_s: float | None = None) -> None:
         import httpx
 
         self.url = server_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retry_s = settings().server_retry_s if retry_s is None else retry_s
+        if not (self.retry_s >= 0 and math.isfinite(self.retry_s)):
+            raise SetupError(f"retry_s must be a finite number of seconds >= 0, got {self.retry_s!r}")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._logged_at = -math.inf  # when this client last logged a retry (they are logged once in a while)
 
     def close(self) -> None:
         self.http.close()
 
     def _call(self, method: str, path: str, body: Any = None, params: dict | None = None) -> Any:
-        import httpx
-
-        try:
-            response = self.http.request(method, path, json=body, params=params)
-            # 503: the server stored nothing (its storage failed, or the study was busy): the same request again
-            retried = False
-            for _ in range(RETRIES_503):
-                if response.status_code != 503:
-                    break
-                time.sleep(min(30.0, float(response.headers.get("retry-after", "1") or 1)))
-                response, retried = self.http.request(method, path, json=body, params=params), True
-            if retried and method == "DELETE" and response.status_code == 404:
-                return None  # a 503 whose deletion was committed as the database connection dropped: done
-        except httpx.HTTPError as exc:
-            raise SetupError(
-                f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); start it with "
-                f"`atorch serve --host 127.0.0.1 --port 8765` or fix the URL (strategy_server= / ${SERVER_ENV})"
-            ) from exc
+        response, retried = self._send(method, path, body, params)
+        if retried and method == "DELETE" and response.status_code == 404:
+            return None  # a retried deletion whose first attempt was committed before its answer was lost: done
         if response.status_code == 401:
             raise SetupError(f"strategy server {self.url} refused the token (401): set ${TOKEN_ENV} to the "
                              "token the server was started with (atorch serve --token)")
         if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail")
-            except ValueError:
-                detail = response.text[:500]
             raise ServerError(f"strategy server {self.url} answered {response.status_code} to {method} {path}: "
-                              f"{detail}; check that server and client run the same atorch version",
+                              f"{_detail(response)}; check that server and client run the same atorch version",
                               response.status_code)
         return response.json() if response.content else None
+
+    def _send(self, method: str, path: str, body: Any, params: dict | None) -> tuple[Any, bool]:
+        """The server's answer, retried through restarts and overloads (``atorch.server.retry``) until
+        ``retry_s`` after the first failure; and whether it took a retry."""
+        import httpx
+
+        backoff: Backoff | None = None
+        while True:
+            hint = None
+            # A retry never runs past the deadline: its time-out is what is left of it (1 s at least).
+            timeout = self.timeout_s if backoff is None else min(self.timeout_s, max(1.0, backoff.remaining()))
+            try:
+                response = self.http.request(method, path, json=body, params=params, timeout=timeout)
+            except httpx.HTTPError as exc:
+                if not transient(exc):
+                    raise SetupError(f"strategy server {self.url} is unreachable ({type(exc).__name__}: {exc}); "
+                                     f"fix the URL (strategy_server= / ${SERVER_ENV})") from exc
+                failure, cause = f"{type(exc).__name__}: {exc}", exc
+            else:
+                if response.status_code not in RETRIED_STATUS:
+                    if backoff is not None and self._logged_at >= backoff.start:
+                        logger.info("strategy server %s answers again (%s %s after %.1f s, %d attempts)",
+                                    self.url, method, path, backoff.elapsed(), backoff.attempts)
+                    return response, backoff is not None
+                failure, cause = f"{response.status_code} {_detail(response)}", None
+                hint = retry_after(response)
+            backoff = backoff or Backoff(self.retry_s)
+            self._log_retry(backoff, method, path, failure, cause is not None)
+            if not backoff.wait(hint):
+                raise SetupError(self._gave_up(backoff, method, path, failure, cause is not None)) from cause
+
+    def _log_retry(self, backoff: Backoff, method: str, path: str, failure: str, unreachable: bool) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < LOG_EVERY_S or backoff.deadline_s <= 0:
+            return
+        self._logged_at = now
+        state = "unreachable" if unreachable else "unavailable"
+        logger.warning("strategy server %s %s (%s %s: %s), retrying for up to %.0f s (%.0f s so far; $%s "
+                       "lengthens it)", self.url, state, method, path, failure, backoff.deadline_s,
+                       backoff.elapsed(), RETRY_ENV)
+
+    def _gave_up(self, backoff: Backoff, method: str, path: str, failure: str, unreachable: bool) -> str:
+        state = "is unreachable" if unreachable else "kept failing"
+        fix = (f"start it with `atorch serve --host 127.0.0.1 --port 8765` or fix the URL (strategy_server= / "
+               f"${SERVER_ENV})" if unreachable else "check the server's log (or its proxy's)")
+        return (f"strategy server {self.url} {state}: {method} {path} failed {backoff.attempts} time(s) over "
+                f"{backoff.elapsed():.1f} s (last error: {failure}); {fix}; to wait longer for a server that is "
+                f"restarting, set ${RETRY_ENV} (now {backoff.deadline_s:g} s) or pass retry_s=")
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")
@@ -122,6 +162,15 @@ class StrategyClient:
         self._call("DELETE", f"/v1/studies/{key}")
 
 
+def _detail(response: Any) -> str:
+    """An error answer's ``detail`` (FastAPI's), else the start of its body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail is not None else response.text[:500]
+
+
 def _record(trial: dict[str, Any]) -> dict[str, Any]:
     """A listed trial in the shape of Planner's trial records."""
     return {"number": trial["number"], "value": trial["value"], "constraints": trial["constraints"],
@@ -131,7 +180,8 @@ def _record(trial: dict[str, Any]) -> dict[str, Any]:
 class RemotePlanner(Planner):
     """Planner whose study lives on a strategy server: same arguments (``storage`` is unused: the server's
     storage holds the study), plus ``server_url`` (default $ATORCH_STRATEGY_SERVER) and ``token`` (default
-    $ATORCH_SERVER_TOKEN). ``lease_s``: how long the server waits for a result before marking a trial failed."""
+    $ATORCH_SERVER_TOKEN). ``lease_s``: how long the server waits for a result before marking a trial failed;
+    ``retry_s``: how long a request is retried while the server is unreachable or restarting (StrategyClient)."""
 
     def __init__(
         self,
@@ -141,6 +191,7 @@ class RemotePlanner(Planner):
         token: str | None = None,
         lease_s: float = 600.0,
         timeout_s: float = 30.0,
+        retry_s: float | None = None,
         **planner_args: Any,
     ) -> None:
         if not isinstance(planner_args.get("sampler", "tpe"), str):
@@ -154,7 +205,8 @@ class RemotePlanner(Planner):
         self.server_url = url
         self.lease_s = lease_s
         self.server_study: str | None = None  # the study's name on the server (``_create``)
-        self.client = StrategyClient(url, token if token is not None else settings().server_token, timeout_s)
+        self.client = StrategyClient(url, token if token is not None else settings().server_token, timeout_s,
+                                     retry_s)
 
     def _create(self) -> dict[str, Any]:
         """Create-or-get the study; the server names it (the key plus a digest of the table: a job with another
@@ -222,8 +274,20 @@ class RemoteStudy(SearchStudy):
             # The dry-run outlived its lease: the server marked the trial failed; the search goes on.
             logger.warning("trial %d: %s (raise lease_s above the longest dry-run)", number, exc)
             return None
+        improved = told["improved"]
+        if told["already_told"]:
+            # This job tells each trial once: the first tell was stored and its answer lost (the server went down
+            # as it answered), and the retry cannot say whether it improved the best; the study can.
+            improved = self._is_best(told["record"])
         self._seen(told["record"])
-        return {**told["record"], "improved": told["improved"]}
+        return {**told["record"], "improved": improved}
+
+    def _is_best(self, record: dict[str, Any]) -> bool:
+        # The best two ok candidates, whatever their gap (the route lists a runner-up within a fraction < 1).
+        found, measured_ok = self.contenders(1 - 1e-9)
+        if record.get("status") != "ok":
+            return False
+        return found[0]["key"] == record.get("key") if found else measured_ok == 1
 
     def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
         answer = self.client.contenders(self.key, within, self.planner.memory_budget)

@@ -169,7 +169,9 @@ def remote() -> dict[str, Any]:
         _, result, strategy = atorch.auto_accelerate(**gpt2_setup(), search={**QUICK, "max_trials": 3})
         out[label] = {"strategy": strategy.to_list(), "search": result.args.search, "losses": train(result, 2)}
         result.close()
-    # A server nobody listens on: a clear error on every rank; with server_fallback, a local search.
+    # A server nobody listens on: a clear error on every rank (after 1 s of retries, not the default 120 s);
+    # with server_fallback, a local search.
+    os.environ["ATORCH_SERVER_RETRY_S"] = "1"
     try:
         atorch.auto_accelerate(**gpt2_setup(), strategy_server="http://127.0.0.1:9", search=QUICK)
         out["unreachable"] = "no error"
