@@ -25,6 +25,7 @@ from atorch.log import get_logger
 from atorch.settings import settings
 
 logger = get_logger(__name__)
+_joins = 0  # rendezvous joined by this process so far (every process of a job joins in step)
 
 
 def _heard(log: logging.Logger) -> bool:
@@ -88,7 +89,10 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -
         raise SetupError(f"rank {rank} of {world_size} {why}; {fix}") from exc
     finally:
         reporter.stopped.set()
-    prefix = f"atorch/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # Keys of this launch attempt (torchrun's restart count) and of this process's n-th process group: a group
+    # made again in the same processes may meet on the same store (multi-tenant), where the old keys remain.
+    global _joins
+    prefix, _joins = f"atorch/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joins}", _joins + 1
     if store.add(f"{prefix}/rank{rank}", 1) > 1:
         raise SetupError(f"RANK={rank} was started twice (rendezvous at {where}); give every process its own "
                          f"RANK from 0 to {world_size - 1}, as torchrun does")
