@@ -123,7 +123,7 @@ def setup_same(setup: UserSetup, **options: Any) -> list[Same]:
              "others in collectives they never run"),
         Same("model", model_signature(setup.model),
              "every process must build the same model (parameter names, shapes, dtypes and requires_grad, "
-             "buffers): build it the same way on every rank, before auto_accelerate"),
+             "buffers): build it the same way on every rank"),
     ]
 
 

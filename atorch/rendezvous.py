@@ -65,13 +65,14 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -
     limit, every = config.rendezvous_timeout_s, config.rendezvous_report_s
     where, started = f"{addr}:{port}", time.monotonic()
     # Under torchrun the agent hosts the store (torch's check); otherwise rank 0 does.
-    host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host, opener = rank == 0 and not agent, "torchrun's agent" if agent else "rank 0"
     fix = (f"start all {world_size} processes (torchrun starts them: torchrun --nproc_per_node=N [--nnodes=M ...] "
            "train.py), each with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE and its own RANK; "
            f"ATORCH_RENDEZVOUS_TIMEOUT_S (now {limit:g}) sets how long a process waits")
 
     def connecting() -> str:
-        return (f"waiting for rank 0 to open the rendezvous at {where} ({time.monotonic() - started:.0f} s of "
+        return (f"waiting for {opener} to open the rendezvous at {where} ({time.monotonic() - started:.0f} s of "
                 f"{limit:g}): no process answers there yet; this is rank {rank} of {world_size}")
 
     reporter = _Reporter(every, connecting)
@@ -84,7 +85,7 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
         why = (f"could not open the rendezvous at {where} ({first}): is MASTER_PORT free on this host, and "
                "MASTER_ADDR this host's address?") if host else (
-               f"found no rendezvous at {where} within {limit:g} s ({first}): rank 0, which opens it, has not "
+               f"found no rendezvous at {where} within {limit:g} s ({first}): {opener}, which opens it, has not "
                "started or cannot be reached there")
         raise SetupError(f"rank {rank} of {world_size} {why}; {fix}") from exc
     finally:
@@ -100,9 +101,9 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -
     poll = min(1.0, 0.1 + world_size / 1000)  # a thousand processes ask the store at most ~1000 times a second
 
     def who() -> tuple[int, str]:
-        present = [r for r in range(world_size) if store.check([f"{prefix}/rank{r}"])]
-        missing = [r for r in range(world_size) if r not in present]
-        return len(missing), f"started: {ranks_label(present)}; missing: {ranks_label(missing)}"
+        present = {r for r in range(world_size) if store.check([f"{prefix}/rank{r}"])}
+        missing = sorted(set(range(world_size)) - present)
+        return len(missing), f"started: {ranks_label(sorted(present))}; missing: {ranks_label(missing)}"
 
     while joined < world_size:
         now = time.monotonic()
