@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from atorch.build import agreed_build, build_result, preflight
+from atorch.build import agreed_build, build_result, preflight, setup_same, strategy_same
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
@@ -159,8 +159,13 @@ def auto_accelerate(
             problems += model_problems
     except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)
         problems.append(f"checking the strategy failed: {type(exc).__name__}: {exc}")
-    # Every rank raises the same error, or none does.
-    problems = agreed_problems(problems)
+    # Every rank raises the same error, or none does; ranks given different strategies, arguments or models
+    # (which would wait for each other in different collectives) are named here, before anything is built.
+    searching = load_strategy is None and setup.dataset is not None or finetune_strategy
+    problems = agreed_problems(problems, same=[strategy_same(strategy), *setup_same(
+        setup, automatic_search=bool(searching), finetune_strategy=finetune_strategy, excluded=excluded,
+        included=included, memory_limit=memory_limit, time_limit=time_limit,
+        search=search_options.model_dump(mode="json"), strategy_server=strategy_server)])
     if problems:
         raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
@@ -168,7 +173,7 @@ def auto_accelerate(
     if load_strategy is None and setup.dataset is None:
         logger.warning("no load_strategy and no dataset: automatic search needs batches to measure; using %s",
                        strategy)
-    elif load_strategy is None or finetune_strategy:
+    elif searching:
         # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
         from atorch.strategy_search.entry import search_and_check  # `import atorch` loads no search (no Optuna)
 

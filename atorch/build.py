@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from atorch import meta_init
+from atorch.agreement import Same, model_signature, plain
 from atorch.apply import apply_strategy
 from atorch.distributed import DistEnv, agreed_problems
 from atorch.errors import StrategyError
@@ -89,11 +90,49 @@ def preflight(
     return skipped, problems
 
 
+# dataloader_args that decide how many batches a rank loads and which (a rank with one batch more waits for
+# the others in its last step); the rest (num_workers, pin_memory, ...) may differ between ranks.
+_LOADER_KEYS = ("batch_size", "shuffle", "drop_last")
+
+
+def strategy_same(strategy: Strategy | None) -> Same:
+    """The strategy every rank must build (compared as its canonical JSON, shown in its short form)."""
+    return Same("strategy", None if strategy is None else strategy.to_json(indent=None),
+                "every process must pass the same load_strategy (a rank-dependent strategy makes the processes "
+                "wait for each other in different collectives)", shown=None if strategy is None else str(strategy))
+
+
+def setup_same(setup: UserSetup, **options: Any) -> list[Same]:
+    """The user's arguments that shape the build or the collectives it runs, with the caller's ``options``
+    (memory_limit, the search's options, ...), and the model's parameters and buffers: equal on every rank."""
+    args = setup.dataloader_args if isinstance(setup.dataloader_args, dict) else {}
+    shaping: dict[str, Any] = {f"dataloader_args['{k}']": args[k] for k in _LOADER_KEYS if k in args}
+    try:  # a rank with more samples loads more batches
+        shaping["len(dataset)"] = len(setup.dataset) if setup.dataset is not None else None  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001  (an IterableDataset has no length; this check must not raise on one rank)
+        pass
+    shaping.update({
+        "model_input_format": setup.model_input_format, "optim_func": setup.optim_func,
+        "optim_args": setup.optim_args, "lr_scheduler_cls": setup.lr_scheduler_cls,
+        "lr_scheduler_args": setup.lr_scheduler_args, "distributed_sampler_cls": setup.distributed_sampler_cls,
+        "find_unused_parameters": setup.find_unused_parameters, **options,
+    })
+    return [
+        Same("options", {k: plain(v) for k, v in shaping.items()},
+             "give every process the same arguments: a rank that builds or loads differently waits for the "
+             "others in collectives they never run"),
+        Same("model", model_signature(setup.model),
+             "every process must build the same model (parameter names, shapes, dtypes and requires_grad, "
+             "buffers): build it the same way on every rank"),
+    ]
+
+
 def agreed_preflight(setup: UserSetup, env: DistEnv, strategy: Strategy, what: str) -> dict[str, str]:
     """``preflight`` on every rank, the problems agreed: every rank raises the same StrategyError (``what``
-    cannot ...) or none does. Returns the methods skipped here."""
+    cannot ...) or none does; so does a strategy, model or argument that differs between ranks.
+    Returns the methods skipped here."""
     skipped, problems = preflight(setup, env, strategy, strategy.layout(env.world_size))
-    problems = agreed_problems(problems)
+    problems = agreed_problems(problems, same=[strategy_same(strategy), *setup_same(setup)])
     if problems:
         raise StrategyError(problems, what=what)
     return skipped

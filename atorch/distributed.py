@@ -8,7 +8,7 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from atorch import rendezvous
+from atorch.agreement import Same, difference_problems, differing
 from atorch.errors import SetupError
 from atorch.log import get_logger
 
@@ -58,7 +60,11 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
         backend = "nccl" if use_cuda else "gloo"
         timeout = _pg_timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            # torch's env:// rendezvous, joined by atorch: a world that never assembles is named, not a hang.
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = rendezvous.join(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                    world_size=world, timeout=timeout)
         else:
             # No launcher: a private in-process store, no network port.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -186,20 +192,28 @@ def all_gather_json(value: Any, timeout_s: float = AGREE_TIMEOUT_S, group: Any =
     return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes, strict=True)]
 
 
-def agreed_problems(problems: list[str], timeout_s: float = AGREE_TIMEOUT_S) -> list[str]:
+def agreed_problems(problems: list[str], timeout_s: float = AGREE_TIMEOUT_S, same: Sequence[Same] = ()) -> list[str]:
     """The problems any rank found, the same list on every rank.
 
     A problem seen on some ranks only (a file on one node, a package on some) is labelled with
     those ranks, so that every rank can raise the same error and none waits in a collective.
+    ``same``: values every rank must hold equal (the strategy, the model, ...); their digests travel with the
+    problems, and where ranks differ, one more exchange of the values names the difference as a problem.
     """
-    everyone = all_gather_json(list(problems), timeout_s)
+    everyone = all_gather_json({"problems": list(problems), "same": [s.digest() for s in same]}, timeout_s)
     merged: dict[str, list[int]] = {}
     for rank, found in enumerate(everyone):
-        for problem in found:
+        for problem in found["problems"]:
             merged.setdefault(problem, []).append(rank)
     world = len(everyone)
-    return [p if len(ranks) == world else f"on rank(s) {', '.join(map(str, ranks))} only: {p}"
-            for p, ranks in merged.items()]
+    agreed = [p if len(ranks) == world else f"on rank(s) {', '.join(map(str, ranks))} only: {p}"
+              for p, ranks in merged.items()]
+    # Every rank sees the same digests, so every rank takes part in the second exchange, or none does.
+    if differ := differing([found["same"] for found in everyone], len(same)):
+        held = all_gather_json([[same[i].shown, same[i].value] for i in differ], timeout_s)
+        for k, i in enumerate(differ):
+            agreed += difference_problems(same[i], [h[k] for h in held], [found["same"][i] for found in everyone])
+    return agreed
 
 
 @contextlib.contextmanager

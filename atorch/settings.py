@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     server_busy_timeout_s: float = Field(default=5.0, gt=0, description=(
         "the strategy server's SQLite busy timeout (seconds): a request waiting longer for the lock is a 503"))
 
+    rendezvous_timeout_s: float = Field(default=300.0, gt=0, description=(
+        "how long a process waits for all WORLD_SIZE processes to join the rendezvous before it raises"))
+    rendezvous_report_s: float = Field(default=30.0, gt=0, description=(
+        "how often a process waiting at the rendezvous says which processes it waits for"))
+
 
 def settings() -> Settings:
     return Settings()

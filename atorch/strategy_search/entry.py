@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from atorch.build import agreed_preflight
-from atorch.distributed import DistEnv
+from atorch.build import agreed_preflight, setup_same, strategy_same
+from atorch.distributed import DistEnv, agreed_problems
+from atorch.errors import StrategyError
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 from atorch.strategy_search.automatic import SearchOptions, search_strategy
@@ -22,6 +23,12 @@ def search_and_check(
 
     Returns the pick, the setup with the dataloader's batch set to one micro-batch over the data-parallel
     ranks, the methods skipped here, the micro-batches per optimizer step and the search's record."""
+    # Before the search: ranks given different models or options would search (and dry-run) differently and
+    # wait for each other in different collectives; every rank raises the same error instead.
+    if problems := agreed_problems([], same=[strategy_same(finetune), *setup_same(
+            setup, excluded=excluded, included=included, memory_limit=memory_limit, time_limit=time_limit,
+            search=options.model_dump(mode="json"), strategy_server=strategy_server)]):
+        raise StrategyError(problems, what="the automatic search cannot start")
     outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
                               memory_limit=memory_limit, time_limit=time_limit, options=options,
                               strategy_server=strategy_server)
