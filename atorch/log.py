@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -42,13 +43,16 @@ def console(verbose: bool = False) -> logging.Handler:
     global _CONSOLE
     root = get_logger()
     if _CONSOLE is None or _CONSOLE not in root.handlers:
-        try:
+        handler: logging.Handler
+        if sys.stdout.isatty():
             from rich.logging import RichHandler
 
-            handler: logging.Handler = RichHandler(show_path=False, rich_tracebacks=False)
-        except ImportError:  # rich is a dependency; stay usable without it all the same
-            handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[rank{_rank()}] %(message)s"))
+            handler = RichHandler(show_path=False, rich_tracebacks=False)
+            handler.setFormatter(logging.Formatter(f"[rank{_rank()}] %(message)s"))
+        else:  # a file or a pipe: whole lines with their time (rich would wrap them at 80 columns)
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [rank{_rank()}] %(message)s",
+                                                   datefmt="%H:%M:%S"))
         root.addHandler(handler)
         root.propagate = False
         _CONSOLE = handler
@@ -66,6 +70,18 @@ def console_while(verbose: bool = False) -> Iterator[logging.Handler]:
     finally:
         if attached_here:
             _detach_console()
+
+
+@contextlib.contextmanager
+def progress_console(enabled: bool = True) -> Iterator[None]:
+    """atorch's console for the block where the application has set up no logging of its own (no handler on the
+    root logger, atorch's console not attached): long work (the automatic search) is never silent by default.
+    ``enabled=False`` (the search option ``progress``) keeps it quiet."""
+    if not enabled or logging.getLogger().handlers or (_CONSOLE is not None and _CONSOLE in get_logger().handlers):
+        yield
+        return
+    with console_while():
+        yield
 
 
 def _detach_console() -> None:

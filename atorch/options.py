@@ -36,6 +36,9 @@ class SearchOptions(BaseModel):
     sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
     storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
     force: bool = Field(default=False, description="search again even if a finished search has the same key")
+    progress: bool = Field(default=True, description=(
+        "rank 0 shows the search's progress (phase, each dry-run, one-time builds) on the console when the "
+        "application has set up no logging; False: quiet"))
     dryrun: bool = Field(default=True, description="False: pick by the cost model alone, with no dry-run")
     top_k: int = Field(default=3, ge=0, description="cost-model favourites enqueued first")
     max_micro_batch_size: int | None = Field(default=None, ge=1, description="largest micro-batch per rank searched")

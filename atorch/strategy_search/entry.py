@@ -9,6 +9,7 @@ from typing import Any
 from atorch.build import agreed_preflight, setup_same, strategy_same
 from atorch.distributed import DistEnv, agreed_problems
 from atorch.errors import StrategyError
+from atorch.log import progress_console
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 from atorch.strategy_search.automatic import SearchOptions, search_strategy
@@ -29,9 +30,10 @@ def search_and_check(
             setup, excluded=excluded, included=included, memory_limit=memory_limit, time_limit=time_limit,
             search=options.model_dump(mode="json"), strategy_server=strategy_server)]):
         raise StrategyError(problems, what="the automatic search cannot start")
-    outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
-                              memory_limit=memory_limit, time_limit=time_limit, options=options,
-                              strategy_server=strategy_server)
+    with progress_console(options.progress):  # what the search does is shown, with no logging set up by the user
+        outcome = search_strategy(setup, env, excluded=list(excluded), included=list(included), finetune=finetune,
+                                  memory_limit=memory_limit, time_limit=time_limit, options=options,
+                                  strategy_server=strategy_server)
     strategy = outcome.strategy
     layout = strategy.layout(env.world_size)
     # The dataloader yields micro-batches; train_step takes outcome.micro_batches of them per step.
