@@ -329,9 +329,14 @@ def _collective(name: str, numel: int, world: int, group: Any, device: torch.dev
         return lambda: dist.all_reduce(full, group=group)
     if name == "all_gather":
         mine, out = torch.ones(chunk, device=device), torch.empty(chunk * world, device=device)
-        return lambda: dist.all_gather_into_tensor(out, mine, group=group)
+        return lambda: _ALL_GATHER(out, mine, group=group)
     full, mine = torch.ones(chunk * world, device=device), torch.empty(chunk, device=device)
-    return lambda: dist.reduce_scatter_tensor(mine, full, group=group)
+    return lambda: _REDUCE_SCATTER(mine, full, group=group)
+
+
+# torch 2.13 names the single-tensor collectives *_single and warns on the older names (FutureWarning)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _median_time(op: Callable[[], Any], repeats: int, group: Any, device: torch.device) -> float:

@@ -90,7 +90,9 @@ def _dtensor_costs(group: Any, world: int, device: torch.device,
         return lambda: model(x).sum().backward()
 
     def forward(model: nn.Module) -> Callable[[], None]:
-        return lambda: model(x)
+        # the sum reads the output: the rowwise all-reduce is waited for (as the next layer would), not left
+        # pending (torch then warns of unwaited collectives at exit, and the time would miss the wait)
+        return lambda: model(x).sum()
 
     def update(model: nn.Module) -> Callable[[], None]:
         model(x).sum().backward()  # gradients to update

@@ -35,11 +35,13 @@ search, reusing every stored trial (``force=True`` searches again in any case). 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -286,10 +288,11 @@ class Planner:
         import optuna
 
         storage = optuna.storages.get_storage(self.storage)  # a URL's storage; a storage object as it is
-        study = optuna.create_study(
-            direction="maximize", storage=storage, study_name=self.study_name,
-            load_if_exists=True, sampler=self._make_sampler(),
-        )
+        with _optuna_quiet():  # Optuna's own "A new study created ..." line: atorch's log says what the study is
+            study = optuna.create_study(
+                direction="maximize", storage=storage, study_name=self.study_name,
+                load_if_exists=True, sampler=self._make_sampler(),
+            )
         if "created" not in study.user_attrs:  # a new study: say when, and what it is for (atorch cache list)
             study.set_user_attr("created", _now())
             if self.identity is not None:
@@ -520,6 +523,20 @@ def _untried(study: Any) -> bool:
     from optuna.trial import TrialState
 
     return bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
+@contextlib.contextmanager
+def _optuna_quiet() -> Iterator[None]:
+    """Optuna's INFO lines held back for the block (its logger's level restored after: the application's)."""
+    import optuna
+
+    logger = optuna.logging.get_logger("optuna")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _now() -> str:
