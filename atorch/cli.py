@@ -124,7 +124,12 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from atorch.server.serve import serve
+    try:
+        from atorch.server.serve import serve
+    except ModuleNotFoundError as exc:  # the server's packages are an extra
+        print(f"atorch serve needs the strategy server's packages ({exc.name} is not installed): "
+              "pip install 'atorch[server]' (in a checkout: pip install -e '.[server]')", file=sys.stderr)
+        return 2
 
     return serve(args.host, args.port, args.storage, args.token, args.max_body)
 
@@ -137,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     methods.add_argument("--markdown", action="store_true", help="print the reference tables of docs/methods.md")
     methods.set_defaults(run=_cmd_methods)
     check = sub.add_parser("check", help="validate a strategy (JSON text or .json path) for a world size")
-    check.add_argument("strategy")
-    check.add_argument("--world-size", type=int, default=1)
+    check.add_argument("strategy", help="the strategy: JSON text (a list of methods) or the path of a .json file "
+                       "that save_strategy_to_file wrote")
+    check.add_argument("--world-size", type=int, default=1,
+                       help="the number of processes it will run on (layout sizes must divide it; default 1)")
     check.set_defaults(run=_cmd_check)
     from atorch.strategy_search.plan_cli import add_parser as add_plan_parser
 
@@ -164,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--token", default=None, help="bearer token (default: $ATORCH_SERVER_TOKEN)")
     serve.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes")
     serve.set_defaults(run=_cmd_serve)
+    for action in sub._choices_actions:  # each command's --help opens with what it does (its line in atorch --help)
+        command = sub.choices[action.dest]
+        command.description = command.description or action.help
     args = parser.parse_args(argv)
     from atorch.log import console_while
 

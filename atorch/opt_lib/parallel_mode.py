@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -97,8 +98,11 @@ class ParallelMode(Method):
         if "data" not in dict(dims):  # outermost (slowest): the listed dimensions keep their neighbours
             dims = dims + (("data", data),)
         if dict(config.dims).get("data", data) not in (-1, data):
-            logger.warning(
-                "parallel_mode: data size %s adjusted to %d to fit world size %d",
-                dict(config.dims)["data"], data, world_size,
-            )
+            _warn_adjusted(dict(config.dims)["data"], data, world_size)
         return config.model_copy(update={"dims": dims})
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_adjusted(given: int, data: int, world_size: int) -> None:
+    """Once per process for each adjustment: a strategy is adjusted wherever it is checked and built."""
+    logger.warning("parallel_mode: data size %s adjusted to %d to fit world size %d", given, data, world_size)

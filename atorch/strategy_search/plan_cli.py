@@ -139,12 +139,13 @@ def print_table(result: PlanResult, top: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} runnable plans "
+    shown = result.plans[:top]
+    misfits = [p for p in result.plans if not p.fits and p not in shown][:3]  # what a bigger GPU would allow
+    also = f", then the {len(misfits)} fastest that do not fit" if misfits else ""
+    table = Table(title=f"best {len(shown)} of {len(result.plans)} runnable plans{also} "
                   f"(memory limit {result.memory_limit / GIB:.1f} GiB per GPU)")
     for column in HEADER:
         table.add_column(column, overflow="fold")
-    shown = result.plans[:top]
-    misfits = [p for p in result.plans if not p.fits and p not in shown][:3]
     for i, p in enumerate(shown + misfits, start=0 if result.plans and result.plans[0].given else 1):
         table.add_row(*_row(i, p))
     Console(width=max(180, Console().width)).print(table)
