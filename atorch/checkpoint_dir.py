@@ -34,6 +34,12 @@ def _new_name(target: Path, kind: str) -> Path:
     return target.parent / f".{target.name}{kind}{uuid.uuid4().hex[:12]}"
 
 
+def real_target(path: str | os.PathLike) -> Path:
+    """The directory a save replaces: a symbolic link's target (the link stays), else ``path``."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def replace_problems(target: Path, markers: tuple[str, ...]) -> list[str]:
     """Why ``target`` cannot be replaced by a new checkpoint: it is a file, or a directory holding other
     things than a checkpoint (one with any of ``markers`` in it), which a save would remove."""
@@ -85,7 +91,9 @@ def commit(staging: Path, target: Path) -> None:
     os.rename(staging, target)
     fsync_dir(target.parent)
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)  # the new checkpoint is in place: what stays, the next save removes
+        if old.exists():
+            logger.warning("could not remove the replaced checkpoint %s; the next save to %s removes it", old, target)
 
 
 def write_durably(path: Path, data: bytes) -> None:

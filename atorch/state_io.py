@@ -98,7 +98,7 @@ def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = No
     groups = param_groups_json(optim.param_groups, fqns)
     problems += json_problems(scheduler, "lr_scheduler.state_dict()") + json_problems(groups, "param_groups")
     problems += json_problems(scaler_state, "grad_scaler.state_dict()")
-    directory = Path(path)
+    directory = checkpoint_dir.real_target(path)
     problems += checkpoint_dir.replace_problems(directory, (META_FILE, ".metadata"))
     raise_agreed(where, problems)
 

@@ -226,3 +226,14 @@ def test_what_cannot_be_replaced_is_named(tmp_path: Path) -> None:
 def test_a_file_is_written_durably_whole(tmp_path: Path) -> None:
     checkpoint_dir.write_durably(tmp_path / "a.json", b"{}")
     assert (tmp_path / "a.json").read_bytes() == b"{}" and sorted(os.listdir(tmp_path)) == ["a.json"]
+
+
+def test_a_symbolic_link_keeps_pointing_at_the_replaced_checkpoint(tmp_path: Path) -> None:
+    real = make(tmp_path / "step-100", "old")
+    (tmp_path / "latest").symlink_to(real)
+    target = checkpoint_dir.real_target(tmp_path / "latest")
+    assert target == real.resolve()
+    staging = checkpoint_dir.prepare(target)
+    (staging / "atorch_checkpoint.json").write_text("new")
+    checkpoint_dir.commit(staging, target)
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest" / "atorch_checkpoint.json").read_text() == "new"
