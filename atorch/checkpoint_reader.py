@@ -33,8 +33,9 @@ METADATA_FILE = ".metadata"
 _MAX_METADATA_BYTES = 1 << 30  # far above any real checkpoint's: a bound on what is read into memory
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# (module, name) -> what it may be: the globals a DCP .metadata pickle refers to (found by saving plain,
-# DTensor-sharded and replicated tensors of every dtype atorch saves, under every layout the tests use).
+# The globals a DCP .metadata pickle refers to: recorded from the checkpoints the tests save under every layout
+# (DDP, ZeRO-1/2, fsdp, tensor and pipeline parallel, Lightning), plus BytesStorageMetadata, OrderedDict and the
+# other path classes, which other DCP writers produce. Each builds plain values; none runs code of the file's.
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(_DCP_METADATA, n): None for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
