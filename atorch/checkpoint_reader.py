@@ -36,19 +36,22 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # The globals a DCP .metadata pickle refers to: recorded from the checkpoints the tests save under every layout
 # (DDP, ZeRO-1/2, fsdp, tensor and pipeline parallel, Lightning), plus BytesStorageMetadata, OrderedDict and the
 # other path classes, which other DCP writers produce. Each builds plain values; none runs code of the file's.
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{(_DCP_METADATA, n): None for n in (
+_ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    *((_DCP_METADATA, n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
-    ("torch", "Size"): None,
-    ("torch.serialization", "_get_layout"): None,  # looks a torch.layout up by its name
-    ("collections", "OrderedDict"): None,
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name
+    ("collections", "OrderedDict"),
     # StorageMeta.checkpoint_id: the path the checkpoint was saved to (pathlib._local from Python 3.13)
-    **{(m, n): None for m in ("pathlib", "pathlib._local")
-       for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
-}
-_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)  # pickled as torch.<name>
+    *((m, n) for m in ("pathlib", "pathlib._local") for n in ("PosixPath", "PurePosixPath", "WindowsPath",
+                                                              "PureWindowsPath")),
+})
+# torch.<name> values pickled by name: dtypes, layouts, memory formats (looked up here, never through
+# torch's module __getattr__, which imports submodules)
+_TORCH_VALUES = {name: value for name, value in vars(torch).items()
+                 if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))}
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -62,8 +65,8 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
-            return getattr(torch, name)
+        if module == "torch" and name in _TORCH_VALUES:
+            return _TORCH_VALUES[name]
         raise CheckpointError(f"refused to load {self._source}", [
             f"its DCP metadata refers to {module}.{name}, which DCP metadata never holds: this checkpoint is not "
             "trusted (it may have been altered to run code on load) and nothing from it was loaded or run; load "

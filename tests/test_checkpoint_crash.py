@@ -48,6 +48,13 @@ def test_the_path_loads_the_previous_checkpoint_exactly(runs: tuple[Path, str, d
     assert report["loaded"] == {"same_keys": True, "max_diff": 0.0}  # every weight and Adam moment, bitwise
 
 
+def test_a_save_stopped_between_its_renames_leaves_the_previous_checkpoint_loadable(
+        runs: tuple[Path, str, dict[str, Any]]) -> None:
+    _, _, report = runs
+    assert report["info_between"] == {"step": 1, "extra": {}}
+    assert report["loaded_between"] == {"same_keys": True, "max_diff": 0.0}
+
+
 def test_the_next_save_clears_the_leftovers_and_loads(runs: tuple[Path, str, dict[str, Any]]) -> None:
     root, _, report = runs
     assert report["beside_after"] == []

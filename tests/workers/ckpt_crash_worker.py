@@ -4,7 +4,8 @@
 whole model and optimizer state to ``ROOT/expected.pt``; one more step, save ``ROOT/latest`` again: rank 1
 kills itself (SIGKILL) when it opens its own DCP data file in the save's staging directory, once rank 0's data
 file there has bytes, so the new checkpoint is partly written when the job dies.
-``resume ROOT``: 2 ranks. Load ``ROOT/latest`` into a result built from other weights; load a copy whose
+``resume ROOT``: 2 ranks. Load ``ROOT/latest`` into a result built from other weights, and again after moving
+it aside as a save stopped between its two renames leaves it; load a copy whose
 ``.metadata`` was replaced by the real metadata carrying a payload (refused, payload not run); then save
 ``ROOT/latest`` again (the crash's leftovers go) and load that. Rank 0 prints ``RESULT {json}``.
 """
@@ -113,9 +114,16 @@ def resume(root: Path) -> dict[str, Any]:
     expected = torch.load(root / "expected.pt", weights_only=True)
     report["loaded"] = differences(full_state(b), expected)
 
+    # A save stopped between its two renames: the path is missing, the previous checkpoint is beside it.
+    if dist.get_rank() == 0:
+        os.rename(latest, root / ".latest.old-0000")
+    dist.barrier()
+    report["info_between"] = atorch.load_checkpoint(latest, d := accelerate(seed=8))
+    report["loaded_between"] = differences(full_state(d), expected)
+
     tampered = root / "tampered"
     if dist.get_rank() == 0:
-        shutil.copytree(latest, tampered)
+        shutil.copytree(root / ".latest.old-0000", tampered)  # the step-1 checkpoint, where it is now
         metadata = pickle.loads((tampered / ".metadata").read_bytes())  # the attacker's side: plain pickle
         metadata.planner_data = {**(metadata.planner_data or {}), "x": Payload(root / "marker")}
         (tampered / ".metadata").write_bytes(pickle.dumps(metadata))
