@@ -80,9 +80,10 @@ def prepare(target: Path) -> Path:
     return staging
 
 
-def commit(staging: Path, target: Path) -> None:
+def commit(staging: Path, target: Path) -> Path | None:
     """On one process, after every process wrote and synced its files: put ``staging`` in place of
-    ``target``, replacing the checkpoint there (if any) without a moment when neither exists."""
+    ``target`` without a moment when neither exists. Returns where the replaced checkpoint went (if any),
+    for ``remove_replaced``."""
     fsync_dir(staging)
     old = None
     if target.exists():
@@ -90,10 +91,16 @@ def commit(staging: Path, target: Path) -> None:
         os.rename(target, old)
     os.rename(staging, target)
     fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)  # the new checkpoint is in place: what stays, the next save removes
-        if old.exists():
-            logger.warning("could not remove the replaced checkpoint %s; the next save to %s removes it", old, target)
+    return old
+
+
+def remove_replaced(old: Path | None) -> None:
+    """Remove the checkpoint ``commit`` replaced; one that stays (an error) is removed by the next save."""
+    if old is None:
+        return
+    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        logger.warning("could not remove the replaced checkpoint %s; the next save beside it removes it", old)
 
 
 def write_durably(path: Path, data: bytes) -> None:

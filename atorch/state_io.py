@@ -128,7 +128,9 @@ def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = No
             checkpoint_dir.write_durably(staging / name, data)
 
     _on_rank0(where, describe)  # also waits for every rank's DCP files
-    _on_rank0(where, lambda: checkpoint_dir.commit(staging, directory))
+    replaced = _on_rank0(where, lambda: checkpoint_dir.commit(staging, directory))
+    if this_rank() == 0:  # the new checkpoint is in place: the others go on while the old one is removed
+        checkpoint_dir.remove_replaced(replaced)
     logger.info("checkpoint saved to %s (%d tensors, step %s)", directory, len(meta["tensors"]), step)
 
 

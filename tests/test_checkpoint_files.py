@@ -195,8 +195,11 @@ def test_commit_replaces_an_existing_checkpoint(tmp_path: Path) -> None:
     assert staging.parent == tmp_path and staging.name.startswith(".latest.tmp-")
     assert (target / "atorch_checkpoint.json").read_text() == "old"  # untouched while the new one is written
     (staging / "atorch_checkpoint.json").write_text("new")
-    checkpoint_dir.commit(staging, target)
-    assert (target / "atorch_checkpoint.json").read_text() == "new" and beside(target) == []
+    replaced = checkpoint_dir.commit(staging, target)
+    assert (target / "atorch_checkpoint.json").read_text() == "new" and beside(target) == [replaced.name]
+    assert (replaced / "atorch_checkpoint.json").read_text() == "old"
+    checkpoint_dir.remove_replaced(replaced)
+    assert beside(target) == []
 
 
 def test_an_interrupted_swap_is_read_from_and_restored(tmp_path: Path) -> None:
@@ -235,5 +238,5 @@ def test_a_symbolic_link_keeps_pointing_at_the_replaced_checkpoint(tmp_path: Pat
     assert target == real.resolve()
     staging = checkpoint_dir.prepare(target)
     (staging / "atorch_checkpoint.json").write_text("new")
-    checkpoint_dir.commit(staging, target)
+    checkpoint_dir.remove_replaced(checkpoint_dir.commit(staging, target))
     assert (tmp_path / "latest").is_symlink() and (tmp_path / "latest" / "atorch_checkpoint.json").read_text() == "new"
