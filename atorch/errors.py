@@ -30,3 +30,10 @@ class NoStrategyFound(StrategyError):
 
 class SetupError(AtorchError, ValueError):
     """The user's training objects (model, dataset, arguments) cannot be used as given."""
+
+
+class CheckpointError(ProblemsError):
+    """A checkpoint that cannot be written or read as asked."""
+
+    def __init__(self, what: str, problems: list[str]):
+        super().__init__(problems, what)

@@ -15,8 +15,11 @@ so a checkpoint does not depend on the layout or the number of processes that wr
 on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
 the optimizer state of the parameters it owns under the same keys, and on load reads the entries
-of the parameters it owns then. Nothing here pickles; the JSON file is written last, so a save
-that stopped half-way is reported as incomplete rather than loaded.
+of the parameters it owns then. Nothing here pickles or runs code on load: DCP's ``.metadata`` (a
+pickle torch writes) is read by checkpoint_reader.py, which builds only DCP's own types. A save writes
+into a directory beside ``path`` and renames it into place once complete (checkpoint_dir.py), so a
+crash leaves the previous checkpoint; the JSON file is written last, so a directory without it is
+reported as incomplete rather than loaded.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch import state_io_qkv
+from atorch import checkpoint_dir, state_io_qkv
 from atorch.distributed import agreed_problems, all_gather_json
-from atorch.errors import ProblemsError
+from atorch.errors import CheckpointError
 from atorch.log import get_logger
 from atorch.state_io_keys import CheckpointNames
 
@@ -45,13 +48,6 @@ FORMAT_VERSION = 1
 _LISTED = 6  # names shown per kind of mismatch
 
 
-class CheckpointError(ProblemsError):
-    """A checkpoint that cannot be written or read as asked."""
-
-    def __init__(self, what: str, problems: list[str]):
-        super().__init__(problems, what)
-
-
 # ----- public API ---------------------------------------------------------------------------
 def save_checkpoint(
     path: str | os.PathLike, result: Any, step: int | None = None, extra: dict[str, Any] | None = None
@@ -60,8 +56,15 @@ def save_checkpoint(
 
     Call on every process (it is collective); ``path`` must be on a file system all of them see.
     ``step`` and ``extra`` (JSON values: numbers, strings, lists, dicts with string keys) come
-    back from ``load_checkpoint``. An existing checkpoint at ``path`` is replaced.
+    back from ``load_checkpoint``. An existing checkpoint at ``path`` is replaced atomically: the new
+    one is written beside it and renamed into place once complete, so a crash leaves the old one.
     """
+    write_checkpoint(path, result, step, extra)
+
+
+def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = None,
+                     extra: dict[str, Any] | None = None, files: dict[str, bytes] | None = None) -> None:
+    """``save_checkpoint``, with ``files`` (name -> contents, rank 0's) written into the checkpoint too."""
     import torch.distributed.checkpoint as dcp  # imported on use: it takes seconds
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -95,6 +98,8 @@ def save_checkpoint(
     groups = param_groups_json(optim.param_groups, fqns)
     problems += json_problems(scheduler, "lr_scheduler.state_dict()") + json_problems(groups, "param_groups")
     problems += json_problems(scaler_state, "grad_scaler.state_dict()")
+    directory = checkpoint_dir.real_target(path)
+    problems += checkpoint_dir.replace_problems(directory, (META_FILE, ".metadata"))
     raise_agreed(where, problems)
 
     # Every rank's tensor names, (non-tensor) optimizer values and parameters, so the JSON describes all
@@ -114,16 +119,34 @@ def save_checkpoint(
         "grad_scaler": scaler_state,
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),  # steps dropped for inf/nan gradients
     }
-    directory = Path(path)
-    if this_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / META_FILE).unlink(missing_ok=True)  # an interrupted save must not look complete
-    barrier()
-    dcp.save(tensors, checkpoint_id=directory)
-    if this_rank() == 0:
-        _write_atomic(directory / META_FILE, json.dumps(meta, indent=1).encode())
-    barrier()
+    # Written into a staging directory beside the target, put in place once every rank's files are.
+    staging = _on_rank0(where, lambda: checkpoint_dir.prepare(directory))
+    dcp.save(tensors, checkpoint_id=staging)  # each rank's files synced; rank 0 writes .metadata last
+
+    def describe() -> None:  # the description last: without it a directory is not a checkpoint
+        for name, data in {**(files or {}), META_FILE: json.dumps(meta, indent=1).encode()}.items():
+            checkpoint_dir.write_durably(staging / name, data)
+
+    _on_rank0(where, describe)  # also waits for every rank's DCP files
+    replaced = _on_rank0(where, lambda: checkpoint_dir.commit(staging, directory))
+    if this_rank() == 0:  # the new checkpoint is in place: the others go on while the old one is removed
+        checkpoint_dir.remove_replaced(replaced)
     logger.info("checkpoint saved to %s (%d tensors, step %s)", directory, len(meta["tensors"]), step)
+
+
+def _on_rank0(where: str, work: Any) -> Any:
+    """Rank 0 runs ``work`` (file-system changes) while the others wait: its result (a path) on every rank,
+    or its error raised on every rank."""
+    value, problems = None, []
+    if this_rank() == 0:
+        try:
+            value = work()
+        except OSError as exc:
+            problems.append(f"on rank 0: {exc}; check the path's permissions and free space")
+    answer = all_gather_json({"path": os.fspath(value) if isinstance(value, Path) else None, "problems": problems})[0]
+    if answer["problems"]:
+        raise CheckpointError(where, answer["problems"])
+    return Path(answer["path"]) if answer["path"] is not None else None
 
 
 def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
@@ -135,7 +158,6 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     The random generators are restored as they were at the save, so create data iterators (which
     draw a seed) before loading when bitwise-identical dropout matters.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -145,8 +167,11 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
 
     where = f"cannot load checkpoint {os.fspath(path)}"
     _refuse_deepspeed(result, "load_checkpoint")
-    directory = Path(path)
+    directory = checkpoint_dir.resolve(Path(path))  # or the previous one, when a save of it was interrupted
     meta = _read_meta(directory, where)
+    from atorch.checkpoint_reader import load_tensors, read_metadata  # imports DCP: seconds
+
+    read_metadata(directory / ".metadata")  # refused here, on every rank, before any collective
     saved: dict[str, dict[str, Any]] = meta["tensors"]
     model, optim = result.model, inner_optimizer(result.optim)
     names = CheckpointNames(model)  # the user's names under every layout (pipeline stages included)
@@ -180,7 +205,7 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
 
     tensors.update(_rng_targets(saved))
     tensors, reordered = state_io_qkv.user_order_targets(tensors, state_io_qkv.reordered_layers(model, names.user))
-    dcp.load(tensors, checkpoint_id=directory)
+    load_tensors(tensors, directory)  # DCP, its metadata unpickled by a reader that builds only DCP's types
     state_io_qkv.to_live_order(tensors, reordered)
     _restore_rng(tensors)
     # Take the loaded values from the flat dict (whether DCP filled the tensors in place or not).
@@ -527,12 +552,6 @@ def _standalone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             seen[ident] = tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
         out[key] = seen[ident]
     return out
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def this_rank() -> int:

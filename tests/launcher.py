@@ -34,6 +34,14 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 30
     return proc
 
 
+def run_failing(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Launch ``script``, which is meant to fail (a rank that kills itself); raises if it exits 0."""
+    proc = _launch(script, args, nproc, timeout)
+    if proc.returncode == 0:
+        raise AssertionError(f"{script} was meant to fail but exited 0:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
 def run_json(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> dict:
     """Launch and parse the last stdout line that starts with 'RESULT ' as JSON."""
     proc = torchrun(script, *args, nproc=nproc, timeout=timeout)

@@ -1,7 +1,8 @@
 """Lightning checkpoints through atorch.state_io: model and optimizer with DCP (sharded where the
 strategy shards), Lightning's own metadata (epoch, global_step, loops, callbacks, LR schedulers) as
-JSON next to them. Nothing is pickled; small tensors in the metadata (a callback's best score) are
-stored as lists with their dtype.
+JSON next to them, written into the checkpoint before it is renamed into place. Nothing is pickled
+(DCP's own metadata is read by atorch.checkpoint_reader, which builds only DCP's types); small
+tensors in the metadata (a callback's best score) are stored as lists with their dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch.state_io import CheckpointError, load_checkpoint, save_checkpoint
+from atorch.checkpoint_dir import resolve
+from atorch.state_io import CheckpointError, load_checkpoint, write_checkpoint
 
 LIGHTNING_FILE = "lightning.json"
 _TENSOR, _TUPLE, _PATH = "__tensor__", "__tuple__", "__path__"
@@ -61,21 +63,16 @@ def from_json(value: Any) -> Any:
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike, engine: Any) -> None:
-    """On every rank: the engine's tensors with DCP, then rank 0 writes Lightning's metadata."""
+    """On every rank: the engine's tensors with DCP and Lightning's metadata (rank 0's), put in place together
+    (atomically, replacing a checkpoint at ``path``)."""
     meta = to_json({k: v for k, v in checkpoint.items() if k not in ENGINE_KEYS})
-    save_checkpoint(path, engine.checkpoint_view, step=int(checkpoint.get("global_step", 0)))
-    if _rank() == 0:
-        target = Path(path) / LIGHTNING_FILE
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, target)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    write_checkpoint(path, engine.checkpoint_view, step=int(checkpoint.get("global_step", 0)),
+                     files={LIGHTNING_FILE: json.dumps(meta).encode()})
 
 
 def load(path: str | os.PathLike, engine: Any) -> dict[str, Any]:
     """On every rank: restore the engine's model and optimizer; return Lightning's metadata."""
-    directory = Path(path)
+    directory = resolve(Path(path))  # or the previous checkpoint, when a save of it was interrupted
     meta_file = directory / LIGHTNING_FILE
     if not meta_file.is_file():
         raise CheckpointError(f"cannot load {os.fspath(path)}", [
@@ -89,15 +86,16 @@ def load(path: str | os.PathLike, engine: Any) -> dict[str, Any]:
 
 def load_weights(path: str | os.PathLike, module: torch.nn.Module) -> dict[str, Any]:
     """Evaluation before any fit: only the model's tensors into the plain module (DCP reshards)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    directory = Path(path)
+    from atorch.checkpoint_reader import load_tensors  # imports DCP: seconds
+
+    directory = resolve(Path(path))
     if not (directory / LIGHTNING_FILE).is_file():
         return load(path, None)  # the same refusal, with the fix
     model_sd = get_model_state_dict(module)
     tensors = {f"model.{k}": v for k, v in model_sd.items()}
-    dcp.load(tensors, checkpoint_id=directory)
+    load_tensors(tensors, directory)  # nothing in the checkpoint is unpickled but DCP's own metadata types
     set_model_state_dict(module, {k: tensors[f"model.{k}"] for k in model_sd})
     checkpoint = from_json(json.loads((directory / LIGHTNING_FILE).read_text()))
     checkpoint.setdefault("state_dict", {})
