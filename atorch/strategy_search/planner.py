@@ -501,6 +501,9 @@ class LocalStudy(SearchStudy):
     def abort(self, kind: str, reason: str) -> None:
         if self.asked is not None and self.state is not None:  # asked, never measured: not a result of it
             self.state.fail(self.asked, f"not run: the search stopped first ({reason})", status="not_run")
+            # queued again, so the next search asks for it first (a FAILED trial's point is never enqueued again)
+            (never,) = [t for t in self.study.get_trials(deepcopy=False) if t.number == self.asked]
+            self.study.enqueue_trial(never.params)
             self.asked = None
         self._record(False, kind, reason)
 
