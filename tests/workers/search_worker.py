@@ -13,9 +13,9 @@ argv: scenario, a scratch directory (the search's SQLite storage and the hardwar
 - ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
   in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
   their reasons and the search picks a working fp32 candidate.
-- ``hang``: rank 1 never returns from its second dry-run (an endless sleep in the model's forward): rank 0
-  prints the error it got (``RESULT``) and then lingers; the job must end all the same. ``resume``: the same
-  job again, nothing hangs: the search resumes the stored study (``RESULT``: its record and log lines).
+- ``hang RANK``: that rank never returns from its second dry-run (an endless sleep in the model's forward): the
+  other prints the error it got (``RESULT``) and then lingers; the job must end all the same. ``resume``: the
+  same job again, nothing hangs: the search resumes the stored study (``RESULT``: its record and log lines).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from atorch.dryrun import dry_run
 from atorch.errors import RankLost
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
+from atorch.strategy_search import automatic
 from atorch.training import train_step
 
 SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
@@ -206,15 +207,17 @@ HANG_STARTED = "hang_started"  # rank 1 writes the time its endless sleep began 
 
 
 class HangingMLP(toy_models.MLP):
-    """The toy MLP; in ``hang``, the copy that rank 1 builds for its second dry-run never returns from forward.
-    Each trial builds its own deep copy of the user's model, so copies count trials (rank 1 runs the user's
-    model itself nowhere else): a real model, a real hang."""
+    """The toy MLP; in ``hang``, the copy that the chosen rank builds for its second dry-run never returns from
+    forward. Each trial builds its own deep copy of the user's model, so copies seen inside a trial (where the
+    trial's process group stands in for the job's) count trials: a real model, a real hang."""
 
     copies = 0
-    hang = False
+    hang: int | None = None  # the rank that hangs
+    job_group: Any = None
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        if HangingMLP.hang and dist.get_rank() == 1:
+        in_trial = dist.distributed_c10d._get_default_group() is not HangingMLP.job_group
+        if HangingMLP.hang == dist.get_rank() and in_trial:
             if not hasattr(self, "_copy"):
                 self._copy = HangingMLP.copies
                 HangingMLP.copies += 1
@@ -243,13 +246,17 @@ def mlp_setup() -> dict[str, Any]:
 
 
 def hang() -> dict[str, Any]:
-    HangingMLP.hang = True
+    HangingMLP.hang = int(sys.argv[3])
+    init_distributed()
+    HangingMLP.job_group = dist.distributed_c10d._get_default_group()
+    # rank 0 speaks within moments of a trial's end; rank 1 takes it for stuck after rejoin_timeout_s and this
+    automatic.LEADER_SILENT_S = 2.0
     try:
         atorch.auto_accelerate(**mlp_setup(), search=HANG_OPTIONS)
         out: dict[str, Any] = {"raised": None}
     except RankLost as exc:
         out = {"raised": str(exc), "ranks": exc.ranks, "at": time.time()}
-    if dist.get_rank() == 0:
+    if dist.get_rank() != HangingMLP.hang:
         print("RESULT " + json.dumps(out), flush=True)
     time.sleep(120.0)  # a process that caught the error and lingers: the job must end all the same
     return out
