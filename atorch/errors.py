@@ -37,3 +37,14 @@ class CheckpointError(ProblemsError):
 
     def __init__(self, what: str, problems: list[str]):
         super().__init__(problems, what)
+
+
+class RankLost(AtorchError, RuntimeError):
+    """A process stopped answering (stuck in a dry-run past its timeout and the grace after it): the job cannot
+    go on without it, so every process that still runs raises this instead of waiting for ever. ``results``: the
+    dry-runs that finished before (``dry_run_many``)."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+        self.results: list = []

@@ -30,6 +30,10 @@ class SearchOptions(BaseModel):
         "steps of a few milliseconds are too noisy to rank candidates on a handful of them"))
     max_measure_steps: int = Field(default=50, ge=1, description="the most timed steps of a dry-run")
     trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
+    rejoin_timeout_s: float | None = Field(default=None, gt=0, description=(
+        "how long the other processes wait for one still inside a dry-run past trial_timeout_s (stuck in your "
+        "model or loss) before they stop the search with an error naming it (default: twice trial_timeout_s, "
+        "at least 60 s)"))
     confirm_within: float = Field(default=0.15, ge=0, lt=1, description=(
         "when the runner-up measured within this fraction of the best, both run once more and keep their faster "
         "run (two of max_trials; 0: off; with a strategy server too: the server records the second runs)"))

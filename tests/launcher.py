@@ -23,6 +23,11 @@ def _launch(script: str | Path, args: tuple[str, ...], nproc: int, timeout: floa
         raise AssertionError(f"{script} timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
 
 
+def launch(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Launch ``script`` on nproc local processes and return how it ended, whatever its exit status."""
+    return _launch(script, args, nproc, timeout)
+
+
 def torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Launch ``script`` on nproc local processes; raises with the output on failure or time-out.
 

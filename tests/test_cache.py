@@ -14,6 +14,7 @@ import logging
 import optuna
 import pytest
 import torch
+from search_doubles import Run
 from test_planner import BUDGET, GLOBAL_BATCH, Measure, exhaustive_best, landscape_space, predict, true_speed
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -21,6 +22,7 @@ from toy_models import mlp
 
 import atorch
 from atorch import cli
+from atorch.errors import RankLost
 from atorch.prebuilt_optimizer import factory_from_optimizer
 from atorch.strategy_search.ask_tell import SearchRecord
 from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
@@ -122,6 +124,57 @@ def test_an_interrupted_or_failing_search_is_resumed(space, tmp_path) -> None:
     p = planner(space, tmp_path, Measure(), study_key="killed")
     SearchRecord(finished=False, stop="running", memory_budget=BUDGET).store(p.study())
     assert p.cached() is None and p.search().source == "search" and record(p).finished
+
+
+def test_a_lost_rank_stops_the_search_unfinished_with_nothing_recorded_that_did_not_run(space, tmp_path) -> None:
+    """The automatic search's ``check`` raises RankLost (a rank never came back from the trial that timed out):
+    the search stops before it asks again, is stored unfinished ("rank_lost"), keeps the timed-out trial as
+    "timeout" and records no candidate that did not run. A RankLost from ``measure`` itself (before its candidate
+    ran) marks that trial "not_run" (FAILED: asked again later), never "failed". The next search resumes both."""
+    class TimesOut(Measure):
+        def __call__(self, cand):
+            if len(self.calls) == 1:
+                self.calls.append(cand)
+                return Run("timeout", 0.0, 0.0, "rank 1: not done within 4 s (warm-up step 0)")
+            return super().__call__(cand)
+
+    first = TimesOut()
+
+    def check() -> None:
+        if len(first.calls) == 2:
+            raise RankLost("rank(s) 1 did not come back within 3 s after candidate 1", [1])
+
+    with pytest.raises(RankLost):
+        planner(space, tmp_path, first, check=check).search()
+    stored = record(planner(space, tmp_path, Measure()))
+    assert not stored.finished and stored.stop == "rank_lost" and "did not come back" in stored.stop_reason
+    trials = planner(space, tmp_path, Measure()).study().get_trials()
+    # told, or still only enqueued (the cost model's favourites that did not run): nothing running or failed
+    assert {t.state for t in trials} <= {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING}
+    measured = {t.user_attrs["key"]: t.user_attrs["status"] for t in trials if "measured" in t.user_attrs}
+    assert measured == {first.calls[0].key: "ok", first.calls[1].key: "timeout"}, measured
+    rest = Measure()
+    assert planner(space, tmp_path, rest).search().source == "search" and rest.calls
+    assert not {c.key for c in rest.calls} & {c.key for c in first.calls}  # the timeout is kept, not run again
+
+    class LostBeforeRunning(Measure):
+        def __call__(self, cand):
+            if len(self.calls) == 1:
+                raise RankLost("rank(s) 1 did not come back within 3 s (before candidate 1)", [1])
+            return super().__call__(cand)
+
+    second = LostBeforeRunning()
+    with pytest.raises(RankLost):
+        planner(space, tmp_path, second, study_key="measure").search()
+    trials = planner(space, tmp_path, Measure(), study_key="measure").study().get_trials()
+    statuses = [(t.state, t.user_attrs.get("status")) for t in trials if t.state != optuna.trial.TrialState.WAITING]
+    assert (optuna.trial.TrialState.FAIL, "not_run") in statuses and "failed" not in {s for _, s in statuses}
+    (never,) = [t for t in trials if t.user_attrs.get("status") == "not_run"]
+    assert "not run: the search stopped first" in never.user_attrs["reason"]
+    assert record(planner(space, tmp_path, Measure(), study_key="measure")).stop == "rank_lost"
+    again = Measure()
+    assert planner(space, tmp_path, again, study_key="measure").search().source == "search"
+    assert never.user_attrs["key"] in {c.key for c in again.calls}  # it never ran: it can be asked for again
 
 
 def test_patience_with_untried_favourites_is_not_final_and_max_trials_is(space, tmp_path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,83 @@ def test_a_failing_and_a_hanging_candidate_are_recorded_and_the_search_completes
     picked = out["strategy"]
     assert not any(name == "amp_native" for name, *_ in picked), picked
     assert all(math.isfinite(x) for x in out["losses"])
+
+
+def _hang(tmp_path: Path, rank: int) -> dict[str, Any]:
+    """Launch the ``hang`` scenario with ``rank`` stuck for good: the job must end, the other rank with the error;
+    checks the error and the timings and returns it (with ``stderr``)."""
+    from launcher import launch
+    from workers.search_worker import HANG_REJOIN_S, HANG_STARTED, HANG_TIMEOUT_S
+
+    from atorch.dryrun.runner import LOST_EXIT_CODE, SELF_EXIT_DELAY_S
+
+    proc = launch(WORKER, "hang", str(tmp_path), str(rank), timeout=240)
+    ended = time.time()
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the rank that did not hang printed no RESULT:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    hung_at = float((tmp_path / HANG_STARTED).read_text())
+    error = out["raised"]
+    assert error is not None and out["ranks"] == [rank], out
+    assert f"at its {HANG_TIMEOUT_S:g} s timeout: rank {rank}: not done within {HANG_TIMEOUT_S:g} s" in error, error
+    assert "in forward" in error and "trial_timeout_s" in error and "rejoin_timeout_s" in error, error
+    # the job: the stuck rank ends itself SELF_EXIT_DELAY_S after it learns it was given up, torchrun stops the other
+    assert "ending this process" in proc.stderr and f"exitcode  : {LOST_EXIT_CODE}" in proc.stderr, proc.stderr[-4000:]
+    silent = 2.0 if rank == 0 else 0.0  # the follower's wait for a silent rank 0 (LEADER_SILENT_S, set by the worker)
+    assert out["at"] - hung_at < HANG_TIMEOUT_S + HANG_REJOIN_S + silent + 4.0, out["at"] - hung_at
+    assert ended - hung_at < HANG_TIMEOUT_S + HANG_REJOIN_S + silent + SELF_EXIT_DELAY_S + 10.0, ended - hung_at
+    return {**out, "stderr": proc.stderr}
+
+
+def test_a_rank_that_hangs_for_good_ends_the_job_and_the_next_run_resumes(tmp_path) -> None:
+    """Rank 1 never returns from its second dry-run (trial timeout 4 s, rejoin time 3 s). Rank 0 raises a clear
+    error right after the rejoin time (the rank, the candidate, the timeout, where rank 1 is stuck, the options),
+    then lingers as a process that caught it would; rank 1, given up, ends itself and torchrun ends the job
+    (measured: the error ~8 s after the hang began, the job's end 17-20 s). The study is stored unfinished: the
+    timed-out trial as "timeout", nothing that did not run. The same job again resumes the study (dry-runs, the old
+    timeout kept and not run again) and finishes it."""
+    from workers.search_worker import HANG_REJOIN_S, HANG_TIMEOUT_S
+
+    from atorch.strategy_search.ask_tell import SearchRecord
+
+    out = _hang(tmp_path, rank=1)
+    assert f"rank(s) 1 did not come back within {HANG_REJOIN_S:g} s after candidate 1 (" in out["raised"], out
+
+    storage = f"sqlite:///{tmp_path}/search.db"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    record = SearchRecord.stored(study)[-1]
+    assert not record.finished and record.stop == "rank_lost" and "RankLost" in record.stop_reason, record
+    trials = study.get_trials(deepcopy=False)
+    statuses = [t.user_attrs.get("status") for t in trials]
+    assert statuses.count("timeout") == 1 and "failed" not in statuses, statuses
+    assert all(t.state != optuna.trial.TrialState.RUNNING for t in trials), [t.state for t in trials]
+    (timed_out,) = [t for t in trials if t.user_attrs.get("status") == "timeout"]
+    assert f"not done within {HANG_TIMEOUT_S:g} s" in timed_out.user_attrs["reason"]
+
+    again = run_json(WORKER, "resume", str(tmp_path), timeout=240)
+    assert again["search"]["source"] == "search" and again["search"]["dry_runs"] >= 1, again["search"]
+    assert any(line.startswith(f"strategy search: resuming study {summary.study_name}") for line in again["lines"]), \
+        again["lines"]
+    keys = [t["key"] for t in again["trials"] if t["status"] not in ("duplicate", None)]
+    timeouts = [t for t in again["trials"] if t["status"] == "timeout"]
+    assert len(timeouts) == 1 and keys.count(timeouts[0]["key"]) == 1  # kept, not run again
+    assert SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
+    assert all(math.isfinite(x) for x in again["losses"])
+
+
+def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
+    """Rank 0, which leads the search, never returns from its second dry-run: rank 1 records the timeout, hears
+    nothing from rank 0 (rejoin time + LEADER_SILENT_S) and raises the error naming rank 0; rank 0 ends itself."""
+    from atorch.strategy_search.ask_tell import SearchRecord
+
+    out = _hang(tmp_path, rank=0)
+    assert "rank 0 (which leads the search) said nothing within " in out["raised"], out
+    # rank 0 could not record its own end: the search stays unfinished (resumed next time)
+    storage = f"sqlite:///{tmp_path}/search.db"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    assert not SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
 
 
 def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:

@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,14 @@ from atorch.parallel_layout import forget_meshes
 
 _sessions = 0  # per process; every rank opens sessions in the same order
 ABORT_POLL_S = 0.2  # how often a rank looks for another's failure (a failure may cost 10 s at most)
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """A meeting's verdict when some ranks did not come: the ranks given up, and the sentence that says so."""
+
+    missing: list[int]
+    why: str
 
 
 class Coordinator:
@@ -125,9 +134,22 @@ class Coordinator:
             forget_destroyed_groups()
         gc.collect()  # the trial's objects (a DDP reducer, a mesh) hold the groups in reference cycles
 
+    # ----- a rank given up ---------------------------------------------------------------------
+    def mark_given_up(self, gave_up: GaveUp) -> None:
+        """Say in the store, for the session, which ranks the others gave up (``given_up`` reads it: the
+        watchdog of a rank still stuck ends its process)."""
+        self.store.set("gave_up", json.dumps({"missing": gave_up.missing, "why": gave_up.why}))
+
+    def given_up(self, store: dist.Store | None = None) -> GaveUp | None:
+        store = store or self.store
+        if not store.check(["gave_up"]):
+            return None
+        found = json.loads(store.get("gave_up"))
+        return GaveUp(found["missing"], found["why"])
+
     # ----- the trial's process group -----------------------------------------------------------
-    def meet(self, name: str, timeout_s: float) -> str | None:
-        """Wait (bounded) until every rank is here; None if all came, else why the ranks give up.
+    def meet(self, name: str, timeout_s: float) -> GaveUp | None:
+        """Wait (bounded) until every rank is here; None if all came, else which ranks the others give up.
 
         The verdict is the store's first answer (compare-and-set), so a rank that arrives just after
         another gave up waiting follows that verdict instead of going on alone. Once all have come, no
@@ -136,11 +158,13 @@ class Coordinator:
         """
         seen = self.exchange(name, {"group_count": c10d._world.group_count}, timeout_s)
         missing = [r for r, v in enumerate(seen) if v is None]
-        mine = "" if not missing else (
-            f"rank(s) {', '.join(map(str, missing))} did not come back within {timeout_s:.0f} s")
-        verdict = self.store.compare_set(f"{name}/verdict", "", mine or "go").decode()
+        mine = "go" if not missing else json.dumps(
+            {"missing": missing, "why": f"rank(s) {', '.join(map(str, missing))} did not come back within "
+                                        f"{timeout_s:g} s"})
+        verdict = self.store.compare_set(f"{name}/verdict", "", mine).decode()
         if verdict != "go":
-            return verdict
+            found = json.loads(verdict)
+            return GaveUp(found["missing"], found["why"])
         for group in self._stale:
             with contextlib.suppress(Exception):  # already gone with its peers: nothing to free
                 dist.destroy_process_group(group)
@@ -168,10 +192,9 @@ class Coordinator:
             self._stale += self._trial_groups()
             self._trial_groups = list
 
-    def close(self, timeout_s: float) -> None:
-        """Meet a last time, so the last trial's group is freed with no rank still inside it."""
-        if self.distributed:
-            self.meet("closed", timeout_s)
+    def close(self, timeout_s: float) -> GaveUp | None:
+        """Meet a last time, so the last trial's group is freed with no rank still inside it; the verdict."""
+        return self.meet("closed", timeout_s) if self.distributed else None
 
 
 class AbortWatcher:

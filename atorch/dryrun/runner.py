@@ -21,17 +21,20 @@ Each trial, on every rank:
 5. **agree** on the outcome (store, bounded); close the result and drop the trial's group.
 
 A rank stuck in Python (a sleep, a loop, a C call holding on) cannot be interrupted. The others record
-"timeout" at the deadline and wait for it at the next meeting: a rank that overslept rejoins when its
-step returns (its remaining collectives fail fast, its late report is ignored) and the next trial runs
-normally. A rank that does not come back within ``rejoin_timeout_s`` is lost: every remaining candidate
-is recorded "failed" with that reason and the search returns instead of hanging.
+"timeout" at the deadline and wait for it at the next meeting (``rejoin``, or the next trial's): a rank that
+overslept rejoins when its step returns (its remaining collectives fail fast, its late report is ignored)
+and the next trial runs normally. A rank that does not come back within ``rejoin_timeout_s`` is lost: the
+job cannot go on without it, so every rank that still runs raises ``RankLost`` (naming the rank, the
+candidate it overran, the timeout and where it was stuck) instead of running or recording anything more.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
+import os
 import statistics
 import sys
 import threading
@@ -48,10 +51,10 @@ from pydantic import BaseModel
 
 from atorch.build import build_context, build_result, preflight
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
-from atorch.dryrun.coordination import AbortWatcher, Coordinator
+from atorch.dryrun.coordination import AbortWatcher, Coordinator, GaveUp
 from atorch.dryrun.memory import PeakMemory
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
-from atorch.errors import SetupError
+from atorch.errors import RankLost, SetupError
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.model_context import UserSetup
@@ -61,6 +64,12 @@ logger = get_logger(__name__)
 
 Status = Literal["ok", "oom", "failed", "timeout"]
 AGREE_GRACE_S = 10.0  # past the deadline, how long a rank waits for the others' reports
+# A rank still stuck in a trial after the others gave it up ends its own process this long after it learns so:
+# the others raise first (theirs is the error the user reads), and the launcher then ends the job even where
+# nothing else would stop this process (the others caught the error, or it is alone on its node).
+SELF_EXIT_DELAY_S = 10.0
+GIVEN_UP_POLL_S = 0.5
+LOST_EXIT_CODE = 75  # os._exit status of a process that ended itself so (EX_TEMPFAIL: the job may be run again)
 MAX_EXTRA_WARMUP = 4  # warm-up steps added while fp16 loss scaling skips every step
 LOSS_SCALE_DROP = 2.0**6  # ... each with the scale divided by this: 2^16 reaches 2^-8 within them
 
@@ -116,7 +125,8 @@ def dry_run_many(
     higher measured peak into "oom"; each step trains on micro_batches batches of the dataloader
     (gradient accumulation), so samples/s counts batch_size * micro_batches per step;
     rejoin_timeout_s (default: twice timeout_s, at least 60 s) is how long ranks wait for one that
-    overran a trial before giving it up; timed steps go on past ``steps`` until they add up to
+    overran a trial before giving it up (then every rank that still runs raises ``RankLost``, with the
+    results before it in ``results``); timed steps go on past ``steps`` until they add up to
     min_measure_s, at most max_steps.
     """
     if micro_batches < 1 or timeout_s <= 0:
@@ -128,8 +138,14 @@ def dry_run_many(
     lists = all_gather_json([_plain(c) for c in candidates], timeout_s)
     if any(other != lists[0] for other in lists):
         raise SetupError("the ranks were given different candidate lists; every rank must dry-run the same ones")
-    results = [session.run(strategy, timeout_s=timeout_s, micro_batches=micro_batches) for strategy in candidates]
-    session.close()
+    results: list[TrialResult] = []
+    try:
+        for strategy in candidates:
+            results.append(session.run(strategy, timeout_s=timeout_s, micro_batches=micro_batches))
+        session.close()
+    except RankLost as exc:
+        exc.results = results
+        raise
     return results
 
 
@@ -138,13 +154,14 @@ class DryRunSession:
 
     Every rank calls ``run`` with the same arguments in the same order (a search carries the leader's
     choice to the others with ``announce``/``hear``, through the store). ``rejoin_timeout_s`` is how
-    long ranks wait for one that overran a trial before giving it up; once a rank is lost, every later
-    trial is "failed" with that reason at once.
+    long ranks wait for one that overran a trial before giving it up; then ``run``, ``rejoin`` and
+    ``close`` raise ``RankLost`` on every rank that still runs (``more_time``: how the message tells the
+    user to give a slow candidate more time).
     """
 
     def __init__(self, setup: UserSetup, env: DistEnv, *, warmup: int = 2, steps: int = 5,
                  memory_budget: int | None = None, rejoin_timeout_s: float = 600.0, min_measure_s: float = 0.0,
-                 max_steps: int = 50) -> None:
+                 max_steps: int = 50, more_time: str = "") -> None:
         if warmup < 0 or steps < 1 or max_steps < steps or min_measure_s < 0:
             raise SetupError("dry-run needs warmup >= 0, 1 <= steps <= max_steps and min_measure_s >= 0")
         if setup.dataset is None:
@@ -155,9 +172,14 @@ class DryRunSession:
         # max_steps), so a median of a few milliseconds' steps is taken over enough of them.
         self.min_measure_s, self.max_steps = min_measure_s, max_steps
         self.rejoin_timeout_s = rejoin_timeout_s
+        self.more_time = more_time or (f"give it a longer timeout_s, or the others longer to wait for it "
+                                       f"(rejoin_timeout_s, now {rejoin_timeout_s:g} s)")
         self.coordinator = Coordinator(env.rank, env.world_size)
-        self.lost: str | None = None
+        self.lost: RankLost | None = None  # a rank was given up: the session cannot go on
+        # The last trial that did not end well, while a rank may still be inside it: (index, label, timeout, result)
+        self.unsettled: tuple[int, str, float, TrialResult] | None = None
         self.trials = 0
+        self.rejoins = 0
         self.words = 0  # the leader's words announced (rank 0) or heard (the others), in order
         # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
         import_off_the_stack("torch._dynamo")
@@ -190,21 +212,18 @@ class DryRunSession:
         return json.loads(self.coordinator.store.get(key))
 
     def run(self, strategy: Strategy, *, timeout_s: float = 300.0, micro_batches: int = 1,
-            batch_size: int | None = None) -> TrialResult:
+            batch_size: int | None = None, label: str | None = None) -> TrialResult:
         """Dry-run one candidate on every rank. ``batch_size`` (the global batch of one micro-batch)
-        replaces the dataloader's; ``micro_batches`` batches make one step."""
+        replaces the dataloader's; ``micro_batches`` batches make one step; ``label``: how an error names
+        the candidate (default: the strategy). ``RankLost`` when a rank did not come back from the last one."""
         if micro_batches < 1 or timeout_s <= 0:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
+        self._check_lost()
         index = self.trials
         self.trials += 1
         # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
-        unprepared = prepare_once(strategy, log=self.env.is_main) if self.lost is None else []
-        if self.lost is None:
-            verdict = self.coordinator.meet(f"{index}/meet", self.rejoin_timeout_s)
-            if verdict is not None:
-                self.lost = f"{verdict} (before candidate {index}); the ranks cannot go on without every rank"
-        if self.lost is not None:
-            return TrialResult(strategy=_plain(strategy), status="failed", reason=self.lost)
+        unprepared = prepare_once(strategy, log=self.env.is_main)
+        self._meet(f"{index}/meet", f"before candidate {index}")
         setup = self.setup
         if batch_size is not None:
             setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
@@ -212,11 +231,59 @@ class DryRunSession:
                        micro_batches)
         trial.unprepared = unprepared
         trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
-        return trial.run(self.memory_budget)
+        result = trial.run(self.memory_budget)
+        # A trial that did not end well may still hold a rank (stuck past its deadline): the next meeting says.
+        self.unsettled = None if result.status == "ok" else (index, label or str(strategy), timeout_s, result)
+        return result
+
+    def rejoin(self) -> None:
+        """Wait (at most ``rejoin_timeout_s``) until every rank is back from the last trial; ``RankLost`` if one
+        is not. A search calls it (on every rank, the leader's word) before it asks for the next candidate or
+        stores its end, so a rank that never comes back stops it before anything more is recorded."""
+        self._check_lost()
+        self.rejoins += 1
+        self._meet(f"rejoin/{self.rejoins}", "after the last candidate")
+        self.unsettled = None
 
     def close(self) -> None:
-        if self.lost is None:
-            self.coordinator.close(self.rejoin_timeout_s)
+        """Meet a last time (every rank); ``RankLost`` if a rank did not come back."""
+        if self.lost is None and (gave_up := self.coordinator.close(self.rejoin_timeout_s)) is not None:
+            self._give_up(gave_up, "at the end of the dry-runs")
+
+    # ----- a rank that does not come back --------------------------------------------------------
+    def _meet(self, name: str, when: str) -> None:
+        if (gave_up := self.coordinator.meet(name, self.rejoin_timeout_s)) is not None:
+            self._give_up(gave_up, when)
+
+    def _check_lost(self) -> None:
+        if self.lost is not None:
+            raise RankLost(str(self.lost), self.lost.ranks)
+
+    def leader_silent(self, waited_s: float) -> None:
+        """A follower heard nothing from rank 0 for ``waited_s`` after a trial that did not end well: rank 0 is
+        stuck in it. ``RankLost``, as for any rank given up."""
+        self._give_up(GaveUp([0], f"rank 0 (which leads the search) said nothing within {waited_s:g} s"),
+                      "after the last candidate")
+
+    def _give_up(self, gave_up: GaveUp, when: str) -> None:
+        if self.unsettled is not None:
+            index, label, timeout_s, result = self.unsettled
+            # what the ranks given up said of themselves (a stuck rank's watchdog: where it is stuck)
+            own = [f"rank {r}: {result.ranks[r].reason}" for r in gave_up.missing  # type: ignore[union-attr]
+                   if r < len(result.ranks) and result.ranks[r] is not None]
+            what = (f"{gave_up.why} after candidate {index} ({label}) ended '{result.status}' at its {timeout_s:g} s "
+                    f"timeout: {'; '.join(own) or result.reason}")
+        else:
+            what = f"{gave_up.why} ({when})"
+        self.lost = RankLost(
+            f"{what}. A process stuck in its own code (a loop, a sleep, a call that never returns) cannot be "
+            "interrupted by the others, and the job cannot go on without it: every other process stops here. Fix "
+            f"what it is stuck on (the reason above says where), or, if the candidate only needs longer, "
+            f"{self.more_time}", gave_up.missing)
+        logger.error("dry-runs stopped: %s", self.lost)
+        with contextlib.suppress(Exception):  # the store is gone: the job is ending anyway
+            self.coordinator.mark_given_up(gave_up)
+        self._check_lost()
 
 
 _prepared: dict[str, str | None] = {}  # per process: preparation -> None when done, else why it failed
@@ -259,6 +326,7 @@ class _Trial:
         self.phase = "starting"
         self.watcher = AbortWatcher(coordinator, index)
         self.aborted = False  # the trial ended by this rank's failure, or by another's announced one
+        self.finished = threading.Event()  # the trial's thread is out of it (the watchdog stops watching)
         self._reported = False
         self._lock = threading.Lock()
 
@@ -282,6 +350,7 @@ class _Trial:
             raise
         finally:
             watchdog.cancel()
+            self.finished.set()
         if self.aborted:
             self.coordinator.drop_finished_groups()  # frees peers still waiting on this rank (gloo)
         self._report(outcome)
@@ -302,6 +371,31 @@ class _Trial:
             last = traceback.extract_stack(frame)[-1]
             where = f" ({self.phase}; at {last.filename}:{last.lineno} in {last.name})"
         self._report(RankOutcome(status="timeout", reason=f"not done within {self.timeout_s:g} s{where}"))
+        self._end_if_given_up(where)
+
+    def _end_if_given_up(self, where: str) -> None:
+        """While this rank's trial thread is still stuck past the deadline: once the other ranks give it up,
+        log why and end the process (``os._exit``; nothing can interrupt the stuck thread), so the launcher
+        (torchrun) ends the job instead of keeping it alive for ever."""
+        if not self.coordinator.distributed:
+            return
+        store = self.coordinator.watch_store()
+        while not self.finished.wait(GIVEN_UP_POLL_S):
+            try:
+                gave_up = self.coordinator.given_up(store)
+            except Exception:  # noqa: BLE001  (the job's store is gone: the launcher is ending the job)
+                return
+            if gave_up is None or self.env.rank not in gave_up.missing:
+                continue
+            _say(f"rank {self.env.rank} is stuck in candidate {self.index} {self.strategy}{where} past its "
+                 f"{self.timeout_s:g} s timeout, and the other processes gave it up ({gave_up.why}): ending this "
+                 f"process in {SELF_EXIT_DELAY_S:g} s (exit status {LOST_EXIT_CODE}) so that the launcher ends the job")
+            if not self.finished.wait(SELF_EXIT_DELAY_S):
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(LOST_EXIT_CODE)
+            return
 
     def _global_batch(self) -> int:
         return int(self.setup.dataloader_args.get("batch_size", 1)) * self.micro_batches
@@ -459,6 +553,18 @@ class _Stopped(Exception):
 
     def outcome(self, phase: str) -> RankOutcome:
         return RankOutcome(status="failed", reason=f"{phase}: {self}", root_cause=False)
+
+
+def _say(message: str) -> None:
+    """An error line that must be seen: a process about to end itself says why even where the application
+    configured no logging (the ``atorch`` logger's NullHandler would swallow it)."""
+    logger.error("%s", message)
+    chain: logging.Logger | None = logger
+    while chain is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in chain.handlers):
+            return
+        chain = chain.parent if chain.propagate else None
+    print(f"[atorch] {message}", file=sys.stderr, flush=True)
 
 
 def _lower_loss_scale(optim: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from atorch.errors import RankLost
 from atorch.strategy_search.candidates import CandidateTable, Point, point_key
 from atorch.strategy_search.outcome import Measured
 
@@ -43,9 +44,12 @@ class Proposal:
 
 
 def measure_safely(measure: Callable[[Any], Any], candidate: Any) -> Measured:
-    """Run ``measure``; one that raises is a failed trial with its reason, and the search goes on."""
+    """Run ``measure``; one that raises is a failed trial with its reason, and the search goes on. Except
+    ``RankLost``: a process is gone, nothing more can run, and the candidate did not run (not a failure of it)."""
     try:
         return Measured.of(measure(candidate))
+    except RankLost:
+        raise
     except Exception as exc:
         return Measured.failure(exc)
 

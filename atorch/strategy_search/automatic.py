@@ -11,6 +11,10 @@
    micro-batching everywhere.
 
 The followers wait for the leader's next word with a bound, so a leader that died does not hang them.
+A rank that does not come back from a trial it overran (stuck in the user's code) within ``rejoin_timeout_s``
+stops the search on every other rank with ``RankLost`` before anything more is asked or stored: the study is
+kept unfinished (its timed-out trial recorded as such, no candidate recorded that did not run) and the next
+call resumes it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from atorch.strategy_search.progress import SearchProgress, rejudged
 logger = get_logger(__name__)
 
 FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word, at least
+# After a trial that did not end well, rank 0 speaks within moments (it tells the study, then calls every rank back);
+# a follower that hears nothing for rejoin_timeout_s plus this takes rank 0 for stuck in that trial.
+LEADER_SILENT_S = 30.0
 # Memory tracing before the first dry-run, fastest predicted first: 20 rank-seconds, split over the ranks (each
 # traces its share at once), so more ranks trace as much in less wall time, but never under 10 s (at 2 ranks about
 # 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30).
@@ -100,11 +107,14 @@ def search_strategy(
             profile = profile.model_copy(update={"memory_per_rank": memory_limit, "memory_source": "memory_limit"})
     else:
         profile = measure_profile(memory_limit=memory_limit)  # every rank: collectives; cached on disk
+    rejoin = rejoin_timeout(options)
     session = DryRunSession(setup, env, warmup=options.warmup_steps, steps=options.measure_steps,
                             min_measure_s=options.min_measure_s,
                             max_steps=max(options.max_measure_steps, options.measure_steps),
-                            memory_budget=profile.memory_per_rank,
-                            rejoin_timeout_s=max(60.0, 2 * options.trial_timeout_s))
+                            memory_budget=profile.memory_per_rank, rejoin_timeout_s=rejoin,
+                            more_time=(f"raise search={{'trial_timeout_s': ...}} (now {options.trial_timeout_s:g} "
+                                       f"s), or give a process that is slow to come back longer with "
+                                       f"search={{'rejoin_timeout_s': ...}} (now {rejoin:g} s)"))
     if env.rank != 0:
         return _follow(session, time_limit)
     try:
@@ -119,16 +129,32 @@ def search_strategy(
     return outcome
 
 
+def rejoin_timeout(options: SearchOptions) -> float:
+    """How long the ranks wait for one still inside a trial past its timeout before giving it up."""
+    if options.rejoin_timeout_s is not None:
+        return options.rejoin_timeout_s
+    return max(60.0, 2 * options.trial_timeout_s)
+
+
 def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
     """A follower: run what the leader announces until it announces the pick (or its problems)."""
     wait = max(FOLLOWER_WAIT_S, 2 * (time_limit or 0.0))
     while True:
-        word = session.hear_next(wait)
+        if session.unsettled is None:
+            word = session.hear_next(wait)
+        else:  # rank 0 may be stuck in the trial that just ended: it has as long as any rank to come back
+            try:
+                word = session.hear_next(session.rejoin_timeout_s + LEADER_SILENT_S)
+            except SetupError:
+                session.leader_silent(session.rejoin_timeout_s + LEADER_SILENT_S)
+                raise
         if word["kind"] == "trace":
             _trace_share(session, word)
         elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
-                        micro_batches=word["micro_batches"], batch_size=word["batch_size"])
+                        micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"))
+        elif word["kind"] == "rejoin":
+            session.rejoin()
         elif word["kind"] == "done":
             session.close()
             return SearchOutcome.from_json(word["outcome"])
@@ -291,7 +317,7 @@ class _Leader:
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
                         skip_slower_than=self.options.skip_slower_than, identity=identity,
-                        confirm_within=self.options.confirm_within)
+                        confirm_within=self.options.confirm_within, check=self._all_back)
             if not remote:
                 return Planner(space, **args)
             from atorch.server.client import RemotePlanner
@@ -371,16 +397,25 @@ class _Leader:
         if self.time_limit is not None:  # a trial never runs past the job's time limit
             timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
         batch_size = cand.micro_batch_size * cand.strategy.layout(self.env.world_size).data_size
+        label = self.progress.describe(cand)
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
-                "micro_batches": cand.micro_batches, "batch_size": batch_size}
+                "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
         self.progress.started(cand, prediction)
         self.session.announce_next(word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
-                                 batch_size=batch_size)
+                                 batch_size=batch_size, label=label)
         measured = self._check_numerics(cand, trial, batch_size)
         self.progress.finished(cand, prediction, measured)
         return measured
+
+    def _all_back(self) -> None:
+        """Before the planner asks for another candidate or stores its end: after a trial that did not end well,
+        every rank meets (a rank may still be stuck in it); ``RankLost`` on every rank still running when one
+        does not come back, so nothing that did not run is recorded and the search is not stored finished."""
+        if self.session.unsettled is not None:
+            self.session.announce_next({"kind": "rejoin"})
+            self.session.rejoin()
 
     def _check_numerics(self, cand: Any, trial: TrialResult, batch_size: int) -> Measured:
         """The dry-run's losses against the user's own model on the same samples (atorch.dryrun.numerics):

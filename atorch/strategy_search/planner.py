@@ -49,6 +49,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from atorch.class_ref import class_path
+from atorch.errors import RankLost
 from atorch.log import RepeatedWarnings, get_logger
 from atorch.settings import cache_dir
 from atorch.strategy_search.analyser import StepError, identity_json
@@ -195,6 +196,7 @@ class Planner:
         skip_slower_than: float | None = HOPELESS_FACTOR,
         identity: StudyIdentity | None = None,
         correct_time: bool = True,
+        check: Callable[[], None] | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -217,6 +219,9 @@ class Planner:
         self.confirm_within = confirm_within
         self.skip_slower_than = skip_slower_than
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
+        # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
+        # search unfinished (the automatic search: a rank that never came back from a trial it overran).
+        self.check = check or (lambda: None)
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
 
@@ -328,8 +333,10 @@ class Planner:
             if confirmation.startswith("confirmation cut short"):
                 kind = "time_limit"
             stop = rules.ended(stop, confirmation)
+            self.check()  # every rank back: only then is the end stored (finished or not)
         except BaseException as exc:  # an interrupted or failed search is stored as unfinished, then raised
-            study.abort("error" if isinstance(exc, Exception) else "interrupted", f"{type(exc).__name__}: {exc}")
+            kind = "error" if isinstance(exc, Exception) else "interrupted"
+            study.abort("rank_lost" if isinstance(exc, RankLost) else kind, f"{type(exc).__name__}: {exc}")
             raise
         best, ended = study.finish(kind, stop, lambda point: json.loads(
             self.space.from_point(point).strategy.to_json(indent=None)))
@@ -350,6 +357,7 @@ class Planner:
     def _explore(self, study: SearchStudy, rules: StopRules) -> tuple[str, str]:
         """Ask, measure, tell until a stop rule or the sampler stops it: (the stop reason, its kind)."""
         while True:
+            self.check()
             proposal = study.ask(stop=rules.reason)
             if proposal.number is None:
                 return proposal.stop, rules.stopped or "exhausted"
@@ -375,6 +383,7 @@ class Planner:
             if late := rules.out_of_time():
                 logger.info("strategy search: confirmation cut short: %s", late)
                 return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
+            self.check()
             cand = self.space.from_point(contender["point"])
             record, best = study.confirm(contender["key"], measure_safely(self.measure_fn, cand))
             rules.record(False)
@@ -437,6 +446,7 @@ class LocalStudy(SearchStudy):
         self.planner = planner
         self.study, self.storage = planner._open()
         self.state: SearchState | None = None
+        self.asked: int | None = None  # the trial asked and not yet told
 
     def start(self, force: bool) -> PlanResult | None:
         p, study = self.planner, self.study
@@ -463,9 +473,12 @@ class LocalStudy(SearchStudy):
         return self.state
 
     def ask(self, stop: Callable[[], str]) -> Proposal:
-        return self._state().ask(stop=stop)
+        proposal = self._state().ask(stop=stop)
+        self.asked = proposal.number
+        return proposal
 
     def tell(self, number: int, measured: Measured) -> dict[str, Any] | None:
+        self.asked = None
         return self._state().tell(number, measured)
 
     def contenders(self, within: float) -> tuple[list[dict[str, Any]], int]:
@@ -486,6 +499,12 @@ class LocalStudy(SearchStudy):
         return best, f"{ended} in study {self.planner.study_name}"
 
     def abort(self, kind: str, reason: str) -> None:
+        if self.asked is not None and self.state is not None:  # asked, never measured: not a result of it
+            self.state.fail(self.asked, f"not run: the search stopped first ({reason})", status="not_run")
+            # queued again, so the next search asks for it first (a FAILED trial's point is never enqueued again)
+            (never,) = [t for t in self.study.get_trials(deepcopy=False) if t.number == self.asked]
+            self.study.enqueue_trial(never.params)
+            self.asked = None
         self._record(False, kind, reason)
 
     def trials(self) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@
 - ``mismatch``: different candidate lists on the two ranks are refused on both.
 - ``release``: live tensor bytes before and after several trials.
 - ``inapplicable``: a candidate preflight refuses is reported, not built.
-- ``lost``: rank 1 oversleeps the rejoin time too: both ranks record the rest as failed and return.
+- ``lost``: rank 1 oversleeps the rejoin time too: rank 0 raises RankLost at once, rank 1 when it wakes (before
+  its own watchdog would end the process: SELF_EXIT_DELAY_S after it learns it was given up); nothing more runs.
 - ``failfast``: with a trial timeout of 120 s, rank 1 raises in its build (making the optimizer), then
   in a step, each followed by a candidate that must run normally. Reported per trial: every rank's
   result and wall-clock end, and when rank 1 raised.
@@ -35,6 +36,7 @@ from atorch.distributed import all_gather_json, init_distributed
 from atorch.dryrun import dry_run, dry_run_many
 from atorch.dryrun.memory import live_tensor_bytes
 from atorch.dryrun.runner import DryRunSession
+from atorch.errors import RankLost
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 
@@ -137,9 +139,12 @@ def lost(env: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     candidates = [Strategy.load(["parallel_mode"])] * 3
     start = time.monotonic()
-    results = dry_run_many(setup(SleepOnceMLP()), env, candidates, warmup=1, steps=1, timeout_s=2.0,
-                           rejoin_timeout_s=1.0)
-    return {"results": [r.model_dump() for r in results], "total_s": time.monotonic() - start}
+    try:
+        dry_run_many(setup(SleepOnceMLP()), env, candidates, warmup=1, steps=1, timeout_s=2.0, rejoin_timeout_s=1.0)
+    except RankLost as exc:
+        return {"raised": str(exc), "ranks": exc.ranks, "results": [r.model_dump() for r in exc.results],
+                "total_s": time.monotonic() - start}
+    return {"raised": None, "total_s": time.monotonic() - start}
 
 
 FAILFAST_TIMEOUT_S = 120.0  # a failure must cost seconds, not this

@@ -13,6 +13,9 @@ argv: scenario, a scratch directory (the search's SQLite storage and the hardwar
 - ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
   in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
   their reasons and the search picks a working fp32 candidate.
+- ``hang RANK``: that rank never returns from its second dry-run (an endless sleep in the model's forward): the
+  other prints the error it got (``RESULT``) and then lingers; the job must end all the same. ``resume``: the
+  same job again, nothing hangs: the search resumes the stored study (``RESULT``: its record and log lines).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,8 +40,10 @@ import toy_models
 import atorch
 from atorch.distributed import all_gather_json, init_distributed
 from atorch.dryrun import dry_run
+from atorch.errors import RankLost
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
+from atorch.strategy_search import automatic
 from atorch.training import train_step
 
 SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
@@ -196,7 +202,84 @@ def nofit() -> dict[str, Any]:
     return {"ranks": all_gather_json(mine)}
 
 
-SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit}
+HANG_TIMEOUT_S, HANG_REJOIN_S = 4.0, 3.0
+HANG_OPTIONS = {**QUICK, "max_trials": 4, "trial_timeout_s": HANG_TIMEOUT_S, "rejoin_timeout_s": HANG_REJOIN_S,
+                "confirm_within": 0, "skip_slower_than": None}
+HANG_STARTED = "hang_started"  # rank 1 writes the time its endless sleep began (time.time()) to this file
+
+
+class HangingMLP(toy_models.MLP):
+    """The toy MLP; in ``hang``, the copy that the chosen rank builds for its second dry-run never returns from
+    forward. Each trial builds its own deep copy of the user's model, so copies seen inside a trial (where the
+    trial's process group stands in for the job's) count trials: a real model, a real hang."""
+
+    copies = 0
+    hang: int | None = None  # the rank that hangs
+    job_group: Any = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        in_trial = dist.distributed_c10d._get_default_group() is not HangingMLP.job_group
+        if HangingMLP.hang == dist.get_rank() and in_trial:
+            if not hasattr(self, "_copy"):
+                self._copy = HangingMLP.copies
+                HangingMLP.copies += 1
+            if self._copy == 1:
+                Path(SCRATCH, HANG_STARTED).write_text(repr(time.time()))
+                while True:
+                    time.sleep(1.0)
+        return super().forward(x, y)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def mlp_setup() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return dict(model=HangingMLP(), optim_func=torch.optim.AdamW, dataset=toy_models.mlp_dataset(),
+                loss_func=toy_models.mlp_loss, model_input_format="unpack_sequence", optim_args={"lr": 1e-3},
+                dataloader_args={"batch_size": 8},
+                excluded=["zero1", "zero2", "fsdp", "module_replace"])  # quick builds (no DeepSpeed op build)
+
+
+def hang() -> dict[str, Any]:
+    HangingMLP.hang = int(sys.argv[3])
+    init_distributed()
+    HangingMLP.job_group = dist.distributed_c10d._get_default_group()
+    # rank 0 speaks within moments of a trial's end; rank 1 takes it for stuck after rejoin_timeout_s and this
+    automatic.LEADER_SILENT_S = 2.0
+    try:
+        atorch.auto_accelerate(**mlp_setup(), search=HANG_OPTIONS)
+        out: dict[str, Any] = {"raised": None}
+    except RankLost as exc:
+        out = {"raised": str(exc), "ranks": exc.ranks, "at": time.time()}
+    if dist.get_rank() != HangingMLP.hang:
+        print("RESULT " + json.dumps(out), flush=True)
+    time.sleep(120.0)  # a process that caught the error and lingers: the job must end all the same
+    return out
+
+
+def resume() -> dict[str, Any]:
+    lines = _Lines()
+    logging.getLogger("atorch").addHandler(lines)
+    _, result, strategy = atorch.auto_accelerate(**mlp_setup(), search=HANG_OPTIONS)
+    logging.getLogger("atorch").removeHandler(lines)
+    trials = trials_of(result)
+    losses = train(result, 2)
+    out = {"search": {k: result.args.search[k] for k in ("source", "dry_runs", "stop_reason", "study_name")},
+           "lines": lines.lines, "losses": losses,
+           "trials": [{k: t.get(k) for k in ("status", "reason", "key")} for t in trials]}
+    result.close()
+    return out
+
+
+SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit, "hang": hang,
+             "resume": resume}
 
 if __name__ == "__main__":
     out = SCENARIOS[sys.argv[1]]()
