@@ -204,8 +204,9 @@ def test_stop_message_with_a_confirmation(tmp_path) -> None:
     result, calls = _search(tmp_path, runner_up=95.0, confirm_within=0.1)
     assert len(calls) == 8 == result.dry_runs
     assert result.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached (6 to explore, 2 kept for "
-                                  "a confirmation); confirmation: the best and the runner-up ran once more "
-                                  "(2 dry-runs)")
+                                  "a confirmation); confirmation: the best and the runner-up ran once more, "
+                                  "back to back (2 dry-runs); within 5% of each other side by side: the simpler "
+                                  "strategy is kept")
 
 
 def test_stop_message_without_a_confirmation(tmp_path) -> None:

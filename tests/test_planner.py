@@ -478,3 +478,52 @@ def test_a_close_call_on_memory_is_measured_not_dropped(space, tmp_path) -> None
     assert not CandidateTable.fits({"peak_memory_bytes": 120.0, "memory_band": 0.15}, 100.0)
     # a family's measured correction replaces the band: the peak is then measured
     assert not CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0, correction=1.01)
+
+
+def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]]) -> tuple[Planner, list, list]:
+    """A search whose cost model ranks two candidates first (the first, then the second); ``runs[i]``: the
+    samples/s of candidate i's successive dry-runs; everything else runs at 10."""
+    mlp_space = SearchSpace(toy_models.mlp(), WORLD, GLOBAL_BATCH, excluded=["tensor_parallel", "pipeline_parallel"])
+    ddp = next(c for c in mlp_space.enumerate() if dict(c.point)["sharding"] == "ddp"
+               and dict(c.point)["precision"] == "fp32" and not dict(c.point)["checkpoint"])
+    fsdp = next(c for c in mlp_space.enumerate() if dict(c.point)["sharding"] == "fsdp"
+                and dict(c.point)["checkpoint"] and c.micro_batch_size == ddp.micro_batch_size)
+    order = [fsdp, ddp]  # the more complex one is the cost model's favourite
+
+    def predict(cand: Candidate) -> Predicted:
+        rank = {c.key: i for i, c in enumerate(order)}.get(cand.key)
+        return Predicted.of(MiB, GLOBAL_BATCH / (200.0 - 10 * rank if rank is not None else 120.0), GLOBAL_BATCH)
+
+    calls: list = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        index = next((i for i, c in enumerate(order) if c.key == cand.key), None)
+        if index is None:
+            return Run("ok", 10.0, MiB)
+        seen = sum(c.key == cand.key for c in calls) - 1
+        return Run("ok", runs[index][min(seen, len(runs[index]) - 1)], MiB)
+
+    planner = Planner(mlp_space, storage=storage(tmp_path), study_key=key, predict=predict, measure=measure,
+                      memory_budget=100 * MiB, max_trials=8, top_k=2, confirm_within=0.3)
+    return planner, calls, order
+
+
+def test_a_lucky_first_run_does_not_win_what_side_by_side_runs_lose(tmp_path) -> None:
+    """The favourite's first run caught a quiet moment (100 samples/s against the other's 80); run back to back
+    in the confirmation it makes 50 against 80: the side-by-side runs decide, not the faster of each one's runs."""
+    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "lucky", {0: [100.0, 50.0], 1: [80.0, 80.0]})
+    result = planner.search()
+    assert [c.key for c in calls[-2:]] == [ddp.key, fsdp.key]  # the confirmation: runner-up, then best
+    assert result.candidate == ddp and result.samples_per_s == pytest.approx(80.0)
+
+
+def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> None:
+    """FSDP + checkpointing and plain DDP run within 3% of each other back to back: the simpler (DDP) is kept,
+    though the other measured a little faster, and the stop message says why; 10% apart, the faster is kept."""
+    planner, _, (fsdp, ddp) = _two_favourites(tmp_path, "tie", {0: [100.0, 100.0], 1: [97.0, 97.0]})
+    result = planner.search()
+    assert result.candidate == ddp and "the simpler strategy is kept" in result.stop_reason
+    planner, _, (fsdp, ddp) = _two_favourites(tmp_path, "apart", {0: [100.0, 100.0], 1: [90.0, 90.0]})
+    result = planner.search()
+    assert result.candidate == fsdp and "simpler" not in result.stop_reason

@@ -284,7 +284,7 @@ def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, t
     slowed = max(seeds, key=lambda c: true_speed(dict(c.point)))
     args = dict(study_key="c", predict=predict, memory_budget=BUDGET, max_trials=8, confirm_within=0.3)
     local = Planner(space, storage=local_db, measure=SlowFirstRun(slowed.key), **args).search()
-    confirmed_line = "; confirmation: the best and the runner-up ran once more (2 dry-runs)"
+    confirmed_line = "; confirmation: the best and the runner-up ran once more, back to back (2 dry-runs)"
     assert local.stop_reason.endswith(confirmed_line)
     with ThreadServer(sqlite(tmp_path)) as server:
         measure = SlowFirstRun(slowed.key)
@@ -298,7 +298,7 @@ def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, t
         confirmed = [c.key for c in measure.calls[-2:]]  # the runner-up, then the best, once more each
         assert best.key in confirmed and len({c.key for c in measure.calls}) == 6
         client = StrategyClient(server.url)
-        # Each keeps its faster run on the server: the slowed candidate's first run no longer counts.
+        # Each keeps its confirmation run on the server (back to back): the slowed first run no longer counts.
         kept = {c["key"]: c["samples_per_s"] for c in client.contenders(name, 0.99)["contenders"]}
         assert kept == {k: pytest.approx(true_speed(json.loads(k))) for k in confirmed}
         with pytest.raises(ServerError, match="no measured candidate") as refused:

@@ -208,7 +208,8 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     @app.post("/v1/studies/{study_key}/confirm", response_model=models.ConfirmResponse, dependencies=v1,
               tags=["search"], operation_id="confirm")
     def confirm(body: models.ConfirmRequest, study_key: str = StudyKey) -> dict[str, Any]:
-        """A second measurement of a measured candidate: its faster run counts, and the best is chosen again."""
+        """A second measurement of a measured candidate: this run (back to back with its contender's) counts, and
+        the best is chosen again."""
         return studies.confirm(study_key, body.key, body.measured.to_json(), body.memory_budget)
 
     @app.get("/v1/studies/{study_key}/best", response_model=models.Best, dependencies=v1, tags=["search"],

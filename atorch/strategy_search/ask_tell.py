@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from atorch.errors import RankLost
-from atorch.strategy_search.candidates import CandidateTable, Point, point_key
+from atorch.strategy_search.candidates import CandidateTable, Point, complexity, point_key
 from atorch.strategy_search.outcome import Measured
 
 OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
@@ -113,18 +113,35 @@ HOPELESS_FACTOR = 4.0
 # measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
 PROMOTE_MARGIN = 0.05
 CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
+# Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
+# other (run-to-run noise here: 11-37%; interleaved, the same load falls on both): the simpler one is kept.
+CONFIRM_TIE = 0.05
 
 
 def merge_runs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two dry-runs of one candidate as one outcome: the faster (interference on a shared machine only slows a
-    run down) with the higher peak; a run that failed decides."""
+    """Two dry-runs of one candidate as one outcome: the later run's speed with the higher peak; a run that failed
+    decides. The later run is a confirmation, run back to back with its contender's, so the two are measured
+    under the same load and compare; first runs, made minutes apart under whatever load there was, do not (on a
+    loaded machine a candidate's lucky first run ranked it first though it ran 2x slower side by side)."""
     if str(first["status"]).lower() not in OK_STATUSES:
         return first
     if str(second["status"]).lower() not in OK_STATUSES:
         return second
-    faster = first if first["samples_per_s"] >= second["samples_per_s"] else second
-    return {**faster, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
+    return {**second, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
             "runs": int(first.get("runs", 1)) + int(second.get("runs", 1))}
+
+
+def best_of(entries: list[tuple[float, str, int]]) -> tuple[float, str] | tuple[None, None]:
+    """The best of (samples/s, key, runs) entries: the fastest, except that when the two fastest were both
+    confirmed (run more than once) and are within CONFIRM_TIE of each other, the simpler (``complexity``) wins:
+    the difference is the machine's noise, and the simpler strategy has less to go wrong."""
+    ranked = sorted(entries, reverse=True)
+    if not ranked:
+        return None, None
+    if len(ranked) > 1 and ranked[0][2] > 1 and ranked[1][2] > 1 and ranked[1][0] >= (1 - CONFIRM_TIE) * ranked[0][0]:
+        top = min(ranked[:2], key=lambda e: complexity(json.loads(e[1])))
+        return top[0], top[1]
+    return ranked[0][0], ranked[0][1]
 
 
 class StopRules:
@@ -487,8 +504,8 @@ class SearchState:
         merged = merge_runs(verdict["measured"], measured)
         value, constraints, attrs = judge(merged, self.table.prediction(key), self.budget)
         self.done[key] = (value, constraints, {"number": verdict["number"], "measured": merged, **attrs})
-        ok = [(v[0], k) for k, v in self.done.items() if v[2]["status"] == "ok"]
-        self.best_value, self.best_key = max(ok) if ok else (None, None)
+        ok = [(v[0], k, int(v[2]["measured"].get("runs", 1))) for k, v in self.done.items() if v[2]["status"] == "ok"]
+        self.best_value, self.best_key = best_of(ok)
 
     # ----- the result --------------------------------------------------------------------------
     def best(self) -> dict[str, Any] | None:
@@ -585,7 +602,8 @@ def reselect(study: Any, memory_budget: float) -> dict[str, dict[str, Any]]:
     for key, (number, measured, pred) in outcomes.items():
         value, _, attrs = judge(measured, pred, memory_budget)
         judged[key] = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
-                       "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"]}
+                       "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"],
+                       "runs": int(measured.get("runs", 1))}
     return judged
 
 
@@ -616,7 +634,8 @@ def cached_best(study: Any, memory_budget: float) -> CacheVerdict:
     for record in reversed(records):  # the latest first
         fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
         if not (why_not := record.answers(memory_budget, fits)):
-            best = max(ok, key=lambda j: j["samples_per_s"])
+            _, best_key = best_of([(j["samples_per_s"], j["key"], j["runs"]) for j in ok])
+            best = judged[best_key]
             mib = 2**20
             return CacheVerdict(best, (
                 f"finished search ({record.stop_reason or record.stop}), {len(judged)} measured trials, best "

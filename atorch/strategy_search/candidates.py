@@ -56,6 +56,18 @@ def is_baseline(point: Point) -> bool:
                for name, off, kind, _ in _dimensions())
 
 
+def complexity(point: Point) -> tuple[int, int]:
+    """How much a point changes from plain data parallel: (searched dimensions away from their "off" value, the
+    product of its model-parallel sizes). Between two candidates measured within noise of each other, the
+    simpler one (the smaller tuple) is kept."""
+    changed = sum(point.get(name, off) != off for name, off, _, _ in _dimensions())
+    sizes = 1
+    for name, off, kind, _ in _dimensions():
+        if kind == "layout":
+            sizes *= int(point.get(name, off) or 1)
+    return changed, sizes
+
+
 def layout_key(point: Point) -> str:
     """The parallel layout of a point (its tensor / pipeline sizes: the "layout" dimensions), the coarser group a
     family belongs to: time corrections fall back to it (``SearchState.time_correction``)."""

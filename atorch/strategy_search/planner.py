@@ -11,10 +11,12 @@
 4. It stops on ``time_limit_s`` (checked before each trial), ``max_trials`` dry-runs, or ``patience``
    dry-runs without improvement. The best is the highest *measured* samples/s among feasible trials.
 5. Confirmation (``confirm_within``, off by default here; ``auto_accelerate`` turns it on): when the
-   runner-up measured within that fraction of the best, both are measured once more, the runner-up first,
-   and each keeps its faster run (``merge_runs``). One dry-run each cannot separate two candidates that close
-   on a shared machine: on the bench, a 5% lead in the search was a 20% deficit when re-measured. The two
-   runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget holds.
+   runner-up measured within that fraction of the best, both are measured once more, back to back, the
+   runner-up first, and those two runs decide (``merge_runs``): they ran under the same load. One dry-run each
+   cannot separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a
+   20% deficit when re-measured. Within CONFIRM_TIE of each other side by side, the simpler strategy is kept
+   (``best_of``). The two runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget
+   holds.
 
 The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
 ``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
@@ -55,6 +57,7 @@ from atorch.settings import cache_dir
 from atorch.strategy_search.analyser import StepError, identity_json
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_RUNS,
+    CONFIRM_TIE,
     DEFAULT_TOP_K,
     FINISHING_STOPS,
     HOPELESS_FACTOR,
@@ -378,7 +381,7 @@ class Planner:
             why = "fewer than two candidates ran" if measured < 2 else (
                 f"the runner-up was not within {self.confirm_within:.0%} of the best")
             return f"no confirmation: {why}"
-        done, best = 0, None
+        done, best, speeds = 0, None, []
         for contender in reversed(contenders):
             if late := rules.out_of_time():
                 logger.info("strategy search: confirmation cut short: %s", late)
@@ -388,10 +391,14 @@ class Planner:
             record, best = study.confirm(contender["key"], measure_safely(self.measure_fn, cand))
             rules.record(False)
             done += 1
+            speeds.append(record["measured"]["samples_per_s"] if record["status"] == "ok" else 0.0)
             logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
                         record["status"], record["measured"]["samples_per_s"], contender["samples_per_s"])
         logger.info("confirmation: best %s", self.describe(self.space.from_point(best["point"])) if best else None)
-        return f"confirmation: the best and the runner-up ran once more ({done} dry-runs)"
+        said = f"confirmation: the best and the runner-up ran once more, back to back ({done} dry-runs)"
+        if len(speeds) == 2 and min(speeds) >= (1 - CONFIRM_TIE) * max(speeds) > 0:
+            said += f"; within {CONFIRM_TIE:.0%} of each other side by side: the simpler strategy is kept"
+        return said
 
 
 class SearchStudy(ABC):
