@@ -1,15 +1,16 @@
 """``/healthz``'s storage check: can the storage be read and written now? Probed at most every few seconds.
 
-A probe is one transaction on a new connection (the storage as it is now, not as it was when a pooled connection
-was opened: one opened on a read-only SQLite file stays read-only, one opened before stays writable): a read of
-Optuna's ``studies`` table and an upsert of one row in ``atorch_server_health`` (a table of its own: Optuna's are
-left alone), committed; on a SQLite file also the free space of its file system (a commit can fit in pages the
-database already has while a growing one fails). A failed probe, and the first good one after it, drop the
-pooled connections (``Studies.heal_pool``): the requests meet the storage's state, and connections opened while
-it failed are not used once it is back. The answer is cached: ``/healthz`` is polled hard (the load bench: every
-20 ms beside 32 clients), so a fresh enough answer is given at once while the next probe runs in the background,
-on a thread of its own (never the event loop, never the request workers); an answer older than twice the
-interval (an idle server, a health check every 30 s) waits for the probe, at most ``wait_s``. A request's
+A probe is one transaction on a new connection (the storage as it is now, not as it was when a pooled connection was
+opened: one opened on a read-only SQLite file stays read-only, one opened before stays writable): a read of Optuna's
+``studies`` table and a write, committed: on SQLite an upsert of one row in ``atorch_server_health`` (a table of its
+own: Optuna's are left alone), on PostgreSQL a transaction id (``txid_current()``: its commit writes the WAL; no
+table, the server's role may not be allowed to create one); on a SQLite file also the free space of its file system
+(a commit can fit in pages the database already has while a growing one fails). A failed probe, and the first good
+one after it, drop the pooled connections (``Studies.heal_pool``): the requests meet the storage's state, and
+connections opened while it failed are not used once it is back. The answer is cached: ``/healthz`` is polled hard
+(the load bench: every 20 ms beside 32 clients), so a fresh enough answer is given at once while the next probe runs
+in the background, on a thread of its own (never the event loop, never the request workers); an answer older than
+twice the interval (an idle server, a health check every 30 s) waits for the probe, at most ``wait_s``. A request's
 storage error makes the next check probe again.
 """
 
@@ -70,11 +71,14 @@ class StorageHealth:
         try:
             with self.engine.begin() as conn:
                 conn.execute(sa.text("select count(*) from studies")).scalar()
-                if not self._table_made:
-                    conn.execute(sa.text(f"create table if not exists {TABLE} "
-                                         "(id integer primary key, probed_at float not null)"))
-                conn.execute(sa.text(f"insert into {TABLE} (id, probed_at) values (1, :t) on conflict (id) do "
-                                     "update set probed_at = excluded.probed_at"), {"t": time.time()})
+                if self.engine.dialect.name == "postgresql":  # a transaction id: its commit writes the WAL (no
+                    conn.execute(sa.text("select txid_current()"))  # table of ours: the role may not create one)
+                else:
+                    if not self._table_made:
+                        conn.execute(sa.text(f"create table if not exists {TABLE} "
+                                             "(id integer primary key, probed_at float not null)"))
+                    conn.execute(sa.text(f"insert into {TABLE} (id, probed_at) values (1, :t) on conflict (id) "
+                                         "do update set probed_at = excluded.probed_at"), {"t": time.time()})
             self._table_made = True
             problem = self._space()
         except Exception as exc:  # any failure is the answer, never an error of /healthz
