@@ -356,7 +356,10 @@ def test_an_expired_lease_is_marked_failed_and_the_search_goes_on(table, tmp_pat
 
 
 def test_missing_or_wrong_token_is_401_with_no_data(table, tmp_path) -> None:
-    with ThreadServer(sqlite(tmp_path), token=TOKEN) as server:
+    from atorch.server.auth import FailedTokens
+
+    # More wrong tokens than the default limit from one address: the 429 after them is test_server_hardening's.
+    with ThreadServer(sqlite(tmp_path), token=TOKEN, failures=FailedTokens(limit=100)) as server:
         good = StrategyClient(server.url, TOKEN)
         secret = good.create_study("secret-study", table, BUDGET)["study_key"]
         routes = [("GET", "/v1/studies"), ("GET", "/v1/studies/secret-study"),

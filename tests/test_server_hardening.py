@@ -151,3 +151,20 @@ def test_an_address_sending_wrong_tokens_gets_429_and_right_ones_are_never_slowe
         assert httpx.get(f"{url}/v1/studies").status_code == 401  # no token: not a guess, not limited
         time.sleep(3.1)
         assert httpx.get(f"{url}/v1/studies", headers=good).status_code == 200
+
+
+def test_a_storage_error_names_the_database_s_own_error(tmp_path) -> None:
+    """Optuna wraps a failed commit in a text about "invalid data ... exceeding max length", whatever happened; the
+    server's 503 names what the database said (here a real read-only SQLite connection)."""
+    import optuna
+
+    from atorch.server.store import storage_error_text
+
+    writable = optuna.storages.RDBStorage(f"sqlite:///{tmp_path}/a.db")
+    sid = writable.create_new_study([optuna.study.StudyDirection.MAXIMIZE], "s")
+    read_only = optuna.storages.RDBStorage(f"sqlite:///file:{tmp_path}/a.db?mode=ro&uri=true")
+    with pytest.raises(optuna.exceptions.StorageInternalError, match="exceeding max length") as caught:
+        read_only.set_study_user_attr(sid, "x", 1)
+    assert storage_error_text(caught.value) == "sqlite3.OperationalError: attempt to write a readonly database"
+    writable.engine.dispose()
+    read_only.engine.dispose()
