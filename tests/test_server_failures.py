@@ -525,8 +525,10 @@ def _a_storage_fault_heals(server: ProcessServer, break_it, fix_it, error: str) 
     finally:
         fix_it()
     t0 = time.monotonic()
-    r = _poll(lambda: tell(pending), lambda r: r.status_code == 200)
+    seen: list[int] = []
+    r = _poll(lambda: tell(pending), lambda r: seen.append(r.status_code) or r.status_code == 200)
     assert r.status_code == 200 and not r.json()["already_told"], r.text
+    assert set(seen) <= {200, 503}, seen  # retried until stored: never a 500
     assert time.monotonic() - t0 < 10
     acked[pending["number"]] = r.json()["record"]
     assert _poll(lambda: httpx.get(f"{url}/healthz", timeout=10), lambda r: r.status_code == 200).status_code == 200

@@ -36,9 +36,15 @@ class StorageHealth:
                  wait_s: float = 1.0) -> None:
         import sqlalchemy as sa
 
-        # The server's URL and connection settings, without a pool: each probe opens a connection of its own.
-        sqlite = {"connect_args": {"timeout": wait_s}} if engine.dialect.name == "sqlite" else {}
-        self.engine = sa.create_engine(engine.url, poolclass=sa.pool.NullPool, **sqlite)
+        # The server's URL, without a pool: each probe opens a connection of its own, and none waits for long (a
+        # probe that hangs is answered as such by ``problem``; bounded, its thread is free for the next one).
+        connect: dict[str, Any] = {}
+        if engine.dialect.name == "sqlite":
+            connect = {"timeout": wait_s}
+        elif engine.dialect.name == "postgresql":  # the URL's own options (a search_path) kept
+            options = " ".join(filter(None, [engine.url.query.get("options"), "-c statement_timeout=5000"]))
+            connect = {"connect_timeout": 5, "options": options}
+        self.engine = sa.create_engine(engine.url, poolclass=sa.pool.NullPool, connect_args=connect)
         self.database, self.heal = database, heal
         self.every_s, self.wait_s = every_s, wait_s
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atorch-health")
