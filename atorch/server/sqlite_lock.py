@@ -91,9 +91,10 @@ class ServerLock:
         return cls(path, fd)
 
     def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = -1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # closing the descriptor drops the flock
 
     def __del__(self) -> None:
         self.release()
