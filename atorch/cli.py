@@ -131,7 +131,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               "pip install 'atorch[server]' (in a checkout: pip install -e '.[server]')", file=sys.stderr)
         return 2
 
-    return serve(args.host, args.port, args.storage, args.token, args.max_body)
+    return serve(args.host, args.port, args.storage, args.token, args.max_body, args.token_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)")
     serve.add_argument("--port", type=int, default=8765)
     serve.add_argument("--storage", default=None, help="Optuna/SQLAlchemy URL (default: SQLite in the cache dir)")
-    serve.add_argument("--token", default=None, help="bearer token (default: $ATORCH_SERVER_TOKEN)")
+    serve.add_argument("--token-file", default=None, help="file holding the bearer token (safe: not in ps)")
+    serve.add_argument("--token", default=None, help=(
+        "bearer token, visible in ps: prefer --token-file or $ATORCH_SERVER_TOKEN (the default)"))
     serve.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes")
     serve.set_defaults(run=_cmd_serve)
     for action in sub._choices_actions:  # each command's --help opens with what it does (its line in atorch --help)

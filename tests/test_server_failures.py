@@ -4,8 +4,10 @@ constraints, bad input, and the token's exposure. Real uvicorn, real storages, n
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -354,5 +356,234 @@ def test_the_token_stays_out_of_logs_and_urls_and_the_cookie_holds_a_derived_val
         log = server.log_text()
         assert "POST /ui/login" in log and "/v1/studies" in log  # the access log is on
         assert TOKEN not in log and value not in log
+    finally:
+        server.kill()
+
+
+def _load(url: str, name: str, clients: int, pairs: int) -> dict:
+    """``clients`` threads asking and telling ``pairs`` each over plain HTTP (no retries: every 5xx is counted)."""
+    acked: dict[int, dict] = {}
+    asked: list[int] = []
+    fives: list[str] = []
+    lock = threading.Lock()
+
+    def job() -> None:
+        with httpx.Client(base_url=url, timeout=60) as h:
+            for _ in range(pairs):
+                p = h.post(f"/v1/studies/{name}/ask", json={})
+                if p.status_code >= 500:
+                    fives.append(p.text)
+                    continue
+                p = p.json()
+                if p["number"] is None:
+                    return
+                t = h.post(f"/v1/studies/{name}/trials/{p['number']}/tell", json={"measured": ok(p["point"])})
+                with lock:
+                    asked.append(p["number"])
+                    if t.status_code >= 500:
+                        fives.append(t.text)
+                    elif t.status_code == 200:
+                        acked[p["number"]] = t.json()
+
+    threads = [threading.Thread(target=job) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return {"threads": threads, "acked": acked, "asked": asked, "fives": fives}
+
+
+def test_a_second_server_on_one_sqlite_file_refuses_to_start_and_the_first_loses_nothing(tmp_path) -> None:
+    """Two servers on one SQLite file used to fail each other's fresh asks (acknowledged tells then lost): the
+    second `atorch serve` now exits non-zero naming the first, while 4 clients ask and tell against the first;
+    every acknowledged tell is stored (none answered ``already_told``), no trial number or candidate is handed
+    out twice, no answer is a 5xx. After kill -9 the lock is free at once, and the file holds the same."""
+    import subprocess
+
+    from server_harness import ROOT, free_port, serve_command
+
+    from atorch.server.sqlite_lock import ServerLock
+
+    storage = sqlite(tmp_path)
+    first = ProcessServer(storage).start()
+    try:
+        name = StrategyClient(first.url).create_study("one", grid(), 1e9, max_trials=64, top_k=0)["study_key"]
+        load = _load(first.url, name, clients=4, pairs=8)
+        second = subprocess.run(serve_command(storage, free_port()), cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        for t in load["threads"]:
+            t.join(timeout=120)
+        assert second.returncode == 2, (second.returncode, second.stderr[-2000:])
+        assert "already served by another atorch server" in second.stderr and f"pid {first.proc.pid} " in \
+            second.stderr and f"http://127.0.0.1:{first.port}" in second.stderr, second.stderr[-2000:]
+        acked = load["acked"]
+        assert not load["fives"] and len(acked) == len(load["asked"]) == 32, (load["fives"][:3], len(acked))
+        assert len(set(load["asked"])) == 32 and not any(r["already_told"] for r in acked.values())
+        trials = StrategyClient(first.url).trials(name)
+        measured = measured_trials(trials)
+        assert set(measured) == set(acked) and all(t["state"] != "RUNNING" for t in trials)
+        assert {n: t["user_attrs"]["measured"] for n, t in measured.items()} == {
+            n: r["record"]["measured"] for n, r in acked.items()}
+        keys = [t["user_attrs"]["key"] for t in measured.values()]
+        assert len(keys) == len(set(keys)) == 32
+    finally:
+        first.kill()  # kill -9: the kernel drops the lock with the process, so the file is free at once
+    ServerLock.take(storage).release()
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert {t.number for t in study.get_trials() if t.state.name == "COMPLETE" and "measured" in t.user_attrs
+            and t.user_attrs["status"] != "duplicate"} == set(acked)
+
+
+def test_a_running_trial_with_no_lease_is_failed_only_once_it_is_old(tmp_path) -> None:
+    """Another writer's fresh trial (RUNNING, no lease yet: what a second server's ask looks like between its
+    commits) is left alone by asks and listings; once older than the ask's cap plus the grace it is an ask that
+    died, and is marked failed."""
+    from atorch.server.store import ORPHAN_GRACE_S, Studies
+
+    storage = sqlite(tmp_path)
+    studies = Studies(storage)
+    try:
+        name = studies.create("orphan", grid(), {"memory_budget": 1e9, "sampler": "tpe", "max_trials": 64,
+                                                 "top_k": 0, "seed": 0, "lease_s": 600.0})["study_key"]
+        other = optuna.storages.RDBStorage(storage)
+        fresh = optuna.load_study(study_name=name, storage=other).ask().number
+        other.engine.dispose()
+        p = studies.ask(name, None)
+        assert p["number"] is not None
+        state = {t["number"]: t for t in studies.trials(name)}
+        assert state[fresh]["state"] == "RUNNING" and state[p["number"]]["state"] == "RUNNING"
+        studies.clock = lambda: time.time() + studies.ask_cap_s + ORPHAN_GRACE_S + 5
+        state = {t["number"]: t for t in studies.trials(name)}
+        assert state[fresh]["state"] == "FAIL" and state[fresh]["user_attrs"]["status"] == "discarded"
+        assert state[p["number"]]["state"] == "RUNNING"  # leased for 600 s: not expired
+    finally:
+        studies.close()
+
+
+def test_sqlite_url_forms(tmp_path) -> None:
+    """In-memory SQLite (one empty database per connection, gone at exit) is refused with the fix; the spellings
+    of one file take one lock; other databases are not locked here."""
+    from atorch.cli import main
+    from atorch.errors import SetupError
+    from atorch.server.sqlite_lock import ServerLock, sqlite_path
+
+    for memory in ("sqlite://", "sqlite:///:memory:", "sqlite:///file:x?mode=memory&cache=shared&uri=true"):
+        with pytest.raises(SetupError, match="in-memory SQLite.*Give a file"):
+            sqlite_path(memory)
+        assert main(["serve", "--storage", memory, "--port", "1"]) == 2
+    db = tmp_path / "a.db"
+    spellings = [f"sqlite:///{db}", f"sqlite+pysqlite:///{tmp_path}/x/../a.db", f"sqlite:///file:{db}?uri=true"]
+    assert {sqlite_path(u) for u in spellings} == {db.resolve()}
+    assert sqlite_path("postgresql+psycopg://u:p@db/atorch") is None
+    held = ServerLock.take(spellings[0], "here")
+    try:
+        for other in spellings[1:]:
+            with pytest.raises(SetupError, match="already served.*pid .* at here"):
+                ServerLock.take(other)
+    finally:
+        held.release()
+    ServerLock.take(spellings[1]).release()  # free again
+    with pytest.raises(SetupError, match="does not exist"):
+        ServerLock.take(f"sqlite:///{tmp_path}/missing/a.db")
+
+
+def _poll(what, until, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = what()
+        if until(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def _a_storage_fault_heals(server: ProcessServer, break_it, fix_it, error: str) -> None:
+    """Tells go through; the storage breaks: /healthz turns 503 naming the database's error, and so do writes
+    (nothing stored, Retry-After); it is fixed: without a restart, the pending tell is stored within seconds (not
+    ``already_told``) and /healthz is 200 again; every acknowledged tell is there."""
+    url = server.url
+    name = httpx.put(f"{url}/v1/studies/heal", json={"table": grid(), "memory_budget": 1e9, "max_trials": 64,
+                                                      "top_k": 0}).json()["study_key"]
+    acked = {}
+
+    def ask() -> dict:
+        return httpx.post(f"{url}/v1/studies/{name}/ask", json={}, timeout=30).json()
+
+    def tell(p: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/studies/{name}/trials/{p['number']}/tell", json={"measured": ok(p["point"])},
+                          timeout=30)
+
+    for _ in range(2):
+        p = ask()
+        acked[p["number"]] = tell(p).json()["record"]
+    pending = ask()
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok", "storage": "ok"}
+    break_it()
+    try:
+        health = _poll(lambda: httpx.get(f"{url}/healthz", timeout=10), lambda r: r.status_code == 503)
+        assert health.status_code == 503 and error in health.json()["storage"], health.text
+        r = tell(pending)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.text)
+        assert error in r.json()["detail"] and "exceeding max length" not in r.text, r.text  # the database's words
+    finally:
+        fix_it()
+    t0 = time.monotonic()
+    seen: list[int] = []
+    r = _poll(lambda: tell(pending), lambda r: seen.append(r.status_code) or r.status_code == 200)
+    assert r.status_code == 200 and not r.json()["already_told"], r.text
+    assert set(seen) <= {200, 503}, seen  # retried until stored: never a 500
+    assert time.monotonic() - t0 < 10
+    acked[pending["number"]] = r.json()["record"]
+    assert _poll(lambda: httpx.get(f"{url}/healthz", timeout=10), lambda r: r.status_code == 200).status_code == 200
+    p = ask()
+    acked[p["number"]] = tell(p).json()["record"]
+    measured = measured_trials(httpx.get(f"{url}/v1/studies/{name}/trials").json())
+    assert {n: t["user_attrs"]["measured"] for n, t in measured.items()} == {n: r["measured"] for n, r in acked.items()}
+
+
+def test_a_read_only_storage_heals_without_a_restart_and_healthz_shows_it(tmp_path) -> None:
+    """The database file and its folder chmod'ed read-only, then writable again (the server runs without root's
+    override of file permissions): the connections opened meanwhile are read-only for good, so they are
+    replaced, and writes go through again within seconds."""
+    folder = tmp_path / "db"
+    folder.mkdir()
+    server = ProcessServer(f"sqlite:///{folder / 'server.db'}", as_plain_user=True).start()
+
+    def chmod(files: int, folder_mode: int) -> None:
+        for f in folder.iterdir():
+            f.chmod(files)
+        folder.chmod(folder_mode)
+
+    try:
+        _a_storage_fault_heals(server, lambda: chmod(0o444, 0o555), lambda: chmod(0o644, 0o755),
+                               "attempt to write a readonly database")
+    finally:
+        server.kill()
+        chmod(0o644, 0o755)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (a real file system that fills up); needs root with CAP_SYS_ADMIN."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_heals_without_a_restart_and_healthz_shows_it(small_disk) -> None:
+    server = ProcessServer(f"sqlite:///{small_disk / 'server.db'}").start()
+    filler = small_disk / "filler"
+
+    def fill() -> None:
+        with filler.open("wb", buffering=0) as f, contextlib.suppress(OSError):  # until ENOSPC: full
+            while True:
+                f.write(b"\0" * 65536)
+
+    try:
+        _a_storage_fault_heals(server, fill, lambda: filler.unlink(missing_ok=True), "database or disk is full")
     finally:
         server.kill()

@@ -24,7 +24,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
 from atorch.server import models
-from atorch.server.auth import COOKIE, LOGIN_FORM, UNAUTHORIZED, cookie_of, credentials_ok, same_token
+from atorch.server.auth import (
+    COOKIE,
+    LOGIN_FORM,
+    SESSION_S,
+    UNAUTHORIZED,
+    FailedTokens,
+    client_address,
+    cookie_of,
+    cookie_ok,
+    same_token,
+)
+from atorch.server.health import StorageHealth
+from atorch.server.sqlite_lock import sqlite_path
 from atorch.server.store import (
     LeaseExpired,
     Studies,
@@ -39,6 +51,8 @@ API_VERSION = "v1"
 DEFAULT_MAX_BODY = 8 * 2**20
 RETRY_AFTER_S = 1
 StudyKey = Path(pattern=models.STUDY_KEY, description="the study's name (PUT answers it as ``study_key``)")
+NewKey = Path(pattern=models.STUDY_KEY, max_length=models.MAX_KEY, description=(
+    f"the study's key (at most {models.MAX_KEY} characters: its name adds a digest of the space)"))
 # OpenAPI links (what a client, or schemathesis's stateful phase, calls next with a value from an answer): the
 # routes that take the name a PUT answers, and the tell of the trial an ask answers.
 _BY_NAME = {"study_key": "$response.body#/study_key"}
@@ -99,12 +113,20 @@ def _encodable(value: Any) -> Any:
 
 
 def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_MAX_BODY,
-               dashboard: bool = True, ask_cap_s: float = 1.0, busy_timeout_s: float = 5.0) -> Any:
-    studies = Studies(storage, ask_cap_s=ask_cap_s, busy_timeout_s=busy_timeout_s)
+               dashboard: bool = True, ask_cap_s: float = 1.0, busy_timeout_s: float = 5.0,
+               address: str | None = None, failures: FailedTokens | None = None,
+               health_every_s: float = 2.0) -> Any:
+    """The app over ``storage``. On a SQLite file this takes the one-server lock first (``SetupError`` naming the
+    server that holds it); ``address`` is what the lock file says of this one."""
+    studies = Studies(storage, ask_cap_s=ask_cap_s, busy_timeout_s=busy_timeout_s, address=address)
+    health = StorageHealth(studies.rdb.engine, sqlite_path(storage), studies.heal_pool, every_s=health_every_s)
+    studies.on_storage_error = health.invalidate
+    failures = failures or FailedTokens()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         yield
+        health.close()
         studies.close()
 
     app = FastAPI(title="atorch strategy server", version=API_VERSION, lifespan=lifespan,
@@ -113,10 +135,18 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     bearer = HTTPBearer(auto_error=False, description="the server's token (atorch serve --token)")
     cookie = APIKeyCookie(name=COOKIE, auto_error=False, description="set by the sign-in form at /ui/login")
 
-    def auth(credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
+    def auth(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer),
              session: str | None = Depends(cookie)) -> None:
+        if token is None or (session is not None and cookie_ok(token, session)):
+            return
         given = credentials.credentials if credentials is not None else None
-        if token is not None and not credentials_ok(token, given, session):
+        address = client_address(request.scope)
+        if given is not None and (wait := failures.retry_after(address)):  # right or wrong: not tried
+            raise HTTPException(429, f"too many wrong tokens from {address}: retry after {wait} s",
+                                headers={"Retry-After": str(wait)})
+        if given is None or not same_token(given, token):
+            if given is not None:
+                failures.failed(address)
             raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
     def error(status: int, detail: str, retry: bool = False) -> JSONResponse:
@@ -152,15 +182,19 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
     async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
         return error(503, f"{exc}; nothing was stored: retry", retry=True)
 
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:  # on the event loop: also the bench's floor of a request
-        return {"status": "ok"}
+    @app.get("/healthz", tags=["health"], responses={503: {"description": "the storage cannot be written"}})
+    async def healthz() -> Any:  # on the event loop: also the bench's floor of a request
+        """``ok``, or 503 naming why the storage cannot be read and written (probed every few seconds)."""
+        problem = await health.problem()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "storage": problem}, 503)
+        return {"status": "ok", "storage": "ok"}
 
     v1 = [Depends(auth)]
 
     @app.put("/v1/studies/{study_key}", response_model=models.StudyInfo, dependencies=v1, tags=["studies"],
              operation_id="create_study", responses={200: {"links": STUDY_LINKS}})
-    def create_study(body: models.CreateStudy, study_key: str = StudyKey) -> dict[str, Any]:
+    def create_study(body: models.CreateStudy, study_key: str = NewKey) -> dict[str, Any]:
         """Create-or-get (idempotent) the study of this key for this table (the space and the hardware's
         predictions): its name, answered as ``study_key``, is the key plus the table's digest; the other routes
         take that name, and each may carry the caller's ``memory_budget`` (default: this one)."""
@@ -242,14 +276,18 @@ def create_app(storage: str, token: str | None = None, max_body: int = DEFAULT_M
         async def login(request: Request) -> Any:
             # A form POST (the token stays out of URLs and access logs); parsed here: one field.
             given = (parse_qs((await request.body()).decode("utf-8", "replace")).get("token") or [""])[0]
+            address = client_address(request.scope)
+            if token is not None and (wait := failures.retry_after(address)):
+                return failures.refusal(address, wait)
             if token is not None and not same_token(given, token):
+                failures.failed(address)
                 return HTMLResponse(LOGIN_FORM.replace("<!--error-->", f"<p>{UNAUTHORIZED}</p>"), 401)
             response = RedirectResponse("/ui/", status_code=303)
             if token is not None:
-                response.set_cookie(COOKIE, cookie_of(token), httponly=True, samesite="strict",
+                response.set_cookie(COOKIE, cookie_of(token), max_age=SESSION_S, httponly=True, samesite="strict",
                                     secure=request.url.scheme == "https")
             return response
 
-        mount(app, studies, token)  # after the routes above: its mounts take the paths they leave
+        mount(app, studies, token, failures)  # after the routes above: its mounts take the paths they leave
 
     return BodyLimit(app, max_body)

@@ -76,7 +76,7 @@ def page(studies: Studies) -> str:
             f"{body or '<p>No study yet.</p>'}</body></html>")
 
 
-def mount(app: FastAPI, studies: Studies, token: str | None) -> None:
+def mount(app: FastAPI, studies: Studies, token: str | None, failures: Any = None) -> None:
     from a2wsgi import WSGIMiddleware
     from optuna_dashboard import wsgi
 
@@ -88,6 +88,6 @@ def mount(app: FastAPI, studies: Studies, token: str | None) -> None:
     def index() -> str:
         return page(studies)
 
-    app.mount("/ui", TokenGate(ui, token))
+    app.mount("/ui", TokenGate(ui, token, failures))
     # Last: optuna-dashboard takes every path the API does not (/dashboard, /api, /static, /csv).
-    app.mount("/", TokenGate(WSGIMiddleware(wsgi(studies.rdb)), token))
+    app.mount("/", TokenGate(WSGIMiddleware(wsgi(studies.rdb)), token, failures))

@@ -11,7 +11,10 @@ from atorch.strategy_search.outcome import Predicted
 
 Scalar = str | bool | int | float
 STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,239}$"  # a key, or a study name (key:digest)
-STRICT = ConfigDict(allow_inf_nan=False)  # NaN / Infinity are refused (422), never stored
+MAX_KEY = 240 - 13  # a key's name adds ":" and a 12-character digest, and every route takes names up to 240
+# NaN / Infinity are refused (422), never stored; strict: a number is a JSON number (true or "5" is a 422, not 1
+# or 5), an integer an integer.
+STRICT = ConfigDict(allow_inf_nan=False, strict=True)
 MAX_POINTS = 100_000
 
 
@@ -19,7 +22,7 @@ class Prediction(Predicted):
     """The cost model's answer for one point, or why it could not predict (a ``Predicted`` with the wire's
     limits)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
     error: str | None = Field(None, max_length=2000)
 
 
@@ -89,7 +92,7 @@ class Measured(outcome.Measured):
     """A dry-run's outcome (``atorch.strategy_search.outcome.Measured``) with the wire's limits; a non-finite loss
     travels as its text ("nan", "inf")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
     status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")
     samples_per_s: float = Field(0.0, ge=0)
     peak_memory_bytes: float = Field(0.0, ge=0)

@@ -23,10 +23,16 @@ client) is answered by enqueueing an untaken one, a study whose every candidate 
 at once with no trial created, and an ask that still runs out of time is a 503 the client retries. An asked
 trial carries a lease (unix time in its user attrs); a lease past due is marked FAILED before the study is
 asked or listed, so the candidate can be asked again (until then a late result is still taken; after, 409).
-A RUNNING trial with no lease is an ask that died before it answered: it is marked FAILED the same way.
+A RUNNING trial with no lease is an ask that died before it answered, or one that another writer of the storage
+(a local search, a server that should not be there) has just created and not yet leased: it is marked FAILED
+only once it is older than the ask's time cap plus ``ORPHAN_GRACE_S``, never while it may still be answered.
 
-One server process per database on PostgreSQL: a study is guarded by a session advisory lock taken when it is
-first touched; a second server asking for it gets ``StudyBusy`` (409).
+One server process per database: on a SQLite file an exclusive lock on ``<database>.lock``, taken before
+anything is served (``sqlite_lock``: a second server refuses to start, naming the first); on PostgreSQL a
+session advisory lock per study, taken when it is first touched (a second server asking for it gets
+``StudyBusy``, 409). A storage error answers ``Unavailable`` with the database's own message, and drops the
+pooled connections (``heal_pool``): a SQLite connection opened while the file was read-only stays read-only, so
+new ones are opened once it is writable again.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import optuna
 from optuna.trial import TrialState
 
 from atorch.server.memo import RequestMemo
+from atorch.server.sqlite_lock import ServerLock
 from atorch.strategy_search.ask_tell import SearchState, make_sampler
 from atorch.strategy_search.candidates import CandidateTable, family_key, is_baseline, point_key
 
@@ -54,6 +61,10 @@ EXHAUSTED = "exhausted: every candidate is measured, ruled out or being measured
 _OUT_OF_TIME = "\0out of time"
 RULED_OUT = ("predicted_oom", "skipped")
 DIRECT_FRACTION = 4  # once at most 1/4 of the table is untaken, an ask takes the best-ranked untaken one
+# A RUNNING trial with no lease is failed only once older than the ask's cap plus this: an ask creates the trial
+# and writes its lease in later commits (each may wait up to the busy timeout on a locked file), and another
+# writer's fresh trial must never be taken for a dead one.
+ORPHAN_GRACE_S = 60.0
 
 
 class UnknownStudy(KeyError):
@@ -132,15 +143,33 @@ def open_storage(url: str, busy_timeout_s: float = 5.0) -> Any:
     return optuna.storages.RDBStorage(url)
 
 
+def storage_error_text(exc: BaseException) -> str:
+    """The database's own message of a storage error (Optuna wraps every commit's failure in one text about
+    "invalid data ... exceeding max length", whatever it was: the cause underneath says what happened)."""
+    import sqlalchemy.exc
+
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, sqlalchemy.exc.SQLAlchemyError):
+        seen = seen.__cause__ or seen.__context__
+    root: BaseException = exc if seen is None else getattr(seen, "orig", None) or seen
+    module = type(root).__module__
+    kind = type(root).__name__ if module == "builtins" else f"{module}.{type(root).__name__}"
+    text = str(root).splitlines()[0][:300] if str(root) else ""
+    return f"{kind}: {text}"
+
+
 @contextlib.contextmanager
-def _storage_errors() -> Iterator[None]:
-    """A database error (locked, connection lost) as ``Unavailable``: the request changed nothing it answered."""
+def _storage_errors(on_error: Any = None) -> Iterator[None]:
+    """A database error (locked, read-only, full, connection lost) as ``Unavailable`` naming it: the request
+    changed nothing it answered. ``on_error()`` is called first (``Studies.heal_pool``)."""
     import sqlalchemy.exc
 
     try:
         yield
     except (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError) as exc:
-        raise Unavailable(f"the storage failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+        if on_error is not None:
+            on_error()
+        raise Unavailable(f"the storage failed ({storage_error_text(exc)})") from exc
 
 
 class Turns:
@@ -215,24 +244,40 @@ class _Open:
         return {t.number: (t.user_attrs.get("key"), t.user_attrs.get("lease_expires"))
                 for t in self.trials if t.state == TrialState.RUNNING}
 
-    def expire(self, now: float) -> None:
-        """Mark failed the running trials past their lease, and those no ask finished (no lease)."""
+    def expire(self, now: float, orphan_after_s: float) -> None:
+        """Mark failed the running trials past their lease, and those with no lease (no ask finished) started more
+        than ``orphan_after_s`` ago: a younger one may be an ask still on its way (another writer's)."""
         changed = False
-        for number, (_, due) in self.running().items():
+        for t in self.trials:
+            if t.state != TrialState.RUNNING:
+                continue
+            due = t.user_attrs.get("lease_expires")
             if due is None:
-                self.state.fail(number, "the ask that created it did not finish (server stopped or storage "
-                                "failed)", status="discarded")
+                started = t.datetime_start.timestamp() if t.datetime_start is not None else now
+                if now - started <= orphan_after_s:
+                    continue
+                self.state.fail(t.number, f"no lease {now - started:.0f} s after it was created: the ask that "
+                                "created it did not finish (server stopped or storage failed)", status="discarded")
             elif due < now:
-                self.state.fail(number, f"lease expired at {due:.0f} (unix time) with no result told")
-            changed = changed or due is None or due < now
+                self.state.fail(t.number, f"lease expired at {due:.0f} (unix time) with no result told")
+            else:
+                continue
+            changed = True
         if changed:
             self.trials = self.study.get_trials(deepcopy=False)
 
 
 class Studies:
     def __init__(self, storage: str, clock: Any = time.time, ask_cap_s: float = 1.0,
-                 busy_timeout_s: float = 5.0) -> None:
-        self.rdb = open_storage(storage, busy_timeout_s)
+                 busy_timeout_s: float = 5.0, address: str | None = None) -> None:
+        # First: a second server on this SQLite file refuses to start here, before it reads or writes anything.
+        self._server_lock = ServerLock.take(storage, address)
+        try:
+            self.rdb = open_storage(storage, busy_timeout_s)
+        except BaseException:
+            if self._server_lock is not None:
+                self._server_lock.release()
+            raise
         # What optuna.load_study uses: finished trials are read once and kept; the rest is read on each call.
         self.storage = optuna.storages.get_storage(self.rdb)
         self.memo = RequestMemo(self.storage)  # what requests read through (``RequestMemo.request``)
@@ -245,11 +290,22 @@ class Studies:
         self._advisory: Any = None  # the PostgreSQL session holding this process's study locks (``_claim``)
         self._advisory_checked = 0.0
         self._claimed: set[str] = set()
+        self.on_storage_error: Any = None  # set by the app: its health probe runs again (``health.StorageHealth``)
 
     def close(self) -> None:
         if self._advisory is not None:
             self._advisory.close()
         self.rdb.engine.dispose()
+        if self._server_lock is not None:
+            self._server_lock.release()
+
+    def heal_pool(self) -> None:
+        """After a storage error: new connections for the next requests (a SQLite connection opened while the
+        file was read-only stays read-only after it is writable again; a dropped one is dead). Connections in
+        use by other requests are closed when they are given back. The health probe runs again."""
+        self.rdb.engine.dispose()
+        if self.on_storage_error is not None:
+            self.on_storage_error()
 
     # ----- locks and claims ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -262,7 +318,7 @@ class Studies:
         try:
             with self._request(keep=True):  # holding the study's turn: its trials are kept between requests
                 yield
-            with _storage_errors():
+            with _storage_errors(self.heal_pool):
                 self._durable()  # last: after the memo's own end-of-request writes
         finally:
             lock.release()
@@ -283,7 +339,7 @@ class Studies:
     @contextlib.contextmanager
     def _request(self, keep: bool = False) -> Iterator[None]:
         """One request's storage work: its reads memoized (``RequestMemo``), its database errors ``Unavailable``."""
-        with _storage_errors(), self.memo.request(keep=keep):
+        with _storage_errors(self.heal_pool), self.memo.request(keep=keep):
             yield
 
     def _claim(self, name: str, release: bool = False) -> None:
@@ -426,7 +482,7 @@ class Studies:
                 "cached": best if best and best["peak_memory_bytes"] <= budget else None}
 
     def names(self) -> list[str]:
-        with _storage_errors():
+        with _storage_errors(self.heal_pool):
             return sorted(s.study_name for s in self.storage.get_all_studies())
 
     def delete(self, name: str) -> None:
@@ -448,7 +504,7 @@ class Studies:
             deadline = time.monotonic() + self.ask_cap_s
             opened = self._open(name, budget)
             now = self.clock()
-            opened.expire(now)
+            opened.expire(now, self.ask_cap_s + ORPHAN_GRACE_S)
             state, table = opened.state, opened.table
             in_flight = {k for k, _ in opened.running().values() if k is not None}
             untaken = [k for k in table.keys if k not in state.done and k not in in_flight]
@@ -543,10 +599,10 @@ class Studies:
         try:
             with self._locked(name, self.busy_timeout_s + 5):
                 opened = self._open(name)
-                opened.expire(self.clock())
+                opened.expire(self.clock(), self.ask_cap_s + ORPHAN_GRACE_S)
                 return [_listed(t) for t in opened.trials]
         except UnknownStudy:  # a local search's study: listed from the storage as it is
-            with _storage_errors():
+            with _storage_errors(self.heal_pool):
                 try:
                     study = optuna.load_study(study_name=name, storage=self.storage)
                 except KeyError:
