@@ -527,3 +527,37 @@ def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> Non
     planner, _, (fsdp, ddp) = _two_favourites(tmp_path, "apart", {0: [100.0, 100.0], 1: [90.0, 90.0]})
     result = planner.search()
     assert result.candidate == fsdp and "simpler" not in result.stop_reason
+
+
+def test_every_dry_run_failing_the_same_way_is_the_users_mistake(space, tmp_path) -> None:
+    """A float64 batch fails every strategy the same way: after two dry-runs of strategies that share no method the
+    search stops and raises that error as the setup's (never "raise memory_limit"), and the study is left
+    unfinished, so a fixed setup searches again. Failures that differ, or that a shared method may explain, do
+    not stop it."""
+    from atorch.strategy_search.analyser import StepError
+
+    def dtype_error(cand: Candidate) -> Run:
+        batch = 4 * cand.micro_batch_size
+        return Run("failed", 0.0, 0.0, f"rank 0: step: RuntimeError: mat1 and mat2 must have the same dtype, but got "
+                                       f"Double and Float ({batch}x16); rank 1: step: RuntimeError: the same")
+
+    calls: list = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        return dtype_error(cand)
+
+    planner = Planner(space, storage=storage(tmp_path), study_key="same", predict=predict, measure=measure,
+                      memory_budget=BUDGET, max_trials=8)
+    with pytest.raises(StepError, match="training setup.*mat1 and mat2 must have the same dtype") as raised:
+        planner.search()
+    assert "memory_limit" not in str(raised.value) and 2 <= len(calls) < 8
+    record = optuna.load_study(study_name="same", storage=storage(tmp_path)).user_attrs["searches"][-1]
+    assert not record["finished"]
+
+    def varied(cand: Candidate) -> Run:  # a different error each time: nothing in common to blame
+        return Run("failed", 0.0, 0.0, f"rank 0: build: RuntimeError: {cand.key}")
+
+    result = Planner(space, storage=storage(tmp_path), study_key="varied", predict=predict, measure=varied,
+                     memory_budget=BUDGET, max_trials=4).search()
+    assert result.candidate is None and result.dry_runs == 4

@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -359,6 +360,7 @@ class Planner:
 
     def _explore(self, study: SearchStudy, rules: StopRules) -> tuple[str, str]:
         """Ask, measure, tell until a stop rule or the sampler stops it: (the stop reason, its kind)."""
+        same = SameFailure()
         while True:
             self.check()
             proposal = study.ask(stop=rules.reason)
@@ -372,6 +374,7 @@ class Planner:
             logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record.get("status"),
                         record.get("reason", ""))
             rules.record(record["improved"])
+            same.check(record, cand)  # raises where every dry-run failed the same way: the user's setup
 
     def _confirm(self, study: SearchStudy, rules: StopRules) -> str:
         """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
@@ -399,6 +402,43 @@ class Planner:
         if len(speeds) == 2 and min(speeds) >= (1 - CONFIRM_TIE) * max(speeds) > 0:
             said += f"; within {CONFIRM_TIE:.0%} of each other side by side: the simpler strategy is kept"
         return said
+
+
+def failure_signature(reason: str) -> str:
+    """A failure's reason as compared across candidates: the first rank's error, without rank numbers, figures
+    or addresses (shapes and sizes differ with the micro-batch and the layout)."""
+    first = re.sub(r"^rank \d+: ", "", reason.split("; ")[0])
+    return re.sub(r"0x[0-9a-fA-F]+|\d+(\.\d+)?", "#", first)[:300]
+
+
+class SameFailure:
+    """The search's stop for a mistake in the user's own setup: when every dry-run so far failed (none ran, none
+    ran out of memory) with the same error, on candidates that share no method but the layout, the error is not a
+    strategy's: measuring more candidates would fail the same way, and "raise memory_limit" would mislead. The
+    search stops at once and raises that error as the user's (every rank hears it)."""
+
+    RUNS = 2
+
+    def __init__(self) -> None:
+        self.failures: list[tuple[str, frozenset[str], str]] = []  # (signature, methods, reason)
+        self.other = False  # some dry-run ran, ran out of memory or timed out: the setup can run
+
+    def check(self, record: dict[str, Any], cand: Candidate) -> None:
+        if record.get("status") != "failed":
+            self.other = self.other or record.get("status") in ("ok", "oom", "timeout")
+            return
+        methods = frozenset(cand.strategy.names()) - {"parallel_mode"}
+        reason = str(record.get("reason") or "")
+        self.failures.append((failure_signature(reason), methods, reason))
+        if self.other or len(self.failures) < self.RUNS or len({f[0] for f in self.failures}) > 1:
+            return
+        if frozenset.intersection(*(f[1] for f in self.failures)):
+            return  # a method they share may be the cause
+        raise StepError(
+            f"every candidate the search ran failed with the same error ({len(self.failures)} dry-runs of "
+            f"strategies that share no method), so the cause is in the training setup (the model, loss_func, the "
+            f"data or optim_args), not in a strategy: {reason}. Fix it and run again; one process with "
+            "load_strategy=['parallel_mode'] shows the whole traceback")
 
 
 class SearchStudy(ABC):
