@@ -406,8 +406,8 @@ class SearchState:
             if self.skip_slower_than is not None and slower > self.skip_slower_than:
                 best = self.done[self.best_key][2]["number"]  # type: ignore[index]
                 attrs.update(status="skipped", reason=(
-                    f"predicted {slower:.1f}x slower than the best measured candidate (trial {best}); not dry-run "
-                    f"past {self.skip_slower_than:g}x"))
+                    f"predicted {slower:.1f}x slower than the best measured candidate (trial {best}){self._basis(key)}"
+                    f"; not dry-run past {self.skip_slower_than:g}x"))
                 # Told on the measured scale (the best's measured value over the predicted factor), feasible: the
                 # sampler learns the region is slow, and the best is always a measured candidate.
                 value = float(self.best_value or 0.0) / slower
@@ -418,6 +418,17 @@ class SearchState:
                 continue
             set_user_attrs(trial, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
+
+    def _basis(self, key: str) -> str:
+        """What a skip's factor compares, where it is not the two raw predictions (the table's "pred. s" column):
+        the time corrected by what the measurements showed of the cost model's error, against the best's measured
+        time."""
+        if not (self.correct_time and self.time_ratios and self.best_value):
+            return ""
+        factor = self.time_correction(key)
+        per_step = self.table.global_batch / (float(self.table.prediction(key)["samples_per_s"]) * factor)
+        return (f": {per_step:.3g} s/step once corrected by the measurements (x{1 / factor:.2f} its raw prediction) "
+                f"against {self.table.global_batch / float(self.best_value):.3g} s/step measured")
 
     def slower_than_best(self, pred: dict[str, Any], key: str | None = None) -> float:
         """How many times slower than the best measured candidate the cost model predicts ``pred`` (0 without a
