@@ -8,6 +8,7 @@ function can transform a model made of fake or meta tensors for the cost model.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,8 +127,17 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
         materialise(ctx.model, ctx.env.device)
     for name in APPLY_ORDER:
         step = _MODEL_STEPS.get(name)
-        if step is not None and name in cfg and step(build, cfg[name]):
-            return
+        if step is None or name not in cfg:
+            continue
+        try:
+            if step(build, cfg[name]):
+                return
+        except Exception as exc:
+            # which method's step failed: a dry-run names it, and the search rules that method out at this layout
+            # (its other settings cannot help a transformation that refuses the model)
+            with contextlib.suppress(AttributeError):
+                exc.atorch_method = name  # type: ignore[attr-defined]
+            raise
     _finish(build)
 
 

@@ -561,3 +561,36 @@ def test_every_dry_run_failing_the_same_way_is_the_users_mistake(space, tmp_path
     result = Planner(space, storage=storage(tmp_path), study_key="varied", predict=predict, measure=varied,
                      memory_budget=BUDGET, max_trials=4).search()
     assert result.candidate is None and result.dry_runs == 4
+
+
+def test_a_method_that_cannot_build_rules_out_its_family_after_one_dry_run(tmp_path) -> None:
+    """Tensor parallel refuses the model in its build step (as on a conv classifier: "get_input_embeddings not
+    auto-handled"): one dry-run says so, and every other candidate using tensor parallel at that size is told
+    'skipped' with the reason, not dry-run; the rest of the space is searched as before."""
+    gpt2_space = SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+    tensor = [c for c in gpt2_space.enumerate() if dict(c.point).get("tensor", 1) > 1]
+    assert len(tensor) > 10
+
+    def predict_tensor_first(cand: Candidate) -> Pred:  # the cost model likes tensor parallel best
+        p = dict(cand.point)
+        return Pred(true_memory(p), GLOBAL_BATCH / (true_speed(p) * (3.0 if p.get("tensor", 1) > 1 else 1.0)))
+
+    calls: list = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        if dict(cand.point).get("tensor", 1) > 1:
+            return Run("failed", 0.0, 0.0, "rank 0: build [tensor_parallel]: NotImplementedError: "
+                                           "`get_input_embeddings` not auto-handled; rank 1: build [tensor_parallel]: "
+                                           "NotImplementedError: the same")
+        return Run("ok", true_speed(dict(cand.point)), true_memory(dict(cand.point)))
+
+    result = Planner(gpt2_space, storage=storage(tmp_path), study_key="tp", predict=predict_tensor_first,
+                     measure=measure, memory_budget=10 * BUDGET, max_trials=8, top_k=3).search()
+    assert sum(dict(c.point).get("tensor", 1) > 1 for c in calls) == 1
+    assert result.candidate is not None and dict(result.candidate.point).get("tensor", 1) == 1
+    study = optuna.load_study(study_name="tp", storage=storage(tmp_path))
+    skipped = [t.user_attrs for t in study.trials if t.user_attrs.get("status") == "skipped"
+               and "could not be applied" in t.user_attrs.get("reason", "")]
+    assert skipped and all(json.loads(a["key"]).get("tensor", 1) > 1 for a in skipped)
+    assert "tensor_parallel could not be applied to this model at this layout" in skipped[0]["reason"]

@@ -596,7 +596,8 @@ _COMMUNICATION_ERRORS = (dist.DistError,)
 
 
 def _classify(exc: BaseException, phase: str) -> RankOutcome:
-    text = f"{phase}: {_describe(exc)}"
+    method = getattr(exc, "atorch_method", None)  # set by apply_strategy: the method whose step raised
+    text = f"{phase}{f' [{method}]' if method else ''}: {_describe(exc)}"
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return RankOutcome(status="oom", reason=text, root_cause=True)
     message = str(exc)

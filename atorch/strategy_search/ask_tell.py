@@ -18,6 +18,7 @@ kept by whoever runs the loop.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -113,6 +114,8 @@ HOPELESS_FACTOR = 4.0
 # measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
 PROMOTE_MARGIN = 0.05
 CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
+# A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
+_BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
 # other (run-to-run noise here: 11-37%; interleaved, the same load falls on both): the simpler one is kept.
 CONFIRM_TIE = 0.05
@@ -232,6 +235,8 @@ class SearchState:
         self.queued: set[str] = set()  # keys enqueued by ``seed`` and ``promote`` (not promoted again)
         self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
         self.promotes = False  # set by ``seed``: a search that enqueues the cost model's favourites promotes too
+        # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
+        self.unbuildable_at: dict[tuple[str, str], str] = {}
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -255,6 +260,11 @@ class SearchState:
             family = self.table.family(key)
             self.family_layouts[family] = self.table.layout(key)
             self.time_ratios.setdefault(family, []).append(measured["samples_per_s"] / pred["samples_per_s"])
+        if attrs["status"] == "failed" and key in self.table.by_key and (
+                found := _BUILD_STEP.search(str(measured.get("reason") or ""))):
+            self.unbuildable_at.setdefault((found.group(1), self.table.layout(key)), (
+                f"{found.group(1)} could not be applied to this model at this layout (trial {number}: "
+                f"{str(measured.get('reason'))[:300]}); its other settings would not change that"))
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -388,6 +398,13 @@ class SearchState:
                 attrs.update(status="in_flight", reason="being measured by another client")
                 self._tell(trial, None, None, attrs, state=TrialState.FAIL)
                 continue
+            if why := self.unbuildable(key):  # a family that cannot build: not dry-run again
+                attrs.update(status="skipped", reason=why)
+                constraints = {"memory_over": 0.0, "failed": 1.0}
+                value = float(pred.get("samples_per_s") or 0.0)
+                self._tell(trial, value, constraints, attrs)
+                self.done[key] = (value, constraints, {"number": trial.number, **attrs})
+                continue
             scale = self.correction(key)
             if not self.table.fits(pred, self.budget, scale) and "error" not in pred:
                 corrected = (f" (x{scale:.2f}, its family's measured / predicted)" if scale != 1.0 else
@@ -418,6 +435,18 @@ class SearchState:
                 continue
             set_user_attrs(trial, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
+
+    def unbuildable(self, key: str) -> str:
+        """Why a candidate is left out without a dry-run because a method it uses failed in its build step at the
+        same layout ("" when none did): a transformation that refuses the model refuses it whatever the
+        micro-batch, precision or other methods (the conv model's 72 tensor-parallel candidates failed alike)."""
+        if not self.unbuildable_at or self.table.details is None or key not in self.table.by_key:
+            return ""
+        names = {m["name"] for m in self.table.details[self.table.by_key[key]]["strategy"]["methods"]}
+        if "mixed_parallel" in names:  # expanded at build into its two methods
+            names |= {"tensor_parallel", "pipeline_parallel"}
+        layout = self.table.layout(key)
+        return next((why for (method, at), why in self.unbuildable_at.items() if method in names and at == layout), "")
 
     def _basis(self, key: str) -> str:
         """What a skip's factor compares, where it is not the two raw predictions (the table's "pred. s" column):
