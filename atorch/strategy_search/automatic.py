@@ -226,7 +226,8 @@ class _Leader:
         self.time_limit, self.options, self.start = time_limit, options, start
         self.strategy_server = strategy_server
         self.global_batch = int(setup.dataloader_args.get("batch_size", 1))
-        self.progress = SearchProgress(profile.memory_per_rank, world_size=env.world_size)
+        self.progress = SearchProgress(profile.memory_per_rank, world_size=env.world_size,
+                                       max_dry_runs=options.max_trials)
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
@@ -244,12 +245,17 @@ class _Leader:
 
         def stats() -> Any:
             if not analysed:
+                begin = time.monotonic()
                 try:
                     analysed.append(analyse(self.setup.model, batch, self.setup.model_input_format,
                                             self.setup.loss_func))
+                    logger.info("automatic search: %s analysed in %.1f s (one step on %s tensors)",
+                                type(self.setup.model).__name__, time.monotonic() - begin, analysed[0].measured_on)
                 except StepError:  # the user's mistake (loss order, batch vs model_input_format): stop with it
                     raise
                 except Exception as exc:  # noqa: BLE001  (the planner measures what the cost model cannot predict)
+                    logger.warning("automatic search: the model could not be analysed (%s); the cost model has no "
+                                   "figures and the dry-runs decide alone", exc)
                     analysed.append(exc)
             if isinstance(analysed[0], Exception):
                 raise analysed[0]

@@ -78,7 +78,9 @@ def trial_table(rows: list[dict[str, Any]], title: str, world_size: int | None =
 class SearchProgress:
     """Live rows for the dry-runs of one search (rank 0)."""
 
-    def __init__(self, memory_budget: int, console: Console | None = None, world_size: int | None = None) -> None:
+    def __init__(self, memory_budget: int, console: Console | None = None, world_size: int | None = None,
+                 max_dry_runs: int | None = None) -> None:
+        self.max_dry_runs = max_dry_runs  # the search's max_trials: "dry-run k of at most n"
         self.console = console or Console(stderr=True)
         if not self.console.is_terminal:  # a log file: wide enough for one line per trial
             self.console.width = max(self.console.width, 150)
@@ -116,6 +118,11 @@ class SearchProgress:
         self.rows.append({"number": f"d{len(self.rows) + 1}", "predicted": pred, "status": "running",
                           "candidate": {**cand.to_json(), "description": self.describe(cand)}})
         self._refresh()
+        if self._live is None:  # a log, not a live table: what runs now (each line may stand for minutes)
+            most = f" of at most {self.max_dry_runs}" if self.max_dry_runs else ""
+            logger.info("dry-run %d%s: %s (predicted %s s/step, %s MiB)", len(self.rows), most,
+                        self.rows[-1]["candidate"]["description"], _secs(pred.get("step_time_s")),
+                        _mib(pred.get("peak_memory_bytes")))
 
     def finished(self, cand: Any, prediction: Predicted | None, measured: Measured) -> None:
         row = self.rows[-1]
