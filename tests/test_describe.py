@@ -203,8 +203,8 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[P
 def test_stop_message_with_a_confirmation(tmp_path) -> None:
     result, calls = _search(tmp_path, runner_up=95.0, confirm_within=0.1)
     assert len(calls) == 8 == result.dry_runs
-    assert result.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached (6 to explore, 2 kept for "
-                                  "a confirmation); confirmation: the best and the runner-up ran once more, "
+    assert result.stop_reason == ("8 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
+                                  "kept for a confirmation); confirmation: the best and the runner-up ran once more, "
                                   "back to back (2 dry-runs); within 5% of each other side by side: the simpler "
                                   "strategy is kept")
 
@@ -212,8 +212,8 @@ def test_stop_message_with_a_confirmation(tmp_path) -> None:
 def test_stop_message_without_a_confirmation(tmp_path) -> None:
     result, calls = _search(tmp_path, runner_up=50.0, confirm_within=0.1)
     assert len(calls) == 6 == result.dry_runs
-    assert result.stop_reason == ("6 dry-runs; exploration stopped: max_trials 8 reached (6 to explore, 2 kept for "
-                                  "a confirmation); no confirmation: the runner-up was not within 10% of the best")
+    assert result.stop_reason == ("6 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
+                                  "kept for a confirmation); no confirmation: the runner-up was not within 10% of the best")
     off, calls = _search(tmp_path, runner_up=95.0, confirm_within=None)
     assert len(calls) == 8 and off.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached; "
                                                    "no confirmation (off)")

@@ -174,9 +174,9 @@ class StopRules:
             return late
         if self.dry_runs >= self.max_trials - self.reserved:
             self.stopped = "max_trials"
-            if self.reserved:
-                return (f"max_trials {self.max_trials} reached ({self.dry_runs} to explore, "
-                        f"{self.reserved} kept for a confirmation)")
+            if self.reserved:  # said so that a search that needed no confirmation does not seem to count wrong
+                return (f"its {self.dry_runs} dry-runs done (max_trials {self.max_trials}, {self.reserved} of them "
+                        "kept for a confirmation)")
             return f"max_trials {self.max_trials} reached"
         if self.patience is not None and self.found and self.since_best >= self.patience:
             self.stopped = "patience"
