@@ -102,7 +102,8 @@ def _demo(checkout, tmp_path, pip_exit: int):
 
     log = tmp_path / "pip.log"
     wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m pip" ]]; then echo "$*" >> {log}; exit {pip_exit}; fi\n'
+    wrapper.write_text(f'#!/usr/bin/env bash\n'
+                       f'if [[ "$1 $2" == "-m pip" ]]; then echo "$*" >> {log}; exit {pip_exit}; fi\n'
                        f'exec {sys.executable} "$@"\n', encoding="utf-8")
     wrapper.chmod(0o755)
     env = dict(os.environ, PYTHON=str(wrapper), OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()),
@@ -137,6 +138,7 @@ def test_demo_script_installs_when_setup_cfg_asks_for_more(tmp_path) -> None:
     checkout = _checkout_copy(tmp_path, "atorch-demo-no-such-package>=1")
     done, pip_calls = _demo(checkout, tmp_path, pip_exit=0)  # pip "succeeds" without touching this environment
     assert done.returncode == 0, done.stdout + done.stderr
-    assert pip_calls.splitlines() == ['-m pip install --disable-pip-version-check --progress-bar off -e .[demo]'], pip_calls
+    pip = "-m pip install --disable-pip-version-check --progress-bar off -e .[demo]"
+    assert pip_calls.splitlines() == [pip], pip_calls
     assert ("==> installing atorch and its dependencies (setup.cfg's requirements changed since atorch was installed;"
             " first run: a few minutes)...") in done.stdout
