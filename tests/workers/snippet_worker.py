@@ -1,8 +1,9 @@
 """Run documentation examples (launched by tests/test_doc_snippets.py), each in a fresh namespace.
 
-Usage: ``torchrun --nproc_per_node=N snippet_worker.py SNIPPETS.json WORKDIR``: the JSON file maps a name to
-the source of one example; they run one after the other in WORKDIR (what they write lands there). Rank 0
-prints ``RESULT {name: {"seconds": ...} or {"error": ...}}``.
+Usage: ``torchrun --nproc_per_node=N snippet_worker.py SNIPPETS.json WORKDIR``: the JSON file maps an example's
+name (page:line) to the blocks it runs, ``[[page:line, source], ...]``: the setup blocks it comes after, then the
+example itself, all in one namespace (tests/doc_blocks.py). The examples run one after the other in WORKDIR (what
+they write lands there). Rank 0 prints ``RESULT {name: {"seconds": ...} or {"error": ...}}``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import torch.distributed as dist
 from worker_common import run_each
 
 
-def runner(name: str, source: str) -> Callable[[], dict[str, Any]]:
+def runner(steps: list[list[str]]) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
         torch.manual_seed(0)  # the examples build models with random weights: the same on every rank
         start = time.perf_counter()
-        exec(compile(source, name, "exec"), {"__name__": "__main__"})  # noqa: S102 - this repository's own docs
+        namespace = {"__name__": "__main__"}
+        for where, source in steps:  # tracebacks name the page and line of the block
+            exec(compile(source, where, "exec"), namespace)  # noqa: S102 - this repository's own docs
         return {"seconds": round(time.perf_counter() - start, 2)}
 
     return run
@@ -35,10 +38,10 @@ def runner(name: str, source: str) -> Callable[[], dict[str, Any]]:
 
 def main() -> None:
     with open(sys.argv[1], encoding="utf-8") as handle:
-        snippets: dict[str, str] = json.load(handle)
+        snippets: dict[str, list[list[str]]] = json.load(handle)
     os.chdir(sys.argv[2])
     dist.init_process_group("gloo")  # the examples' own calls find it and use it
-    report = run_each({name: runner(name, source) for name, source in snippets.items()})
+    report = run_each({name: runner(steps) for name, steps in snippets.items()})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
 
