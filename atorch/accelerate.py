@@ -191,6 +191,8 @@ def auto_accelerate(
         strategy.save(save_strategy_to_file)
         logger.info("strategy saved to %s", save_strategy_to_file)
     result = build_result(ctx, setup, memory_limit, time_limit, micro_batches, search_record)
-    logger.info("accelerated with %s on %d process(es)", strategy, env.world_size)
+    steps = f"; {micro_batches} micro-batches of {setup.dataloader_args.get('batch_size', 1)} samples make one " \
+        "optimizer step (result.args.gradient_accumulation_steps)" if micro_batches > 1 else ""
+    logger.info("accelerated with %s on %d process(es)%s", strategy, env.world_size, steps)
     return True, result, strategy
 

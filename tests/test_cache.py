@@ -233,7 +233,10 @@ def test_sample_shapes_optimizer_args_groups_and_loss_name_different_studies(tmp
     atorch_log.clear()
     again = run(4, 0.1)
     assert again["source"] == "cache" and again["study_name"] == base["study_name"] and again["dry_runs"] == 0
-    assert f"study {base['study_name']}; reused: finished search" in atorch_log.text
+    # said once: where the study answered, with why; the pick's line names the study, not the reason again
+    assert atorch_log.text.count("reused: finished search") == 1
+    assert f"from study {base['study_name']}: cache" in atorch_log.text
+    assert f"(cache, study {base['study_name']})" in atorch_log.text
 
     # What a study is for is stored with it, and the CLI shows it.
     identity = optuna.load_study(study_name=base["study_name"], storage=storage).user_attrs["identity"]

@@ -351,9 +351,9 @@ class _Leader:
             raise NoStrategyFound(_no_pick_problems(result, self.profile.memory_per_rank),
                                   what="automatic strategy search found no strategy")
         cand = result.candidate
-        logger.info("automatic search picked %s (%s, study %s; %s)", self.progress.describe(cand), result.source,
-                    result.study_name,
-                    result.stop_reason)
+        # a cached pick's reason was logged where the study answered (planner): said once
+        logger.info("automatic search picked %s (%s, study %s%s)", self.progress.describe(cand), result.source,
+                    result.study_name, "" if result.source == "cache" else f"; {result.stop_reason}")
         where = storage if self.local else str(self.strategy_server)
         trials = [rejudged(t, self.profile.memory_per_rank) for t in result.trials]  # under this search's limit
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,

@@ -142,12 +142,10 @@ class SearchProgress:
         )
 
     def summary(self, result: Any) -> None:
-        """Every trial of the study, judged again under this search's memory budget, then the pick."""
+        """Every trial of the study, judged again under this search's memory budget (the pick is logged once, by
+        the search that called this)."""
         # Left out: duplicates (their outcome is another trial's) and enqueued trials never asked (no candidate).
         rows = [t for t in result.trials if t.get("status") != "duplicate" and t.get("candidate")]
         if rows and result.source != "cache":
             self.console.print(trial_table(rows, f"strategy search: {len(rows)} trials in study {result.study_name}",
                                            self.world_size, self.budget))
-        if result.candidate is not None:
-            logger.info("strategy search (%s): %s; picked %s", result.source, result.stop_reason,
-                        self.describe(result.candidate))
