@@ -228,6 +228,42 @@ RULES += (
 )
 
 
+# expert_parallel: the experts split over parallel_mode's 'expert' dimension (expert_parallel.py).
+_EP_DIMS = {"dims": [["expert", 2], ["data", 1]]}
+_EP_ALONE: tuple[tuple[str, str, str], ...] = (
+    ("tensor_parallel", "splitting the attention over a tensor dimension next to the experts over an expert "
+     "dimension is not supported yet (the expert dispatch would need each tensor group's slice of the tokens)",
+     "drop 'tensor_parallel' (or 'expert_parallel': tensor_parallel alone keeps every expert on every rank)"),
+    ("mixed_parallel", "tensor and pipeline stages next to an expert dimension are not supported yet",
+     "drop 'mixed_parallel'"),
+    ("pipeline_parallel", "pipeline stages next to an expert dimension are not supported yet (each stage's experts "
+     "would dispatch inside the schedule)", "drop 'pipeline_parallel'"),
+    ("ds_3d_parallel", "DeepSpeed's pipeline engine takes plain tensors, not expert-parallel DTensors",
+     "drop 'ds_3d_parallel'"),
+    ("zero1", "ZeroRedundancyOptimizer cannot partition expert-parallel (DTensor) parameters",
+     "use 'fsdp' (or 'zero2') over the data × expert ranks instead of 'zero1'"),
+)
+
+
+RULES += (
+    # (expert_parallel without any parallel_mode: ExpertParallel.check says the same)
+    Rule(("expert_parallel", "parallel_mode"), "expert_parallel splits the experts over parallel_mode's 'expert' "
+         "dimension", "add one, e.g. ('parallel_mode', {'dims': [['expert', 2], ['data', -1]]})",
+         when=lambda c: not _has_dim("expert")(c), condition="no 'expert' dimension in parallel_mode",
+         example=("expert_parallel", ("parallel_mode", {"dims": [["data", 2]]}))),
+    *(
+        Rule(("expert_parallel", other), reason, fix, example=(("parallel_mode", _EP_DIMS), "expert_parallel", other))
+        for other, reason, fix in _EP_ALONE
+    ),
+    Rule(
+        ("expert_parallel", "zero2"), "DeepSpeed's engine takes plain tensors, not expert-parallel DTensors",
+        "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
+        when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
+        example=(("parallel_mode", _EP_DIMS), "expert_parallel", ("zero2", {"implementation": "deepspeed"})),
+    ),
+)
+
+
 def conflicts_in(configs: Configs) -> list[str]:
     """Messages for every rule the given methods and configs break."""
     return [rule.message() for rule in RULES if rule.applies(configs)]
