@@ -92,9 +92,10 @@ def _gather_batches(batches: list[dict[str, torch.Tensor]]) -> list[list[dict[st
 
 
 def _reference(model: nn.Module, per_rank: list[list[dict[str, torch.Tensor]]], shares: list[int]
-               ) -> tuple[list[list[tuple[float, float]]], dict[str, torch.Tensor]]:
+               ) -> tuple[list[list[tuple[float, float]]], dict[str, torch.Tensor], float]:
     """One process: per step, the mean of the losses of the ranks in ``shares`` (every rank: each data × expert rank
-    has its own share), backward, SGD. Returns (per global rank: per step (loss, aux loss)), final weights."""
+    has its own share), backward, SGD. Returns (per global rank: per step (loss, aux loss)), final weights, the first
+    step's gradient norm."""
     model = copy.deepcopy(model)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     seen: list[list[tuple[float, float]]] = [[] for _ in per_rank]
@@ -105,9 +106,11 @@ def _reference(model: nn.Module, per_rank: list[list[dict[str, torch.Tensor]]], 
             seen[rank].append((outs[rank].loss.item(), outs[rank].aux_loss.item()))
         total = torch.stack([outs[r].loss for r in shares]).mean()  # ranks of one share train on the same batch
         total.backward()
+        if step == 0:
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
         optim.step()
         optim.zero_grad()
-    return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return seen, {n: p.detach().clone() for n, p in model.named_parameters()}, norm
 
 
 def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
@@ -123,12 +126,14 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         out = call_model(result.model, data, "unpack_dict")
         loss = sm.hf_loss(data, out)
         loss.backward()
+        if not batches:  # the global gradient's norm (clipping at a bound it stays under: no change)
+            norm = float(result.optim.clip_grad_norm_(1e9))
         result.optim.step()
         result.optim.zero_grad()
         batches.append(data)
         mine.append((loss.item(), out.aux_loss.item()))
     per_rank = _gather_batches(batches)
-    seen, weights = _reference(user, per_rank, list(range(dist.get_world_size())))
+    seen, weights, ref_norm = _reference(user, per_rank, list(range(dist.get_world_size())))
     ours = _whole_params(result.model)
     me = dist.get_rank()
     experts = [p for p in result.model.parameters() if is_expert_param(p)]
@@ -137,6 +142,7 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         "aux_diff": max(abs(a[1] - b[1]) for a, b in zip(mine, seen[me], strict=True)),
         "aux": [a[1] for a in mine],
         "loss_drop": seen[me][0][0] - seen[me][-1][0],
+        "norm": norm, "norm_diff": abs(norm - ref_norm),
         "weight_diff": max((ours[n] - w).abs().max().item() for n, w in weights.items()),
         "names_match": sorted(ours) == sorted(weights),
         "expert_params": len(experts),
