@@ -101,7 +101,7 @@ _MODEL_STEPS: dict[str, Callable[[_Build, Any], bool | None]] = {
     "fp8": lambda b, config: use_fp8_linears(b.ctx, config),
     "amp_native": lambda b, config: autocast_forward(b.ctx, config),
     "tensor_parallel": _split_tensors,
-    "expert_parallel": lambda b, config: split_experts(b.ctx, b.communicate),
+    "expert_parallel": lambda b, config: split_experts(b.ctx, config, b.communicate),
     "checkpoint": lambda b, config: checkpoint_blocks(b.ctx, config),
     "fsdp": _shard,
     "zero2": _shard,

@@ -131,3 +131,15 @@ def test_checkpoint_reloads_under_another_layout(launch: str, scenario: str, req
     assert "error" not in entry, entry
     assert entry["step"] == 2 and entry["names_match"], entry
     assert entry["plain_diff"] == 0.0 and entry["ep_diff"] == 0.0, entry  # copies of saved values: exact
+
+
+def test_an_explicit_plan_is_read_with_patterns() -> None:
+    from atorch.opt_lib.expert_parallel import ExpertParallelConfig
+
+    torch.manual_seed(0)
+    model = mixtral()
+    plan = {"model.layers.1.mlp.experts.*": "grouped_gemm", "model.layers.1.mlp.experts": "ep_dispatch_experts"}
+    assert list(expert_plan(model, plan)) == [
+        "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts"]
+    with pytest.raises(ValueError, match="unknown style"):
+        ExpertParallelConfig(plan={"model.layers.*.mlp.experts": "colwise"})

@@ -20,23 +20,49 @@ the same average the non-expert gradients get from DDP/FSDP (``ExpertGradientSyn
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field, field_validator
 from torch import nn
 
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, StrategyCheck
+from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
 
 logger = get_logger(__name__)
 
 _EXPERT_MARK = "_atorch_expert"  # set on every expert parameter once split
+# transformers' EP styles: an experts module's dispatch, and its 3-D weights split along the experts
+DISPATCH, SPLIT = "ep_dispatch_experts", "grouped_gemm"
+
+
+class ExpertParallelConfig(MethodConfig):
+    """Needs an 'expert' dimension in parallel_mode, e.g. ``([("expert", 2), ("data", -1)], None)``."""
+
+    plan: Literal["auto"] | dict[str, str] = Field(
+        default="auto",
+        description="'auto': the model's own ep_plan where transformers ships one (base_model_ep_plan), else "
+        "transformers-style experts modules found by atorch; or a mapping of module / parameter name patterns "
+        "('model.layers.*.mlp.experts') to 'ep_dispatch_experts' (the experts module) or 'grouped_gemm' (its "
+        "3-D expert weights)",
+    )
+
+    @field_validator("plan")
+    @classmethod
+    def _styles_known(cls, plan: Any) -> Any:
+        if isinstance(plan, dict):
+            unknown = sorted({style for style in plan.values() if style not in (DISPATCH, SPLIT)})
+            if unknown or DISPATCH not in plan.values():
+                raise ValueError(f"a plan maps experts modules to '{DISPATCH}' and their weights to '{SPLIT}'"
+                                 + (f"; unknown style(s) {unknown}" if unknown else f"; no '{DISPATCH}' entry"))
+        return plan
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -62,29 +88,37 @@ def _own_plan(model: nn.Module) -> dict[str, str]:
         own = list(module.named_parameters(recurse=False))
         if not isinstance(count, int) or not own or any(p.dim() != 3 or p.shape[0] != count for _, p in own):
             continue
-        plan.update({f"{name}.{p}": "grouped_gemm" for p, _ in own})
-        plan[name] = "ep_dispatch_experts"  # after its parameters (see expert_plan)
+        plan.update({f"{name}.{p}": SPLIT for p, _ in own})
+        plan[name] = DISPATCH  # after its parameters (see expert_plan)
     return plan
 
 
-def expert_plan(model: nn.Module) -> dict[str, str]:
-    """Concrete module and parameter names -> transformers' EP style: the model's ep_plan (wildcards expanded) where
-    it has one, else atorch's own for transformers-style experts modules. Parameters come first: splitting them sets
-    the experts module's local ``num_experts``, which its dispatch reads when it is installed."""
-    shipped = dict(getattr(model, "ep_plan", None) or {})
-    if not shipped:
+def expert_plan(model: nn.Module, plan: Literal["auto"] | dict[str, str] = "auto") -> dict[str, str]:
+    """Concrete module and parameter names -> transformers' EP style: from ``plan`` (patterns, ``*`` for any name
+    part), or with "auto" the model's ep_plan where transformers ships one, else atorch's own for transformers-style
+    experts modules. Parameters come first: splitting them sets the experts module's local ``num_experts``, which
+    its dispatch reads when it is installed."""
+    patterns = dict(getattr(model, "ep_plan", None) or {}) if plan == "auto" else plan
+    if not patterns:
         return _own_plan(model)
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules()]
-    return {name: shipped[_wildcard(name)] for name in names if _wildcard(name) in shipped}
+    # a weight takes the split style only, a module the dispatch only ('experts.*' names its weights, not act_fn)
+    names = [(n, SPLIT) for n, _ in model.named_parameters()] + [(n, DISPATCH) for n, _ in model.named_modules()]
+    found = {}
+    for name, kind in names:
+        style = patterns.get(_wildcard(name)) or next(
+            (s for pattern, s in patterns.items() if s == kind and fnmatch.fnmatchcase(name, pattern)), None)
+        if style == kind:
+            found[name] = style
+    return found
 
 
-def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+def experts_modules(model: nn.Module, plan: Literal["auto"] | dict[str, str] = "auto") -> dict[str, nn.Module]:
     modules = dict(model.named_modules())
-    return {name: modules[name] for name, style in expert_plan(model).items() if style == "ep_dispatch_experts"}
+    return {name: modules[name] for name, style in expert_plan(model, plan).items() if style == DISPATCH}
 
 
 # ----- the transformation -------------------------------------------------------------------------
-def split_experts(ctx: Any, communicate: bool) -> None:
+def split_experts(ctx: Any, config: ExpertParallelConfig, communicate: bool) -> None:
     """apply.py's expert_parallel step: every rank of an expert group keeps its experts, dispatching through
     transformers' all-to-all. [communication] The experts start from the first data × expert rank's weights."""
     if not communicate:  # a model of fake tensors for the cost model: experts stay whole
@@ -92,9 +126,9 @@ def split_experts(ctx: Any, communicate: bool) -> None:
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     model, layout, device = ctx.model, ctx.layout, ctx.env.device.type
-    plan = expert_plan(model)
+    plan = expert_plan(model, config.plan)
     params = dict(model.named_parameters())
-    experts = [params[name] for name, style in plan.items() if style == "grouped_gemm"]
+    experts = [params[name] for name, style in plan.items() if style == SPLIT]
     batch = ctx.data_mesh  # data × expert
     source = int(batch.mesh.flatten()[0])
     with torch.no_grad():
@@ -102,10 +136,10 @@ def split_experts(ctx: Any, communicate: bool) -> None:
             dist.broadcast(param.data, src=source, group=batch.get_group())
     apply_expert_parallelism(model, layout.mesh(device)[EXPERT], _own_rank_mesh(device), plan)
     for name, param in model.named_parameters():
-        if plan.get(name) == "grouped_gemm":
+        if plan.get(name) == SPLIT:
             setattr(param, _EXPERT_MARK, True)
     logger.info("expert_parallel: %d experts modules split over %d ranks (data × expert %d)",
-                sum(s == "ep_dispatch_experts" for s in plan.values()), layout.size(EXPERT), layout.data_size)
+                sum(s == DISPATCH for s in plan.values()), layout.size(EXPERT), layout.data_size)
 
 
 _OWN_RANK: dict[tuple[Any, str], Any] = {}
@@ -179,6 +213,7 @@ class ExpertParallel(Method):
     summary = ("Expert parallel: each MoE layer's experts split over the 'expert' dimension, tokens dispatched and "
                "combined with all-to-all (dropless); expert ranks are data ranks too.")
     mesh_dims = (EXPERT,)
+    Config = ExpertParallelConfig
 
     def check(self, config: Any, check: StrategyCheck) -> list[str]:
         if "parallel_mode" not in check.configs:  # with one: the compatibility table's rule
@@ -187,15 +222,27 @@ class ExpertParallel(Method):
         return []
 
     def applicable(self, ctx: Any) -> str | None:
+        items = [i for i in getattr(ctx.strategy, "methods", ()) if i.name == self.name]
+        if items and items[0].config.plan != "auto":  # an explicit plan: model_problems checks what it finds
+            return None
         if not experts_modules(ctx.model):
             return ("the model has no mixture-of-experts layer atorch can split (a transformers MoE model: its "
                     "config's base_model_ep_plan, or experts modules with num_experts and 3-D expert weights)")
         return None
 
-    def model_problems(self, ctx: Any, config: Any) -> list[str]:
+    def model_problems(self, ctx: Any, config: ExpertParallelConfig) -> list[str]:  # type: ignore[override]
         size = ctx.layout.size(EXPERT)
+        plan = expert_plan(ctx.model, config.plan)
+        modules = experts_modules(ctx.model, config.plan)
+        if not modules:
+            return [f"plan {config.plan} names no experts module of the model (module names such as "
+                    f"{[n for n, _ in ctx.model.named_modules()][1:4]})"]
         problems = []
-        for name, module in experts_modules(ctx.model).items():
+        for name in modules:
+            if not any(key.startswith(f"{name}.") and style == SPLIT for key, style in plan.items()):
+                problems.append(f"plan gives experts module {name} no '{SPLIT}' weights; map its 3-D expert "
+                                f"weights ('{name}.*') to '{SPLIT}'")
+        for name, module in modules.items():
             count = int(module.num_experts)
             if count % size:
                 divisors = [d for d in range(2, count + 1) if count % d == 0]
