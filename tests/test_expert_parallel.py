@@ -107,7 +107,8 @@ def _matches_one_process(entry: dict[str, Any], local_experts: int, dp_size: int
     assert entry["norm_diff"] <= NORM_RTOL * entry["norm"], entry
 
 
-@pytest.mark.parametrize(("scenario", "local_experts"), [("mixtral_e2", 2), ("qwen3_e2", 4), ("mixtral_e2_fsdp", 2)])
+@pytest.mark.parametrize(("scenario", "local_experts"),
+                         [("mixtral_e2", 2), ("qwen3_e2", 4), ("qwen2_e2", 2), ("mixtral_e2_fsdp", 2)])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str, local_experts: int) -> None:
     _matches_one_process(two[scenario], local_experts, dp_size=2)
 
@@ -116,6 +117,14 @@ def test_two_processes_train_like_one(two: dict[str, Any], scenario: str, local_
                          [("mixtral_e2_d2", 2), ("qwen3_e2_d2_fsdp", 4), ("mixtral_e4", 1), ("qwen3_e4", 2)])
 def test_four_processes_train_like_one(four: dict[str, Any], scenario: str, local_experts: int) -> None:
     _matches_one_process(four[scenario], local_experts, dp_size=4)
+
+
+@pytest.mark.parametrize("scenario", ["mixtral_e2_accumulated", "qwen3_e2_fsdp_accumulated"])
+def test_gradient_accumulation_averages_once_at_the_boundary(two: dict[str, Any], scenario: str) -> None:
+    entry = two[scenario]
+    assert "error" not in entry, entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL and entry["loss_diff"] <= LOSS_ATOL, entry
+    assert entry["weight_diff"] <= WEIGHT_ATOL, entry
 
 
 def test_refusals_name_the_problem_and_the_fix(two: dict[str, Any]) -> None:

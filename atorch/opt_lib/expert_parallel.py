@@ -231,6 +231,10 @@ class ExpertParallel(Method):
         return None
 
     def model_problems(self, ctx: Any, config: ExpertParallelConfig) -> list[str]:  # type: ignore[override]
+        from atorch.meta_init import is_meta
+
+        if is_meta(ctx.model):  # the experts are cut from whole tensors made equal by a broadcast
+            return ["a model on the meta device is not supported with expert_parallel yet; build it on CPU"]
         size = ctx.layout.size(EXPERT)
         plan = expert_plan(ctx.model, config.plan)
         modules = experts_modules(ctx.model, config.plan)

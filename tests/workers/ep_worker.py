@@ -30,6 +30,7 @@ from worker_common import GLOBAL_BATCH, LR, STEPS, repeated_batch, run_each
 import atorch
 from atorch.model_context import call_model
 from atorch.opt_lib.expert_parallel import is_expert_param
+from atorch.training import train_step
 
 
 def mixtral() -> nn.Module:
@@ -51,13 +52,24 @@ def qwen3_moe(num_experts: int = 8) -> nn.Module:
         max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False))
 
 
+def qwen2_moe() -> nn.Module:
+    """Qwen2-MoE: routed experts beside a gated shared expert (which stays whole on every rank)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, output_router_logits=True,
+        router_aux_loss_coef=0.1, max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False))
+
+
 def qwen3_moe_3() -> nn.Module:
     """Three experts: an 'expert' size of 2 does not divide them."""
     return qwen3_moe(num_experts=3)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen3_moe_3": qwen3_moe_3,
-                                             "llama": sm.tiny_llama}
+MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
+                                             "qwen3_moe_3": qwen3_moe_3, "llama": sm.tiny_llama}
 
 
 def _make(name: str) -> nn.Module:
@@ -151,6 +163,36 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     }
 
 
+def train_accumulated(model_name: str, strategy: list[Any], micro: int = 2) -> dict[str, Any]:
+    """atorch.train_step over ``micro`` micro-batches per rank (gradient accumulation: the data-parallel and the
+    expert gradients are averaged once, at the boundary) against one process on the same micro-batches."""
+    user = _make(model_name)
+    result = _accelerate(user, strategy)
+    loader, batches, totals = iter(result.dataloader), [], []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        parts = [{k: v.chunk(micro)[m] for k, v in data.items()} for m in range(micro)]
+        totals.append(float(train_step(result, parts)))
+        batches.append(data)
+    per_rank = _gather_batches(batches)
+    model = copy.deepcopy(user)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for step in range(STEPS):
+        losses = [sm.hf_loss(None, call_model(model, {k: v.chunk(micro)[m] for k, v in per_rank[r][step].items()},
+                                              "unpack_dict"))
+                  for r in range(len(per_rank)) for m in range(micro)]
+        total = torch.stack(losses).mean()
+        total.backward()
+        optim.step()
+        optim.zero_grad()
+        expected.append(total.item())
+    ours = _whole_params(result.model)
+    return {"loss_diff": max(abs(a - b) for a, b in zip(totals, expected, strict=True)),
+            "loss_drop": expected[0] - expected[-1],
+            "weight_diff": max((ours[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())}
+
+
 def _ep(expert: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
     dims = [["expert", expert]] + ([["data", data]] if data is not None else [])
     return [("parallel_mode", {"dims": dims}), "expert_parallel", *extra]
@@ -185,6 +227,9 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_e2": lambda d: train_and_compare("mixtral", _ep(2)),
         "qwen3_e2": lambda d: train_and_compare("qwen3_moe", _ep(2)),
         "mixtral_e2_fsdp": lambda d: train_and_compare("mixtral", _ep(2, extra=("fsdp",))),
+        "qwen2_e2": lambda d: train_and_compare("qwen2_moe", _ep(2)),
+        "mixtral_e2_accumulated": lambda d: train_accumulated("mixtral", _ep(2)),
+        "qwen3_e2_fsdp_accumulated": lambda d: train_accumulated("qwen3_moe", _ep(2, extra=("fsdp",))),
         "three_experts_refused": lambda d: train_and_compare("qwen3_moe_3", _ep(2)),
         "dense_model_refused": lambda d: train_and_compare("llama", _ep(2)),
         "checkpoint": lambda d: checkpoint_round_trip(d, _ep(2), _ep(2, extra=("fsdp",))),
