@@ -79,6 +79,18 @@ def test_expert_parallel_needs_an_expert_dimension() -> None:
     assert _problems([("parallel_mode", {"dims": [["expert", 2], ["data", -1]]}), "expert_parallel", "fsdp"], 4) == []
 
 
+def test_a_rank_order_that_permutes_an_expert_group_is_refused() -> None:
+    # measured before the rule: losses off from the first step (tokens dispatched by group rank to the rank whose
+    # DTensor shard, placed by mesh position, holds other experts)
+    problems = _problems([("parallel_mode", {"dims": [["expert", 2], ["data", 1]], "rank_order": [1, 0]}),
+                          "expert_parallel"])
+    assert any("rank_order permutes an expert group" in p for p in problems), problems
+    assert _problems([("parallel_mode", {"dims": [["expert", 2], ["data", 2]], "rank_order": [0, 1, 3, 2]}),
+                      "expert_parallel"], 4)  # the second expert group [3, 2]
+    assert not _problems([("parallel_mode", {"dims": [["expert", 2], ["data", 2]], "rank_order": [2, 3, 0, 1]}),
+                          "expert_parallel"], 4)  # groups [2, 3], [0, 1]: each ascending
+
+
 def test_tensor_parallel_beside_experts_is_refused_with_a_reason() -> None:
     problems = _problems([("parallel_mode", {"dims": [["tensor", 2], ["expert", 2]]}), "expert_parallel",
                           "tensor_parallel"], 4)
