@@ -63,7 +63,9 @@ def test_plan_splits_every_experts_module_parameters_first(make: Any) -> None:
 def test_own_plan_for_experts_without_a_shipped_plan() -> None:
     torch.manual_seed(0)
     model = mixtral()
-    assert _own_plan(model) == expert_plan(model)  # atorch's own rule finds what transformers ships
+    shipped = expert_plan(model)
+    model.ep_plan = {}
+    assert _own_plan(model) == expert_plan(model) == shipped  # atorch's own rule finds what transformers ships
 
 
 def _problems(strategy: list[Any], world: int = 2) -> list[str]:
@@ -120,7 +122,8 @@ def _matches_one_process(entry: dict[str, Any], local_experts: int, dp_size: int
 
 
 @pytest.mark.parametrize(("scenario", "local_experts"),
-                         [("mixtral_e2", 2), ("qwen3_e2", 4), ("qwen2_e2", 2), ("mixtral_e2_fsdp", 2)])
+                         [("mixtral_e2", 2), ("qwen3_e2", 4), ("qwen2_e2", 2), ("mixtral_e2_fsdp", 2),
+                          ("mixtral_own_plan_e2", 2)])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str, local_experts: int) -> None:
     _matches_one_process(two[scenario], local_experts, dp_size=2)
 

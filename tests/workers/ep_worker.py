@@ -63,13 +63,21 @@ def qwen2_moe() -> nn.Module:
         router_aux_loss_coef=0.1, max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False))
 
 
+def mixtral_no_plan() -> nn.Module:
+    """Mixtral with its shipped ep_plan removed: the experts are found by atorch's own rule."""
+    model = mixtral()
+    model.ep_plan = {}
+    return model
+
+
 def qwen3_moe_3() -> nn.Module:
     """Three experts: an 'expert' size of 2 does not divide them."""
     return qwen3_moe(num_experts=3)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
-                                             "qwen3_moe_3": qwen3_moe_3, "llama": sm.tiny_llama}
+                                             "qwen3_moe_3": qwen3_moe_3, "llama": sm.tiny_llama,
+                                             "mixtral_no_plan": mixtral_no_plan}
 
 
 def _make(name: str) -> nn.Module:
@@ -228,6 +236,7 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "qwen3_e2": lambda d: train_and_compare("qwen3_moe", _ep(2)),
         "mixtral_e2_fsdp": lambda d: train_and_compare("mixtral", _ep(2, extra=("fsdp",))),
         "qwen2_e2": lambda d: train_and_compare("qwen2_moe", _ep(2)),
+        "mixtral_own_plan_e2": lambda d: train_and_compare("mixtral_no_plan", _ep(2)),
         "mixtral_e2_accumulated": lambda d: train_accumulated("mixtral", _ep(2)),
         "qwen3_e2_fsdp_accumulated": lambda d: train_accumulated("qwen3_moe", _ep(2, extra=("fsdp",))),
         "three_experts_refused": lambda d: train_and_compare("qwen3_moe_3", _ep(2)),
