@@ -185,8 +185,11 @@ class ExpertGradientSync:
             return
         from torch.distributed.tensor import DTensor
 
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in model.parameters() if is_expert_param(p) and p.grad is not None]
+        experts = [p for p in model.parameters() if is_expert_param(p) and p.requires_grad]
+        for param in experts:  # every replica reduces the same list, also where a weight saw no token (no hang)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in experts]
         with torch.no_grad():
             if grads and self.replicas is not None:
                 flat = torch.cat([g.reshape(-1) for g in grads])  # one reduction (linear: sums of sums)
