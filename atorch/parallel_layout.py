@@ -188,7 +188,7 @@ class ParallelLayout:
             return cached[1]
         mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups())
         mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(DATA,))
-        _MESHES[key] = (group, mesh)  # type: ignore[index]
+        _MESHES[key] = (group, mesh)
         return mesh
 
 
@@ -207,8 +207,8 @@ def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
             crossing, layout.world_size // layout.size("tensor"), per_node, layout, layout.size("tensor"))
 
 
-# (layout, device type) -> (the default group it was made on, mesh). Entries made on a process
-# group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
+# (layout, device type[, "batch": the data × expert mesh]) -> (the default group it was made on, mesh). Entries
+# made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
 _MESHES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
