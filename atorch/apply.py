@@ -23,6 +23,7 @@ from atorch.names import user_param_groups
 from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
 from atorch.opt_lib.deepspeed_zero import start_deepspeed
 from atorch.opt_lib.ds_3d_parallel import start_ds_pipeline
+from atorch.opt_lib.expert_parallel import expert_param_names, reduce_expert_gradients, split_experts
 from atorch.opt_lib.fp8 import use_fp8_linears
 from atorch.opt_lib.mixed_parallel import expand_mixed
 from atorch.opt_lib.module_replace import replace_registered
@@ -101,6 +102,7 @@ _MODEL_STEPS: dict[str, Callable[[_Build, Any], bool | None]] = {
     "fp8": lambda b, config: use_fp8_linears(b.ctx, config),
     "amp_native": lambda b, config: autocast_forward(b.ctx, config),
     "tensor_parallel": _split_tensors,
+    "expert_parallel": lambda b, config: split_experts(b.ctx, config, b.communicate),
     "checkpoint": lambda b, config: checkpoint_blocks(b.ctx, config),
     "fsdp": _shard,
     "zero2": _shard,
@@ -159,6 +161,8 @@ def _finish(b: _Build) -> None:
         replicate_tensor_parallel(ctx)  # [tensor_parallel] replicas of DTensor shards: DDP refuses them, see there
     elif communicate and b.sharding is None and ctx.dp_size > 1:
         replicate_stages(ctx) if pipeline is not None else _wrap_ddp(ctx)  # [pipeline] not DDP: see there
+    if communicate and "expert_parallel" in cfg:  # [expert_parallel] expert gradients: over their replicas only
+        reduce_expert_gradients(ctx)
     # Loss scaling for fp16 autocast (DeepSpeed scales inside its engine).
     if amp is not None and ctx.engine is None and ctx.optimizer is not None:  # no optimizer: nothing to scale for
         ctx.grad_scaler = grad_scaler_for(ctx, amp)
@@ -187,6 +191,8 @@ def _wrap_ddp(ctx: ModelContext) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = ctx.env.device.type == "cuda"
+    # [expert_parallel] each rank's experts differ: DDP neither broadcasts nor averages them (expert_parallel.py)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, expert_param_names(ctx.model))
     model = DistributedDataParallel(
         ctx.model,
         device_ids=[ctx.env.device.index] if cuda else None,

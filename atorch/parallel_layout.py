@@ -24,6 +24,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from atorch.errors import StrategyError
 
 DATA = "data"
+# Expert-parallel ranks are data ranks too (torchtitan, DeepSpeed-MoE): each trains on its own share of the batch,
+# so the batch is split over data × expert ranks, and data parallelism (DDP/FSDP of the non-expert parameters)
+# runs over that group. The ranks holding the same experts are the 'data' dimension alone.
+EXPERT = "expert"
+BATCH_DIMS = (DATA, EXPERT)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class ParallelLayout:
 
     @property
     def data_size(self) -> int:
-        return self.size(DATA)
+        """The data-parallel size: the ranks the batch is split over (data × expert)."""
+        return self.size(DATA) * self.size(EXPERT)
 
     def ranks(self) -> torch.Tensor:
         """The global rank at each mesh position, shaped like the mesh (dimension i of the tensor is
@@ -96,8 +102,20 @@ class ParallelLayout:
         return dict(zip(self.names, coords, strict=True))
 
     def data_rank(self, rank: int) -> int:
-        """The data-parallel rank of a global rank: its coordinate along 'data' (0 without one)."""
-        return self.coordinate(rank).get(DATA, 0)
+        """The data-parallel rank of a global rank: its coordinate along 'data' (0 without one); with an 'expert'
+        dimension, its place in its data × expert group (the group's ranks in ascending order, as torch numbers
+        them)."""
+        if EXPERT not in self.names:
+            return self.coordinate(rank).get(DATA, 0)
+        return next(group.index(rank) for group in self.batch_groups() if rank in group)
+
+    def batch_groups(self) -> list[list[int]]:
+        """The data × expert groups (the ranks that split one batch), each in ascending rank order."""
+        with unset_fake_temporarily():
+            ranks = self.ranks()
+            inner = [self.names.index(n) for n in BATCH_DIMS if n in self.names]
+            others = [i for i in range(len(self.names)) if i not in inner]
+            return [sorted(line) for line in ranks.permute(*others, *inner).reshape(-1, self.data_size).tolist()]
 
     def groups_follow_coordinates(self, name: str) -> bool:
         """True if along dimension ``name`` every group's ranks ascend with the coordinate.
@@ -151,8 +169,27 @@ class ParallelLayout:
         return mesh
 
     def data_mesh(self, device_type: str) -> Any:
-        """The 1-D data-parallel sub-mesh this process belongs to."""
-        return self.mesh(device_type)[DATA]
+        """The 1-D data-parallel sub-mesh this process belongs to (with an 'expert' dimension: data × expert)."""
+        if EXPERT not in self.names:
+            return self.mesh(device_type)[DATA]
+        return self._batch_mesh(device_type)
+
+    def _batch_mesh(self, device_type: str) -> Any:
+        """A 1-D mesh over this process's data × expert group. A DeviceMesh slices only dimensions in its own order
+        and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order, which
+        FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.mesh(device_type)  # the layout's own mesh first, on every rank in the same order
+        group, key = dist.group.WORLD, (self, device_type, "batch")
+        cached = _MESHES.get(key)
+        if cached is not None and cached[0] is group:
+            return cached[1]
+        mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups())
+        mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(DATA,))
+        _MESHES[key] = (group, mesh)
+        return mesh
 
 
 def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
@@ -170,9 +207,9 @@ def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
             crossing, layout.world_size // layout.size("tensor"), per_node, layout, layout.size("tensor"))
 
 
-# (layout, device type) -> (the default group it was made on, mesh). Entries made on a process
-# group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
-_MESHES: dict[tuple[ParallelLayout, str], tuple[Any, Any]] = {}
+# (layout, device type[, "batch": the data × expert mesh]) -> (the default group it was made on, mesh). Entries
+# made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
+_MESHES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 
 def forget_meshes() -> None:

@@ -45,9 +45,9 @@ def _deepspeed(name: str) -> Callable[[Configs], bool]:
     return lambda configs: getattr(configs[name], "implementation", None) == "deepspeed"
 
 
-def _permuted_data_groups(configs: Configs) -> bool:
-    """parallel_mode's rank_order puts a data group's ranks out of ascending order."""
-    from atorch.parallel_layout import DATA, ParallelLayout
+def _permuted_groups(configs: Configs, dim: str = "data") -> bool:
+    """parallel_mode's rank_order puts a data group's (or a ``dim`` group's) ranks out of ascending order."""
+    from atorch.parallel_layout import ParallelLayout
 
     mode = configs["parallel_mode"]
     if mode.rank_order is None:
@@ -59,7 +59,7 @@ def _permuted_data_groups(configs: Configs) -> bool:
         layout = ParallelLayout(dims, tuple(mode.rank_order))
     except ValueError:  # sizes and order disagree: parallel_mode's own check reports that
         return False
-    return not layout.groups_follow_coordinates(DATA)
+    return not layout.groups_follow_coordinates(dim)
 
 
 def _ddp_data_parallel(configs: Configs) -> bool:
@@ -106,7 +106,7 @@ RULES: tuple[Rule, ...] = (
             "place each shard by group rank while its checkpoint metadata follows the mesh position "
             "(a saved checkpoint would reload the wrong weights)",
             "give each data-parallel group's ranks in ascending order (or drop rank_order)",
-            when=_permuted_data_groups, condition="rank_order permutes a data-parallel group",
+            when=_permuted_groups, condition="rank_order permutes a data-parallel group",
             example=(("parallel_mode", {"dims": [["data", 2]], "rank_order": [1, 0]}), sharding),
         )
         for sharding in ("fsdp", "zero2")
@@ -224,6 +224,50 @@ RULES += (
         "DeepSpeed's topology numbers ranks in its own (row-major) order",
         "drop rank_order", when=lambda c: c["parallel_mode"].rank_order is not None, condition="rank_order given",
         example=(("parallel_mode", {"dims": [["pipeline", 2], ["data", 1]], "rank_order": [1, 0]}), "ds_3d_parallel"),
+    ),
+)
+
+
+# expert_parallel: the experts split over parallel_mode's 'expert' dimension (expert_parallel.py).
+_EP_DIMS = {"dims": [["expert", 2], ["data", 1]]}
+_EP_ALONE: tuple[tuple[str, str, str], ...] = (
+    ("tensor_parallel", "splitting the attention over a tensor dimension next to the experts over an expert "
+     "dimension is not supported yet (the expert dispatch would need each tensor group's slice of the tokens)",
+     "drop 'tensor_parallel' (or 'expert_parallel': tensor_parallel alone keeps every expert on every rank)"),
+    ("mixed_parallel", "tensor and pipeline stages next to an expert dimension are not supported yet",
+     "drop 'mixed_parallel'"),
+    ("pipeline_parallel", "pipeline stages next to an expert dimension are not supported yet (each stage's experts "
+     "would dispatch inside the schedule)", "drop 'pipeline_parallel'"),
+    ("ds_3d_parallel", "DeepSpeed's pipeline engine takes plain tensors, not expert-parallel DTensors",
+     "drop 'ds_3d_parallel'"),
+    ("zero1", "ZeroRedundancyOptimizer cannot partition expert-parallel (DTensor) parameters",
+     "use 'fsdp' (or 'zero2') over the data × expert ranks instead of 'zero1'"),
+)
+
+
+RULES += (
+    # (expert_parallel without any parallel_mode: ExpertParallel.check says the same)
+    Rule(("expert_parallel", "parallel_mode"), "expert_parallel splits the experts over parallel_mode's 'expert' "
+         "dimension", "add one, e.g. ('parallel_mode', {'dims': [['expert', 2], ['data', -1]]})",
+         when=lambda c: not _has_dim("expert")(c), condition="no 'expert' dimension in parallel_mode",
+         example=("expert_parallel", ("parallel_mode", {"dims": [["data", 2]]}))),
+    *(
+        Rule(("expert_parallel", other), reason, fix, example=(("parallel_mode", _EP_DIMS), "expert_parallel", other))
+        for other, reason, fix in _EP_ALONE
+    ),
+    Rule(
+        ("expert_parallel", "parallel_mode"),
+        "torch numbers a process group's ranks in ascending order, so with this rank_order the experts would be "
+        "dispatched by group rank to ranks whose DTensor shard (placed by mesh position) holds other experts",
+        "give each expert group's ranks in ascending order (or drop rank_order)",
+        when=lambda c: _permuted_groups(c, "expert"), condition="rank_order permutes an expert group",
+        example=(("parallel_mode", {"dims": [["expert", 2], ["data", 1]], "rank_order": [1, 0]}), "expert_parallel"),
+    ),
+    Rule(
+        ("expert_parallel", "zero2"), "DeepSpeed's engine takes plain tensors, not expert-parallel DTensors",
+        "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
+        when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
+        example=(("parallel_mode", _EP_DIMS), "expert_parallel", ("zero2", {"implementation": "deepspeed"})),
     ),
 )
 

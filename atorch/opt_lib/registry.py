@@ -31,6 +31,9 @@ METHOD_MODULES: dict[str, str] = {
     # (2-D: FSDP2 takes DTensor parameters) [communication: the tensor group takes its first rank's weights]
     "tensor_parallel": "tensor_parallel",
     "mixed_parallel": "mixed_parallel",  # expanded up front into tensor_parallel and pipeline_parallel
+    # the experts split over the 'expert' dimension before recompute wraps the blocks and before DDP/FSDP, which
+    # leave the expert parameters alone [communication: the experts take the first data × expert rank's weights]
+    "expert_parallel": "expert_parallel",
     "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",

@@ -16,6 +16,7 @@ from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
+from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.fsdp_keys import translate
 from atorch.opt_lib.registry import register
 
@@ -211,6 +212,8 @@ def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
     group, src = mesh.get_group(), int(mesh.mesh.flatten()[0])
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
+            if is_expert_param(tensor):  # [expert_parallel] each rank's own experts (expert_parallel.py)
+                continue
             # A tensor-parallel parameter: each data rank holds the same shard, broadcast that.
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
             dist.broadcast(local, src=src, group=group)
@@ -244,6 +247,7 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     for module in ignored_modules if materialiser is not None else []:
         materialiser.before_shard(module)
     ignored = {p for m in ignored_modules for p in m.parameters()}
+    experts = {p for p in model.parameters() if is_expert_param(p)}  # [expert_parallel] averaged over their replicas
     mp_policy = MixedPrecisionPolicy()
     if ctx.autocast_dtype is not None:
         mp_policy = MixedPrecisionPolicy(param_dtype=ctx.autocast_dtype, reduce_dtype=torch.float32)
@@ -251,7 +255,7 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     offload = CPUOffloadPolicy(pin_memory=ctx.env.device.type == "cuda") if config.cpu_offload else OffloadPolicy()
     options = dict(
         mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-        offload_policy=offload, ignored_params=ignored or None,
+        offload_policy=offload, ignored_params=(ignored | experts) or None,
     )
     # Batch norm keeps fp32 parameters under mixed precision: its running statistics are fp32 buffers,
     # and CPU batch_norm refuses 16-bit weights with them (autocast runs it on 16-bit inputs as is).
