@@ -177,6 +177,7 @@ from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.hardware import HardwareProfile
+from atorch.strategy_search.precision import REGIMES, PrecisionRegime, default_regime, rank_bytes
 
 # Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
 # "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.
@@ -724,6 +725,10 @@ class TransformerShape(_Frozen):
     # optimisation, on by default: Narayanan et al. 2021, section 4.1). False: torch's pipelining sends whole
     # tensors, and today's linear fuses the bias into the matmul.
     megatron_2021: bool = False
+    # the precision regime (``precision.REGIMES``: amp_native, fsdp_mixed, megatron) the job runs under; None: the
+    # layout's default (``autocast`` False: Megatron-LM's; ZeRO-2/FSDP: FSDP2's mixed precision; else amp_native).
+    # A regime sets the bytes per parameter and whether the residual stream is fp32 (it overrides ``autocast``).
+    precision: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -830,6 +835,17 @@ def _group_collective_s(profile: HardwareProfile, name: str, nbytes: float, size
     return nbytes * factor / bandwidth + latency * count
 
 
+def _regime(shape: TransformerShape, sharding: str, half: bool) -> PrecisionRegime:
+    """The precision regime the transformer terms count bytes with (``precision``; see TransformerShape)."""
+    if half:  # everything in 16 bits, no master weights
+        return PrecisionRegime("half", 2.0, 2.0, 2.0, 0.0, 2.0, autocast=False, fsdp2=True, summary="16 bits only")
+    if shape.precision is not None:
+        if shape.precision not in REGIMES:
+            raise ValueError(f"unknown precision regime {shape.precision!r}: one of {list(REGIMES)}")
+        return REGIMES[shape.precision]
+    return REGIMES["megatron" if not shape.autocast else default_regime(sharding, 1)]
+
+
 def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Facts, profile: HardwareProfile,
                             dtype: str, optimizer_state_factor: float, selective_recompute: bool) -> Prediction:
     """Memory and step time of a transformer on its busiest rank (see the transformer terms above)."""
@@ -840,13 +856,18 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     pipe = _pipeline_config(strategy)
     v = pipe.stages_per_rank() if pipe is not None and pp > 1 else 1
     recompute = "full" if f.checkpoint else "selective" if selective_recompute else "none"
+    sharding = f.sharding or ("zero1" if f.zero1 else "none")
+    regime = _regime(shape, sharding, f.half)
+    if regime.autocast != shape.autocast:
+        shape = shape.model_copy(update={"autocast": regime.autocast})
     b, s, h, m = f.micro, shape.seq, shape.hidden, f.micro_batches
     tokens = b * s  # per micro-batch
     stage_layers = math.ceil(shape.layers / pp)
-    wbytes = 2.0 if f.half else 4.0  # parameter bytes as built (fp32 master weights under amp_native)
-    # gradient bytes: the parameters' under autocast (fp32); Megatron-LM's --fp16 keeps 16-bit gradients and
-    # all-reduces them so (without --accumulate-allreduce-grads-in-fp32, which its published runs did not pass)
-    grad_el = 2.0 if f.half or not shape.autocast else 4.0
+    wbytes = 2.0 if f.half else 4.0  # bytes per parameter of what the optimizer updates (fp32 master weights)
+    # gradient bytes: the regime's (fp32 under autocast, FSDP2's fp32 reduction and Megatron-LM's fp32 buffer);
+    # Megatron-LM 2021's --fp16 kept 16-bit gradients and all-reduced them so (without
+    # --accumulate-allreduce-grads-in-fp32, which its published runs did not pass)
+    grad_el = 2.0 if f.half or (shape.megatron_2021 and regime.name == "megatron") else regime.grads
 
     # Parameters on the busiest stage: its layers split over tensor ranks, plus the vocabulary layer(s) it holds
     # (first stage: the embedding; last: the head, a copy of the embedding when tied; pp = 1: both).
@@ -854,20 +875,10 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     first = shape.embedding_params() / vocab_split
     last = (shape.head_params() or shape.vocab * h) / vocab_split if pp > 1 else shape.head_params() / vocab_split
     n_rank = layer_params + (first + last if pp == 1 else max(first, last)) + 2 * h
-    owned = n_rank / dp if (f.sharding or f.zero1) else n_rank
-    params = n_rank * wbytes / (dp if f.sharding == "fsdp" else 1)
-    grads = n_rank * wbytes / (dp if f.sharding else 1)
-    state = optimizer_state_factor * owned * wbytes
-    temporary = 0.0
-    if f.amp and not f.half:
-        gathered16 = n_rank * 2.0
-        if f.sharding == "zero2":
-            temporary += gathered16  # every layer stays gathered from its forward to its backward
-            params = n_rank * wbytes / dp
-        elif f.sharding == "fsdp":
-            temporary += 2 * shape.layer_params() / tp * 2.0  # one layer gathered, the next prefetched
-        else:
-            temporary += gathered16  # autocast's 16-bit copies of the weights (Megatron's fp16 parameters)
+    owned = n_rank / dp if sharding != "none" else n_rank
+    held = rank_bytes(regime, sharding, n_rank, shape.layer_params() / tp, dp, grads=grad_el,
+                      states=optimizer_state_factor)
+    params, grads, state, temporary = held.parameters, held.gradients, held.optimizer_state, held.temporary
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
 
     # Activations on the first stage (it holds the most micro-batches in flight).
@@ -929,7 +940,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     # the loss on the last stage: 16-bit logits written (2V), cast to fp32 (read 2V, write 4V), cross-entropy
     # (read 4V, write 4V) and its backward (read 4V, write 4V, cast back: read 4V... ~24V bytes per token)
     mb_elementwise += tokens * VOCAB_LOSS_BYTES * shape.vocab / vocab_split
-    if f.amp and not f.half and shape.autocast:  # autocast casts every fp32 weight to 16 bits in each forward
+    if regime.autocast and not f.half:  # autocast casts every fp32 weight to 16 bits in each forward
         mb_elementwise += 6.0 * n_rank * (2 if recompute == "full" else 1)
     act_bytes = 2.0 * tokens * h  # a layer's hidden states in 16 bits
     tp_count = stage_layers * (4 + (2 if recompute == "full" else 0))
@@ -957,7 +968,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
 
     # Data-parallel collectives over the data group (stride t·p), exposed where nothing hides them.
     grad_bytes = n_rank * grad_el
-    gather_bytes = n_rank * (2.0 if f.amp and not f.half else wbytes)
+    gather_bytes = n_rank * regime.gathered
     stride = tp * pp
     dp_comm, hidden_by = 0.0, 0.0
     if dp > 1:
@@ -982,7 +993,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
             exposed = reduce if pp > 1 else max(0.0, reduce - last_backward)
             dp_comm = reduce
             if f.zero1:
-                dp_comm += _group_collective_s(profile, "all_gather", n_rank * wbytes, dp, stride, 1)
+                dp_comm += _group_collective_s(profile, "all_gather", n_rank * regime.weights, dp, stride, 1)
             hidden_by = reduce - exposed
     exposed_comm = (mb_tp + mb_p2p) * m + dp_comm - hidden_by
     passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor
@@ -991,5 +1002,6 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     time = TimePrediction(compute=compute, communication=exposed_comm, optimizer=optimizer, bubble=bubble,
                           step=step)
     notes = (f"transformer terms: tensor {tp}, pipeline {pp} (x{v} virtual), data {dp}, sharding {f.sharding or 'none'}"
-             f"{' zero1' if f.zero1 else ''}, recompute {recompute}, sequence parallel {sp}, bubble {bubble:.4g} s",)
+             f"{' zero1' if f.zero1 else ''}, precision {regime.name}, recompute {recompute}, sequence parallel {sp}, "
+             f"bubble {bubble:.4g} s",)
     return Prediction(memory=memory, time=time, samples_per_rank=f.micro, notes=notes)
