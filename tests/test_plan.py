@@ -76,8 +76,12 @@ def test_unfused_attention_on_the_roofline_and_gradient_accumulation() -> None:
     assert one == pytest.approx(expected, rel=1e-9)
     fused, _ = _one_gpu(shape.model_copy(update={"flash_attention": True}), 1, 1)
     assert fused < one
-    # four micro-batches accumulate three gradients into the first one's (read two, write one; 16-bit here)
+    # four micro-batches accumulate three gradients into the first one's (read two, write one): Megatron-LM's fp32
+    # gradient buffer (the regime of a shape without autocast), 16 bits under 2021's --fp16
     four, _ = _one_gpu(shape, 4, 1)
+    assert four - 4 * one == pytest.approx(3 * 3 * 4.0 * shape.params() / bw, rel=1e-6)
+    old = shape.model_copy(update={"megatron_2021": True})
+    four, one = _one_gpu(old, 4, 1)[0], _one_gpu(old, 1, 1)[0]
     assert four - 4 * one == pytest.approx(3 * 3 * 2.0 * shape.params() / bw, rel=1e-6)
 
 

@@ -30,14 +30,19 @@ from atorch.strategy_search.analyser import ModelStats
 from atorch.strategy_search.cost_model import Prediction, TransformerShape, predict
 from atorch.strategy_search.hardware import HardwareProfile
 from atorch.strategy_search.model_shapes import stats_of
+from atorch.strategy_search.precision import REGIMES, default_regime
 
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MAX_MICRO_BATCH = 16
-MAX_VIRTUAL_STAGES = 8
+MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
                "sequence_parallel", "micro_batch_size")
+# The memory figure's error band: the analytical cost model's measured error (the same band the automatic search
+# allows its analytical predictions, strategy_search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
+# within 1-6% of one H100's peak, bench/plan.py --gpu-check)
+MEMORY_BAND = 0.15
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,26 @@ class Plan:
     problems: tuple[str, ...] = ()  # the rules' reasons where atorch cannot run it (only a given layout)
     given: bool = False
     strategy: Strategy | None = field(default=None, repr=False)
+    precision: str = "amp_native"  # the precision regime its memory is counted in (precision.REGIMES)
+    peak_tflops: float = 0.0  # the profile's datasheet peak per GPU
+    mfu_ceiling: float = 1.0  # the profile's measured matmul rate over that peak: no real run computes faster
+    memory_limit: int = 0
+    notes: tuple[str, ...] = ()  # how the emitted strategy differs from what was predicted
+
+    @property
+    def above_ceiling(self) -> bool:
+        """Predicted faster than the matmul rate the profile measured (hardware FLOPs, recompute included): such a
+        figure is not believable, whatever the terms say."""
+        return bool(self.peak_tflops) and self.tflops_per_gpu > self.mfu_ceiling * self.peak_tflops * (1 + 1e-9)
+
+    @property
+    def memory_range(self) -> tuple[int, int]:
+        peak = self.prediction.memory.peak
+        return round(peak * (1 - MEMORY_BAND)), round(peak * (1 + MEMORY_BAND))
+
+    @property
+    def runs_in_atorch(self) -> bool:
+        return not self.problems
 
     def to_json(self) -> dict[str, Any]:
         lay, mem, t = self.layout, self.prediction.memory, self.prediction.time
@@ -90,6 +115,8 @@ class Plan:
             "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
             "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
             "fits": self.fits, "over_by_bytes": self.over_by, "memory_per_gpu_bytes": mem.peak,
+            "memory_band": MEMORY_BAND, "memory_per_gpu_range_bytes": list(self.memory_range),
+            "fits_with_band": self.memory_range[1] <= self.memory_limit, "precision_regime": self.precision,
             "memory": {"parameters": mem.parameters, "gradients": mem.gradients,
                        "optimizer_state": mem.optimizer_state, "activations": mem.activations,
                        "temporary": mem.temporary},
@@ -97,8 +124,9 @@ class Plan:
             "time": {"compute": t.compute, "communication": t.communication, "bubble": t.bubble,
                      "optimizer": t.optimizer},
             "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
-            "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "given": self.given,
-            "runnable": not self.problems, "problems": list(self.problems),
+            "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "mfu_ceiling": self.mfu_ceiling,
+            "above_mfu_ceiling": self.above_ceiling, "given": self.given,
+            "runnable": not self.problems, "problems": list(self.problems), "notes": list(self.notes),
             "strategy": json.loads(self.strategy.to_json()) if self.strategy else None,
         }
 
@@ -153,8 +181,10 @@ def _micro_batch_sizes(per_rank: int, pipeline: int) -> list[int]:
     return [b for b in _divisors(per_rank) if b <= MAX_MICRO_BATCH and per_rank // b >= pipeline]
 
 
-def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch: int) -> Iterator[Layout]:
-    """Every layout of ``gpus`` the model's sizes admit (the rules are checked apart)."""
+def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch: int,
+            virtual_stages: int | None = None) -> Iterator[Layout]:
+    """Every layout of ``gpus`` the model's sizes admit (the rules are checked apart); ``virtual_stages``: also that
+    many per rank where it exceeds the enumerated ones (at most one layer per virtual stage)."""
     for t in _divisors(min(gpus, gpus_per_node)):
         if gpus % t or shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads):
             continue
@@ -166,7 +196,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
                 continue
             schedules: list[tuple[str, int]] = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)]
             if p > 1:  # atorch splits the blocks as evenly as it can: the stages need not hold equal counts
-                schedules += [("interleaved_1f1b", v) for v in range(2, MAX_VIRTUAL_STAGES + 1)
+                extra = {virtual_stages} if virtual_stages and virtual_stages > MAX_VIRTUAL_STAGES else set()
+                schedules += [("interleaved_1f1b", v) for v in sorted(set(range(2, MAX_VIRTUAL_STAGES + 1)) | extra)
                               if p * v <= shape.layers]
             for schedule, v in schedules:
                 for sharding in SHARDINGS if dp > 1 else ("none",):
@@ -183,12 +214,36 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
                                 yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split)
 
 
+def regime_of(shape: TransformerShape, lay: Layout, precision: str | None, runnable: bool) -> str:
+    """The precision regime a layout is evaluated in: the one asked for, else the shape's (16 bits throughout, no
+    autocast: Megatron-LM's), else the layout's default (``default_regime``)."""
+    if precision is not None and precision not in REGIMES:
+        raise SetupError([f"--precision-regime must be one of {list(REGIMES)}, got {precision!r}"])
+    if precision or shape.precision:
+        return precision or str(shape.precision)
+    return "megatron" if not shape.autocast else default_regime(lay.sharding, lay.tensor, runnable)
+
+
+def _regime_notes(lay: Layout, regime: str) -> tuple[str, ...]:
+    """Where the emitted strategy's precision is not the regime the plan was predicted in (atorch runs amp_native:
+    autocast over fp32 weights, with FSDP2's mixed-precision policy under zero2/fsdp)."""
+    atorch_runs = "fsdp_mixed" if lay.sharding in ("zero2", "fsdp") else "amp_native"
+    if regime == atorch_runs:
+        return ()
+    return (f"predicted in the {regime} regime ({REGIMES[regime].summary}); the emitted strategy runs "
+            f"{atorch_runs} ({REGIMES[atorch_runs].summary})",)
+
+
 def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, global_batch: int,
-             memory_limit: int, strategy: Strategy | None = None, stats: ModelStats | None = None) -> Plan:
+             memory_limit: int, strategy: Strategy | None = None, stats: ModelStats | None = None,
+             precision: str | None = None, runnable: bool = True) -> Plan:
     """One layout's plan: ``predict`` with the transformer terms, and the figures a plan reports. With the
     analyser's ``stats`` of the model, ``predict`` uses the automatic search's own terms instead (measured
     per-operation and DTensor costs: what ranks small models on the local processes)."""
     strategy = strategy or strategy_for(lay)
+    regime = regime_of(shape, lay, precision, runnable)
+    if stats is None and shape.precision != regime:
+        shape = shape.model_copy(update={"precision": regime})
     mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
                                                     ("data", lay.data))))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
@@ -201,12 +256,15 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     step = pred.time.step
     model_flops = shape.model_flops_per_token() * tokens
     hardware_flops = model_flops + shape.recompute_flops_per_token(lay.recompute) * tokens
-    peak = profile.matmul_tflops.get("bfloat16") or profile.matmul_tflops.get("float32", 0.0)
+    dtype = "bfloat16" if "bfloat16" in profile.matmul_tflops else "float32"
+    peak = profile.matmul_tflops.get(dtype, 0.0)
     over = max(0, pred.memory.peak - memory_limit)
     return Plan(layout=lay, prediction=pred, fits=over == 0, over_by=over, tokens_per_s=tokens / step,
                 tflops_per_gpu=hardware_flops / step / gpus / 1e12,
                 model_tflops_per_gpu=model_flops / step / gpus / 1e12,
-                mfu=model_flops / step / gpus / (peak * 1e12) if peak else 0.0, strategy=strategy)
+                mfu=model_flops / step / gpus / (peak * 1e12) if peak else 0.0, strategy=strategy,
+                precision=regime, peak_tflops=peak, mfu_ceiling=profile.matmul_efficiency.get(dtype, 1.0),
+                memory_limit=memory_limit, notes=_regime_notes(lay, regime) if stats is None else ())
 
 
 @lru_cache(maxsize=64)
@@ -262,9 +320,10 @@ def check_job(gpus: int, gpus_per_node: int, global_batch: int, seq: int) -> Non
 
 def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: HardwareProfile,
              gpus_per_node: int | None = None, memory_limit: int | None = None,
-             given: dict[str, Any] | None = None, stats: ModelStats | None = None) -> PlanResult:
+             given: dict[str, Any] | None = None, stats: ModelStats | None = None,
+             precision: str | None = None) -> PlanResult:
     """Every runnable layout, predicted and ranked; a ``given`` layout's best completion first. ``stats``: see
-    ``evaluate``."""
+    ``evaluate``; ``precision``: the regime every layout is counted in (None: each layout's default)."""
     start = time.perf_counter()
     per_node = gpus_per_node or profile.gpus_per_node or profile.local_world_size
     check_job(gpus, per_node, global_batch, shape.seq)
@@ -273,13 +332,14 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
     plans: list[Plan] = []
     given_plans: list[Plan] = []
     considered = 0
-    for lay in layouts(shape, gpus, per_node, global_batch):
+    for lay in layouts(shape, gpus, per_node, global_batch, (given or {}).get("virtual_stages")):
         considered += 1
         problems = _problems(lay.structure(), gpus)
         wanted = given is not None and _matches(lay, given)
         if problems and not wanted:
             continue
-        plan = evaluate(shape, lay, profile, global_batch, limit, stats=stats)
+        plan = evaluate(shape, lay, profile, global_batch, limit, stats=stats, precision=precision,
+                        runnable=not problems)
         plan.problems = problems
         if not problems:
             plans.append(plan)
@@ -292,8 +352,10 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
                           f"count, or a GPU count that divides it"])
     if given is not None and not given_plans:
         raise SetupError([f"no layout of {gpus} GPUs matches --layout {given}: check that its sizes multiply to "
-                          f"the GPU count, tensor divides {per_node} and the heads ({shape.heads}), and the micro-"
-                          f"batch divides the per-rank batch"])
+                          f"the GPU count, tensor divides {per_node} and the heads ({shape.heads}), the micro-"
+                          f"batch divides the per-rank batch, pipeline × virtual_stages is at most the "
+                          f"{shape.layers} layers and, interleaved, the micro-batches are a multiple of the pipeline "
+                          f"size"])
     ranked = sorted(plans, key=_rank)
     if given_plans:
         best = min(given_plans, key=lambda plan: (bool(plan.problems), *_rank(plan)))  # runnable completions first
