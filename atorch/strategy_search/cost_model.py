@@ -729,6 +729,25 @@ class TransformerShape(_Frozen):
     # layout's default (``autocast`` False: Megatron-LM's; ZeRO-2/FSDP: FSDP2's mixed precision; else amp_native).
     # A regime sets the bytes per parameter and whether the residual stream is fp32 (it overrides ``autocast``).
     precision: str | None = None
+    # Mixture of experts (``experts`` 0: dense). A MoE layer routes each token to ``top_k`` of ``experts`` MLPs of
+    # width ``expert_ffn`` (gated as ``gated_mlp``) plus ``shared_experts`` that every token runs, through a router
+    # (h x experts); the first ``dense_layers`` layers keep a dense MLP of width ``ffn``. ``routing_node_limit``:
+    # each token's experts sit on at most that many nodes (DeepSeek-V3's node-limited routing: a token crosses the
+    # inter-node network once per node it visits); 0: no limit.
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    routing_node_limit: int = 0
+    # attention sizes where they are not hidden / heads: the query-key and value head sizes (DeepSeek's MLA: 192
+    # and 128) and the attention's matmul parameters per layer (its low-rank projections); 0: standard attention
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_params: int = 0
+    # the layout's expert dimension (set per layout by the planner): a MoE layer's experts split over that many
+    # ranks of the data dimension, their gradients and states sharded over the rest
+    expert_ranks: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -738,15 +757,71 @@ class TransformerShape(_Frozen):
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP width a token runs through (per layer): the dense MLP's, or its experts' together."""
+        return (self.top_k + self.shared_experts) * self.expert_ffn if self.moe else self.ffn
+
+    def expert_params(self) -> int:
+        """One expert's matmul parameters."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.expert_ffn
+
+    def layer_expert_params(self) -> int:
+        """A MoE layer's routed experts' parameters: what an expert dimension splits."""
+        return self.experts * self.expert_params() if self.moe else 0
+
+    def _attention_matmul_params(self) -> int:
+        h = self.hidden
+        return self.attention_params or h * (h + 2 * self.kv_dim) + h * h
+
     def layer_matmul_params(self) -> int:
+        """The matmul parameters a token runs through in a layer (a MoE layer: its top-k and shared experts and
+        the router), what the FLOPs count."""
         h, f = self.hidden, self.ffn
-        return h * (h + 2 * self.kv_dim) + h * h + (3 if self.gated_mlp else 2) * h * f
+        if self.moe:
+            return self._attention_matmul_params() + h * self.experts + (
+                self.top_k + self.shared_experts) * self.expert_params()
+        return self._attention_matmul_params() + (3 if self.gated_mlp else 2) * h * f
 
     def layer_params(self) -> int:
+        """Parameters of a layer (a MoE layer: every expert; the heaviest layer, what a stage holds)."""
         h, f = self.hidden, self.ffn
         bias = (h + 2 * self.kv_dim + h + f + h) if self.biases else 0
         norms = (4 if self.biases else 2) * h  # two norms (weight, and bias for LayerNorm)
+        if self.moe:
+            return (self._attention_matmul_params() + h * self.experts + (self.experts + self.shared_experts)
+                    * self.expert_params() + norms)
         return self.layer_matmul_params() + bias + norms
+
+    def _dense(self) -> TransformerShape:
+        return self.model_copy(update={"experts": 0, "top_k": 0, "dense_layers": 0})
+
+    def _layers_sum(self, per_layer: str) -> float:
+        """A per-layer figure summed over the layers (a MoE model's first ``dense_layers`` are dense)."""
+        moe_layers = self.layers - (self.dense_layers if self.moe else 0)
+        dense = getattr(self._dense(), per_layer)() * (self.layers - moe_layers)
+        return moe_layers * getattr(self, per_layer)() + dense
+
+    def score_flops(self) -> float:
+        """Forward FLOPs of the attention scores per token (Q·Kᵀ and probabilities·V): 4·s·h for standard heads."""
+        qk, v = self.qk_head_dim or self.head_dim, self.v_head_dim or self.head_dim
+        return 2.0 * self.seq * self.heads * (qk + v)
+
+    def active_params(self) -> int:
+        """Parameters a token runs through (a MoE model's active parameters; all of a dense model's)."""
+        if not self.moe:
+            return self.params()
+        routed = (self.experts - self.top_k) * self.expert_params() * (self.layers - self.dense_layers)
+        return self.params() - routed
+
+    def all_to_all_bytes_per_token(self) -> float:
+        """Bytes a MoE layer's token dispatch sends per token in one forward (16-bit hidden states to each of its
+        top-k experts); the combine returns as many."""
+        return 2.0 * self.hidden * self.top_k if self.moe else 0.0
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.position_embeddings * self.hidden
@@ -755,29 +830,29 @@ class TransformerShape(_Frozen):
         return 0 if self.tied_embeddings else self.vocab * self.hidden
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.head_params() + 2 * self.hidden
+        return round(self._layers_sum("layer_params")) + self.embedding_params() + self.head_params() + 2 * self.hidden
 
     def layer_fwd_flops(self) -> float:
         """Forward FLOPs of one layer per token."""
-        return 2.0 * self.layer_matmul_params() + 4.0 * self.seq * self.hidden
+        return 2.0 * self.layer_matmul_params() + self.score_flops()
 
     def vocab_fwd_flops(self) -> float:
         return 2.0 * self.hidden * self.vocab
 
     def model_flops_per_token(self) -> float:
         """Forward + backward FLOPs per token, no recompute (what MFU counts)."""
-        return 3.0 * (self.layers * self.layer_fwd_flops() + self.vocab_fwd_flops())
+        return 3.0 * (self._layers_sum("layer_fwd_flops") + self.vocab_fwd_flops())
 
     def recompute_flops_per_token(self, recompute: str) -> float:
         if recompute == "full":
-            return self.layers * self.layer_fwd_flops()
+            return self._layers_sum("layer_fwd_flops")
         if recompute == "selective":
-            return self.layers * 4.0 * self.seq * self.hidden
+            return self.layers * self.score_flops()
         return 0.0
 
     def layer_activation_bytes(self, tp: int, sequence_parallel: bool, scores: bool) -> float:
         """Bytes a layer saves for backward per token (Korthikanti et al. 2022, generalised; see above)."""
-        h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
+        h, f, a, s = self.hidden, self.mlp_width, self.heads, self.seq
         replicated = 8 * h + (2 * h if self.dropout else 0)
         split = 2 * h + 4 * h * self.kv_heads / self.heads + 2 * h + 4 * f + (2 * f if self.gated_mlp else 0)
         score = (5 if self.dropout else 2) * a * s if scores and not self.flash_attention else 0.0
@@ -801,7 +876,7 @@ class TransformerShape(_Frozen):
         stream is fp32: a norm reads and writes 4h and its output is cast for the matmul (read 4h, write 2h),
         a residual add reads 4h + 2h and writes 4h. Megatron-LM 2021 (``megatron_2021``) adds the QKV bias in a
         pass of its own (read and write 2·(h + 2·kv)) and copies the attention output (read and write 2h)."""
-        h, f, a, s = self.hidden, self.ffn, self.heads, self.seq
+        h, f, a, s = self.hidden, self.mlp_width, self.heads, self.seq
         norms_residual = (2 * 14 * h + 2 * 10 * h) if self.autocast else (2 * 4 * h + 2 * 6 * h)
         norms_residual += 3 * h if self.dropout else 0
         mlp = (6 if self.gated_mlp else 4) * f
@@ -833,6 +908,30 @@ def _group_collective_s(profile: HardwareProfile, name: str, nbytes: float, size
     bandwidth, latency = _group_link(profile, name, size, stride)
     factor = 2 * (size - 1) / size if name == "all_reduce" else (size - 1) / size
     return nbytes * factor / bandwidth + latency * count
+
+
+def _all_to_all_s(shape: TransformerShape, profile: HardwareProfile, tokens: float, stage_layers: int, ep: int,
+                  tp: int, recompute: bool) -> float:
+    """A micro-batch's expert all-to-alls on a stage: each MoE layer dispatches its tokens' hidden states to their
+    top-k experts and combines the results back, in forward, again in backward (and in the recompute), in line
+    with the compute. A rank keeps 1/ep of them, sends (local − 1)/ep over the node's links and the rest over its
+    own inter-node adapter (expert ranks are adjacent after the tensor ranks, so a node holds ``local`` of them);
+    node-limited routing caps the inter-node bytes at one copy per node a token visits."""
+    if not shape.moe or ep <= 1:
+        return 0.0
+    moe_layers = min(stage_layers, shape.layers - shape.dense_layers)
+    sent = tokens * shape.all_to_all_bytes_per_token()
+    per_node = profile.gpus_per_node or ep * tp
+    local = max(1, min(ep, per_node // tp))
+    intra = profile.collectives.get("all_gather")
+    inter = profile.inter_node.get("all_gather") or intra
+    intra_bw, latency = (intra.bus_bandwidth, intra.latency_s) if intra else (float("inf"), 0.0)
+    inter_bw = inter.bus_bandwidth if inter else float("inf")
+    off_node = sent * (ep - local) / ep
+    if shape.routing_node_limit:
+        off_node = min(off_node, sent / shape.top_k * shape.routing_node_limit)
+    one = sent * (local - 1) / ep / intra_bw + off_node / inter_bw + (inter.latency_s if inter else latency)
+    return moe_layers * one * (6 if recompute else 4)
 
 
 def _regime(shape: TransformerShape, sharding: str, half: bool) -> PrecisionRegime:
@@ -871,14 +970,22 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
 
     # Parameters on the busiest stage: its layers split over tensor ranks, plus the vocabulary layer(s) it holds
     # (first stage: the embedding; last: the head, a copy of the embedding when tied; pp = 1: both).
-    layer_params = stage_layers * shape.layer_params() / tp
+    # A MoE layer's routed experts split over the expert ranks too; they are replicated (and ZeRO-sharded) over
+    # the data ranks that hold the same experts (data / expert).
+    ep = max(1, shape.expert_ranks) if shape.moe else 1
+    layer_experts = shape.layer_expert_params() / tp
+    layer_dense = shape.layer_params() / tp - layer_experts
     first = shape.embedding_params() / vocab_split
     last = (shape.head_params() or shape.vocab * h) / vocab_split if pp > 1 else shape.head_params() / vocab_split
-    n_rank = layer_params + (first + last if pp == 1 else max(first, last)) + 2 * h
-    owned = n_rank / dp if sharding != "none" else n_rank
-    held = rank_bytes(regime, sharding, n_rank, shape.layer_params() / tp, dp, grads=grad_el,
-                      states=optimizer_state_factor)
-    params, grads, state, temporary = held.parameters, held.gradients, held.optimizer_state, held.temporary
+    n_experts = stage_layers * layer_experts / ep
+    n_dense = stage_layers * layer_dense + (first + last if pp == 1 else max(first, last)) + 2 * h
+    n_rank = n_dense + n_experts
+    expert_dp = max(1, dp // ep)
+    owned = n_dense / dp + n_experts / expert_dp if sharding != "none" else n_rank
+    held = [rank_bytes(regime, sharding, n, layer_n, d, grads=grad_el, states=optimizer_state_factor)
+            for n, layer_n, d in ((n_dense, layer_dense, dp), (n_experts, layer_experts / ep, expert_dp))]
+    params, grads, state, temporary = (sum(getattr(b, k) for b in held)
+                                       for k in ("parameters", "gradients", "optimizer_state", "temporary"))
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
 
     # Activations on the first stage (it holds the most micro-batches in flight).
@@ -927,10 +1034,15 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     # writes or reads an s×s matrix per head, a·s elements per token against 4·s·h FLOPs, an intensity near the
     # head size (64–160 FLOP/byte), below the ridge of a GPU (A100: 312 TFLOP/s over 2 TB/s = 153). Priced on the
     # roofline: the longer of their FLOPs at the matmul rate and their bytes at the memory bandwidth.
-    score_flops = 4.0 * s * h
+    score_flops = shape.score_flops()
     score_passes = 3 + (1 if recompute in ("full", "selective") else 0)
     layer_flops = (shape.layer_fwd_flops() - score_flops) * (3 + (1 if recompute == "full" else 0))
-    mb_flops = tokens * (stage_layers * layer_flops + 3 * shape.vocab_fwd_flops()) / tp
+    # fp8 (Transformer Engine's linears): the layers' matmuls at the profile's fp8 rate; attention and the vocabulary
+    # layer stay in 16 bits
+    layer_rate = flops_s
+    if "fp8" in strategy and profile.matmul_tflops.get("float8"):
+        layer_rate = profile.matmul_tflops["float8"] * 1e12 * profile.matmul_efficiency.get("float8", 1.0)
+    mb_flops = tokens * (stage_layers * layer_flops * flops_s / layer_rate + 3 * shape.vocab_fwd_flops()) / tp
     score_s = score_flops / tp / flops_s
     if not shape.flash_attention:
         score_s = max(score_s, shape.attention_matmul_bytes(tp) / bandwidth)
@@ -958,6 +1070,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
                 profile, "all_gather", act_bytes, tp, 1, 1)
         mb_p2p = 2 * v * one
     mb_compute = mb_flops / flops_s + mb_scores + mb_elementwise / bandwidth
+    mb_tp += _all_to_all_s(shape, profile, tokens, stage_layers, ep, tp, recompute == "full")
     mb_time = mb_compute + mb_tp + mb_p2p
     # Weight gradients accumulated over the step's micro-batches, at the memory bandwidth: torch's AccumulateGrad
     # adds each micro-batch's gradient into ``.grad`` from the second one on (reads both, writes one: 3 × the
