@@ -159,7 +159,7 @@ def test_given_layout_first(tmp_path: Path) -> None:
     assert rc == 0
     plans = json.loads(out.read_text())["plans"]
     first = plans[0]
-    assert first["given"] and first["layout"] == {"tensor": 4, "pipeline": 2, "data": 4}
+    assert first["given"] and first["layout"] == {"tensor": 4, "pipeline": 2, "data": 4, "expert": 1}
     assert first["sharding"] == "fsdp" and first["runnable"]
     assert sum(p["given"] for p in plans) == 1
     # the planner's free choices (schedule, recompute, micro-batch) were the best among that layout's

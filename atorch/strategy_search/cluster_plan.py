@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -38,11 +38,12 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
-               "sequence_parallel", "micro_batch_size")
+               "sequence_parallel", "micro_batch_size", "expert", "fp8")
 # The memory figure's error band: the analytical cost model's measured error (the same band the automatic search
 # allows its analytical predictions, strategy_search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
 # within 1-6% of one H100's peak, bench/plan.py --gpu-check)
 MEMORY_BAND = 0.15
+EXPERT_METHOD = "expert_parallel"  # the registry's method that splits experts over an 'expert' dimension
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,15 @@ class Layout:
     micro_batches: int  # per step: the schedule's micro-batches, or gradient accumulation without a pipeline
     # the embedding and LM head split over the tensor ranks (atorch's loss_parallel: without a pipeline only)
     vocab_parallel: bool = False
+    expert: int = 1  # a MoE model's experts split over this many of the data ranks (expert ranks are data ranks)
+    fp8: bool = False  # the layers' linears in fp8 (atorch's fp8 method; evaluated for --layout only)
 
     def structure(self) -> tuple[Any, ...]:
         return (self.tensor, self.pipeline, self.sharding, self.recompute, self.schedule, self.virtual_stages,
-                self.sequence_parallel, self.vocab_parallel)
+                self.sequence_parallel, self.vocab_parallel, self.expert, self.fp8)
 
     def describe(self) -> str:
-        text = f"t{self.tensor}·p{self.pipeline}·d{self.data}"
+        text = f"t{self.tensor}·p{self.pipeline}·d{self.data}" + (f"·e{self.expert}" if self.expert > 1 else "")
         if self.pipeline > 1:
             text += f" {self.schedule}" + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return text
@@ -91,6 +94,7 @@ class Plan:
     mfu_ceiling: float = 1.0  # the profile's measured matmul rate over that peak: no real run computes faster
     memory_limit: int = 0
     notes: tuple[str, ...] = ()  # how the emitted strategy differs from what was predicted
+    moe: dict[str, float] | None = None  # a MoE model's experts on a rank and its all-to-all volume
 
     @property
     def above_ceiling(self) -> bool:
@@ -110,7 +114,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         lay, mem, t = self.layout, self.prediction.memory, self.prediction.time
         return {
-            "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data},
+            "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data, "expert": lay.expert},
+            "fp8": lay.fp8, "moe": self.moe,
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "sharding": lay.sharding,
             "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
             "micro_batch_size": lay.micro_batch_size, "micro_batches": lay.micro_batches,
@@ -150,7 +155,14 @@ def _item(name: str, config: dict[str, Any] | None = None) -> StrategyItem:
 def strategy_for(lay: Layout) -> Strategy:
     """The Strategy a layout stands for (what ``--emit-strategy`` writes)."""
     names: dict[str, dict[str, Any]] = {"amp_native": {"dtype": "bf16"}}
-    dims = [(n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline)) if s > 1]
+    # expert ranks next to the tensor ranks (inside a node where they fit), then the pipeline
+    expert = lay.expert > 1 and EXPERT_METHOD in registry.method_names()
+    dims = [(n, s) for n, s in (("tensor", lay.tensor), ("expert", lay.expert if expert else 1),
+                                ("pipeline", lay.pipeline)) if s > 1]
+    if expert:
+        names[EXPERT_METHOD] = {}
+    if lay.fp8:
+        names["fp8"] = {}
     if dims:
         names["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
     tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
@@ -172,9 +184,13 @@ def strategy_for(lay: Layout) -> Strategy:
 
 @lru_cache(maxsize=4096)
 def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
-    t, p, sharding, recompute, schedule, v, sp, vocab = structure
-    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab)
-    return tuple(strategy_for(lay).problems(gpus))
+    t, p, sharding, recompute, schedule, v, sp, vocab, ep, fp8 = structure
+    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab, ep, fp8)
+    found = list(strategy_for(lay).problems(gpus))
+    if ep > 1 and EXPERT_METHOD not in registry.method_names():
+        found.append(f"an expert dimension needs an '{EXPERT_METHOD}' method, which this atorch version's registry "
+                     f"does not have: the strategy is written without it (every rank would hold every expert)")
+    return tuple(found)
 
 
 def _micro_batch_sizes(per_rank: int, pipeline: int) -> list[int]:
@@ -194,6 +210,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
             dp = gpus // (t * p)
             if global_batch % dp:
                 continue
+            # a MoE model's expert dimension: a size dividing the experts and the data ranks
+            experts = [e for e in _divisors(dp) if shape.experts % e == 0] if shape.moe else [1]
             schedules: list[tuple[str, int]] = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)]
             if p > 1:  # atorch splits the blocks as evenly as it can: the stages need not hold equal counts
                 extra = {virtual_stages} if virtual_stages and virtual_stages > MAX_VIRTUAL_STAGES else set()
@@ -211,7 +229,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
                                 m = global_batch // dp // b
                                 if schedule == "interleaved_1f1b" and m % p:
                                     continue  # the interleaved schedule runs micro-batches in groups of p
-                                yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split)
+                                for ep in experts:
+                                    yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split, ep)
 
 
 def regime_of(shape: TransformerShape, lay: Layout, precision: str | None, runnable: bool) -> str:
@@ -242,8 +261,8 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     per-operation and DTensor costs: what ranks small models on the local processes)."""
     strategy = strategy or strategy_for(lay)
     regime = regime_of(shape, lay, precision, runnable)
-    if stats is None and shape.precision != regime:
-        shape = shape.model_copy(update={"precision": regime})
+    if stats is None and (shape.precision, shape.expert_ranks) != (regime, lay.expert):
+        shape = shape.model_copy(update={"precision": regime, "expert_ranks": lay.expert})
     mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
                                                     ("data", lay.data))))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
@@ -264,7 +283,19 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
                 model_tflops_per_gpu=model_flops / step / gpus / 1e12,
                 mfu=model_flops / step / gpus / (peak * 1e12) if peak else 0.0, strategy=strategy,
                 precision=regime, peak_tflops=peak, mfu_ceiling=profile.matmul_efficiency.get(dtype, 1.0),
-                memory_limit=memory_limit, notes=_regime_notes(lay, regime) if stats is None else ())
+                memory_limit=memory_limit, notes=_regime_notes(lay, regime) if stats is None else (),
+                moe=_moe_figures(shape, lay) if shape.moe else None)
+
+
+def _moe_figures(shape: TransformerShape, lay: Layout) -> dict[str, float]:
+    """What a MoE layout puts on a rank: its experts per layer, their parameters on the busiest stage, and the
+    bytes one MoE layer's all-to-alls send per micro-batch (dispatch and combine, forward and backward)."""
+    stage_layers = -(-shape.layers // lay.pipeline)
+    tokens = lay.micro_batch_size * shape.seq
+    return {"experts_per_rank": shape.experts / lay.expert,
+            "expert_params_per_rank": stage_layers * shape.layer_expert_params() / lay.tensor / lay.expert,
+            "all_to_all_bytes_per_layer": 4 * tokens * shape.all_to_all_bytes_per_token() * (lay.expert - 1)
+            / lay.expert}
 
 
 @lru_cache(maxsize=64)
@@ -273,13 +304,14 @@ def _stats(shape: TransformerShape) -> Any:
 
 
 def _matches(lay: Layout, wanted: dict[str, Any]) -> bool:
-    return all(getattr(lay, k) == v for k, v in wanted.items())
+    return all(getattr(lay, k) == v for k, v in wanted.items() if k != "fp8")  # fp8 is not enumerated: set apart
 
 
 def parse_layout(text: str) -> dict[str, Any]:
     """``tensor=8,pipeline=35,sharding=zero1,...`` -> the fields given (the rest are the planner's)."""
     aliases = {"tp": "tensor", "pp": "pipeline", "dp": "data", "virtual": "virtual_stages",
-               "mbs": "micro_batch_size", "micro_batch": "micro_batch_size", "sp": "sequence_parallel"}
+               "mbs": "micro_batch_size", "micro_batch": "micro_batch_size", "sp": "sequence_parallel",
+               "ep": "expert"}
     wanted: dict[str, Any] = {}
     problems = []
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -289,7 +321,7 @@ def parse_layout(text: str) -> dict[str, Any]:
             problems.append(f"--layout: {part!r} is not key=value with a key in {list(LAYOUT_KEYS)}")
             continue
         value = value.strip()
-        if key == "sequence_parallel":
+        if key in ("sequence_parallel", "fp8"):
             wanted[key] = value.lower() in ("1", "true", "yes", "on")
         elif key in ("sharding", "recompute", "schedule"):
             choices = {"sharding": SHARDINGS, "recompute": RECOMPUTE, "schedule": (*SCHEDULES, "none")}[key]
@@ -334,8 +366,10 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
     considered = 0
     for lay in layouts(shape, gpus, per_node, global_batch, (given or {}).get("virtual_stages")):
         considered += 1
-        problems = _problems(lay.structure(), gpus)
         wanted = given is not None and _matches(lay, given)
+        if wanted and given and given.get("fp8"):
+            lay = replace(lay, fp8=True)
+        problems = _problems(lay.structure(), gpus)
         if problems and not wanted:
             continue
         plan = evaluate(shape, lay, profile, global_batch, limit, stats=stats, precision=precision,
