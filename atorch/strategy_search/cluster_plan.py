@@ -35,6 +35,8 @@ from atorch.strategy_search.precision import REGIMES, default_regime
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
+# published schedules atorch does not run: evaluated for --layout only, their strategies written with the nearest one
+FOREIGN_SCHEDULES = {"dualpipe": "1f1b"}
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
@@ -166,7 +168,8 @@ def strategy_for(lay: Layout) -> Strategy:
     if dims:
         names["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
     tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
-    pipe: dict[str, Any] = {"schedule": lay.schedule, "micro_batches": lay.micro_batches}
+    pipe: dict[str, Any] = {"schedule": FOREIGN_SCHEDULES.get(lay.schedule, lay.schedule),
+                            "micro_batches": lay.micro_batches}
     if lay.schedule == "interleaved_1f1b":
         pipe["virtual_stages"] = lay.virtual_stages
     if lay.tensor > 1 and lay.pipeline > 1:
@@ -187,6 +190,8 @@ def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
     t, p, sharding, recompute, schedule, v, sp, vocab, ep, fp8 = structure
     lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab, ep, fp8)
     found = list(strategy_for(lay).problems(gpus))
+    if schedule in FOREIGN_SCHEDULES:
+        found.append(f"atorch has no {schedule} schedule: the strategy is written with {FOREIGN_SCHEDULES[schedule]}")
     if ep > 1 and EXPERT_METHOD not in registry.method_names():
         found.append(f"an expert dimension needs an '{EXPERT_METHOD}' method, which this atorch version's registry "
                      f"does not have: the strategy is written without it (every rank would hold every expert)")
@@ -261,8 +266,9 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     per-operation and DTensor costs: what ranks small models on the local processes)."""
     strategy = strategy or strategy_for(lay)
     regime = regime_of(shape, lay, precision, runnable)
-    if stats is None and (shape.precision, shape.expert_ranks) != (regime, lay.expert):
-        shape = shape.model_copy(update={"precision": regime, "expert_ranks": lay.expert})
+    per_layout = {"precision": regime, "expert_ranks": lay.expert, "dualpipe": lay.schedule == "dualpipe"}
+    if stats is None and any(getattr(shape, k) != v for k, v in per_layout.items()):
+        shape = shape.model_copy(update=per_layout)
     mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
                                                     ("data", lay.data))))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
@@ -304,7 +310,9 @@ def _stats(shape: TransformerShape) -> Any:
 
 
 def _matches(lay: Layout, wanted: dict[str, Any]) -> bool:
-    return all(getattr(lay, k) == v for k, v in wanted.items() if k != "fp8")  # fp8 is not enumerated: set apart
+    # fp8 and foreign schedules are not enumerated: matched on the rest, then set (plan_job)
+    return all(getattr(lay, k) == (FOREIGN_SCHEDULES.get(v, v) if k == "schedule" else v)
+               for k, v in wanted.items() if k != "fp8")
 
 
 def parse_layout(text: str) -> dict[str, Any]:
@@ -324,7 +332,8 @@ def parse_layout(text: str) -> dict[str, Any]:
         if key in ("sequence_parallel", "fp8"):
             wanted[key] = value.lower() in ("1", "true", "yes", "on")
         elif key in ("sharding", "recompute", "schedule"):
-            choices = {"sharding": SHARDINGS, "recompute": RECOMPUTE, "schedule": (*SCHEDULES, "none")}[key]
+            choices = {"sharding": SHARDINGS, "recompute": RECOMPUTE,
+                       "schedule": (*SCHEDULES, *FOREIGN_SCHEDULES, "none")}[key]
             if value not in choices:
                 problems.append(f"--layout: {key} must be one of {list(choices)}, got {value!r}")
             wanted[key] = value
@@ -367,8 +376,8 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
     for lay in layouts(shape, gpus, per_node, global_batch, (given or {}).get("virtual_stages")):
         considered += 1
         wanted = given is not None and _matches(lay, given)
-        if wanted and given and given.get("fp8"):
-            lay = replace(lay, fp8=True)
+        if wanted and given and (given.get("fp8") or given.get("schedule") in FOREIGN_SCHEDULES):
+            lay = replace(lay, fp8=bool(given.get("fp8")), schedule=given.get("schedule", lay.schedule))
         problems = _problems(lay.structure(), gpus)
         if problems and not wanted:
             continue

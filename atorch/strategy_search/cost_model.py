@@ -693,6 +693,8 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
 #   rings and trees cross nodes through every GPU's own adapter). Ranks are ordered tensor fastest, then
 #   pipeline, then data (parallel_mode's order), so a tensor group stays in a node.
 
+# DualPipe keeps 20 of the H800's 132 SMs for its all-to-alls and sends (arXiv 2412.19437, section 3.2.2)
+DUALPIPE_COMPUTE_SHARE = 112 / 132
 ELEMENTWISE_PASSES = 4.0  # forward + backward (twice the forward) + recompute counted per pass (see below)
 LOGITS_BYTES_AUTOCAST = 14.0  # bytes per token and vocabulary entry held by the loss under autocast (see below)
 VOCAB_LOSS_BYTES = 24.0  # bytes per token and vocabulary entry the loss moves (logits, their cast, softmax, grads)
@@ -748,6 +750,14 @@ class TransformerShape(_Frozen):
     # the layout's expert dimension (set per layout by the planner): a MoE layer's experts split over that many
     # ranks of the data dimension, their gradients and states sharded over the rest
     expert_ranks: int = 1
+    # DeepSeek-V3's DualPipe schedule (set per layout by the planner; atorch has none): each rank holds two stages
+    # (both pipeline directions: twice the parameters and gradients), keeps pp + 1 micro-batches in flight, overlaps
+    # a forward chunk's all-to-alls and sends with another's backward on the SMs it keeps for communication, and
+    # fills (pp/2 − 1) x (F&B + B − 3W) of bubble (DeepSeek-AI 2024, arXiv 2412.19437, section 3.2.1, Table 2)
+    dualpipe: bool = False
+    # DeepSeek-V3's light recompute: RMSNorm and MLA's key/value up-projections are recomputed in backward, so
+    # neither the norms' inputs nor K and V are saved (MLA's small compressed latent is; arXiv 2412.19437, 3.3.3)
+    recompute_norms: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -853,8 +863,9 @@ class TransformerShape(_Frozen):
     def layer_activation_bytes(self, tp: int, sequence_parallel: bool, scores: bool) -> float:
         """Bytes a layer saves for backward per token (Korthikanti et al. 2022, generalised; see above)."""
         h, f, a, s = self.hidden, self.mlp_width, self.heads, self.seq
-        replicated = 8 * h + (2 * h if self.dropout else 0)
-        split = 2 * h + 4 * h * self.kv_heads / self.heads + 2 * h + 4 * f + (2 * f if self.gated_mlp else 0)
+        replicated = (4 if self.recompute_norms else 8) * h + (2 * h if self.dropout else 0)
+        kv = 0.0 if self.recompute_norms else 4 * h * self.kv_heads / self.heads
+        split = 2 * h + kv + 2 * h + 4 * f + (2 * f if self.gated_mlp else 0)
         score = (5 if self.dropout else 2) * a * s if scores and not self.flash_attention else 0.0
         if sequence_parallel:
             return (replicated + split + score) / tp
@@ -986,6 +997,9 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
             for n, layer_n, d in ((n_dense, layer_dense, dp), (n_experts, layer_experts / ep, expert_dp))]
     params, grads, state, temporary = (sum(getattr(b, k) for b in held)
                                        for k in ("parameters", "gradients", "optimizer_state", "temporary"))
+    dualpipe = shape.dualpipe and pp > 1
+    if dualpipe:  # two stages per rank
+        params, grads = 2 * params, 2 * grads
     step_temp = OPTIMIZER_TEMP_PER_STATE * optimizer_state_factor * owned * wbytes
 
     # Activations on the first stage (it holds the most micro-batches in flight).
@@ -1000,6 +1014,8 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
         in_flight = 1.0
     elif f.schedule == "gpipe":
         in_flight = float(m)
+    elif dualpipe:
+        in_flight = min(float(m), pp + 1.0)
     else:
         in_flight = min(float(m), pp * (1 + (pp - 1) / (pp * v)) if v > 1 else float(pp))
     # the loss's logits on the last stage: fp32 for the loss (Korthikanti: 4·s·b·V/t); under autocast also
@@ -1071,6 +1087,9 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
         mb_p2p = 2 * v * one
     mb_compute = mb_flops / flops_s + mb_scores + mb_elementwise / bandwidth
     mb_tp += _all_to_all_s(shape, profile, tokens, stage_layers, ep, tp, recompute == "full")
+    if dualpipe:  # the compute runs on the SMs communication leaves it and hides the in-line transfers
+        mb_compute /= DUALPIPE_COMPUTE_SHARE
+        mb_tp, mb_p2p = max(0.0, mb_tp + mb_p2p - mb_compute), 0.0
     mb_time = mb_compute + mb_tp + mb_p2p
     # Weight gradients accumulated over the step's micro-batches, at the memory bandwidth: torch's AccumulateGrad
     # adds each micro-batch's gradient into ``.grad`` from the second one on (reads both, writes one: 3 × the
@@ -1078,6 +1097,8 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     accumulate = (m - 1) * 3 * grad_el * n_rank
     compute = mb_compute * m + accumulate / bandwidth
     bubble = mb_time * (pp - 1) / v if pp > 1 else 0.0
+    if dualpipe:  # F&B + B − 3W with W (the weights' gradients) a third of a micro-batch: two thirds of one
+        bubble = mb_time * (pp / 2 - 1) * 2 / 3
 
     # Data-parallel collectives over the data group (stride t·p), exposed where nothing hides them.
     grad_bytes = n_rank * grad_el

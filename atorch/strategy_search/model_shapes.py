@@ -46,7 +46,8 @@ BUILTIN: dict[str, dict[str, Any]] = {
                      "experts": 8, "top_k": 2, "expert_ffn": 14336},
     "deepseek-v3": {"vocab": 129280, "gated_mlp": True, "layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128,
                     "ffn": 18432, "experts": 256, "top_k": 8, "expert_ffn": 2048, "shared_experts": 1,
-                    "dense_layers": 3, "routing_node_limit": 4, "qk_head_dim": 192, "v_head_dim": 128,
+                    "dense_layers": 3, "routing_node_limit": 4, "recompute_norms": True, "qk_head_dim": 192,
+                    "v_head_dim": 128,
                     "attention_params": 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
                     + 128 * 128 * 7168},
 }

@@ -23,6 +23,7 @@ from atorch.strategy_search.cluster_plan import (
     plan_job,
     smallest_fitting_cluster,
 )
+from atorch.strategy_search.precision import REGIME_NAMES
 from atorch.units import parse_bytes
 
 GIB = 2**30
@@ -45,7 +46,7 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--layout", default=None, help="evaluate a layout, e.g. tensor=8,pipeline=4,sharding=fsdp "
                       "(keys: tensor, pipeline, data, sharding, recompute, schedule, virtual_stages, "
                       "sequence_parallel, micro_batch_size; the rest chosen by the planner)")
-    plan.add_argument("--precision-regime", default="auto", choices=("auto", "amp_native", "fsdp_mixed", "megatron"),
+    plan.add_argument("--precision-regime", default="auto", choices=("auto", *REGIME_NAMES),
                       help="bytes per parameter as which mixed precision keeps them: amp_native (fp32 weights, "
                       "autocast), fsdp_mixed (FSDP2 MixedPrecisionPolicy: fp32 sharded master, bf16 gathered), "
                       "megatron "

@@ -1,6 +1,7 @@
 """Precision regimes of a training job: the bytes a parameter costs on a rank, and which of them a ZeRO stage shards.
 
-Three regimes, each a way large jobs are run (bytes per parameter; Adam's two states; ``d`` the data ranks):
+Three regimes (and DeepSeek-V3's, for its published run), each a way large jobs are run (bytes per parameter;
+Adam's two states; ``d`` the data ranks):
 
 * ``amp_native`` — atorch's ``amp_native`` without sharding: fp32 weights and gradients, torch autocast casting
   the weights to bf16 in every forward (its cache holds a 16-bit copy through forward and backward): 4 + 4 + 8,
@@ -51,6 +52,11 @@ REGIMES: dict[str, PrecisionRegime] = {
         "megatron", weights=2.0, gathered=2.0, grads=4.0, master=4.0, state=4.0, autocast=False, fsdp2=False,
         summary="Megatron-LM: bf16 weights, fp32 gradient buffer, fp32 master weights and Adam states in the "
                 "(distributed) optimizer"),
+    # DeepSeek-V3's FP8 training (arXiv 2412.19437, section 3.3.3): bf16 weights (fp8 copies made per GEMM), fp32
+    # gradients and master weights, AdamW's moments in bf16
+    "deepseek_fp8": PrecisionRegime(
+        "deepseek_fp8", weights=2.0, gathered=2.0, grads=4.0, master=4.0, state=2.0, autocast=False, fsdp2=False,
+        summary="DeepSeek-V3: bf16 weights, fp32 gradients and master weights, bf16 AdamW moments"),
 }
 REGIME_NAMES = tuple(REGIMES)
 
