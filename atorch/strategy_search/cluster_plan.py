@@ -95,6 +95,7 @@ class Plan:
     peak_tflops: float = 0.0  # the profile's datasheet peak per GPU
     mfu_ceiling: float = 1.0  # the profile's measured matmul rate over that peak: no real run computes faster
     memory_limit: int = 0
+    fp8_ceiling_tflops: float = 0.0
     notes: tuple[str, ...] = ()  # how the emitted strategy differs from what was predicted
     moe: dict[str, float] | None = None  # a MoE model's experts on a rank and its all-to-all volume
 
@@ -102,7 +103,13 @@ class Plan:
     def above_ceiling(self) -> bool:
         """Predicted faster than the matmul rate the profile measured (hardware FLOPs, recompute included): such a
         figure is not believable, whatever the terms say."""
-        return bool(self.peak_tflops) and self.tflops_per_gpu > self.mfu_ceiling * self.peak_tflops * (1 + 1e-9)
+        return bool(self.ceiling_tflops) and self.tflops_per_gpu > self.ceiling_tflops * (1 + 1e-9)
+
+    @property
+    def ceiling_tflops(self) -> float:
+        """The matmul rate the profile measured, of the fastest matmuls the layout uses (fp8 where it has them)."""
+        return self.fp8_ceiling_tflops if self.layout.fp8 and self.fp8_ceiling_tflops else \
+            self.mfu_ceiling * self.peak_tflops
 
     @property
     def memory_range(self) -> tuple[int, int]:
@@ -132,7 +139,8 @@ class Plan:
                      "optimizer": t.optimizer},
             "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
             "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu, "mfu_ceiling": self.mfu_ceiling,
-            "above_mfu_ceiling": self.above_ceiling, "given": self.given,
+            "ceiling_tflops_per_gpu": self.ceiling_tflops, "above_mfu_ceiling": self.above_ceiling,
+            "given": self.given,
             "runnable": not self.problems, "problems": list(self.problems), "notes": list(self.notes),
             "strategy": json.loads(self.strategy.to_json()) if self.strategy else None,
         }
@@ -289,7 +297,9 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
                 model_tflops_per_gpu=model_flops / step / gpus / 1e12,
                 mfu=model_flops / step / gpus / (peak * 1e12) if peak else 0.0, strategy=strategy,
                 precision=regime, peak_tflops=peak, mfu_ceiling=profile.matmul_efficiency.get(dtype, 1.0),
-                memory_limit=memory_limit, notes=_regime_notes(lay, regime) if stats is None else (),
+                memory_limit=memory_limit, fp8_ceiling_tflops=profile.matmul_tflops.get("float8", 0.0)
+                * profile.matmul_efficiency.get("float8", 1.0),
+                notes=_regime_notes(lay, regime) if stats is None else (),
                 moe=_moe_figures(shape, lay) if shape.moe else None)
 
 
