@@ -277,13 +277,18 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     per_layout = {"precision": regime, "expert_ranks": lay.expert, "dualpipe": lay.schedule == "dualpipe"}
     if stats is None and any(getattr(shape, k) != v for k, v in per_layout.items()):
         shape = shape.model_copy(update=per_layout)
+    predicted = strategy
+    if regime == "megatron" and lay.tensor > 1 and not lay.vocab_parallel and stats is None:
+        # Megatron-LM always splits the embedding and the LM head over the tensor ranks (atorch's loss_parallel
+        # only without a pipeline): predicted so, the emitted strategy keeps atorch's choice
+        predicted = strategy_for(replace(lay, vocab_parallel=True))
     mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
                                                     ("data", lay.data))))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
     if stats is not None:
         pred = predict(stats, strategy, mesh, profile, global_batch, accumulation)
     else:
-        pred = predict(_stats(shape), strategy, mesh, profile, global_batch, accumulation, transformer=shape)
+        pred = predict(_stats(shape), predicted, mesh, profile, global_batch, accumulation, transformer=shape)
     gpus = lay.tensor * lay.pipeline * lay.data
     tokens = global_batch * shape.seq
     step = pred.time.step
