@@ -90,12 +90,20 @@ def _run(args: argparse.Namespace) -> int:
           f"heads {shape.heads} (kv {shape.kv_heads}), vocabulary {shape.vocab}; {args.gpus} × {profile.device_name} "
           f"({per_node} per node), global batch {args.global_batch} × {args.seq} tokens; "
           f"{result.considered} layouts in {result.seconds:.2f} s; cost model: {terms}")
+    if shape.moe:
+        print(f"mixture of experts: {humanize_count(shape.active_params())} of the parameters active per token "
+              f"(top-{shape.top_k} of {shape.experts} experts of width {shape.expert_ffn}"
+              f"{f', {shape.shared_experts} shared' if shape.shared_experts else ''}; FLOPs counted at the active "
+              f"ones); a MoE layer's all-to-all sends {shape.all_to_all_bytes_per_token():,.0f} bytes per token each "
+              f"way (dispatch, combine); expert layouts show '·eN' (experts split over N data ranks)")
     print_table(result, args.top)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": name, "gpus": args.gpus, "hardware": args.hardware,
                                                "global_batch": args.global_batch, "seq": args.seq,
                                                "memory_limit_bytes": result.memory_limit,
                                                "precision_regime": args.precision_regime,
+                                               "parameters": shape.params(),
+                                               "active_parameters": shape.active_params(),
                                                "atorch_version": _version(),
                                                "cost_model": "search" if stats is not None else "transformer",
                                                "plans": [p.to_json() for p in result.plans]}, indent=1) + "\n")
