@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from atorch.strategy_search.cluster_plan import Layout, Plan, evaluate, layouts, plan_job
-from atorch.strategy_search.cost_model import TransformerShape
 from atorch.strategy_search.hardware import HardwareProfile, load_profile
+from atorch.strategy_search.plan_terms import TransformerShape
 
 # params (B), heads, hidden, layers, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU (the paper's Table 1);
 # micro-batch size and virtual pipeline stages per rank as the paper's scripts ran each row (Megatron-LM,

@@ -16,9 +16,9 @@ from torch import nn
 from atorch.cli import main
 from atorch.strategy import Strategy
 from atorch.strategy_search.cluster_plan import evaluate, layouts, parse_layout, plan_job
-from atorch.strategy_search.cost_model import TransformerShape, _group_link
 from atorch.strategy_search.hardware import load_profile
 from atorch.strategy_search.model_shapes import resolve_model
+from atorch.strategy_search.plan_terms import TransformerShape, _group_link
 
 PLAN_FIELDS = {"layout", "sharding", "recompute", "micro_batch_size", "fits", "memory_per_gpu_bytes", "step_time_s",
                "tflops_per_gpu", "model_tflops_per_gpu", "mfu", "given", "strategy"}
@@ -59,7 +59,7 @@ def _one_gpu(shape: TransformerShape, batch: int, mbs: int, **kw: object) -> tup
 
 
 def test_unfused_attention_on_the_roofline_and_gradient_accumulation() -> None:
-    from atorch.strategy_search.cost_model import ELEMENTWISE_PASSES, VOCAB_LOSS_BYTES
+    from atorch.strategy_search.plan_terms import ELEMENTWISE_PASSES, VOCAB_LOSS_BYTES
 
     profile = load_profile("a100-80gb")
     flops_s = profile.matmul_tflops["bfloat16"] * 1e12 * profile.matmul_efficiency["bfloat16"]

@@ -4,8 +4,9 @@
 size — tensor size (dividing the GPUs per node and the heads: a tensor group stays in a node), pipeline size
 with its schedules (1F1B, GPipe, interleaved 1F1B with its virtual stages), the data dimension's sharding
 (none / ZeRO-1 / ZeRO-2 / FSDP, as the compatibility rules allow), activation recompute, sequence parallel
-and micro-batch size × count — builds each one's Strategy, and predicts it with ``cost_model.predict`` (its
-transformer terms). Plans are ranked: the ones that fit the memory per GPU by step time, then the rest by
+and micro-batch size × count — builds each one's Strategy, and predicts it with
+``plan_terms.predict_transformer`` (the cost model's transformer terms; with a measured profile,
+``cost_model.predict``). Plans are ranked: the ones that fit the memory per GPU by step time, then the rest by
 how much they overshoot.
 
 Strategies are built once per distinct layout and checked once with ``Strategy.problems`` (the rules
@@ -27,9 +28,10 @@ from atorch.opt_lib import registry
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy, StrategyItem
 from atorch.strategy_search.analyser import ModelStats
-from atorch.strategy_search.cost_model import Prediction, TransformerShape, predict
+from atorch.strategy_search.cost_model import Prediction, predict
 from atorch.strategy_search.hardware import HardwareProfile
 from atorch.strategy_search.model_shapes import stats_of
+from atorch.strategy_search.plan_terms import TransformerShape, predict_transformer
 from atorch.strategy_search.precision import REGIMES, default_regime
 
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
@@ -288,7 +290,7 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     if stats is not None:
         pred = predict(stats, strategy, mesh, profile, global_batch, accumulation)
     else:
-        pred = predict(_stats(shape), predicted, mesh, profile, global_batch, accumulation, transformer=shape)
+        pred = predict_transformer(shape, _stats(shape), predicted, mesh, profile, global_batch, accumulation)
     gpus = lay.tensor * lay.pipeline * lay.data
     tokens = global_batch * shape.seq
     step = pred.time.step

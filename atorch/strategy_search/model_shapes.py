@@ -10,7 +10,7 @@
   largest embedding, the blocks' linear layers).
 
 and returns the ``TransformerShape`` the cost model's transformer terms read, plus the ``ModelStats`` that
-``cost_model.predict`` takes with it (parameter bytes and FLOPs of the same shape).
+``plan_terms.predict_transformer`` takes with it (parameter bytes and FLOPs of the same shape).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.strategy_search.analyser import BlockStats, ModelStats
-from atorch.strategy_search.cost_model import TransformerShape
+from atorch.strategy_search.plan_terms import TransformerShape
 
 # Published sizes: GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the released
 # config.json files), Llama 3 / 3.1 (Meta's model cards and config.json files).
