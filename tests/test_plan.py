@@ -364,8 +364,8 @@ def test_regime_default_per_layout_selectable_and_reported(tmp_path: Path) -> No
     forced = _given(tmp_path, [*job, "--layout", "tensor=8,pipeline=4,sharding=zero1", "--precision-regime",
                                "amp_native"])["plans"][0]
     assert forced["precision_regime"] == "amp_native"
-    assert forced["memory"]["parameters"] == 2 * given["memory"]["parameters"] > 0 or \
-        forced["memory"]["parameters"] > given["memory"]["parameters"]  # fp32 weights against bf16
+    # fp32 weights against bf16 (and the vocabulary kept whole where Megatron splits it over the tensor ranks)
+    assert forced["memory"]["parameters"] >= 2 * given["memory"]["parameters"] > 0
     # ZeRO-2 keeps the stage's weights: more parameter bytes than FSDP's shards, fewer gradients than ZeRO-1's
     z2 = _given(tmp_path, [*job, "--layout", "tensor=8,pipeline=1,sharding=zero2,micro_batch_size=1,"
                                  "recompute=full"])["plans"][0]
