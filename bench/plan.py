@@ -68,6 +68,25 @@ OTHER_RUNS: tuple[dict, ...] = (
      "batch": 15360, "seq": 4096, "published": 1e12 / (180e3 * 3600), "unit": "tokens", "in_sample": True,
      "precision": "deepseek_fp8",
      "layout": "pipeline=16,expert=64,sharding=zero1,recompute=none,fp8=true,schedule=dualpipe,micro_batch_size=1"},
+    # Megatron-Bridge's performance summary (NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, 25.11 container,
+    # DGX-H100, FP8 current scaling): Megatron-LM's mixed precision and distributed optimizer (ZeRO-1), sequence
+    # parallel with tensor parallel; no recompute named. Llama 3 70B: 64 GPUs, GBS 128, MBS 1, sequence 8,192, TP 4,
+    # PP 8, VP 5, 1,602 tokens/s per GPU; Llama 3 8B: 8 GPUs, Megatron's FSDP, GBS 128, MBS 1, 14,451; Qwen3-30B-A3B:
+    # 16 GPUs, GBS 512, MBS 2, sequence 4,096, PP 2, VP 24 (one layer per virtual stage), EP 8, 5,275. (Its 405B row
+    # uses context parallel, which the planner does not model.)
+    {"run": "Megatron-Bridge Llama 3 70B, 64 H100 (FP8)", "model": "llama3-70b", "hardware": "h100-80gb",
+     "gpus": 64, "batch": 128, "seq": 8192, "published": 1602, "unit": "tokens", "in_sample": False,
+     "precision": "megatron",
+     "layout": "tensor=4,pipeline=8,virtual_stages=5,sharding=zero1,sequence_parallel=true,recompute=none,fp8=true,"
+               "micro_batch_size=1"},
+    {"run": "Megatron-Bridge Llama 3 8B, 8 H100 (FP8)", "model": "llama3-8b", "hardware": "h100-80gb",
+     "gpus": 8, "batch": 128, "seq": 8192, "published": 14451, "unit": "tokens", "in_sample": False,
+     "precision": "megatron", "layout": "tensor=1,pipeline=1,sharding=fsdp,recompute=none,fp8=true,micro_batch_size=1"},
+    {"run": "Megatron-Bridge Qwen3-30B-A3B, 16 H100 (FP8)", "model": "qwen3-30b-a3b", "hardware": "h100-80gb",
+     "gpus": 16, "batch": 512, "seq": 4096, "published": 5275, "unit": "tokens", "in_sample": False,
+     "precision": "megatron",
+     "layout": "tensor=1,pipeline=2,virtual_stages=24,expert=8,sharding=zero1,recompute=none,fp8=true,"
+               "micro_batch_size=2"},
     # torchtitan's Llama 3.1 benchmarks (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Dec 2024),
     # on its own H100s (profile h100-96gb-500w): Table 1 / 3, FSDP, bf16, no compile, local batch 2 (sequence 8,192,
     # torchtitan's default), selective activation checkpointing (predicted without recompute: it recomputes cheap

@@ -44,6 +44,10 @@ BUILTIN: dict[str, dict[str, Any]] = {
     # the multi-token-prediction module is left out)
     "mixtral-8x7b": {**_LLAMA2, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
                      "experts": 8, "top_k": 2, "expert_ffn": 14336},
+    # Qwen3-30B-A3B (its released config.json: head size 128 with 32 query and 4 key-value heads)
+    "qwen3-30b-a3b": {"vocab": 151936, "gated_mlp": True, "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
+                      "ffn": 6144, "experts": 128, "top_k": 8, "expert_ffn": 768, "qk_head_dim": 128,
+                      "v_head_dim": 128, "attention_params": 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128},
     "deepseek-v3": {"vocab": 129280, "gated_mlp": True, "layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128,
                     "ffn": 18432, "experts": 256, "top_k": 8, "expert_ffn": 2048, "shared_experts": 1,
                     "dense_layers": 3, "routing_node_limit": 4, "recompute_norms": True, "qk_head_dim": 192,
@@ -103,6 +107,11 @@ def _moe_fields(config: dict[str, Any], hidden: int, heads: int) -> dict[str, An
         q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
         kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
         fields.update(qk_head_dim=nope + rope, v_head_dim=v, attention_params=q + kv + heads * v * hidden)
+    head = int(config.get("head_dim") or 0)
+    if head and head * heads != hidden and "attention_params" not in fields:  # heads wider than hidden / heads
+        kv = int(config.get("num_key_value_heads") or heads)
+        fields.update(qk_head_dim=head, v_head_dim=head,
+                      attention_params=2 * hidden * heads * head + 2 * hidden * kv * head)
     if not experts:
         return fields
     top_k = config.get("num_experts_per_tok") or config.get("moe_topk") or config.get("top_k")
