@@ -89,6 +89,16 @@ def predict_transformer(shape: TransformerShape, stats: ModelStats, strategy: St
 #   min(intra-node bus bandwidth, k × the per-GPU inter-node bandwidth) with the inter-node latency (NCCL's
 #   rings and trees cross nodes through every GPU's own adapter). Ranks are ordered tensor fastest, then
 #   pipeline, then data (parallel_mode's order), so a tensor group stays in a node.
+# * Parameter, gradient and optimizer bytes: the precision regime's (``precision.py``: amp_native, fsdp_mixed,
+#   megatron, deepseek_fp8), sharded as the ZeRO stage shards them (ZeRO-1 the optimizer, ZeRO-2 also the
+#   gradients, FSDP everything).
+# * Mixtures of experts: FLOPs at the active parameters (top-k routed and shared experts, the router), memory at
+#   the total; the routed experts split over the expert ranks and ZeRO-sharded over the data ranks that share them;
+#   per MoE layer and micro-batch, dispatch and combine all-to-alls in forward and backward (and the recompute), in
+#   line with the compute: a rank keeps 1/ep of its tokens' copies, sends the node-local share over NVLink and the
+#   rest over its own adapter (capped by node-limited routing).
+# * fp8 (Transformer Engine's linears): the layers' matmuls at the profile's fp8 rate. DualPipe: see
+#   ``TransformerShape.dualpipe``.
 
 # DualPipe keeps 20 of the H800's 132 SMs for its all-to-alls and sends (arXiv 2412.19437, section 3.2.2)
 DUALPIPE_COMPUTE_SHARE = 112 / 132
