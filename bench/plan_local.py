@@ -13,7 +13,7 @@ ran is predicted from that profile, and Spearman's rank correlation of predicted
 * ``atorch plan`` with a measured profile (GPT-2 only: its config): the model built from its config on the meta
   device and analysed (``model_shapes.analysed_stats``), then the search's ``cost_model.predict``: what
   ``atorch plan CONFIG.json --hardware MEASURED.json`` ranks layouts with;
-* ``plan's transformer terms`` (GPT-2 only: a shape): ``predict(..., transformer=shape)``, what ``atorch plan``
+* ``plan's transformer terms`` (GPT-2 only: a shape): ``plan_terms.predict_transformer``, what ``atorch plan``
   evaluates a layout with for a profile table (a cluster that is not here) or a model it cannot build.
 
 In sample: the cost model's calibrated time constants (FSDP's per-parameter operations, DeepSpeed's) were fitted on
@@ -40,6 +40,7 @@ from atorch.strategy import Strategy  # noqa: E402
 from atorch.strategy_search.cost_model import predict  # noqa: E402
 from atorch.strategy_search.hardware import HardwareProfile  # noqa: E402
 from atorch.strategy_search.model_shapes import shape_from_config, stats_of  # noqa: E402
+from atorch.strategy_search.plan_terms import predict_transformer  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 SCENARIOS = ("small", "cnn")  # GPT-2 (global batch 2) and the ResNet (global batch 4): one sweep each
@@ -73,8 +74,8 @@ def transformer_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[s
     config = search.MODELS["gpt2"]()["model"].config
     shape = shape_from_config(config.to_dict(), config.n_positions)
     stats = stats_of(shape)
-    return _gpt2_sweep(sweeps, lambda strategy, micro_batches: predict(
-        stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches, transformer=shape).time.step)
+    return _gpt2_sweep(sweeps, lambda strategy, micro_batches: predict_transformer(
+        shape, stats, strategy, strategy.layout(WORLD_SIZE), profile, 2, micro_batches).time.step)
 
 
 def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any]:

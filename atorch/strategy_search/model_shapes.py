@@ -10,7 +10,7 @@
   largest embedding, the blocks' linear layers).
 
 and returns the ``TransformerShape`` the cost model's transformer terms read, plus the ``ModelStats`` that
-``cost_model.predict`` takes with it (parameter bytes and FLOPs of the same shape).
+``plan_terms.predict_transformer`` takes with it (parameter bytes and FLOPs of the same shape).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.strategy_search.analyser import BlockStats, ModelStats
-from atorch.strategy_search.cost_model import TransformerShape
+from atorch.strategy_search.plan_terms import TransformerShape
 
 # Published sizes: GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the released
 # config.json files), Llama 3 / 3.1 (Meta's model cards and config.json files).
@@ -39,6 +39,21 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "llama3-8b": {**_LLAMA3, "layers": 32, "hidden": 4096, "heads": 32, "ffn": 14336},
     "llama3-70b": {**_LLAMA3, "layers": 80, "hidden": 8192, "heads": 64, "ffn": 28672},
     "llama3-405b": {**_LLAMA3, "layers": 126, "hidden": 16384, "heads": 128, "ffn": 53248},
+    # Mixture of experts: Mixtral 8x7B (its released config.json) and DeepSeek-V3 (DeepSeek-AI 2024, arXiv
+    # 2412.19437, section 4.2, and its config.json; MLA's projections: q 1536, kv 512 ranks, head sizes 192 / 128;
+    # the multi-token-prediction module is left out)
+    "mixtral-8x7b": {**_LLAMA2, "layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                     "experts": 8, "top_k": 2, "expert_ffn": 14336},
+    # Qwen3-30B-A3B (its released config.json: head size 128 with 32 query and 4 key-value heads)
+    "qwen3-30b-a3b": {"vocab": 151936, "gated_mlp": True, "layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
+                      "ffn": 6144, "experts": 128, "top_k": 8, "expert_ffn": 768, "qk_head_dim": 128,
+                      "v_head_dim": 128, "attention_params": 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128},
+    "deepseek-v3": {"vocab": 129280, "gated_mlp": True, "layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128,
+                    "ffn": 18432, "experts": 256, "top_k": 8, "expert_ffn": 2048, "shared_experts": 1,
+                    "dense_layers": 3, "routing_node_limit": 4, "recompute_norms": True, "qk_head_dim": 192,
+                    "v_head_dim": 128,
+                    "attention_params": 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
+                    + 128 * 128 * 7168},
 }
 
 
@@ -60,9 +75,6 @@ def shape_from_config(config: dict[str, Any], seq: int) -> TransformerShape:
                 return config[name]
         return default
 
-    if get("num_local_experts", "num_experts", "n_routed_experts"):
-        raise SetupError(["mixture-of-experts configs are not planned yet (the cost model has no expert "
-                          "parallel terms): plan a dense model"])
     hidden, layers = get("hidden_size", "n_embd", "d_model"), get("num_hidden_layers", "n_layer", "num_layers")
     heads = get("num_attention_heads", "n_head", "num_heads")
     missing = [n for n, v in (("hidden_size", hidden), ("num_hidden_layers", layers),
@@ -72,7 +84,7 @@ def shape_from_config(config: dict[str, Any], seq: int) -> TransformerShape:
                           "(GPT-2 or Llama-style keys)"])
     gpt2 = "n_embd" in config or config.get("model_type") in ("gpt2", "gpt_neo", "gptj")
     act = str(get("hidden_act", "activation_function", default="gelu"))
-    return TransformerShape(
+    return TransformerShape(**_moe_fields(config, int(hidden), int(heads)),
         layers=int(layers), hidden=int(hidden), heads=int(heads),
         kv_heads=int(get("num_key_value_heads", default=heads)),
         ffn=int(get("intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden),
@@ -82,6 +94,34 @@ def shape_from_config(config: dict[str, Any], seq: int) -> TransformerShape:
         position_embeddings=int(get("n_positions", default=0)) if gpt2 else 0,
         biases=gpt2,
     )
+
+
+def _moe_fields(config: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
+    """A mixture-of-experts config's fields (Mixtral / Qwen-MoE: num_local_experts or num_experts; DeepSeek:
+    n_routed_experts, n_shared_experts, first_k_dense_replace and MLA's ranks and head sizes); {} for a dense one."""
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    fields: dict[str, Any] = {}
+    if config.get("kv_lora_rank"):  # MLA: low-rank query and key-value projections
+        nope, rope, v = (int(config.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        q_rank, kv_rank = int(config.get("q_lora_rank") or 0), int(config["kv_lora_rank"])
+        q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
+        fields.update(qk_head_dim=nope + rope, v_head_dim=v, attention_params=q + kv + heads * v * hidden)
+    head = int(config.get("head_dim") or 0)
+    if head and head * heads != hidden and "attention_params" not in fields:  # heads wider than hidden / heads
+        kv = int(config.get("num_key_value_heads") or heads)
+        fields.update(qk_head_dim=head, v_head_dim=head,
+                      attention_params=2 * hidden * heads * head + 2 * hidden * kv * head)
+    if not experts:
+        return fields
+    top_k = config.get("num_experts_per_tok") or config.get("moe_topk") or config.get("top_k")
+    if not top_k:
+        raise SetupError(["the config names experts but not how many each token uses (num_experts_per_tok)"])
+    width = config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden
+    fields.update(experts=int(experts), top_k=int(top_k), expert_ffn=int(width),
+                  shared_experts=int(config.get("n_shared_experts") or 0),
+                  dense_layers=int(config.get("first_k_dense_replace") or 0))
+    return fields
 
 
 def _shape_from_module(module: Any, seq: int) -> TransformerShape:

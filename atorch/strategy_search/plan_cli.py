@@ -15,6 +15,7 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.strategy_search.cluster_plan import (
+    MEMORY_BAND,
     Plan,
     PlanResult,
     humanize_count,
@@ -22,6 +23,7 @@ from atorch.strategy_search.cluster_plan import (
     plan_job,
     smallest_fitting_cluster,
 )
+from atorch.strategy_search.precision import REGIME_NAMES
 from atorch.units import parse_bytes
 
 GIB = 2**30
@@ -43,7 +45,15 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
     plan.add_argument("--layout", default=None, help="evaluate a layout, e.g. tensor=8,pipeline=4,sharding=fsdp "
                       "(keys: tensor, pipeline, data, sharding, recompute, schedule, virtual_stages, "
-                      "sequence_parallel, micro_batch_size; the rest chosen by the planner)")
+                      "sequence_parallel, micro_batch_size, expert, fp8; schedule also dualpipe; the rest chosen by "
+                      "the planner)")
+    plan.add_argument("--precision-regime", default="auto", choices=("auto", *REGIME_NAMES),
+                      help="bytes per parameter as which mixed precision keeps them: amp_native (fp32 weights, "
+                      "autocast), fsdp_mixed (FSDP2 MixedPrecisionPolicy: fp32 sharded master, bf16 gathered), "
+                      "megatron "
+                      "(bf16 weights, fp32 gradient buffer, fp32 master + Adam in the distributed optimizer); auto: "
+                      "what runs each layout (fsdp_mixed under zero2/fsdp, megatron where only Megatron-style stacks "
+                      "run it: DDP/ZeRO-1 over a tensor dimension, else amp_native)")
     plan.add_argument("--json", default=None, help="write every plan here as {\"plans\": [...]}, best first")
     plan.add_argument("--html", default=None, help="write a page with a Pareto plot (step time vs memory)")
     plan.add_argument("--emit-strategy", default=None, help="write the first plan's strategy (the given layout's, "
@@ -73,17 +83,29 @@ def _run(args: argparse.Namespace) -> int:
     # machines plan); a table (a cluster that is not here): the transformer terms of large runs.
     stats = analysed_stats(args.model, args.seq) if profile.source == "measured" else None
     terms = "the search's terms (the model analysed on fake tensors)" if stats is not None else "transformer terms"
-    result = plan_job(shape, args.gpus, args.global_batch, profile, args.gpus_per_node, limit, given, stats)
+    precision = None if args.precision_regime == "auto" else args.precision_regime
+    result = plan_job(shape, args.gpus, args.global_batch, profile, args.gpus_per_node, limit, given, stats,
+                      precision)
     per_node = args.gpus_per_node or profile.gpus_per_node or profile.local_world_size
     print(f"{name}: {humanize_count(shape.params())} parameters, {shape.layers} layers, hidden {shape.hidden}, "
           f"heads {shape.heads} (kv {shape.kv_heads}), vocabulary {shape.vocab}; {args.gpus} × {profile.device_name} "
           f"({per_node} per node), global batch {args.global_batch} × {args.seq} tokens; "
           f"{result.considered} layouts in {result.seconds:.2f} s; cost model: {terms}")
+    if shape.moe:
+        print(f"mixture of experts: {humanize_count(shape.active_params())} of the parameters active per token "
+              f"(top-{shape.top_k} of {shape.experts} experts of width {shape.expert_ffn}"
+              f"{f', {shape.shared_experts} shared' if shape.shared_experts else ''}; FLOPs counted at the active "
+              f"ones); a MoE layer's all-to-all sends {shape.all_to_all_bytes_per_token():,.0f} bytes per token each "
+              f"way (dispatch, combine); expert layouts show '·eN' (experts split over N data ranks)")
     print_table(result, args.top)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": name, "gpus": args.gpus, "hardware": args.hardware,
                                                "global_batch": args.global_batch, "seq": args.seq,
                                                "memory_limit_bytes": result.memory_limit,
+                                               "precision_regime": args.precision_regime,
+                                               "parameters": shape.params(),
+                                               "active_parameters": shape.active_params(),
+                                               "atorch_version": _version(),
                                                "cost_model": "search" if stats is not None else "transformer",
                                                "plans": [p.to_json() for p in result.plans]}, indent=1) + "\n")
         print(f"plans written to {args.json}")
@@ -101,12 +123,14 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 3
     if args.emit_strategy and first is not None:
-        if first.problems:
-            print(f"atorch plan: the given layout cannot run under atorch: {'; '.join(first.problems)}",
-                  file=sys.stderr)
-            return 2
         assert first.strategy is not None
         Path(args.emit_strategy).write_text(first.strategy.to_json() + "\n")
+        if first.problems:  # a published layout atorch cannot run yet: written for reference, and said so
+            print(f"atorch plan: the strategy written to {args.emit_strategy} does NOT run in atorch {_version()} "
+                  f"(`atorch check` refuses it): {'; '.join(first.problems)}", file=sys.stderr)
+            return 0
+        for note in first.notes:
+            print(f"note: {note}")
         lay = first.layout
         # dataloader_args' batch_size is the global batch of one call (split over the data ranks)
         batch = (f"dataloader_args batch_size {args.global_batch} (the schedule splits each rank's share into "
@@ -118,21 +142,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atorch")
+    except PackageNotFoundError:
+        return "(source tree)"
+
+
 def _row(i: int, p: Plan) -> list[str]:
     lay, mem, t = p.layout, p.prediction.memory, p.prediction.time
     mark = "given" if p.given else str(i)
     fits = "yes" if p.fits else f"+{p.over_by / GIB:.1f}"
     sp = " sp" if lay.sequence_parallel else ""
     return [mark, lay.describe() + sp, lay.sharding, lay.recompute, f"{lay.micro_batch_size}×{lay.micro_batches}",
-            f"{mem.peak / GIB:.1f}",
+            f"{mem.peak / GIB:.1f}±{mem.peak * MEMORY_BAND / GIB:.1f}",
             f"{mem.parameters / GIB:.1f}/{mem.gradients / GIB:.1f}/{mem.optimizer_state / GIB:.1f}/"
             f"{mem.activations / GIB:.1f}", fits, f"{t.step:.3g}",
             f"{t.compute:.3g}/{t.communication:.2g}/{t.bubble:.2g}", f"{p.tokens_per_s:,.0f}",
-            f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}"]
+            f"{p.tflops_per_gpu:.0f}" + ("!" if p.above_ceiling else ""), f"{p.mfu:.1%}", p.precision]
 
 
 HEADER = ("#", "layout", "sharding", "recompute", "mbs×n", "GiB/GPU", "params/grads/optim/acts", "fits",
-          "step s", "compute/comm/bubble", "tokens/s", "TFLOP/s", "MFU")
+          "step s", "compute/comm/bubble", "tokens/s", "TFLOP/s", "MFU", "precision")
 
 
 def print_table(result: PlanResult, top: int) -> None:
@@ -149,9 +182,15 @@ def print_table(result: PlanResult, top: int) -> None:
     for i, p in enumerate(shown + misfits, start=0 if result.plans and result.plans[0].given else 1):
         table.add_row(*_row(i, p))
     Console(width=max(180, Console().width)).print(table)
+    print(f"GiB/GPU: the prediction ± its band ({MEMORY_BAND:.0%}, the analytical cost model's measured error); "
+          "TFLOP/s marked ! where above the profile's measured matmul rate (not believable)")
     for p in shown[:1]:
         if p.given and p.problems:
             print(f"given layout cannot run under atorch: {'; '.join(p.problems)}")
+    flagged = [p for p in shown + misfits if p.above_ceiling]
+    if flagged:
+        print(f"{len(flagged)} plan(s) predicted above the profile's matmul ceiling "
+              f"({flagged[0].mfu_ceiling:.0%} of peak): the terms are missing a cost there")
 
 
 def html_page(name: str, result: PlanResult, top: int) -> str:
