@@ -37,3 +37,8 @@ class CheckpointError(ProblemsError):
 
     def __init__(self, what: str, problems: list[str]):
         super().__init__(problems, what)
+
+
+class SearchOptionIgnored(UserWarning):
+    """An option of the automatic search (memory_limit, time_limit, search, strategy_server) given where no search
+    runs (a load_strategy without finetune_strategy): it is ignored, and named in this warning."""

@@ -7,12 +7,14 @@ tensors (the analyser's fake-tensor step: shapes, no storage), on one collated s
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
@@ -32,11 +34,140 @@ _WRAPPER_NAMES = {
 }
 
 
-def input_problems(setup: Any, save_strategy_to_file: Any = None) -> list[str]:
-    """Problems of the loss_func, dataset / dataloader_args (against the model) and save path of a UserSetup."""
+def input_problems(setup: Any, save_strategy_to_file: Any = None, casts: bool = False) -> list[str]:
+    """Problems of the loss_func, dataset / dataloader_args (against the model) and save path of a UserSetup.
+
+    ``casts``: the strategy given casts inputs or parameters (autocast, half): the sample step's dtypes are not
+    compared."""
     loss_problems = _loss_func_problems(setup.loss_func)
-    problems = loss_problems + _dataset_problems(setup, run_loss=not loss_problems)
+    frozen = trainable_problems(setup)
+    problems = frozen + loss_problems + _callable_problems(setup) + optimizer_problems(setup)
+    problems += _dataset_problems(setup, run_loss=not loss_problems, casts=casts)
     problems += save_path_problems(save_strategy_to_file)
+    return problems
+
+
+def trainable_problems(setup: Any) -> list[str]:
+    """A model with an optimizer but nothing to train: no parameter at all, or every one frozen."""
+    if setup.optim_func is None or not isinstance(setup.model, nn.Module):
+        return []  # no optimizer (evaluation, or the user updates the parameters): nothing need train
+    params = list(setup.model.parameters())
+    if not params:
+        return [f"the model ({type(setup.model).__name__}) has no parameters, so the optimizer has nothing to train: "
+                "register its layers as attributes or in nn.ModuleList / nn.ModuleDict (layers kept in a plain "
+                "Python list or dict are invisible to torch), or pass optim_func=None for a model you only evaluate"]
+    if not any(p.requires_grad for p in params):
+        return [f"every parameter of the model ({len(params)} tensors) is frozen (requires_grad=False), so nothing "
+                "would train and backward would fail: unfreeze the part to train (e.g. "
+                "model.head.requires_grad_(True)) before auto_accelerate, or pass optim_func=None for a model you "
+                "only evaluate"]
+    return []
+
+
+def _callable_problems(setup: Any) -> list[str]:
+    """prepare_input, distributed_sampler_cls and lr_scheduler_cls against how atorch calls them."""
+    problems = []
+    if setup.prepare_input is not None:
+        if not callable(setup.prepare_input):
+            problems.append("prepare_input must be callable as prepare_input(data, device), got "
+                            f"{type(setup.prepare_input).__name__}")
+        elif (sig := _signature(setup.prepare_input)) is not None and not _binds(sig, object(), object()):
+            problems.append(f"prepare_input{_plain(sig)} cannot be called as prepare_input(data, device): atorch "
+                            "passes the batch and the training device; give it these two parameters and return "
+                            "the batch on that device")
+    sampler = setup.distributed_sampler_cls
+    if sampler is not None:
+        if not isinstance(sampler, type) and not callable(sampler):
+            problems.append(f"distributed_sampler_cls must be a sampler class, got an instance of "
+                            f"{type(sampler).__name__}; pass the class (e.g. DistributedSampler): atorch calls it as "
+                            "cls(dataset, num_replicas=, rank=, shuffle=) on each rank")
+        elif (sig := _signature(sampler)) is not None and not _binds(sig, object(), num_replicas=1, rank=0,
+                                                                     shuffle=False):
+            problems.append(f"distributed_sampler_cls {getattr(sampler, '__name__', sampler)}{_plain(sig)} cannot be "
+                            "called as cls(dataset, num_replicas=, rank=, shuffle=), as atorch calls it on each rank")
+    sched = setup.lr_scheduler_cls
+    if sched is not None and isinstance(setup.lr_scheduler_args, dict):
+        name = getattr(sched, "__name__", type(sched).__name__)
+        if isinstance(sched, torch.optim.lr_scheduler.LRScheduler) or not callable(sched):
+            problems.append(f"lr_scheduler_cls must be a scheduler class, got an instance of {type(sched).__name__}; "
+                            "pass the class and its arguments in lr_scheduler_args (atorch builds it on its "
+                            "optimizer)")
+        elif (sig := _signature(sched)) is not None:
+            problems += _kwargs_problems("lr_scheduler_args", setup.lr_scheduler_args, sig, name,
+                                         "cls(optimizer, **lr_scheduler_args)", first=1)
+    return problems
+
+
+def _binds(sig: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+# Keys of other libraries' optimizer configs, and what torch's optimizers call them.
+_KEY_ALIASES = {"learning_rate": "lr", "learningrate": "lr", "lr_rate": "lr", "epsilon": "eps", "beta1": "betas",
+                "beta2": "betas", "beta_1": "betas", "beta_2": "betas", "decay": "weight_decay", "wd": "weight_decay",
+                "l2": "weight_decay", "nesterov_momentum": "nesterov", "batchsize": "batch_size", "bs": "batch_size",
+                "workers": "num_workers", "n_workers": "num_workers", "num_worker": "num_workers",
+                "steps": "step_size", "step": "step_size", "t_max": "T_max", "tmax": "T_max"}
+
+
+def _closest(key: str, names: list[str]) -> str | None:
+    alias = _KEY_ALIASES.get(key.lower())
+    if alias in names:
+        return alias
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _kwargs_problems(label: str, args: dict[str, Any], sig: inspect.Signature, name: str, call: str,
+                     first: int) -> list[str]:
+    """``args`` as keyword arguments of ``sig`` after ``first`` positional ones: unknown keys (with the closest
+    known one) and missing required parameters."""
+    params = list(sig.parameters.values())
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    names = [p.name for p in params[first:] if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                           inspect.Parameter.KEYWORD_ONLY)]
+    problems = []
+    unknown = [k for k in args if k not in names] if not takes_any else []
+    for key in unknown:
+        close = _closest(str(key), names)
+        problems.append(f"{label}[{key!r}] is not an argument of {name} (atorch calls {call}); "
+                        + (f"did you mean {close!r}? " if close else "")
+                        + f"{name} takes: {', '.join(names) or 'no keyword arguments'}")
+    if not unknown and not _binds(sig, *([object()] * first), **args):
+        missing = [p.name for p in params[first:] if p.default is inspect.Parameter.empty and p.name not in args
+                   and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        what = f"misses required argument(s) {missing}" if missing else "does not fit its signature"
+        problems.append(f"{label} {args} {what}: atorch calls {call}, i.e. {name}{_plain(sig)}; "
+                        f"add {' and '.join(repr(m) for m in missing) or 'the arguments it needs'} to {label}")
+    return problems
+
+
+_DEVICE_KEYS = {"fused", "foreach", "capturable", "differentiable"}
+
+
+def optimizer_problems(setup: Any) -> list[str]:
+    """optim_args against optim_func's signature; a torch optimizer class is also built once on a stand-in
+    parameter (its own checks: lr >= 0, betas, ...). A user's function is never called here."""
+    func, args = setup.optim_func, setup.optim_args
+    if func is None or not callable(func) or not isinstance(args, dict):
+        return []
+    name = getattr(func, "__name__", type(func).__name__)
+    sig = _signature(func)
+    if sig is None:
+        return []
+    problems = _kwargs_problems("optim_args", args, sig, name, "optim_func(params, **optim_args)", first=1)
+    if problems or not (isinstance(func, type) and issubclass(func, torch.optim.Optimizer)
+                        and func.__module__.startswith("torch.optim")) or set(args) & _DEVICE_KEYS:
+        return problems  # (a device-dependent option is checked where the parameters are)
+    try:
+        func([nn.Parameter(torch.zeros(1))], **args)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"optim_args {args} are refused by {name}: {type(exc).__name__}: {exc}; fix the value in "
+                        "optim_args")
     return problems
 
 
@@ -83,7 +214,7 @@ def _loss_func_problems(loss_func: Any) -> list[str]:
     return []
 
 
-def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
+def _dataset_problems(setup: Any, run_loss: bool = True, casts: bool = False) -> list[str]:
     dataset, args = setup.dataset, setup.dataloader_args
     if dataset is None or not isinstance(args, dict):
         return []
@@ -93,11 +224,25 @@ def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
             "batch_size (the global batch), collate_fn, num_workers, ... in dataloader_args: atorch builds "
             "each rank's DataLoader itself"
         ]
+    if isinstance(dataset, Iterator) and not isinstance(dataset, IterableDataset):
+        return [f"dataset is a one-pass iterator ({type(dataset).__name__}, e.g. a generator): it would be used up "
+                "by the first epoch (and by atorch's sample batch); pass a Dataset, or an IterableDataset whose "
+                "__iter__ starts the stream anew on every call"]
+    size = dataset_len(dataset)
+    if size == 0:
+        return [f"dataset is empty (len(dataset) == 0): the dataloader would yield no batch and a training loop "
+                f"over it would do nothing; pass the dataset with its samples (check its path or filter)"]
     problems = [
         f"dataloader_args['{key}'] cannot be used: atorch samples each rank's share itself; give a sampler "
         "class as distributed_sampler_cls (called as cls(dataset, num_replicas=, rank=, shuffle=))"
         for key in ("sampler", "batch_sampler") if key in args
     ]
+    if not problems and (sig := _signature(DataLoader)) is not None:
+        problems += _kwargs_problems("dataloader_args", args, sig, "torch's DataLoader",
+                                     "DataLoader(dataset, **dataloader_args)", first=1)
+    if not problems and "collate_fn" in args and args["collate_fn"] is not None and not callable(args["collate_fn"]):
+        problems.append(f"dataloader_args['collate_fn'] must be callable (a list of samples -> a batch), got "
+                        f"{type(args['collate_fn']).__name__}")
     if isinstance(dataset, IterableDataset):
         if args.get("shuffle"):
             problems.append("dataloader_args['shuffle']=True with an IterableDataset: a stream is read in order "
@@ -108,7 +253,7 @@ def _dataset_problems(setup: Any, run_loss: bool = True) -> list[str]:
                             "gives each rank every n-th sample); drop distributed_sampler_cls")
     known_format = setup.model_input_format in (None, "unpack_sequence", "unpack_dict", "input_target")
     if not problems and known_format and setup.prepare_input is None and isinstance(setup.model, nn.Module):
-        problems += _batch_problems(setup, run_loss)
+        problems += _batch_problems(setup, run_loss, casts)
     return problems
 
 
@@ -138,7 +283,7 @@ def _describe(batch: Any) -> str:
     return f"a {type(batch).__name__}"
 
 
-def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
+def _batch_problems(setup: Any, run_loss: bool = True, casts: bool = False) -> list[str]:
     """One collated batch against model_input_format and the model's forward: its structure against forward's
     signature, then one forward and the loss on fake tensors. Not with a prepare_input (the user's function is
     not called here: it may count its calls or need the training device)."""
@@ -153,7 +298,16 @@ def _batch_problems(setup: Any, run_loss: bool = True) -> list[str]:
         return problems
     from atorch.strategy_search.analyser import step_problems
 
-    return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None)
+    return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None,
+                         casts=casts)
+
+
+def dataset_len(dataset: Any) -> int | None:
+    """len(dataset), or None where it has none (a stream) or it fails."""
+    try:
+        return len(dataset)
+    except Exception:  # noqa: BLE001  (TypeError for a stream without len; a user's __len__ failing: not judged)
+        return None
 
 
 def _structure_problems(setup: Any, batch: Any) -> list[str]:

@@ -451,6 +451,43 @@ class _NotATensor(TypeError):
     """loss_func returned something other than a tensor (the message is the fix)."""
 
 
+class _LossShape(ValueError):
+    """loss_func returned a tensor that is not a scalar, or one without a grad path (the message is the fix)."""
+
+
+class _MixedDtypes(RuntimeError):
+    """An operation the real kernels refuse on floating tensors of different dtypes (the message names them)."""
+
+
+# Operations whose CPU/CUDA kernels refuse floating arguments of different dtypes, though their fake kernels
+# accept them (the fake run would pass and the real step raise "mat1 and mat2 must have the same dtype").
+_SAME_DTYPE_OPS = {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "convolution", "_convolution",
+                   "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional"}
+_NORM_OPS = {"native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+             "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional"}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _DtypeWatch(TorchDispatchMode):
+    """Raises _MixedDtypes at the first operation of ``_SAME_DTYPE_OPS`` given floating tensors of different
+    dtypes (a 16-bit input to a float32 norm is allowed, as torch's kernels allow it)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in _SAME_DTYPE_OPS:
+            tensors = [t for t in _leaves(list(args)) if t.is_floating_point()]
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) > 1 and not (name in _NORM_OPS and tensors[0].dtype in _HALF
+                                        and dtypes - {tensors[0].dtype} == {torch.float32}):
+                raise _MixedDtypes(f"aten.{name} on {' and '.join(sorted(_dtype(d) for d in dtypes))} tensors")
+        return func(*args, **(kwargs or {}))
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _raised_in_torch_distributed(exc: BaseException) -> bool:
     """Raised inside torch.distributed: a forward that needs the process group (the check runs before it
     exists) or a collective on fake tensors; the real step runs with both."""
@@ -462,12 +499,18 @@ def _raised_in_torch_distributed(exc: BaseException) -> bool:
     return False
 
 
-def _users_mistake(exc: BaseException) -> bool:
+def _users_mistake(exc: BaseException, dtypes: bool = False) -> bool:
+    """Whether a failure of the fake step is the user's mistake; ``dtypes``: a dtype error is too (the model runs
+    in its own dtypes: no strategy given that casts)."""
+    if isinstance(exc, (_MixedDtypes, _LossShape)):
+        return True
     if isinstance(exc, _ANALYSIS_GAPS) or _raised_in_torch_distributed(exc):
         return False
     text = str(exc).lower()
-    if any(word in text for word in _GAP_WORDS + _DTYPE_WORDS):
+    if any(word in text for word in _GAP_WORDS):
         return False
+    if any(word in text for word in _DTYPE_WORDS):
+        return dtypes and isinstance(exc, (RuntimeError, TypeError))
     if isinstance(exc, (TypeError, ValueError, IndexError, KeyError, AttributeError)):
         return True
     return isinstance(exc, RuntimeError) and any(word in text for word in _SHAPE_WORDS)
@@ -602,20 +645,189 @@ def _fake_setup(model: nn.Module, sample_batch: Any) -> tuple[FakeTensorMode, nn
 
 
 def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
-                  loss_func: Callable[..., Any] | None = None) -> list[str]:
+                  loss_func: Callable[..., Any] | None = None, *, casts: bool = False) -> list[str]:
     """What is wrong with calling ``model`` and ``loss_func`` on ``sample_batch`` as atorch will: one forward
     and the loss on fake tensors (no real memory, no arithmetic; the user's model is not touched). Empty when
-    the step runs, or when the fake run cannot tell (a forward that reads values: the real step will)."""
+    the step runs, or when the fake run cannot tell (a forward that reads values: the real step will).
+
+    Beyond the call itself: the loss must be a scalar tensor with a grad path to the model's trainable
+    parameters, and the step must run in the model's own dtypes (floating inputs of another dtype than the
+    parameters are refused by torch's matmul / convolution / norm kernels, though not by their fake kernels);
+    ``casts``: a strategy given casts inputs or parameters (autocast, half), so dtypes are not checked. A
+    loss_func that reads values (``.item()``, numpy) is run on real stand-ins of the output (zeros of its shapes
+    and dtypes) with the real sample batch, as is any loss_func whose output is small, which also finds targets
+    out of the output's range."""
     try:
         with _quiet_fake_tensor_log(), torch.random.fork_rng(devices=[]):
             mode, work, batch, _ = _fake_setup(model, sample_batch)
-            with mode, FakeKernelGaps():
-                _forward_and_loss(work, batch, model_input_format, loss_func)
+            watch = contextlib.nullcontext() if casts else _DtypeWatch()
+            with mode, FakeKernelGaps(), watch:
+                output = _checked_forward(work, batch, model_input_format, casts)
+                loss, loss_exc = None, None
+                if loss_func is not None:
+                    try:
+                        loss = loss_func(batch, output)
+                    except Exception as exc:  # noqa: BLE001  (judged below, with the real stand-ins)
+                        loss_exc = exc
+            if loss_func is not None:
+                trainable = any(p.requires_grad for p in model.parameters())
+                _checked_loss(loss_func, batch, output, loss, loss_exc, sample_batch, casts, trainable)
     except StepError as exc:
         return [str(exc)]
     except Exception as exc:  # noqa: BLE001  (the fake run's own limits: not the user's mistake)
         logger.debug("the sample step was not checked on fake tensors: %s", _first_line(exc))
     return []
+
+
+def _param_dtypes(model: nn.Module) -> str:
+    dtypes = sorted({_dtype(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    return " and ".join(dtypes) if dtypes else "none (no floating parameters)"
+
+
+def _dtype_hint(model: nn.Module, batch: Any) -> str:
+    params = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    inputs = sorted({_dtype(t.dtype) for t in _leaves(batch) if t.is_floating_point() and t.dtype not in params})
+    if not inputs:
+        return (f"The batch's floating tensors match the parameters' dtype ({_param_dtypes(model)}): a tensor made "
+                "inside forward has another dtype; create it with dtype= the parameters' (or .to(x.dtype))")
+    target = _param_dtypes(model)
+    numpy = "; numpy arrays become float64 tensors: torch.from_numpy(a).float()" if "float64" in inputs else ""
+    amp = (". For 16-bit compute keep the model in float32 and give load_strategy with amp_native (autocast)"
+           if params & set(_HALF) else "")
+    return (f"The batch holds {' and '.join(inputs)} tensors, the model's parameters are {target}: cast the data to "
+            f"the parameters' dtype in the dataset or collate_fn (e.g. x.to(torch.{target.split(' ')[0]}){numpy}), "
+            f"or the model to the data's dtype{amp}")
+
+
+def _checked_forward(work: nn.Module, batch: Any, model_input_format: str | None, casts: bool) -> Any:
+    try:
+        return call_model(work, batch, model_input_format)
+    except Exception as exc:
+        if not _users_mistake(exc, dtypes=not casts):
+            raise
+        if isinstance(exc, _MixedDtypes) or any(w in str(exc).lower() for w in _DTYPE_WORDS):
+            what = (f"would run {exc}, which torch refuses ('mat1 and mat2 must have the same dtype')"
+                    if isinstance(exc, _MixedDtypes) else f"raised {_first_line(exc, work)}")
+            raise StepError(
+                f"dtype mismatch: the model's forward fails on a sample batch in the model's own dtypes: "
+                f"model_input_format={model_input_format!r} calls {_CALLS.get(model_input_format, 'model(batch)')} "
+                f"with the batch, {describe(batch)}, and {type(work).__name__}.forward {what}. "
+                f"{_dtype_hint(work, batch)}") from exc
+        raise StepError(
+            f"the model's forward fails on a sample batch: model_input_format={model_input_format!r} calls "
+            f"{_CALLS.get(model_input_format, 'model(batch)')} with the batch, {describe(batch)}, and "
+            f"{type(work).__name__}.forward raised {_first_line(exc, work)}. "
+            f"{_forward_hint(work, batch, model_input_format)}") from exc
+
+
+def _loss_what(loss_func: Any) -> str:
+    name = _loss_name(loss_func)
+    return "loss_func" + (f" ({name})" if name != "loss_func" else "")
+
+
+def _checked_loss(loss_func: Callable[..., Any], batch: Any, output: Any, loss: Any, exc: BaseException | None,
+                  sample_batch: Any, casts: bool, trainable: bool) -> None:
+    """The loss of the fake step (or its failure ``exc``) judged; then, where the fake run could not tell or the
+    output is small, the loss on real stand-ins of the output and the real sample batch."""
+    if exc is not None and _users_mistake(exc, dtypes=not casts):
+        _raise_loss(loss_func, batch, output, exc)
+    if exc is None:
+        _judge_loss(loss_func, batch, output, loss, trainable)
+    real = _real_loss(loss_func, sample_batch, output)
+    if real is None:
+        return
+    real_loss, real_exc = real
+    if real_exc is not None:
+        # Where the fake loss ran, only what values decide is new here (targets out of range); zeros may upset a
+        # loss in other ways (a distribution's checks) that real outputs would not.
+        value_error = any(w in str(real_exc).lower() for w in ("out of bounds", "out of range"))
+        if (exc is not None or value_error) and _users_mistake(real_exc, dtypes=not casts):
+            _raise_loss(loss_func, sample_batch, output, real_exc)
+        return
+    if exc is not None:  # the fake run could not tell (a value read): the real stand-ins do
+        _judge_loss(loss_func, sample_batch, output, real_loss, trainable)
+
+
+def _judge_loss(loss_func: Any, batch: Any, output: Any, loss: Any, trainable: bool) -> None:
+    """A scalar tensor with a grad path, else a StepError naming the fix."""
+    if loss is None:
+        _raise_loss(loss_func, batch, output, _NotATensor(
+            "it returned None, not a tensor (a missing return?): return the loss as a scalar tensor"))
+    if not isinstance(loss, torch.Tensor):
+        _raise_loss(loss_func, batch, output, _NotATensor(
+            f"it returned a {type(loss).__name__}, not a tensor: return the loss as a scalar tensor (the one "
+            "backward starts from)"))
+    if loss.numel() != 1:
+        _raise_loss(loss_func, batch, output, _LossShape(
+            f"it returned a tensor of shape {tuple(loss.shape)}, not a scalar: backward needs one number. Reduce "
+            "it, e.g. with .mean() (a loss built with reduction='none' gives one value per sample or token)"))
+    if trainable and not loss.requires_grad:
+        if not any(t.requires_grad for t in _leaves(list(output.values()) if isinstance(output, Mapping)
+                                                     else output)):
+            raise StepError(
+                f"the model's output does not require grad ({describe(output)}) although the model has trainable "
+                "parameters: its forward cuts the graph (torch.no_grad() or torch.inference_mode() around it or "
+                "inside it, a @torch.no_grad() decorator, .detach()); remove that, so that the loss can train "
+                "the model")
+        _raise_loss(loss_func, batch, output, _LossShape(
+            "its result does not require grad, although the model's output does: the loss is cut off from the "
+            "model (.item(), float(), .detach(), torch.tensor(...) of a value, numpy, or torch.no_grad()), so "
+            "backward would fail and nothing would train. Compute it from `output` with torch operations and "
+            "return that tensor"))
+
+
+def _raise_loss(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> None:
+    what = _loss_what(loss_func)
+    if isinstance(exc, (_NotATensor, _LossShape)):
+        raise StepError(
+            f"{what} fails on a sample batch: atorch calls loss_func(data, output), data being the batch "
+            f"({describe(batch)}) and output the model's output ({describe(output)}); {exc}") from None
+    if isinstance(exc, _MixedDtypes) or any(w in str(exc).lower() for w in _DTYPE_WORDS):
+        hint = ("Check the dtypes loss_func combines: class-index targets must be int64 (.long()), floating "
+                "targets the output's dtype")
+    elif "out of bounds" in str(exc).lower() or "out of range" in str(exc).lower():
+        classes = tuple(output.shape)[-1:] if isinstance(output, torch.Tensor) else ()
+        hint = ("The batch's targets hold values outside what the output allows: class indices must be below the "
+                f"number of classes{f' ({classes[0]}, the output last dimension)' if classes else ''}; check the "
+                "labels and the model's number of outputs")
+    else:
+        hint = _loss_hint(loss_func, batch, output, exc)
+    raise StepError(
+        f"{what} fails on a sample batch: atorch calls loss_func(data, output), data being the batch "
+        f"({describe(batch)}) and output the model's output ({describe(output)}); it raised {_first_line(exc)}. "
+        f"{hint}".rstrip(". ")) from exc
+
+
+_REAL_OUTPUT_LIMIT = 64 * 2**20  # bytes of real stand-ins of the output made for the loss check
+
+
+def _real_loss(loss_func: Callable[..., Any], sample_batch: Any, output: Any) -> tuple[Any, Exception | None] | None:
+    """loss_func on the real sample batch and zeros shaped as the fake output (requiring grad where it does):
+    (loss, None), (None, exception), or None where it cannot run here (a meta batch, a large output)."""
+    leaves = list(_leaves(sample_batch))
+    outs = list(_leaves(list(output.values()) if isinstance(output, Mapping) else output))
+    if any(t.is_meta for t in leaves) or not outs or sum(_nbytes(t) for t in outs) > _REAL_OUTPUT_LIMIT:
+        return None
+    device = next((t.device for t in leaves), torch.device("cpu"))
+
+    def standin(t: torch.Tensor) -> torch.Tensor:
+        real = torch.zeros(tuple(t.shape), dtype=t.dtype, device=device)
+        return real.requires_grad_(t.requires_grad and t.is_floating_point())
+
+    try:
+        if isinstance(output, Mapping) and type(output) is not dict:  # transformers' ModelOutput
+            real_output = copy.copy(output)
+            for key, value in output.items():
+                real_output[key] = map_tensors(value, standin)
+        else:
+            real_output = map_tensors(output, standin)
+    except Exception:  # noqa: BLE001  (an output type that cannot be rebuilt: not checked)
+        return None
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), _quiet_fake_tensor_log():
+            return loss_func(sample_batch, real_output), None
+    except Exception as exc:  # noqa: BLE001  (judged by the caller)
+        return None, exc
 
 
 @contextmanager
