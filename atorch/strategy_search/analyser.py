@@ -48,6 +48,7 @@ import json
 import logging
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -666,7 +667,12 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
                 loss, loss_exc = None, None
                 if loss_func is not None:
                     try:
-                        loss = loss_func(batch, output)
+                        with warnings.catch_warnings(record=True) as caught:
+                            warnings.simplefilter("always")
+                            loss = loss_func(batch, output)
+                        _broadcast_check(loss_func, batch, output, caught)
+                    except StepError:
+                        raise
                     except Exception as exc:  # noqa: BLE001  (judged below, with the real stand-ins)
                         loss_exc = exc
             if loss_func is not None:
@@ -677,6 +683,21 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
     except Exception as exc:  # noqa: BLE001  (the fake run's own limits: not the user's mistake)
         logger.debug("the sample step was not checked on fake tensors: %s", _first_line(exc))
     return []
+
+
+def _broadcast_check(loss_func: Any, batch: Any, output: Any, caught: list[warnings.WarningMessage]) -> None:
+    """torch's losses warn when target and input differ in shape and broadcast (an (N, 1) output against an (N,)
+    target): the loss then averages N x N pairs, silently wrong. Named as the user's mistake; other warnings are
+    passed on."""
+    for warning in caught:
+        text = str(warning.message)
+        if "incorrect results due to broadcasting" in text:
+            raise StepError(
+                f"{_loss_what(loss_func)} broadcasts the target against the output: data is the batch "
+                f"({describe(batch)}), output the model's output ({describe(output)}), and torch warns: "
+                f"{' '.join(text.split())} Make the shapes equal, e.g. output.squeeze(-1) or the target "
+                ".view_as(output)")
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def _param_dtypes(model: nn.Module) -> str:
