@@ -11,7 +11,7 @@ from torch import nn
 
 from atorch.build import agreed_build, build_result, preflight, setup_same, strategy_same
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
-from atorch.data import empty_loader_problems
+from atorch.data import empty_loader_problems, short_dataset_warning
 from atorch.errors import NoStrategyFound, SearchOptionIgnored, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose
@@ -213,6 +213,8 @@ def auto_accelerate(
     if problems:
         raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
+    if setup.dataset is not None and (short := short_dataset_warning(setup.dataset, setup.dataloader_args)):
+        warnings.warn(short, UserWarning, stacklevel=2)
     micro_batches, search_record = 1, None
     if load_strategy is None and setup.dataset is None:
         logger.warning("no load_strategy and no dataset: automatic search needs batches to measure; using %s",

@@ -116,3 +116,20 @@ def empty_loader_problems(dataset: Any, dataloader_args: dict[str, Any], dp_size
             f"{where} {local} sample(s) per batch but only {per_rank} sample(s), so the dataloader yields no batch "
             "(a loop over it does nothing; one that cycles it never ends); lower batch_size to at most "
             f"{size if dp_size is None else per_rank * (dp_size or 1)}, drop drop_last, or give more samples"]
+
+
+def short_dataset_warning(dataset: Any, dataloader_args: dict[str, Any]) -> str | None:
+    """A dataset smaller than one global batch (without drop_last): every step trains on fewer samples than
+    batch_size says. Legitimate for a smoke test, so a warning; None where all is well or the length is unknown."""
+    if dataloader_args.get("drop_last"):
+        return None
+    try:
+        size = len(dataset)
+    except Exception:  # noqa: BLE001  (a stream without len)
+        return None
+    batch = dataloader_args.get("batch_size", 1)
+    if not isinstance(batch, int) or not 0 < size < batch:
+        return None
+    return (f"dataset has {size} sample(s), fewer than one global batch (batch_size={batch}): every step trains on "
+            f"those {size} (split over the data-parallel ranks, padded by repeating samples); lower batch_size or "
+            "give more samples if that is not meant")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,14 @@ def _callable_problems(setup: Any) -> list[str]:
                                                                      shuffle=False):
             problems.append(f"distributed_sampler_cls {getattr(sampler, '__name__', sampler)}{_plain(sig)} cannot be "
                             "called as cls(dataset, num_replicas=, rank=, shuffle=), as atorch calls it on each rank")
+    param_func = setup.optim_param_func
+    if param_func is not None:
+        if not callable(param_func):
+            problems.append(f"optim_param_func must be callable as optim_param_func(model) -> parameters or parameter "
+                            f"groups, got {type(param_func).__name__}")
+        elif (sig := _signature(param_func)) is not None and not _binds(sig, object()):
+            problems.append(f"optim_param_func{_plain(sig)} cannot be called as optim_param_func(model): atorch "
+                            "passes your model and gives what it returns to optim_func; give it one parameter")
     sched = setup.lr_scheduler_cls
     if sched is not None and isinstance(setup.lr_scheduler_args, dict):
         name = getattr(sched, "__name__", type(sched).__name__)
@@ -93,8 +102,17 @@ def _callable_problems(setup: Any) -> list[str]:
                             "pass the class and its arguments in lr_scheduler_args (atorch builds it on its "
                             "optimizer)")
         elif (sig := _signature(sched)) is not None:
-            problems += _kwargs_problems("lr_scheduler_args", setup.lr_scheduler_args, sig, name,
-                                         "cls(optimizer, **lr_scheduler_args)", first=1)
+            found = _kwargs_problems("lr_scheduler_args", setup.lr_scheduler_args, sig, name,
+                                     "cls(optimizer, **lr_scheduler_args)", first=1)
+            if not found and isinstance(sched, type) and sched.__module__.startswith("torch.optim"):
+                try:  # torch's schedulers check their arguments when built: on a stand-in optimizer
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        sched(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), **setup.lr_scheduler_args)
+                except (ValueError, TypeError) as exc:
+                    found.append(f"lr_scheduler_args {setup.lr_scheduler_args} are refused by {name}: "
+                                 f"{type(exc).__name__}: {exc}; fix lr_scheduler_args")
+            problems += found
     return problems
 
 
@@ -243,6 +261,12 @@ def _dataset_problems(setup: Any, run_loss: bool = True, casts: bool = False) ->
     if not problems and "collate_fn" in args and args["collate_fn"] is not None and not callable(args["collate_fn"]):
         problems.append(f"dataloader_args['collate_fn'] must be callable (a list of samples -> a batch), got "
                         f"{type(args['collate_fn']).__name__}")
+    batch_size = args.get("batch_size", 1)
+    if not problems and not isinstance(dataset, IterableDataset) and isinstance(batch_size, int) and batch_size > 0:
+        try:  # torch's own checks of its arguments (num_workers, prefetch_factor, ...); no worker starts here
+            DataLoader(dataset, **{k: v for k, v in args.items() if k != "shuffle"})
+        except (ValueError, TypeError) as exc:
+            problems.append(f"dataloader_args {args} are refused by torch's DataLoader: {type(exc).__name__}: {exc}")
     if isinstance(dataset, IterableDataset):
         if args.get("shuffle"):
             problems.append("dataloader_args['shuffle']=True with an IterableDataset: a stream is read in order "
@@ -257,9 +281,14 @@ def _dataset_problems(setup: Any, run_loss: bool = True, casts: bool = False) ->
     return problems
 
 
-def _sample_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> Any:
-    """One batch of (up to) two samples, collated as the dataloader will; None if it cannot be read
-    here (an unusual dataset or sampler index: the check is skipped, never guessed)."""
+class _BatchProblem(Exception):
+    """Reading or collating the sample batch failed as the dataloader would (the message is the problem)."""
+
+
+def _sample_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any], own_indices: bool = False) -> Any:
+    """One batch of (up to) two samples, collated as the dataloader will; None if it cannot be read here (a
+    dataset indexed by a sampler of the user's: the check is skipped, never guessed). Raises _BatchProblem when
+    dataset[0] or the collate_fn fails: the dataloader would fail the same way."""
     try:
         if isinstance(dataset, IterableDataset):
             samples = []
@@ -269,10 +298,26 @@ def _sample_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> Any:
                     break
         else:
             samples = [dataset[i] for i in range(min(2, len(dataset)))]
-        return collate_fn(samples) if samples else None
-    except Exception as exc:  # the dataset's own error, if real, shows when training reads it
-        logger.debug("sample batch not checked: %s", exc)
+    except Exception as exc:  # noqa: BLE001
+        if own_indices:  # a sampler of the user's may index otherwise
+            logger.debug("sample batch not checked: %s", exc)
+            return None
+        how = "iterating the dataset" if isinstance(dataset, IterableDataset) else "reading dataset[0] and dataset[1]"
+        raise _BatchProblem(f"{how} ({type(dataset).__name__}) raised {type(exc).__name__}: {exc}; the dataloader "
+                            "reads samples the same way (integer indices 0..len-1): fix the dataset's "
+                            f"{'__iter__' if isinstance(dataset, IterableDataset) else '__getitem__ / __len__'}"
+                            ) from exc
+    if not samples:
         return None
+    try:
+        return collate_fn(samples)
+    except Exception as exc:  # noqa: BLE001
+        name = getattr(collate_fn, "__name__", type(collate_fn).__name__)
+        fix = ("samples of different shapes (sequences of different lengths) need a collate_fn that pads them, "
+               "e.g. transformers' DataCollatorWithPadding or torch.nn.utils.rnn.pad_sequence"
+               if "equal size" in str(exc) or "same size" in str(exc) else "fix the collate_fn or the samples")
+        raise _BatchProblem(f"collating two samples with {name} (as the dataloader will) raised "
+                            f"{type(exc).__name__}: {' '.join(str(exc).split())}; {fix}") from exc
 
 
 def _describe(batch: Any) -> str:
@@ -288,7 +333,10 @@ def _batch_problems(setup: Any, run_loss: bool = True, casts: bool = False) -> l
     signature, then one forward and the loss on fake tensors. Not with a prepare_input (the user's function is
     not called here: it may count its calls or need the training device)."""
     collate_fn = setup.dataloader_args.get("collate_fn") or default_collate
-    batch = _sample_batch(setup.dataset, collate_fn)
+    try:
+        batch = _sample_batch(setup.dataset, collate_fn, own_indices=setup.distributed_sampler_cls is not None)
+    except _BatchProblem as exc:
+        return [str(exc)]
     if batch is None:
         return []
     problems = _structure_problems(setup, batch)

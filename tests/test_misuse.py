@@ -109,6 +109,38 @@ def regression_dataset(target_dtype: torch.dtype = torch.float32) -> Dataset:
     return pairs(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g).to(target_dtype))
 
 
+class NoReturnForward(MLP):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        super().forward(x, y)  # the return was forgotten
+
+
+class CudaInForward(MLP):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x.cuda(), y)  # written for a GPU box
+
+
+class Sentences(Dataset):
+    """Token sequences of different lengths, collated without padding."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(5 + i) % 100
+        return {"input_ids": ids, "labels": ids}
+
+
+class BuggyDataset(Dataset):
+    def __init__(self) -> None:
+        self.rows = [{"features": torch.randn(16), "label": i % 8} for i in range(16)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.rows[i]["feature"], self.rows[i]["label"]  # the key is 'features'
+
+
 def no_return_loss(data: Any, output: torch.Tensor) -> None:
     F.cross_entropy(output, data[1])  # the return was forgotten
 
@@ -226,7 +258,31 @@ MISTAKES = [
         model=nn.Sequential(nn.Linear(16, 1)), model_input_format="input_target",
         dataset=pairs(torch.randn(32, 16), torch.randn(32)), loss_func=lambda d, o: F.mse_loss(o, d[1])),
       "broadcasts the target against the output", "output.squeeze(-1)"),
+    m("token-ids-beyond-vocabulary", lambda: gpt2_args(dataset=TokenDataset(16, vocab=50257)),
+      "token id", "'transformer.wte' has 128 rows", "resize_token_embeddings"),
+    m("gpt2-without-labels", lambda: gpt2_args(dataset=[{"input_ids": torch.arange(32) % 100}] * 16),
+      "returned None", "only when the batch has 'labels'"),
+    m("forward-without-return", lambda: dict(model=NoReturnForward()), "forward returned None",
+      "return the model's output from forward"),
+    m("integer-features", lambda: dict(dataset=pairs(torch.randint(0, 5, (32, 16)), torch.randint(0, 8, (32,)))),
+      "Integer tensors reach a matmul", "x.float()"),
+    m("cuda-inside-forward", lambda: dict(model=CudaInForward()), "needs a CUDA GPU",
+      "create new tensors on an input's device"),
+    m("variable-length-without-padding", lambda: gpt2_args(dataset=Sentences()), "collating two samples",
+      "a collate_fn that pads them"),
+    m("dataset-getitem-bug", lambda: dict(dataset=BuggyDataset()), "reading dataset[0] and dataset[1]",
+      "KeyError", "fix the dataset's __getitem__"),
+    m("bce-with-integer-targets", lambda: dict(
+        loss_func=lambda d, o: F.binary_cross_entropy_with_logits(o, F.one_hot(d[1], 8))),
+      "dtype", "floating targets the output's dtype"),
+    m("negative-num-workers", lambda: dict(dataloader_args={"batch_size": 8, "num_workers": -1}),
+      "refused by torch's DataLoader", "num_workers option should be non-negative"),
     # --- the optimizer and scheduler ---
+    m("one-cycle-without-total-steps", lambda: dict(lr_scheduler_cls=torch.optim.lr_scheduler.OneCycleLR,
+                                                    lr_scheduler_args={"max_lr": 0.1}),
+      "refused by OneCycleLR", "total_steps"),
+    m("optim-param-func-without-parameter", lambda: dict(optim_param_func=lambda: []),
+      "cannot be called as optim_param_func(model)"),
     m("optim-args-learning-rate", lambda: dict(optim_args={"learning_rate": 0.1}),
       "optim_args['learning_rate'] is not an argument of SGD", "did you mean 'lr'?"),
     m("optim-args-typo", lambda: dict(optim_func=torch.optim.AdamW, optim_args={"lr": 1e-3, "weight_decy": 0.1}),
@@ -351,6 +407,9 @@ def test_legitimate_setups_are_not_refused() -> None:
     found = {name: input_problems(setup) for name, setup in legit.items()}
     assert all(not p for p in found.values()), {k: v for k, v in found.items() if v}
     # A bf16 model given float32 data runs under a strategy that casts (autocast): not refused there.
+    with pytest.warns(UserWarning, match="fewer than one global batch"):
+        atorch.auto_accelerate(mlp(), torch.optim.SGD, mlp_dataset(4), mlp_loss, model_input_format="unpack_sequence",
+                               optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=SEMI)
     assert input_problems(setup_of(model=mlp().to(torch.bfloat16)), casts=True) == []
 
 

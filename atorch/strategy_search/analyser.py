@@ -439,7 +439,9 @@ _GAP_WORDS = ("fake", "meta", "storage", "data pointer", "data-dependent", "symb
 # strategy may cast for the real step (autocast of a bf16 model's fp32 inputs, 'half' casting the batch).
 _SHAPE_WORDS = ("shape", "size", "dimension", "must match", "mat1", "reduction dim", "out of range",
                 "out of bounds")
-_DTYPE_WORDS = ("dtype", "scalar type", "same type")
+_DTYPE_WORDS = ("dtype", "scalar type", "same type", "can't be cast", "result type")
+# A forward that needs a GPU this machine lacks (a .cuda() / device="cuda" inside it): the user's.
+_NO_GPU_WORDS = ("not compiled with cuda", "no cuda gpus", "found no nvidia driver", "not linked with support for cuda")
 _CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)",
           "input_target": "model(batch[0])"}
 # Parameter names of a loss in torch's (input, target) order.
@@ -477,7 +479,8 @@ class _DtypeWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
         if name in _SAME_DTYPE_OPS:
-            tensors = [t for t in _leaves(list(args)) if t.is_floating_point()]
+            # matmuls and convolutions refuse any mix (integer features too); norms take integer-free arguments
+            tensors = [t for t in _leaves(list(args)) if t.is_floating_point() or name not in _NORM_OPS]
             dtypes = {t.dtype for t in tensors}
             if len(dtypes) > 1 and not (name in _NORM_OPS and tensors[0].dtype in _HALF
                                         and dtypes - {tensors[0].dtype} == {torch.float32}):
@@ -504,6 +507,8 @@ def _users_mistake(exc: BaseException, dtypes: bool = False) -> bool:
     """Whether a failure of the fake step is the user's mistake; ``dtypes``: a dtype error is too (the model runs
     in its own dtypes: no strategy given that casts)."""
     if isinstance(exc, (_MixedDtypes, _LossShape)):
+        return True
+    if any(word in str(exc).lower() for word in _NO_GPU_WORDS):
         return True
     if isinstance(exc, _ANALYSIS_GAPS) or _raised_in_torch_distributed(exc):
         return False
@@ -662,7 +667,8 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
         with _quiet_fake_tensor_log(), torch.random.fork_rng(devices=[]):
             mode, work, batch, _ = _fake_setup(model, sample_batch)
             watch = contextlib.nullcontext() if casts else _DtypeWatch()
-            with mode, FakeKernelGaps(), watch:
+            ids = _token_ids(batch, sample_batch)
+            with mode, FakeKernelGaps(), watch, _embedding_range(work, ids):
                 output = _checked_forward(work, batch, model_input_format, casts)
                 loss, loss_exc = None, None
                 if loss_func is not None:
@@ -705,9 +711,13 @@ def _param_dtypes(model: nn.Module) -> str:
     return " and ".join(dtypes) if dtypes else "none (no floating parameters)"
 
 
-def _dtype_hint(model: nn.Module, batch: Any) -> str:
+def _dtype_hint(model: nn.Module, batch: Any, exc: BaseException | None = None) -> str:
     params = {p.dtype for p in model.parameters() if p.is_floating_point()}
     inputs = sorted({_dtype(t.dtype) for t in _leaves(batch) if t.is_floating_point() and t.dtype not in params})
+    if isinstance(exc, _MixedDtypes) and any(w in str(exc) for w in ("int64", "int32", "uint8", "bool")):
+        return (f"Integer tensors reach a matmul or convolution with {_param_dtypes(model)} parameters: features "
+                f"stored as integers (the batch: {describe(batch)}) must be floating; convert them in the dataset or "
+                "collate_fn (x.float()), or feed token ids through an nn.Embedding")
     if not inputs:
         return (f"The batch's floating tensors match the parameters' dtype ({_param_dtypes(model)}): a tensor made "
                 "inside forward has another dtype; create it with dtype= the parameters' (or .to(x.dtype))")
@@ -720,12 +730,68 @@ def _dtype_hint(model: nn.Module, batch: Any) -> str:
             f"or the model to the data's dtype{amp}")
 
 
+def _token_ids(batch: Any, sample_batch: Any) -> list[tuple[torch.Tensor, int, int]]:
+    """(fake tensor, element count, largest value) of the batch's integer tensors, read before the fake mode."""
+    found = []
+    for fake, real in zip(list(_leaves(batch)), list(_leaves(sample_batch)), strict=False):
+        if real.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8) and not real.is_meta \
+                and real.numel():
+            found.append((fake, real.numel(), int(real.max())))
+    return found
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    base = getattr(t, "_base", None)
+    return t if base is None else base
+
+
+@contextmanager
+def _embedding_range(work: nn.Module, ints: list[tuple[torch.Tensor, int, int]]) -> Iterator[None]:
+    """Token ids of the sample batch at or above an nn.Embedding's size (a tokenizer larger than the model's
+    vocabulary): fake tensors do not look at values, the real step raises 'index out of range in self'. The ids an
+    embedding gets are matched to the batch's integer tensors by identity (or as a view of one): ids made inside
+    forward (positions) are not the batch's."""
+    names = {id(m): name for name, m in work.named_modules()}
+
+    def check(module: nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+            return
+        root = _root(ids)  # ids may be a view of the batch's tensor (input_ids.view(-1, n))
+        same = [top for f, _, top in ints if f is ids or _root(f) is root]
+        if not same:
+            return
+        top = min(same)
+        if top >= module.num_embeddings:
+            raise StepError(
+                f"the batch holds token id {top} but the model's embedding '{names.get(id(module), '?')}' has "
+                f"{module.num_embeddings} rows (ids 0..{module.num_embeddings - 1}); the real step would raise "
+                "'index out of range in self'. Use the tokenizer that matches the model (or one whose vocabulary "
+                "fits), or enlarge the embedding (transformers: model.resize_token_embeddings(len(tokenizer)))")
+
+    handles = [m.register_forward_pre_hook(check) for m in work.modules() if isinstance(m, nn.Embedding)] \
+        if ints else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _checked_forward(work: nn.Module, batch: Any, model_input_format: str | None, casts: bool) -> Any:
     try:
         return call_model(work, batch, model_input_format)
+    except StepError:
+        raise
     except Exception as exc:
         if not _users_mistake(exc, dtypes=not casts):
             raise
+        if any(word in str(exc).lower() for word in _NO_GPU_WORDS):
+            raise StepError(
+                f"the model's forward needs a CUDA GPU, which this process does not have: "
+                f"{type(work).__name__}.forward raised {_first_line(exc, work)}. Do not move tensors or modules to "
+                "'cuda' inside forward or the dataset (atorch places the model and result.prepare_input the batch "
+                "on result.args.device); create new tensors on an input's device (device=x.device)") from exc
         if isinstance(exc, _MixedDtypes) or any(w in str(exc).lower() for w in _DTYPE_WORDS):
             what = (f"would run {exc}, which torch refuses ('mat1 and mat2 must have the same dtype')"
                     if isinstance(exc, _MixedDtypes) else f"raised {_first_line(exc, work)}")
@@ -733,7 +799,7 @@ def _checked_forward(work: nn.Module, batch: Any, model_input_format: str | None
                 f"dtype mismatch: the model's forward fails on a sample batch in the model's own dtypes: "
                 f"model_input_format={model_input_format!r} calls {_CALLS.get(model_input_format, 'model(batch)')} "
                 f"with the batch, {describe(batch)}, and {type(work).__name__}.forward {what}. "
-                f"{_dtype_hint(work, batch)}") from exc
+                f"{_dtype_hint(work, batch, exc)}") from exc
         raise StepError(
             f"the model's forward fails on a sample batch: model_input_format={model_input_format!r} calls "
             f"{_CALLS.get(model_input_format, 'model(batch)')} with the batch, {describe(batch)}, and "
@@ -750,6 +816,9 @@ def _checked_loss(loss_func: Callable[..., Any], batch: Any, output: Any, loss: 
                   sample_batch: Any, casts: bool, trainable: bool) -> None:
     """The loss of the fake step (or its failure ``exc``) judged; then, where the fake run could not tell or the
     output is small, the loss on real stand-ins of the output and the real sample batch."""
+    if output is None:
+        raise StepError("the model's forward returned None (a missing return statement?), so loss_func(data, output) "
+                        "gets no output; return the model's output from forward")
     if exc is not None and _users_mistake(exc, dtypes=not casts):
         _raise_loss(loss_func, batch, output, exc)
     if exc is None:
@@ -772,8 +841,10 @@ def _checked_loss(loss_func: Callable[..., Any], batch: Any, output: Any, loss: 
 def _judge_loss(loss_func: Any, batch: Any, output: Any, loss: Any, trainable: bool) -> None:
     """A scalar tensor with a grad path, else a StepError naming the fix."""
     if loss is None:
+        why = ("the model's output has loss=None: a transformers model computes .loss only when the batch has "
+               "'labels'" if getattr(output, "loss", 0) is None else "a missing return?")
         _raise_loss(loss_func, batch, output, _NotATensor(
-            "it returned None, not a tensor (a missing return?): return the loss as a scalar tensor"))
+            f"it returned None, not a tensor ({why}): return the loss as a scalar tensor"))
     if not isinstance(loss, torch.Tensor):
         _raise_loss(loss_func, batch, output, _NotATensor(
             f"it returned a {type(loss).__name__}, not a tensor: return the loss as a scalar tensor (the one "
