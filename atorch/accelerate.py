@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from atorch.build import agreed_build, build_result, preflight, setup_same, strategy_same
-from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.data import empty_loader_problems, short_dataset_warning
+from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, SearchOptionIgnored, StrategyError
 from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose

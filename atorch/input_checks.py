@@ -248,8 +248,8 @@ def _dataset_problems(setup: Any, run_loss: bool = True, casts: bool = False) ->
                 "__iter__ starts the stream anew on every call"]
     size = dataset_len(dataset)
     if size == 0:
-        return [f"dataset is empty (len(dataset) == 0): the dataloader would yield no batch and a training loop "
-                f"over it would do nothing; pass the dataset with its samples (check its path or filter)"]
+        return ["dataset is empty (len(dataset) == 0): the dataloader would yield no batch and a training loop "
+                "over it would do nothing; pass the dataset with its samples (check its path or filter)"]
     problems = [
         f"dataloader_args['{key}'] cannot be used: atorch samples each rank's share itself; give a sampler "
         "class as distributed_sampler_cls (called as cls(dataset, num_replicas=, rank=, shuffle=))"

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launcher import run_json
-from toy_models import MLP, TokenDataset, mlp, mlp_dataset, mlp_loss, tiny_gpt2
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from toy_models import MLP, TokenDataset, mlp, mlp_dataset, mlp_loss, tiny_gpt2
 
 import atorch
 from atorch import StrategyError
@@ -398,10 +398,11 @@ def test_legitimate_setups_are_not_refused() -> None:
                                                                                        "drop_last": True}),
         "integer tokens, float parameters": setup_of(**gpt2_args()),
         "no optimizer, every parameter frozen": setup_of(model=frozen_mlp(), optim_func=None),
-        "an optimizer function taking **kwargs": setup_of(optim_func=lambda params, **kw: torch.optim.SGD(params, **kw)),
-        "a float64 regression target": setup_of(model=nn.Sequential(nn.Linear(16, 1)), model_input_format="input_target",
-                                                dataset=regression_dataset(torch.float64),
-                                                loss_func=lambda d, o: F.mse_loss(o, d[1])),
+        "an optimizer function taking **kwargs": setup_of(
+            optim_func=lambda params, **kw: torch.optim.SGD(params, **kw)),
+        "a float64 regression target": setup_of(
+            model=nn.Sequential(nn.Linear(16, 1)), model_input_format="input_target",
+            dataset=regression_dataset(torch.float64), loss_func=lambda d, o: F.mse_loss(o, d[1])),
         "a dataset smaller than the batch, no drop_last": setup_of(dataset=mlp_dataset(4)),
     }
     found = {name: input_problems(setup) for name, setup in legit.items()}

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from toy_models import mlp, mlp_dataset, mlp_loss
 from torch.utils.data import TensorDataset
+from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
 
