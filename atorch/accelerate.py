@@ -13,7 +13,7 @@ from atorch.build import agreed_build, build_result, preflight, setup_same, stra
 from atorch.data import empty_loader_problems, short_dataset_warning
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, SearchOptionIgnored, StrategyError
-from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
+from atorch.input_checks import input_problems, launch_problems, unused_parameter_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
 from atorch.no_optimizer import no_optimizer_problems
@@ -200,6 +200,8 @@ def auto_accelerate(
                 )
             if not searching and setup.dataset is not None:
                 problems += empty_loader_problems(setup.dataset, setup.dataloader_args, layout.data_size)
+                if not problems:
+                    problems += unused_parameter_problems(setup, strategy, layout.data_size)
             skipped, model_problems = preflight(setup, env, strategy, layout)
             problems += model_problems
     except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)

@@ -469,3 +469,35 @@ def launch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
             problems.append(f"LOCAL_RANK={values['LOCAL_RANK']} is above RANK={values['RANK']}; "
                             "launch with torchrun")
     return problems
+
+
+# Methods under which data parallel is not DDP (sharding, DeepSpeed, pipeline or tensor-parallel replicas).
+_NOT_DDP = ("fsdp", "zero2", "ds_3d_parallel", "pipeline_parallel", "mixed_parallel", "tensor_parallel")
+
+
+def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list[str]:
+    """Trainable parameters that get no gradient, under DDP without find_unused_parameters: DDP waits for their
+    gradients and fails at the next step ("Expected to have finished reduction in the prior iteration")."""
+    if data_size < 2 or setup.find_unused_parameters or setup.optim_func is None or setup.dataset is None \
+            or setup.prepare_input is not None or not isinstance(setup.model, nn.Module) \
+            or setup.loss_func is None and setup.model_input_format is None \
+            or any(name in strategy for name in _NOT_DDP) \
+            or getattr(strategy.get("zero1"), "implementation", None) == "deepspeed":
+        return []
+    try:
+        batch = _sample_batch(setup.dataset, setup.dataloader_args.get("collate_fn") or default_collate,
+                              own_indices=setup.distributed_sampler_cls is not None)
+    except _BatchProblem:
+        return []
+    if batch is None:
+        return []
+    from atorch.strategy_search.analyser import unused_parameters
+
+    unused = unused_parameters(setup.model, batch, setup.model_input_format, setup.loss_func)
+    if not unused:
+        return []
+    shown = ", ".join(repr(n) for n in unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+    return [f"trainable parameters get no gradient in a step on the sample batch ({shown}: not used by forward or "
+            f"the loss), and DDP over {data_size} data-parallel processes waits for every gradient, so training would "
+            "fail at the second step ('Expected to have finished reduction in the prior iteration'); pass "
+            "find_unused_parameters=True, or freeze what is not trained (module.requires_grad_(False))"]

@@ -437,9 +437,11 @@ def test_mistakes_at_two_processes_are_named_on_every_rank() -> None:
         "drop-last-no-batch-per-rank": "each of 2 data-parallel ranks 2 sample(s) per batch but only 1 sample(s)",
         "float64-on-one-rank-only": "The batch holds float64 tensors",
         "non-scalar-loss-both-ranks": "not a scalar",
+        "unused-parameters-under-ddp": "('aux_head.weight', 'aux_head.bias': not used by forward or the loss)",
     }
-    assert set(out) == set(expected)
+    assert set(out) == {*expected, "unused-parameters-with-find-unused"}
     for name, phrase in expected.items():
         ranks = out[name]
         assert len(ranks) == 2 and ranks[0] == ranks[1], (name, ranks)  # the same error on every rank
         assert ranks[0]["type"] == "StrategyError" and phrase in ranks[0]["message"], (name, ranks[0])
+    assert out["unused-parameters-with-find-unused"] == [{"type": "none", "message": ""}] * 2

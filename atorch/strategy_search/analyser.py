@@ -691,6 +691,24 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
     return []
 
 
+def unused_parameters(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
+                      loss_func: Callable[..., Any] | None = None) -> list[str] | None:
+    """Names of the trainable parameters that get no gradient in one step on ``sample_batch`` (fake tensors:
+    forward, the loss, backward), or None where the step cannot run here (the other checks report a mistake)."""
+    try:
+        with _quiet_fake_tensor_log(), torch.random.fork_rng(devices=[]):
+            mode, work, batch, _ = _fake_setup(model, sample_batch)
+            with mode, FakeKernelGaps():
+                loss = _loss_of(call_model(work, batch, model_input_format), batch, loss_func)
+                if loss is None:
+                    return None
+                loss.backward()
+    except Exception as exc:  # noqa: BLE001  (not checked: the step's own problems are reported elsewhere)
+        logger.debug("unused parameters not checked: %s", _first_line(exc))
+        return None
+    return [name for name, p in work.named_parameters() if p.requires_grad and p.grad is None]
+
+
 def _broadcast_check(loss_func: Any, batch: Any, output: Any, caught: list[warnings.WarningMessage]) -> None:
     """torch's losses warn when target and input differ in shape and broadcast (an (N, 1) output against an (N,)
     target): the loss then averages N x N pairs, silently wrong. Named as the user's mistake; other warnings are

@@ -10,20 +10,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import TensorDataset
-from toy_models import mlp, mlp_dataset, mlp_loss
+from toy_models import MLP, mlp, mlp_dataset, mlp_loss
 
 import atorch
 
 DATA2 = [("parallel_mode", {"dims": [["data", 2]]})]
 
 
-def error_of(**kwargs: Any) -> dict[str, str]:
+class TwoHeads(MLP):
+    """A second head that forward never uses (left over from an experiment)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_head = nn.Linear(32, 4)
+
+
+def error_of(model: nn.Module | None = None, **kwargs: Any) -> dict[str, str]:
     args: dict[str, Any] = dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
                                 optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8}, load_strategy=DATA2)
     args.update(kwargs)
     try:
-        atorch.auto_accelerate(mlp(), torch.optim.SGD, **args)
+        atorch.auto_accelerate(model or mlp(), torch.optim.SGD, **args)
     except Exception as exc:  # reported to the test, which checks type and message
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": "none", "message": ""}
@@ -39,6 +48,8 @@ def main() -> None:
         # rank 1 read its data differently (a cast forgotten in one code path): every rank hears of it
         "float64-on-one-rank-only": dict(dataset=float64 if rank == 1 else mlp_dataset()),
         "non-scalar-loss-both-ranks": dict(loss_func=lambda d, o: F.cross_entropy(o, d[1], reduction="none")),
+        "unused-parameters-under-ddp": dict(model=TwoHeads()),
+        "unused-parameters-with-find-unused": dict(model=TwoHeads(), find_unused_parameters=True),  # legitimate
     }
     out = {}
     for name, kwargs in scenarios.items():
