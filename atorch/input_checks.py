@@ -43,7 +43,8 @@ def input_problems(setup: Any, save_strategy_to_file: Any = None, casts: bool = 
     loss_problems = _loss_func_problems(setup.loss_func)
     frozen = trainable_problems(setup)
     problems = frozen + loss_problems + _callable_problems(setup) + optimizer_problems(setup)
-    problems += _dataset_problems(setup, run_loss=not loss_problems, casts=casts)
+    run_loss = not loss_problems and (setup.loss_func is None or callable(setup.loss_func))
+    problems += _dataset_problems(setup, run_loss=run_loss, casts=casts)
     problems += save_path_problems(save_strategy_to_file)
     return problems
 
@@ -150,12 +151,17 @@ def _kwargs_problems(label: str, args: dict[str, Any], sig: inspect.Signature, n
                                                            inspect.Parameter.KEYWORD_ONLY)]
     problems = []
     unknown = [k for k in args if k not in names] if not takes_any else []
+    passed = params[0].name if first and params else None
+    if passed in unknown:  # optim_args['params'], lr_scheduler_args['optimizer']: atorch passes it
+        unknown.remove(passed)
+        problems.append(f"{label}[{passed!r}] cannot be given: atorch passes it itself ({call}, built on the "
+                        f"accelerated model); remove {passed!r} from {label}")
     for key in unknown:
         close = _closest(str(key), names)
         problems.append(f"{label}[{key!r}] is not an argument of {name} (atorch calls {call}); "
                         + (f"did you mean {close!r}? " if close else "")
                         + f"{name} takes: {', '.join(names) or 'no keyword arguments'}")
-    if not unknown and not _binds(sig, *([object()] * first), **args):
+    if not unknown and not problems and not _binds(sig, *([object()] * first), **args):
         missing = [p.name for p in params[first:] if p.default is inspect.Parameter.empty and p.name not in args
                    and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
         what = f"misses required argument(s) {missing}" if missing else "does not fit its signature"
@@ -262,7 +268,8 @@ def _dataset_problems(setup: Any, run_loss: bool = True, casts: bool = False) ->
         problems.append(f"dataloader_args['collate_fn'] must be callable (a list of samples -> a batch), got "
                         f"{type(args['collate_fn']).__name__}")
     batch_size = args.get("batch_size", 1)
-    if not problems and not isinstance(dataset, IterableDataset) and isinstance(batch_size, int) and batch_size > 0:
+    if not problems and not isinstance(dataset, IterableDataset) and isinstance(batch_size, int) \
+            and not isinstance(batch_size, bool) and batch_size > 0:
         try:  # torch's own checks of its arguments (num_workers, prefetch_factor, ...); no worker starts here
             DataLoader(dataset, **{k: v for k, v in args.items() if k != "shuffle"})
         except (ValueError, TypeError) as exc:
