@@ -141,6 +141,11 @@ class BuggyDataset(Dataset):
         return self.rows[i]["feature"], self.rows[i]["label"]  # the key is 'features'
 
 
+def _backward_and_return(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()  # "to be sure the gradients are there"
+    return loss
+
+
 def no_return_loss(data: Any, output: torch.Tensor) -> None:
     F.cross_entropy(output, data[1])  # the return was forgotten
 
@@ -292,6 +297,11 @@ MISTAKES = [
       "refused by Adam", "fix the value in optim_args"),
     m("parameters-in-optim-args", lambda: dict(optim_args={"params": mlp().parameters(), "lr": 0.1}),
       "optim_args['params'] cannot be given", "remove 'params' from optim_args"),
+    m("loss-calls-backward", lambda: dict(loss_func=lambda d, o: _backward_and_return(F.cross_entropy(o, d[1]))),
+      "runs backward itself", "return the loss without calling backward"),
+    m("sequence-logits-not-flattened", lambda: gpt2_args(
+        loss_func=lambda d, o: F.cross_entropy(o.logits, d["labels"])),
+      "Expected target size", "logits.view(-1, C), labels.view(-1)"),
     m("loss-func-as-a-name", lambda: dict(loss_func="cross_entropy"), "loss_func must be callable"),
     m("optimizer-instance-as-optim-func", lambda: dict(optim_func=torch.optim.SGD(mlp().parameters(), lr=0.1)),
       "optim_func must be an optimizer class or a function"),

@@ -606,6 +606,10 @@ def _loss_hint(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> s
                 f"`loss_func=lambda data, output: {call}`")
     if isinstance(exc, TypeError) and "argument" in str(exc):
         return "Give loss_func exactly two parameters, (data, output), in this order"
+    if isinstance(exc, (RuntimeError, ValueError)) and any(w in str(exc).lower() for w in _SHAPE_WORDS):
+        return ("The shapes loss_func combines do not fit (see the batch and the output above): e.g. F.cross_entropy "
+                "takes logits (N, C) with targets (N,), so flatten a sequence's logits and labels (logits.view(-1, "
+                "C), labels.view(-1)) or move the class dimension second (logits.transpose(1, 2))")
     return "Make loss_func take the batch first and the model's output second, and return a scalar tensor"
 
 
@@ -677,6 +681,12 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
                             warnings.simplefilter("always")
                             loss = loss_func(batch, output)
                         _broadcast_check(loss_func, batch, output, caught)
+                        if any(p.grad is not None for p in work.parameters()):
+                            raise StepError(
+                                f"{_loss_what(loss_func)} runs backward itself (the model's parameters have "
+                                "gradients after it returns): your loop's loss.backward() (or optim.backward(loss)) "
+                                "would then go through the graph a second time and fail; return the loss without "
+                                "calling backward on it")
                     except StepError:
                         raise
                     except Exception as exc:  # noqa: BLE001  (judged below, with the real stand-ins)
