@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from launcher import run_json
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
-from toy_models import MLP, TokenDataset, mlp, mlp_dataset, mlp_loss, tiny_gpt2
+from toy_models import MLP, SmallVGG, TokenDataset, mlp, mlp_dataset, mlp_loss, tiny_gpt2
 
 import atorch
 from atorch import StrategyError
@@ -271,6 +271,11 @@ MISTAKES = [
       "return the model's output from forward"),
     m("integer-features", lambda: dict(dataset=pairs(torch.randint(0, 5, (32, 16)), torch.randint(0, 8, (32,)))),
       "Integer tensors reach a matmul", "x.float()"),
+    m("uint8-images-into-conv", lambda: dict(model=SmallVGG(), dataset=pairs(
+        torch.randint(0, 255, (16, 3, 32, 32), dtype=torch.uint8), torch.randint(0, 10, (16,)))),
+      "dtype mismatch", "tensor (2, 3, 32, 32) uint8", "x.float()"),
+    m("dataset-without-target", lambda: dict(dataset=TensorDataset(torch.randn(16, 16))),
+      "IndexError: list index out of range", "make the dataset yield what loss_func reads"),
     m("cuda-inside-forward", lambda: dict(model=CudaInForward()), "needs a CUDA GPU",
       "create new tensors on an input's device"),
     m("variable-length-without-padding", lambda: gpt2_args(dataset=Sentences()), "collating two samples",

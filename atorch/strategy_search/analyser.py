@@ -439,7 +439,8 @@ _GAP_WORDS = ("fake", "meta", "storage", "data pointer", "data-dependent", "symb
 # strategy may cast for the real step (autocast of a bf16 model's fp32 inputs, 'half' casting the batch).
 _SHAPE_WORDS = ("shape", "size", "dimension", "must match", "mat1", "reduction dim", "out of range",
                 "out of bounds")
-_DTYPE_WORDS = ("dtype", "scalar type", "same type", "can't be cast", "result type")
+_DTYPE_WORDS = ("dtype", "scalar type", "same type", "can't be cast", "result type", "input type", "weight type",
+                "bias type")
 # A forward that needs a GPU this machine lacks (a .cuda() / device="cuda" inside it): the user's.
 _NO_GPU_WORDS = ("not compiled with cuda", "no cuda gpus", "found no nvidia driver", "not linked with support for cuda")
 _CALLS = {None: "model(batch)", "unpack_sequence": "model(*batch)", "unpack_dict": "model(**batch)",
@@ -742,7 +743,7 @@ def _param_dtypes(model: nn.Module) -> str:
 def _dtype_hint(model: nn.Module, batch: Any, exc: BaseException | None = None) -> str:
     params = {p.dtype for p in model.parameters() if p.is_floating_point()}
     inputs = sorted({_dtype(t.dtype) for t in _leaves(batch) if t.is_floating_point() and t.dtype not in params})
-    if isinstance(exc, _MixedDtypes) and any(w in str(exc) for w in ("int64", "int32", "uint8", "bool")):
+    if any(w in str(exc) for w in ("int64", "int32", "uint8", "bool", "unsigned char", "Long", "Byte")):
         return (f"Integer tensors reach a matmul or convolution with {_param_dtypes(model)} parameters: features "
                 f"stored as integers (the batch: {describe(batch)}) must be floating; convert them in the dataset or "
                 "collate_fn (x.float()), or feed token ids through an nn.Embedding")
@@ -905,6 +906,9 @@ def _raise_loss(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> 
     if isinstance(exc, _MixedDtypes) or any(w in str(exc).lower() for w in _DTYPE_WORDS):
         hint = ("Check the dtypes loss_func combines: class-index targets must be int64 (.long()), floating "
                 "targets the output's dtype")
+    elif isinstance(exc, IndexError) and any(w in str(exc) for w in ("list index", "tuple index")):
+        hint = ("loss_func reads an element the batch does not have (see the batch above): make the dataset yield "
+                "what loss_func reads (the target), or read it where it is")
     elif "out of bounds" in str(exc).lower() or "out of range" in str(exc).lower():
         classes = tuple(output.shape)[-1:] if isinstance(output, torch.Tensor) else ()
         hint = ("The batch's targets hold values outside what the output allows: class indices must be below the "
