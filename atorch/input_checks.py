@@ -199,6 +199,10 @@ def wrapped_model_problems(model: Any) -> list[str]:
     """A model already inside a data-parallel / sharding wrapper (which atorch would apply again)."""
     if not isinstance(model, nn.Module):
         return []  # reported by the type check
+    if type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return ["the model is a torch.compile()d module; pass the module itself (model._orig_mod, or the model "
+                "before torch.compile): atorch rewrites the plain module (data parallel, sharding, precision) and a "
+                "compiled wrapper would hide it; compile the result's model afterwards if you wish"]
     for name, module in model.named_modules():
         for cls in type(module).__mro__:
             if cls.__name__ in _WRAPPER_NAMES:

@@ -213,6 +213,8 @@ MISTAKES = [
       "@torch.no_grad() decorator"),
     m("model-is-a-class", lambda: dict(model=MLP), "model must be a torch.nn.Module, got type"),
     m("model-is-a-state-dict", lambda: dict(model=mlp().state_dict()), "model must be a torch.nn.Module"),
+    m("model-already-compiled", lambda: dict(model=torch.compile(mlp())), "torch.compile()d module",
+      "model._orig_mod"),
     m("model-in-dataparallel", lambda: dict(model=nn.DataParallel(mlp())), "already wrapped in DataParallel",
       "pass the plain nn.Module"),
     m("model-double-data-float", lambda: dict(model=mlp().double()), "dtype mismatch",
@@ -307,6 +309,9 @@ MISTAKES = [
     m("sequence-logits-not-flattened", lambda: gpt2_args(
         loss_func=lambda d, o: F.cross_entropy(o.logits, d["labels"])),
       "Expected target size", "logits.view(-1, C), labels.view(-1)"),
+    m("loss-as-a-new-leaf", lambda: dict(
+        loss_func=lambda d, o: torch.tensor(F.cross_entropy(o, d[1]).item(), requires_grad=True)),
+      "does not depend on the model's parameters", "torch.tensor(value, requires_grad=True)"),
     m("loss-func-as-a-name", lambda: dict(loss_func="cross_entropy"), "loss_func must be callable"),
     m("optimizer-instance-as-optim-func", lambda: dict(optim_func=torch.optim.SGD(mlp().parameters(), lr=0.1)),
       "optim_func must be an optimizer class or a function"),

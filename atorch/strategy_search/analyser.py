@@ -692,9 +692,12 @@ def step_problems(model: nn.Module, sample_batch: Any, model_input_format: str |
                         raise
                     except Exception as exc:  # noqa: BLE001  (judged below, with the real stand-ins)
                         loss_exc = exc
+                reached = _reaches_parameters(work, loss)
             if loss_func is not None:
                 trainable = any(p.requires_grad for p in model.parameters())
                 _checked_loss(loss_func, batch, output, loss, loss_exc, sample_batch, casts, trainable)
+                if trainable and reached is False:
+                    _raise_new_leaf(loss_func, batch, output)
     except StepError as exc:
         return [str(exc)]
     except Exception as exc:  # noqa: BLE001  (the fake run's own limits: not the user's mistake)
@@ -733,6 +736,19 @@ def _broadcast_check(loss_func: Any, batch: Any, output: Any, caught: list[warni
                 f"{' '.join(text.split())} Make the shapes equal, e.g. output.squeeze(-1) or the target "
                 ".view_as(output)")
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def _reaches_parameters(work: nn.Module, loss: Any) -> bool | None:
+    """Whether backward from the (fake) scalar ``loss`` gives any parameter of ``work`` a gradient; None where
+    it cannot tell (no such loss, or the fake backward fails)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        return None
+    try:
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001  (the fake run's limits)
+        logger.debug("the sample backward did not run on fake tensors: %s", _first_line(exc))
+        return None
+    return any(p.grad is not None for p in work.parameters())
 
 
 def _param_dtypes(model: nn.Module) -> str:
@@ -855,7 +871,7 @@ def _checked_loss(loss_func: Callable[..., Any], batch: Any, output: Any, loss: 
     real = _real_loss(loss_func, sample_batch, output)
     if real is None:
         return
-    real_loss, real_exc = real
+    real_loss, real_exc, real_output = real
     if real_exc is not None:
         # Where the fake loss ran, only what values decide is new here (targets out of range); zeros may upset a
         # loss in other ways (a distribution's checks) that real outputs would not.
@@ -865,6 +881,18 @@ def _checked_loss(loss_func: Callable[..., Any], batch: Any, output: Any, loss: 
         return
     if exc is not None:  # the fake run could not tell (a value read): the real stand-ins do
         _judge_loss(loss_func, sample_batch, output, real_loss, trainable)
+        leaves = [t for t in _leaves(list(real_output.values()) if isinstance(real_output, Mapping) else real_output)
+                  if t.requires_grad]
+        if trainable and leaves and isinstance(real_loss, torch.Tensor) and real_loss.requires_grad and all(
+                g is None for g in torch.autograd.grad(real_loss, leaves, allow_unused=True)):
+            _raise_new_leaf(loss_func, sample_batch, output)
+
+
+def _raise_new_leaf(loss_func: Any, batch: Any, output: Any) -> None:
+    _raise_loss(loss_func, batch, output, _LossShape(
+        "its result requires grad but does not depend on the model's parameters (backward reaches none of them): "
+        "it was made as a new leaf (torch.tensor(value, requires_grad=True), .requires_grad_() on a detached value) "
+        "instead of computed from `output`. Compute it from `output` with torch operations and return that tensor"))
 
 
 def _judge_loss(loss_func: Any, batch: Any, output: Any, loss: Any, trainable: bool) -> None:
@@ -925,9 +953,11 @@ def _raise_loss(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> 
 _REAL_OUTPUT_LIMIT = 64 * 2**20  # bytes of real stand-ins of the output made for the loss check
 
 
-def _real_loss(loss_func: Callable[..., Any], sample_batch: Any, output: Any) -> tuple[Any, Exception | None] | None:
+def _real_loss(loss_func: Callable[..., Any], sample_batch: Any,
+               output: Any) -> tuple[Any, Exception | None, Any] | None:
     """loss_func on the real sample batch and zeros shaped as the fake output (requiring grad where it does):
-    (loss, None), (None, exception), or None where it cannot run here (a meta batch, a large output)."""
+    (loss, None, stand-ins), (None, exception, stand-ins), or None where it cannot run here (a meta batch, a large
+    output)."""
     leaves = list(_leaves(sample_batch))
     outs = list(_leaves(list(output.values()) if isinstance(output, Mapping) else output))
     if any(t.is_meta for t in leaves) or not outs or sum(_nbytes(t) for t in outs) > _REAL_OUTPUT_LIMIT:
@@ -949,9 +979,9 @@ def _real_loss(loss_func: Callable[..., Any], sample_batch: Any, output: Any) ->
         return None
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[]), _quiet_fake_tensor_log():
-            return loss_func(sample_batch, real_output), None
+            return loss_func(sample_batch, real_output), None, real_output
     except Exception as exc:  # noqa: BLE001  (judged by the caller)
-        return None, exc
+        return None, exc, real_output
 
 
 @contextmanager
