@@ -934,6 +934,10 @@ def _raise_loss(loss_func: Any, batch: Any, output: Any, exc: BaseException) -> 
     if isinstance(exc, _MixedDtypes) or any(w in str(exc).lower() for w in _DTYPE_WORDS):
         hint = ("Check the dtypes loss_func combines: class-index targets must be int64 (.long()), floating "
                 "targets the output's dtype")
+    elif isinstance(exc, (AttributeError, KeyError)) and not _torch_order(loss_func):
+        hint = (f"loss_func reads {'an attribute' if isinstance(exc, AttributeError) else 'a key'} that the output or "
+                "the batch does not have (see their structure above): read what they hold, or make the dataset / "
+                "model provide it")
     elif isinstance(exc, IndexError) and any(w in str(exc) for w in ("list index", "tuple index")):
         hint = ("loss_func reads an element the batch does not have (see the batch above): make the dataset yield "
                 "what loss_func reads (the target), or read it where it is")
