@@ -1,8 +1,11 @@
-"""Up-front checks of the user's dataset, loss, model and launch environment.
+"""Up-front checks of the user's dataset, loss, model, optimizer / scheduler arguments and launch environment.
 
 Each function returns problem strings (empty when all is well), each naming the fix; auto_accelerate
-reports them together with every other problem before anything is built. The model runs here only on fake
-tensors (the analyser's fake-tensor step: shapes, no storage), on one collated sample batch.
+reports them together with every other problem before anything is built, in both modes. The model runs here only
+on fake tensors (the analyser's fake-tensor step: shapes, no storage), on one collated sample batch; the user's
+own factories (optim_func, prepare_input, ...) are never called, only torch's optimizer and scheduler classes are
+built once on a stand-in parameter, and a DataLoader is constructed (no worker starts) to run torch's own checks.
+The list, for users: docs/result.md ("Mistakes atorch names"); the battery: tests/test_misuse.py.
 """
 
 from __future__ import annotations

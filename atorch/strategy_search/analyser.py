@@ -31,9 +31,11 @@ parameter is moved or copied and no hook is left on the original.
 The same fake step checks the user's setup before anything is built (``step_problems``, run by
 input_checks on one collated sample batch in both modes): a failure that is the user's mistake (a loss in
 torch's ``(input, target)`` order, a batch that does not match ``model_input_format``, a shape mismatch) is a
-``StepError`` naming the batch's structure and shapes and the fix; a failure of the fake run itself (a forward
-that reads values, an op without a fake kernel) is not reported there, and the search measures what the
-analysis could not predict.
+``StepError`` naming the batch's structure and shapes and the fix; so is a loss that is not a scalar tensor with
+a grad path to the parameters, a step that mixes dtypes torch's kernels refuse (their fake kernels do not), token
+ids beyond an embedding, and (with ``loss_func`` run on zeros shaped as the output and the real sample batch)
+targets out of range or a loss that reads values. A failure of the fake run itself (a forward that reads values,
+an op without a fake kernel) is not reported there, and the search measures what the analysis could not predict.
 """
 
 from __future__ import annotations
