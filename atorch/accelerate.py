@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -9,9 +10,10 @@ import torch
 from torch import nn
 
 from atorch.build import agreed_build, build_result, preflight, setup_same, strategy_same
+from atorch.data import empty_loader_problems, short_dataset_warning
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
-from atorch.errors import NoStrategyFound, StrategyError
-from atorch.input_checks import input_problems, launch_problems, wrapped_model_problems
+from atorch.errors import NoStrategyFound, SearchOptionIgnored, StrategyError
+from atorch.input_checks import input_problems, launch_problems, unused_parameter_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
 from atorch.no_optimizer import no_optimizer_problems
@@ -78,6 +80,40 @@ def _resolve_strategy(load_strategy: Any, env: DistEnv, excluded: list[str]) -> 
     return strategy.adjusted(env.world_size), problems
 
 
+# Options of the automatic search alone: with a load_strategy (and no finetune_strategy) nothing reads them.
+_SEARCH_ONLY = ("memory_limit", "time_limit", "search", "strategy_server")
+
+
+def _warn_search_options(kargs: dict[str, Any], options: AccelerateOptions, why: str) -> None:
+    """Each option of the automatic search the caller gave where no search runs, named in one warning
+    (a warning, not an error: ATorch accepts them with load_strategy, and result.args still reports them)."""
+    given = [name for name in _SEARCH_ONLY if kargs.get(name) not in (None, {}, "")]
+    if not given:
+        return
+    warnings.warn(
+        f"auto_accelerate: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to the automatic "
+        f"search, and none runs here ({why}): {'it is' if len(given) == 1 else 'they are'} ignored. Drop "
+        f"{'it' if len(given) == 1 else 'them'}, or leave out load_strategy to search (finetune_strategy=True "
+        "searches around load_strategy)", SearchOptionIgnored, stacklevel=3)
+
+
+_CASTING = ("half", "fp8", "amp_native", "ds_3d_parallel")  # autocast, 16-bit weights, DeepSpeed's fp16/bf16
+
+
+def _casts(load_strategy: Any, included: Any, searching: bool) -> bool:
+    """Whether the strategy given (or included in the search) casts inputs or parameters (autocast, half, fp8):
+    the user's step is then not held to the model's own dtypes."""
+    names: list[str] = []
+    if load_strategy is not None:
+        try:
+            names = Strategy.parse(load_strategy)[0].names()
+        except Exception:  # noqa: BLE001  (an unreadable strategy is reported by _resolve_strategy)
+            return True
+    if searching and isinstance(included, (list, tuple, set)):
+        names += [str(n) for n in included]
+    return any(n in _CASTING for n in names)
+
+
 def _copy_if_dict(value: Any) -> Any:
     """A copy of a dict argument (the user's stays as it was); any other value is kept as given so
     that _setup_problems can name its type instead of dict() failing on it."""
@@ -134,7 +170,14 @@ def auto_accelerate(
     setup_problems = _setup_problems(setup, excluded, included)
     setup_problems += wrapped_model_problems(setup.model)  # [input checks] a wrapped model is not probed
     problems += setup_problems
-    problems += input_problems(setup, save_strategy_to_file)  # [input checks] atorch/input_checks.py
+    searching = load_strategy is None and setup.dataset is not None or finetune_strategy
+    problems += input_problems(setup, save_strategy_to_file,  # [input checks] atorch/input_checks.py
+                               casts=_casts(load_strategy, included, searching))
+    if not searching:
+        _warn_search_options(kargs, options, "load_strategy is given" if load_strategy is not None else
+                             "there is no dataset to search with")
+    elif isinstance(setup.dataloader_args, dict) and not setup_problems:
+        problems += empty_loader_problems(setup.dataset, setup.dataloader_args, None)
     if launch := launch_problems():  # [input checks] torchrun's environment, before a group is made from it
         raise StrategyError(problems + launch, what="auto_accelerate cannot start")
     env = init_distributed()
@@ -155,13 +198,16 @@ def auto_accelerate(
                     f"global batch_size {batch} does not divide over {layout.data_size} data-parallel processes; "
                     f"use a multiple of {layout.data_size}"
                 )
+            if not searching and setup.dataset is not None:
+                problems += empty_loader_problems(setup.dataset, setup.dataloader_args, layout.data_size)
+                if not problems:
+                    problems += unused_parameter_problems(setup, strategy, layout.data_size)
             skipped, model_problems = preflight(setup, env, strategy, layout)
             problems += model_problems
     except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)
         problems.append(f"checking the strategy failed: {type(exc).__name__}: {exc}")
     # Every rank raises the same error, or none does; ranks given different strategies, arguments or models
     # (which would wait for each other in different collectives) are named here, before anything is built.
-    searching = load_strategy is None and setup.dataset is not None or finetune_strategy
     problems = agreed_problems(problems, same=[strategy_same(strategy), *setup_same(
         setup, automatic_search=bool(searching), finetune_strategy=finetune_strategy, excluded=excluded,
         included=included, memory_limit=memory_limit, time_limit=time_limit,
@@ -169,6 +215,8 @@ def auto_accelerate(
     if problems:
         raise StrategyError(problems, what="auto_accelerate cannot start")
     assert strategy is not None
+    if setup.dataset is not None and (short := short_dataset_warning(setup.dataset, setup.dataloader_args)):
+        warnings.warn(short, UserWarning, stacklevel=2)
     micro_batches, search_record = 1, None
     if load_strategy is None and setup.dataset is None:
         logger.warning("no load_strategy and no dataset: automatic search needs batches to measure; using %s",

@@ -85,3 +85,51 @@ def build_dataloader(
     if sampler_cls is not None:
         args["sampler"] = sampler_cls(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle)
     return EpochDataLoader(dataset, **args)
+
+
+def empty_loader_problems(dataset: Any, dataloader_args: dict[str, Any], dp_size: int | None) -> list[str]:
+    """A dataloader that would yield no batch on some rank (a dataset smaller than one batch with drop_last=True):
+    a loop over it does nothing, one that cycles it never ends. ``dp_size`` None: the automatic search, which may
+    pick one data-parallel rank, so the dataset must hold a whole global batch. [] where the dataset has no len."""
+    if not dataloader_args.get("drop_last"):
+        return []
+    try:
+        size = len(dataset)
+    except Exception:  # noqa: BLE001  (a stream without len: not checked)
+        return []
+    batch = int(dataloader_args.get("batch_size", 1))
+    if dp_size is None:
+        if size >= batch:
+            return []
+        where = "one process (the automatic search may train on one data-parallel rank)"
+        per_rank, local = size, batch
+    else:
+        local = max(batch // dp_size, 1)
+        if isinstance(dataset, IterableDataset):
+            per_rank = min(len(range(r, size, dp_size)) for r in range(dp_size))
+        else:  # DistributedSampler pads each rank's share to ceil(size / dp_size)
+            per_rank = -(-size // dp_size) if dp_size > 1 else size
+        if per_rank >= local:
+            return []
+        where = f"each of {dp_size} data-parallel ranks" if dp_size > 1 else "one process"
+    return [f"dataset has {size} sample(s), fewer than one batch with drop_last=True: batch_size={batch} gives "
+            f"{where} {local} sample(s) per batch but only {per_rank} sample(s), so the dataloader yields no batch "
+            "(a loop over it does nothing; one that cycles it never ends); lower batch_size to at most "
+            f"{size if dp_size is None else per_rank * (dp_size or 1)}, drop drop_last, or give more samples"]
+
+
+def short_dataset_warning(dataset: Any, dataloader_args: dict[str, Any]) -> str | None:
+    """A dataset smaller than one global batch (without drop_last): every step trains on fewer samples than
+    batch_size says. Legitimate for a smoke test, so a warning; None where all is well or the length is unknown."""
+    if dataloader_args.get("drop_last"):
+        return None
+    try:
+        size = len(dataset)
+    except Exception:  # noqa: BLE001  (a stream without len)
+        return None
+    batch = dataloader_args.get("batch_size", 1)
+    if not isinstance(batch, int) or not 0 < size < batch:
+        return None
+    return (f"dataset has {size} sample(s), fewer than one global batch (batch_size={batch}): every step trains on "
+            f"those {size} (split over the data-parallel ranks, padded by repeating samples); lower batch_size or "
+            "give more samples if that is not meant")

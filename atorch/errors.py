@@ -48,3 +48,8 @@ class RankLost(AtorchError, RuntimeError):
         super().__init__(message)
         self.ranks = list(ranks or [])
         self.results: list = []
+
+
+class SearchOptionIgnored(UserWarning):
+    """An option of the automatic search (memory_limit, time_limit, search, strategy_server) given where no search
+    runs (a load_strategy without finetune_strategy): it is ignored, and named in this warning."""

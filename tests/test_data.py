@@ -225,7 +225,10 @@ def test_loss_funcs_that_fit_or_have_no_signature_are_accepted():
     # (a loss module, forward(input, target), binds two arguments too, but fails on the batch: test_step_checks.py)
     for loss in (mlp_loss, lambda *args: args[1].sum(), lambda data, output, scale=1.0: output.sum() * scale):
         accelerate(loss_func=loss)
-    accelerate(loss_func=max)  # a builtin without a signature: not checked
+    # A builtin without a signature passes the signature check; its step on the sample batch then fails (max
+    # compares the batch, a list, with the output): named as the loss_func's.
+    problem = only_problem(load_strategy=PS, loss_func=max)
+    assert problem.startswith("loss_func (max) fails on a sample batch") and "TypeError" in problem
 
 
 @pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
