@@ -32,6 +32,14 @@ from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
+from atorch.opt_lib.tp_layouts import (
+    NORM_STYLES,
+    OwnColumns,
+    SumGradOverTensor,
+    head_norm_styles,
+    keep_own_columns,
+    match_layout,
+)
 from atorch.opt_lib.tp_styles import (
     KEPT_WHOLE,
     gathered_where_model_says,
@@ -83,6 +91,7 @@ class Plan:
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
     widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
     replicated_kv: list[str] = field(default_factory=list)  # attentions with fewer key/value heads than ranks
+    own_columns: dict[str, OwnColumns] = field(default_factory=dict)  # [layouts] attention -> fused layer kept whole
     source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
     notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
@@ -124,6 +133,13 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
         elif _has(module, "gate_proj", "up_proj", "down_proj"):  # gated MLP
             plan.styles.update({_join(name, "gate_proj"): "colwise", _join(name, "up_proj"): "colwise",
                                 _join(name, "down_proj"): "rowwise"})
+        elif (layout := match_layout(name, module, t)) is not None:  # [layouts] Falcon, GPT-BigCode: tp_layouts.py
+            plan.styles.update(layout.styles)
+            plan.problems.extend(layout.problems)
+            plan.notes.extend(layout.notes)
+            plan.own_columns.update(layout.own_columns)
+            if layout.attention is not None:
+                plan.widths[layout.attention] = layout.widths
         elif _has(module, "c_attn", "c_proj") and hasattr(module, "split_size"):  # GPT-2 attention
             if getattr(module, "is_cross_attention", False):
                 plan.problems.append(f"{name}: cross-attention (q_attn and c_attn) is not split yet; "
@@ -248,8 +264,9 @@ def _explicit_plan(model: nn.Module, patterns: dict[str, Style], source: str = "
     names = [n for n, m in model.named_modules() if _dims(m) is not None or isinstance(m, nn.Embedding)]
     # A pipeline stage holds some of the layers only: the patterns were checked on the whole model.
     staged = isinstance(model, StagedModel)
+    norms = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
     for pattern, style in patterns.items():
-        hits = match(names, pattern)
+        hits = match(norms if style in NORM_STYLES else names, pattern)
         if not hits and source == "explicit" and not staged:
             plan.problems.append(f"plan pattern {pattern!r} matches no nn.Linear of the model")
         plan.styles.update({n: style for n in hits})
@@ -312,6 +329,16 @@ def _uneven_heads(model: nn.Module, plan: Plan, t: int) -> None:
                           f"{t // kv_heads} ranks) in {count} attention layers")
 
 
+def _head_norms(model: nn.Module, plan: Plan) -> None:
+    """[layouts] Query/key norms of attentions split by head get the style their weights need (tp_layouts.py)."""
+    found, problems = head_norm_styles(model, plan.styles, plan.replicated_kv, _head_counts)
+    plan.styles.update(found)
+    plan.problems.extend(problems)
+    if found:
+        kinds = sorted(set(found.values()))
+        plan.notes.append(f"query/key norms on the rank's heads ({', '.join(kinds)}) in {len(found)} layers")
+
+
 def _fused_rewrites(model: nn.Module, plan: Plan) -> None:
     """Layers the model's own plan gathers (fused projections the model splits again, Phi-3's qkv_proj and
     gate_up_proj) given the plain style: rewritten to the model's gather-output style (plain would compute
@@ -339,12 +366,16 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
         elif plan.styles:
             # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
             # the rest of its blocks by pairing.
-            plan.styles.update(_paired_plan(model, plan.styles).styles)
+            kept = {spec.layer: "replicate" for spec in plan.own_columns.values()}  # not paired either
+            plan.styles.update(_paired_plan(model, {**plan.styles, **kept}).styles)
     for name in [n for n, s in plan.styles.items() if s in KEPT_WHOLE]:
         del plan.styles[name]
     _uneven_heads(model, plan, t)
+    _head_norms(model, plan)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
+        if style in NORM_STYLES:  # split with their projections' heads (checked there)
+            continue
         d_in, d_out = _dims(modules[name]) or split_dims(modules[name])
         split, what = (d_out, "output") if splits_output(style) else (d_in, "input")
         if split % t:
@@ -380,22 +411,7 @@ def _local_head_counts(attention: nn.Module, t: int) -> None:
             setattr(attention, attr, value // t)
 
 
-class _SumGradOverTensor(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the tensor group (Megatron's copy-to-region). On the
-    output of a replicated key/value projection: each rank's gradient comes from its own query heads only."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+_SumGradOverTensor = SumGradOverTensor  # [layouts] shared with the fused layers kept whole
 
 
 def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any) -> None:
@@ -470,6 +486,8 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
         local_widths(modules[name], widths, t)
     for name in plan.replicated_kv:
         _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group())
+    for name, spec in plan.own_columns.items():  # [layouts] multi-query fused layers kept whole
+        keep_own_columns(modules[name], spec, mesh.get_local_rank(), mesh.get_group())
     tied = tp_sequence_vocab.is_tied(ctx.model)
     # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)
@@ -478,7 +496,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     logger.info("tensor_parallel: %s plan, %d layers split over %d processes (%d colwise, %d rowwise)%s%s",
                 {"explicit": "the user's", "model": "the model's own (transformers)", "derived": "atorch's derived"}[
                     plan.source], len(plan.styles), t, sum(splits_output(s) for s in plan.styles.values()),
-                sum(not splits_output(s) for s in plan.styles.values()),
+                sum(not splits_output(s) and s not in NORM_STYLES for s in plan.styles.values()),
                 "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)),
                 "".join(f"; {note}" for note in plan.notes))
     if check is not None:

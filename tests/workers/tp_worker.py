@@ -63,6 +63,18 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
     "llama_8h_2kv": sm.Setup(lambda: _hf("Llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8),
                              sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 })
+MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with parallel attention, multi-query attention
+    "qwen3": sm.Setup(lambda: _hf("Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=8), sm.TokenDataset,
+                      sm.hf_loss, "unpack_dict"),
+    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=4, use_qk_norm=True, logit_scale=1.0,
+                                      pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "falcon": sm.Setup(lambda: _hf("Falcon", num_attention_heads=4, parallel_attn=True, bias=True, multi_query=False,
+                                   new_decoder_architecture=False, ffn_hidden_size=64, hidden_dropout=0.0,
+                                   attention_dropout=0.0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "bigcode_mqa": sm.Setup(lambda: _hf("GPTBigCode", num_attention_heads=4, multi_query=True, n_inner=64,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), sm.TokenDataset,
+                            sm.hf_loss, "unpack_dict"),
+})
 # The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
 PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
 FUSED_PLAN = ("tensor_parallel", {"plan": {"blocks.*.gate_up": "colwise", "blocks.*.down": "rowwise"}})
@@ -121,6 +133,12 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama_8h_2kv/tp4": ("llama_8h_2kv", [TP4, "tensor_parallel"]),
     },
 }
+# Decoder layouts: per-head q/k norms (Qwen3: one weight over head_dim; Cohere: one row per head), fused q|k|v per
+# head with parallel attention and biases (Falcon), multi-query attention with a fused projection (GPT-BigCode).
+GROUPS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+                                                                            "bigcode_mqa")}
+GROUPS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+                                                                            "bigcode_mqa")}
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
 TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
