@@ -66,8 +66,8 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
 MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with parallel attention, multi-query attention
     "qwen3": sm.Setup(lambda: _hf("Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=8), sm.TokenDataset,
                       sm.hf_loss, "unpack_dict"),
-    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=4, use_qk_norm=True, logit_scale=1.0,
-                                      pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=4, use_qk_norm=True,
+                                      logit_scale=1.0, pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "falcon": sm.Setup(lambda: _hf("Falcon", num_attention_heads=4, parallel_attn=True, bias=True, multi_query=False,
                                    new_decoder_architecture=False, ffn_hidden_size=64, hidden_dropout=0.0,
                                    attention_dropout=0.0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
@@ -146,6 +146,9 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
                 for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
                           "bart")},
 }
+PIPELINED["layouts_tp2xpp2"] = {
+    f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
+    for m in ("qwen3", "cohere_qk", "falcon", "bigcode_mqa")}
 # A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
 # alone on stand-in hidden states, must refuse it.
 PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
