@@ -229,12 +229,21 @@ class _Trace:
     """Which of a block's modules is running (forward hooks on each), to name where a split block fails."""
 
     def __init__(self, block: nn.Module) -> None:
-        self.block, self.stack, self.handles = block, [], []
+        self.block = block
+        self.stack: list[tuple[str, nn.Module]] = []
+        self.handles: list[Any] = []
 
     def __enter__(self) -> _Trace:
+        def enter(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any) -> None:
+                self.stack.append((name, module))
+            return hook
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns nothing: the output is kept
+            self.stack.pop()
+
         for name, module in self.block.named_modules():
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.stack.append((n, m))))
-            self.handles.append(module.register_forward_hook(lambda m, a, o: self.stack.pop()))
+            self.handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -137,6 +137,16 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 # head with parallel attention and biases (Falcon), multi-query attention with a fused projection (GPT-BigCode).
 GROUPS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
                                                                             "bigcode_mqa")}
+# The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
+# the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
+GROUPS["layouts_tp2"].update({
+    "refused/fused layer split column-wise[first difference]": ("fused_mlp", [TP2, FUSED_PLAN]),
+    "refused/multi-query c_attn split column-wise": ("bigcode_mqa", [TP2, ("tensor_parallel", {"plan": {
+        "*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise"}})]),
+})
+# Checkpoints of the layouts saved under tensor 2, loaded under data 2 with fsdp (and read in one process).
+CHECKPOINTS = {f"checkpoint/{m}/tp2 -> fsdp2": m for m in ("qwen3", "cohere_qk", "falcon", "bigcode_mqa")}
+GROUPS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m in CHECKPOINTS.items()})
 GROUPS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
                                                                             "bigcode_mqa")}
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
@@ -366,6 +376,45 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
 
 
 
+def run_checkpoint(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """Two steps under ``strategy``, saved; loaded under data 2 with fsdp from other weights: the weights it holds
+    (the consolidated export) must equal the saved ones, and those load into the plain model in one process."""
+    import tempfile
+
+    setup = MODELS[model_name]
+
+    def build(layout: list[Any], seed: int) -> Any:
+        torch.manual_seed(seed)
+        return atorch.auto_accelerate(
+            setup.make(), torch.optim.SGD, repeated_batch(setup.dataset()), setup.loss,
+            model_input_format=setup.input_format, optim_args={"lr": LR},
+            dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=layout)[1]
+
+    holder = [tempfile.mkdtemp(prefix="atorch-tp-layouts-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder)
+    root = holder[0]
+    result = build(strategy, seed=0)
+    batches = iter(result.dataloader)
+    for _ in range(2):
+        train_step(result, [next(batches)])
+    atorch.save_checkpoint(f"{root}/ckpt", result, step=2)
+    atorch.export_consolidated(f"{root}/saved.pt", result)
+    result.close()
+    other = build([("parallel_mode", {"dims": [["data", 2]]}), "fsdp"], seed=5)
+    atorch.load_checkpoint(f"{root}/ckpt", other)
+    atorch.export_consolidated(f"{root}/loaded.pt", other)
+    other.close()
+    if dist.get_rank() != 0:
+        return {}
+    saved, loaded = (torch.load(f"{root}/{n}.pt", weights_only=True) for n in ("saved", "loaded"))
+    plain = make(model_name)
+    missing = plain.load_state_dict(saved, strict=True)
+    return {"keys": len(saved), "same_keys": sorted(saved) == sorted(loaded),
+            "differ": sorted(k for k in saved if k in loaded and not torch.equal(saved[k], loaded[k])),
+            "moved": sum(not torch.equal(saved[k], v) for k, v in make(model_name).state_dict().items() if k in saved),
+            "strict_load": not missing.missing_keys and not missing.unexpected_keys}
+
+
 def pipelined_grad_norm(model: nn.Module) -> float:
     """The whole model's gradient norm under tensor 2 × pipeline 2 (a collective over all ranks): a split
     parameter adds its local shard's squares on both ranks of its tensor group; a whole one (replicated over the
@@ -396,11 +445,13 @@ def main() -> None:
         scenarios = {name: scenario for name, scenario in scenarios.items() if name in sys.argv[2:]}
     report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
         name: functools.partial(run_pipelined, model, strategy) if pipelined
+        else functools.partial(run_checkpoint, model, strategy) if name in CHECKPOINTS
         else functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
         for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
-        for model_name in sorted({m for name, (m, _) in scenarios.items() if not name.startswith("refused/")}):
+        for model_name in sorted({m for name, (m, _) in scenarios.items()
+                                  if not name.startswith(("refused/", "checkpoint/"))}):
             setup = MODELS[model_name]
             report["reference"][model_name] = reference_losses(
                 make(model_name), repeated_batch(setup.dataset()), setup.loss, setup.input_format,
