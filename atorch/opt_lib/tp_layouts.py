@@ -8,6 +8,9 @@ input is declared sharded over the heads (dim -2) or over the projection's width
 - ``head_norm_split``: one weight row per head (Cohere: [heads, head_dim]): split by head like the projection;
 - ``width_norm_split``: one norm over all heads' width (OLMo2): weight split like the projection, and the mean
   over the width is reduced over the group by DTensor (an all-reduce of one value per token).
+- ``head_norm_list``: one norm module per head (StableLM's qk_layernorm, heads on dim 1): kept whole; the heads are
+  gathered, every head normalised by its own norm, the rank's heads taken back, and the output's gradient summed
+  over the group first (each rank's norms then get the gradient of every head, like a replicated layer).
 
 Fused q|k|v projections kept in the user's row order:
 - per-head blocks (GPT-BigCode: [q_i k_i v_i] per head; Falcon: the same, or one [q.. k v] block per key/value
@@ -29,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-NORM_STYLES = ("head_norm", "head_norm_split", "width_norm_split", "replicated_with_grad_allreduce")
+NORM_STYLES = ("head_norm", "head_norm_split", "width_norm_split", "head_norm_list", "replicated_with_grad_allreduce")
 # Norm children of an attention, by the names transformers gives them.
 _Q_NORMS, _K_NORMS = ("q_norm", "q_layernorm", "query_layernorm"), ("k_norm", "k_layernorm", "key_layernorm")
 
@@ -188,8 +191,12 @@ def _norm_style(norm: nn.Module, heads: int, head_dim: int, width: int) -> str |
     """The style of a query/key norm applied to ``heads`` heads of ``head_dim`` (``width``: the projection's
     output width), from its parameters' shapes; None where they fit none of the layouts."""
     shapes = {tuple(p.shape) for p in norm.parameters(recurse=False)}
+    lists = [c for c in norm.children() if isinstance(c, nn.ModuleList)]
+    if not shapes and len(lists) == 1 and len(lists[0]) == heads \
+            and {tuple(p.shape) for p in lists[0].parameters()} == {(head_dim,)}:
+        return "head_norm_list"  # StableLM: one norm module per head
     if not shapes or any(True for _ in norm.children()):
-        return None  # parameters in sub-modules (StableLM: a list of per-head norms): no known layout
+        return None
     if shapes == {(head_dim,)}:
         return "head_norm"
     if shapes == {(heads, head_dim)} and heads > 1:
@@ -229,7 +236,7 @@ def head_norm_styles(model: nn.Module, styles: dict[str, str], replicated_kv: li
                 continue
             style = _norm_style(norm[1], count, head_dim, count * head_dim)
             if style is None:
-                problems.append(f"{norm_name}: a norm of parameter shapes "
+                problems.append(f"{norm_name}: a norm ({type(norm[1]).__name__}) of parameter shapes "
                                 f"{sorted({tuple(p.shape) for p in norm[1].parameters()})} on {count} heads of "
                                 f"{head_dim} has no known split (per head: ({head_dim},) or ({count}, {head_dim}); "
                                 f"whole width: ({count * head_dim},)); leave {proj} out of the plan "
@@ -275,8 +282,36 @@ class NormOnShards(ParallelStyle):
         return distribute_module(module, device_mesh, partition, inputs, output)
 
 
+class HeadNormList(ParallelStyle):
+    """A module holding one norm per head (see head_norm_list in the module docstring); heads on ``dim``."""
+
+    def __init__(self, dim: int = 1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Shard
+
+        group, rank, t = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+
+        def gather(mod: nn.Module, args: tuple) -> tuple:
+            local = args[0]
+            whole = DTensor.from_local(local, device_mesh, [Shard(self.dim)], run_check=False).full_tensor()
+            return (whole, *args[1:])
+
+        def own(mod: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            heads = output.shape[self.dim] // t
+            return SumGradOverTensor.apply(output, group).narrow(self.dim, rank * heads, heads)
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(own)
+        return module
+
+
 def norm_style(style: str) -> Any:
     """torch's ParallelStyle for a norm style name (NORM_STYLES)."""
+    if style == "head_norm_list":
+        return HeadNormList()
     if style in ("head_norm", "replicated_with_grad_allreduce"):
         return NormOnShards(-2, shard=False)
     return NormOnShards(-2 if style == "head_norm_split" else -1, shard=True)
