@@ -20,7 +20,7 @@ and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -362,7 +362,7 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
     else:
         plan = _family_plan(model, t)
         if not plan.styles and not plan.problems:
-            plan = _paired_plan(model)
+            plan = _paired_plan(model) if not plan.notes else replace(_paired_plan(model), notes=plan.notes)
         elif plan.styles:
             # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
             # the rest of its blocks by pairing.

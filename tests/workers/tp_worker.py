@@ -74,6 +74,9 @@ MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with par
     "stablelm_qk": sm.Setup(lambda: _hf("StableLm", num_attention_heads=4, num_key_value_heads=4, qk_layernorm=True,
                                         use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
                             sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    # OLMo2 without the plan transformers ships (which gathers q/k/v): its whole-width q/k norms on split heads
+    "olmo2_split": sm.Setup(lambda: _without_plan(_hf("Olmo2", num_attention_heads=4, num_key_value_heads=2)),
+                            sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "bigcode_mqa": sm.Setup(lambda: _hf("GPTBigCode", num_attention_heads=4, multi_query=True, n_inner=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), sm.TokenDataset,
                             sm.hf_loss, "unpack_dict"),
@@ -139,7 +142,8 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 # Decoder layouts: per-head q/k norms (Qwen3: one weight over head_dim; Cohere: one row per head), fused q|k|v per
 # head with parallel attention and biases (Falcon), multi-query attention with a fused projection (GPT-BigCode).
 GROUPS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
-                                                                            "stablelm_qk", "bigcode_mqa")}
+                                                                            "stablelm_qk", "bigcode_mqa",
+                                                                            "olmo2_split")}
 # The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
 # the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
 GROUPS["layouts_tp2"].update({
@@ -152,7 +156,8 @@ CHECKPOINTS = {f"checkpoint/{m}/tp2 -> fsdp2": m for m in ("qwen3", "cohere_qk",
                                                              "bigcode_mqa")}
 GROUPS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m in CHECKPOINTS.items()})
 GROUPS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
-                                                                            "stablelm_qk", "bigcode_mqa")}
+                                                                            "stablelm_qk", "bigcode_mqa",
+                                                                            "olmo2_split")}
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
 TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
@@ -162,7 +167,7 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
 }
 PIPELINED["layouts_tp2xpp2"] = {
     f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
-    for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa")}
+    for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa", "olmo2_split")}
 # A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
 # alone on stand-in hidden states, must refuse it.
 PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
@@ -203,6 +208,14 @@ def _hf(family: str, **extra: Any) -> nn.Module:
         vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False, bos_token_id=None, eos_token_id=None, **extra)
     return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _without_plan(model: nn.Module) -> nn.Module:
+    model.config.base_model_tp_plan = None
+    for module in model.modules():  # transformers copies the plan onto the model and its base model
+        if getattr(module, "_tp_plan", None):
+            module._tp_plan = None
+    return model
 
 
 def grad_norm(result: Any, setup: sm.Setup, batch: Any) -> float:
