@@ -121,13 +121,15 @@ def test_norm_styles_follow_the_norm_weights() -> None:
     assert not any(s.endswith("_norm") for s in derive_plan(olmo2, TensorParallelConfig(), 2).styles)
     split = derive_plan(_make("olmo2_split"), TensorParallelConfig(), 2)
     assert split.styles["model.layers.0.self_attn.q_norm"] == "width_norm_split" and not split.problems, split
-    # Replicated key/value heads (2 over tensor 4): a shared head_dim weight follows; one row per head is refused.
+    # Replicated key/value heads (2 over tensor 4): a shared head_dim weight follows the rank's head; a norm with a
+    # row per head or over the width stays whole, the rank's head taken from its output.
     assert derive_plan(_make("qwen3"), TensorParallelConfig(), 4).styles["model.layers.0.self_attn.k_norm"] == \
         "head_norm"
-    gqa = _hf("Cohere", num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True, pad_token_id=0)
-    problems = derive_plan(gqa, TensorParallelConfig(), 4).problems
-    assert any("model.layers.0.self_attn.k_norm: the key norm has weights per key/value head" in p
-               and "use a tensor size that divides 2" in p for p in problems), problems
+    for name, style in (("cohere_qk", "head_norm_split"), ("olmo2_split", "width_norm_split")):
+        plan = derive_plan(_make(name), TensorParallelConfig(), 4)
+        assert not plan.problems and plan.whole_k_norms["model.layers.0.self_attn"] == ("k_norm", style), plan
+        assert "model.layers.0.self_attn.k_norm" not in plan.styles and plan.styles[
+            "model.layers.0.self_attn.q_norm"] == style, plan.styles
 
 
 def _local_split(attention: torch.nn.Module, split: Any, fused: torch.Tensor, columns: list[int],

@@ -92,6 +92,7 @@ class Plan:
     widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
     replicated_kv: list[str] = field(default_factory=list)  # attentions with fewer key/value heads than ranks
     own_columns: dict[str, OwnColumns] = field(default_factory=dict)  # [layouts] attention -> fused layer kept whole
+    whole_k_norms: dict[str, tuple[str, str]] = field(default_factory=dict)  # [layouts] replicated_kv -> (norm, style)
     source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
     notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
@@ -331,12 +332,15 @@ def _uneven_heads(model: nn.Module, plan: Plan, t: int) -> None:
 
 def _head_norms(model: nn.Module, plan: Plan) -> None:
     """[layouts] Query/key norms of attentions split by head get the style their weights need (tp_layouts.py)."""
-    found, problems = head_norm_styles(model, plan.styles, plan.replicated_kv, _head_counts)
+    found, plan.whole_k_norms, problems = head_norm_styles(model, plan.styles, plan.replicated_kv, _head_counts)
     plan.styles.update(found)
     plan.problems.extend(problems)
     if found:
         kinds = sorted(set(found.values()))
         plan.notes.append(f"query/key norms on the rank's heads ({', '.join(kinds)}) in {len(found)} layers")
+    if plan.whole_k_norms:
+        plan.notes.append(f"key norms kept whole with their replicated heads in {len(plan.whole_k_norms)} attention "
+                          "layers")
 
 
 def _fused_rewrites(model: nn.Module, plan: Plan) -> None:
@@ -414,19 +418,29 @@ def _local_head_counts(attention: nn.Module, t: int) -> None:
 _SumGradOverTensor = SumGradOverTensor  # [layouts] shared with the fused layers kept whole
 
 
-def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any) -> None:
+def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any, k_norm: tuple[str, str] | None = None) -> None:
     """k_proj / v_proj stay whole on every rank; each rank uses the key/value head its h/t query heads read
     (kv_head_of_rank). The output gradient is summed over the group before the head is taken, so every rank
-    gets the whole projections' gradient, each head's from the ranks that use it."""
+    gets the whole projections' gradient, each head's from the ranks that use it. ``k_norm``: a key norm over all
+    key/value heads (its child name and style: one weight row per head, or one norm over the width), kept whole
+    too: the head is taken from its output instead of k_proj's."""
     kv_heads, heads = _head_counts(attention)  # type: ignore[misc]
     width = attention.head_dim
-    start = kv_head_of_rank(rank, t, kv_heads) * width
+    head = kv_head_of_rank(rank, t, kv_heads)
+    start = head * width
 
     def own_head(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return _SumGradOverTensor.apply(output, group)[..., start:start + width]
 
-    for name in ("k_proj", "v_proj"):
-        getattr(attention, name).register_forward_hook(own_head)
+    def own_head_row(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:  # [..., heads, head_dim]
+        return _SumGradOverTensor.apply(output, group).narrow(-2, head, 1)
+
+    attention.v_proj.register_forward_hook(own_head)
+    if k_norm is None:
+        attention.k_proj.register_forward_hook(own_head)
+    else:
+        norm, style = k_norm
+        getattr(attention, norm).register_forward_hook(own_head if style == "width_norm_split" else own_head_row)
     if isinstance(getattr(attention, "num_key_value_groups", None), int):
         attention.num_key_value_groups = heads // t  # the rank's query heads share its one key/value head
     if isinstance(getattr(attention, "num_key_value_heads", None), int):
@@ -485,7 +499,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     for name, widths in plan.widths.items():  # [families] BERT, T5, BART
         local_widths(modules[name], widths, t)
     for name in plan.replicated_kv:
-        _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group())
+        _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group(), plan.whole_k_norms.get(name))
     for name, spec in plan.own_columns.items():  # [layouts] multi-query fused layers kept whole
         keep_own_columns(modules[name], spec, mesh.get_local_rank(), mesh.get_group())
     tied = tp_sequence_vocab.is_tied(ctx.model)

@@ -207,10 +207,14 @@ def _norm_style(norm: nn.Module, heads: int, head_dim: int, width: int) -> str |
 
 
 def head_norm_styles(model: nn.Module, styles: dict[str, str], replicated_kv: list[str],
-                     head_count: Callable[[nn.Module], tuple[int, int] | None]) -> tuple[dict[str, str], list[str]]:
-    """Styles for the query/key norms of attentions whose q_proj / k_proj the plan splits by head (plain colwise),
-    and problems for norms that cannot follow. ``head_count(attention)``: (key/value heads, query heads)."""
+                     head_count: Callable[[nn.Module], tuple[int, int] | None],
+                     ) -> tuple[dict[str, str], dict[str, tuple[str, str]], list[str]]:
+    """Styles for the query/key norms of attentions whose q_proj / k_proj the plan splits by head (plain colwise);
+    the key norms kept whole where the key/value heads are replicated (attention -> (norm child, its style): the
+    rank's head is taken from the norm's output, not from k_proj's); problems for norms that cannot follow.
+    ``head_count(attention)``: (key/value heads, query heads)."""
     found: dict[str, str] = {}
+    whole_k: dict[str, tuple[str, str]] = {}
     problems: list[str] = []
     for name, module in model.named_modules():
         counts = head_count(module)
@@ -229,6 +233,8 @@ def head_norm_styles(model: nn.Module, styles: dict[str, str], replicated_kv: li
                     style = _norm_style(norm[1], count, head_dim, count * head_dim)
                     if style == "head_norm":
                         found[norm_name] = style
+                    elif style in ("head_norm_split", "width_norm_split"):  # needs every head: whole, sliced after
+                        whole_k[name] = (norm[0], style)
                     else:
                         problems.append(_replicated_norm_problem(norm_name, kv_heads))
                 else:
@@ -243,13 +249,12 @@ def head_norm_styles(model: nn.Module, styles: dict[str, str], replicated_kv: li
                                 f"(e.g. plan {{'*.{proj}': 'colwise_gather_output'}}) or give the norm a style")
                 continue
             found[norm_name] = style
-    return found, problems
+    return found, whole_k, problems
 
 
 def _replicated_norm_problem(norm_name: str, kv_heads: int) -> str:
-    return (f"{norm_name}: the key norm has weights per key/value head or over all of them, and its {kv_heads} "
-            "key/value heads are fewer than the ranks (replicated, one per rank): not split yet; use a tensor size "
-            f"that divides {kv_heads}")
+    return (f"{norm_name}: a key norm of no known layout on {kv_heads} key/value heads fewer than the ranks "
+            f"(replicated, one per rank): not split yet; use a tensor size that divides {kv_heads}")
 
 
 class NormOnShards(ParallelStyle):

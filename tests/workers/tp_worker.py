@@ -66,7 +66,7 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
 MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with parallel attention, multi-query attention
     "qwen3": sm.Setup(lambda: _hf("Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=8), sm.TokenDataset,
                       sm.hf_loss, "unpack_dict"),
-    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=4, use_qk_norm=True,
+    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True,
                                       logit_scale=1.0, pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "falcon": sm.Setup(lambda: _hf("Falcon", num_attention_heads=4, parallel_attn=True, bias=True, multi_query=False,
                                    new_decoder_architecture=False, ffn_hidden_size=64, hidden_dropout=0.0,
