@@ -7,6 +7,8 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
   that each rank's colwise shard holds the q, k and v of its own heads; c_proj rowwise; MLP c_fc
   colwise, c_proj rowwise. Needs ``module_replace`` first (DTensor cannot split transformers' Conv1D).
 - BERT, T5 (with its relative attention bias split by head) and BART: see tp_families.py.
+- Falcon and GPT-BigCode fused q|k|v (per-head blocks split, multi-query kept whole) and the query/key norms of
+  attentions split by head (Qwen3, Cohere, StableLM, OLMo2, ...): see tp_layouts.py.
 - Any other model, and the layers of a recognised model's blocks left out by the above (transformers
   ViT: Llama-named attention, MLP fc1/fc2): Megatron pairing inside the repeated blocks: a Linear that
   changes the width, followed in module order by a Linear taking that width with no parameter-holding
@@ -65,7 +67,7 @@ class TensorParallelConfig(MethodConfig):
         description="'auto': the model's own plan where transformers ships one (base_model_tp_plan), else one "
         "derived from the model; or a mapping of module-name patterns (fnmatch, e.g. 'layers.*.fc1') to "
         "'colwise' / 'rowwise' or another transformers style name ('colwise_gather_output', "
-        "'rowwise_split_input', 'embedding_rowwise', ...)",
+        "'rowwise_split_input', 'embedding_rowwise', ...; 'replicated_with_grad_allreduce' for query/key norms)",
     )
     sequence_parallel: bool = Field(default=False, description="norms and dropout run on sequence shards (dim 1) "
                                     "between the split layers (sequence length must divide over the tensor size)")
