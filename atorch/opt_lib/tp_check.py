@@ -262,9 +262,8 @@ class _Trace:
             place = "the backward pass"
         import os
 
-        import atorch
-
-        ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, atorch))
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # atorch/
+        ours = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, package + os.sep))
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(ours)]
         if frames:
             frame = frames[-1]
