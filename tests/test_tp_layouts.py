@@ -17,7 +17,7 @@ import pytest
 import torch
 from launcher import HERE, run_json
 from test_tensor_parallel import FP32_TOL
-from workers.tp_worker import GROUPS, PIPELINED
+from workers.tp_worker import LAYOUTS, PIPELINED
 
 from atorch.opt_lib.tensor_parallel import TensorParallelConfig, derive_plan
 
@@ -27,7 +27,7 @@ LOGGED = {"qwen3": "query/key norms on the rank's heads (head_norm)",
           "olmo2_split": "query/key norms on the rank's heads (width_norm_split)",
           "cohere_qk": "query/key norms on the rank's heads (head_norm_split)",
           "stablelm_qk": "query/key norms on the rank's heads (head_norm_list)"}
-SPLIT = {"qwen3": "self_attn.q_proj.weight", "cohere_qk": "self_attn.k_norm.weight",
+SPLIT = {"qwen3": "self_attn.q_proj.weight", "cohere_qk": "self_attn.q_norm.weight",
          "falcon": "self_attention.query_key_value.bias", "stablelm_qk": "self_attn.q_proj.weight",
          "bigcode_mqa": "attn.c_proj.weight", "olmo2_split": "self_attn.q_norm.weight"}
 WHOLE = {"qwen3": "self_attn.q_norm.weight",  # replicated (its gradient summed): not split
@@ -52,7 +52,7 @@ def _assert_trains_like_reference(name: str, entry: dict[str, Any], report: dict
 def test_layouts_train_like_one_process(group: str) -> None:
     nproc = 2 if group == "layouts_tp2" else 4
     report = run_json(WORKER, group, nproc=nproc, timeout=420)
-    for name, (model, _) in GROUPS[group].items():
+    for name, (model, _) in LAYOUTS[group].items():
         entry = report["scenarios"][name]
         if name.startswith(("refused/", "checkpoint/")):
             continue
@@ -68,7 +68,7 @@ def test_layouts_train_like_one_process(group: str) -> None:
         return
     # A checkpoint saved under tensor 2 loads under data 2 with fsdp (from other weights) to the same weights, and
     # into the plain model in one process.
-    for name in (n for n in GROUPS[group] if n.startswith("checkpoint/")):
+    for name in (n for n in LAYOUTS[group] if n.startswith("checkpoint/")):
         entry = report["scenarios"][name]
         assert entry["same_keys"] and entry["differ"] == [] and entry["strict_load"], (name, entry)
         assert entry["moved"] == entry["keys"] > 0, (name, entry)  # trained: every tensor moved from its start

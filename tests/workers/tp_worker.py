@@ -141,12 +141,13 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
 }
 # Decoder layouts: per-head q/k norms (Qwen3: one weight over head_dim; Cohere: one row per head), fused q|k|v per
 # head with parallel attention and biases (Falcon), multi-query attention with a fused projection (GPT-BigCode).
-GROUPS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+LAYOUTS: dict[str, dict[str, tuple[str, list[Any]]]] = {}  # test_tp_layouts.py
+LAYOUTS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
                                                                             "stablelm_qk", "bigcode_mqa",
                                                                             "olmo2_split")}
 # The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
 # the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
-GROUPS["layouts_tp2"].update({
+LAYOUTS["layouts_tp2"].update({
     "refused/fused layer split column-wise[first difference]": ("fused_mlp", [TP2, FUSED_PLAN]),
     "refused/multi-query c_attn split column-wise": ("bigcode_mqa", [TP2, ("tensor_parallel", {"plan": {
         "*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise"}})]),
@@ -154,8 +155,8 @@ GROUPS["layouts_tp2"].update({
 # Checkpoints of the layouts saved under tensor 2, loaded under data 2 with fsdp (and read in one process).
 CHECKPOINTS = {f"checkpoint/{m}/tp2 -> fsdp2": m for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk",
                                                              "bigcode_mqa")}
-GROUPS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m in CHECKPOINTS.items()})
-GROUPS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+LAYOUTS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m in CHECKPOINTS.items()})
+LAYOUTS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
                                                                             "stablelm_qk", "bigcode_mqa",
                                                                             "olmo2_split")}
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
@@ -457,7 +458,7 @@ def pipelined_grad_norm(model: nn.Module) -> float:
 
 def main() -> None:
     pipelined = sys.argv[1] in PIPELINED
-    scenarios = (PIPELINED if pipelined else GROUPS)[sys.argv[1]]
+    scenarios = (PIPELINED if pipelined else {**GROUPS, **LAYOUTS})[sys.argv[1]]
     if sys.argv[2:]:  # optional scenario names, for a quick run by hand
         scenarios = {name: scenario for name, scenario in scenarios.items() if name in sys.argv[2:]}
     report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
