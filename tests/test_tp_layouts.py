@@ -181,6 +181,11 @@ def test_bigcode_multi_query_columns_and_per_head_blocks() -> None:
     embed, d = attention.embed_dim, attention.head_dim
     assert spec.columns(1) == list(range(embed // 2, embed)) + list(range(embed, embed + 2 * d))
     assert spec.attrs == {"num_heads": 2, "embed_dim": embed // 2, "num_key_value_groups": 2}
+    # The cost model counts the kept-whole c_attn whole on every rank, at any tensor size.
+    from atorch.opt_lib.tensor_parallel import replicated_kv_bytes
+
+    whole = sum(p.numel() * 4 for n, p in model.named_parameters() if ".attn.c_attn." in n)
+    assert replicated_kv_bytes(model, 2) == replicated_kv_bytes(model, 4) == whole > 0
     # Without multi-query c_attn holds [q_i k_i v_i] per head: a plain column split, no reordering (GPT-2's is
     # [q | k | v]), and its checkpoint rows stay in the user's order.
     mha = _hf("GPTBigCode", num_attention_heads=4, multi_query=False, n_inner=64)

@@ -38,6 +38,7 @@ from atorch.opt_lib.tp_layouts import (
     NORM_STYLES,
     OwnColumns,
     SumGradOverTensor,
+    fused_kv_layer,
     head_norm_styles,
     keep_own_columns,
     match_layout,
@@ -208,13 +209,18 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
 def kv_projection_bytes(model: nn.Module) -> tuple[tuple[int, int], ...]:
     """For the cost model: (key/value heads, parameter bytes of their k_proj / v_proj) for the attentions with
     fewer key/value heads than query heads (GQA), one pair per head count. At a tensor size above the head count
-    those projections stay whole on every rank of the group (see _uneven_heads)."""
+    those projections stay whole on every rank of the group (see _uneven_heads); so do Falcon's and GPT-BigCode's
+    fused q|k|v layers (their whole bytes, under their key/value head count: tp_layouts.py)."""
     by_heads: dict[int, int] = {}
     for module in model.modules():
         kv_heads, heads = _head_counts(module) or (0, 0)
         if kv_heads < heads:
             by_heads[kv_heads] = by_heads.get(kv_heads, 0) + sum(
                 p.numel() * p.element_size() for n in ("k_proj", "v_proj") for p in getattr(module, n).parameters())
+        elif (fused := fused_kv_layer(module)) is not None:  # [layouts] Falcon / GPT-BigCode: the fused layer whole
+            kv_heads, layer = fused
+            by_heads[kv_heads] = by_heads.get(kv_heads, 0) + sum(p.numel() * p.element_size()
+                                                                 for p in layer.parameters())
     return tuple(sorted(by_heads.items()))
 
 

@@ -97,6 +97,17 @@ def match_layout(name: str, module: nn.Module, t: int) -> LayoutMatch | None:
     return None
 
 
+def fused_kv_layer(module: nn.Module) -> tuple[int, nn.Module] | None:
+    """For the cost model: (key/value heads, the fused q|k|v layer) of a Falcon or GPT-BigCode attention; the layer
+    stays whole on every rank at a tensor size above that head count (multi-query: any)."""
+    if _linear(module, "query_key_value") and _linear(module, "dense") and hasattr(module, "new_decoder_architecture"):
+        new, multi_query = bool(module.new_decoder_architecture), bool(module.multi_query)
+        return (int(module.num_kv_heads) if (new or not multi_query) else 1), module.query_key_value
+    if _linear(module, "c_attn") and _linear(module, "c_proj") and hasattr(module, "multi_query"):
+        return (1 if module.multi_query else int(module.num_heads)), module.c_attn
+    return None
+
+
 def _refuse_heads(name: str, heads: int, kv_heads: int, t: int) -> list[str]:
     if heads % t:
         return [f"{name}: {heads} attention heads do not divide over tensor size {t}; use a tensor size that "
