@@ -25,11 +25,13 @@ WORKER = HERE / "workers" / "tp_worker.py"
 # What each family's plan must say in the log (rank 0), and a parameter it must split / keep whole.
 LOGGED = {"qwen3": "query/key norms on the rank's heads (head_norm)",
           "olmo2_split": "query/key norms on the rank's heads (width_norm_split)",
+          "apertus": "learned scalars on the rank's shard (gradient summed over the group): 2 modules",
           "cohere_qk": "query/key norms on the rank's heads (head_norm_split)",
           "stablelm_qk": "query/key norms on the rank's heads (head_norm_list)"}
 SPLIT = {"qwen3": "self_attn.q_proj.weight", "cohere_qk": "self_attn.q_norm.weight",
          "falcon": "self_attention.query_key_value.bias", "stablelm_qk": "self_attn.q_proj.weight",
-         "bigcode_mqa": "attn.c_proj.weight", "olmo2_split": "self_attn.q_norm.weight"}
+         "bigcode_mqa": "attn.c_proj.weight", "olmo2_split": "self_attn.q_norm.weight",
+         "apertus": "mlp.up_proj.weight"}
 WHOLE = {"qwen3": "self_attn.q_norm.weight",  # replicated (its gradient summed): not split
          "bigcode_mqa": "attn.c_attn.weight", "stablelm_qk": "q_layernorm.norms.0.weight"}
 
@@ -78,6 +80,10 @@ def test_layouts_train_like_one_process(group: str) -> None:
     assert any("the split transformer.h.0 fails on one sample in transformer.h.0.attn (GPTBigCodeAttention) forward, "
                "at modeling_gpt_bigcode.py:" in p and "split_with_sizes expects split_sizes to sum exactly to 24" in p
                for p in failed), failed
+    scalars = report["scenarios"]["refused/learned scalars kept whole"]["refused"]
+    assert any("computes the unsplit output on one sample but not its gradients: gradient of mlp.act_fn.alpha_" in p
+               and "give model.layers.0.mlp.act_fn the style 'replicated_with_grad_allreduce'" in p
+               for p in scalars), scalars
     differs = report["scenarios"]["refused/fused layer split column-wise[first difference]"]["refused"]
     assert any("computes other numbers than the unsplit one on one sample" in p
                and "first at blocks.0.down (Linear): its output differs by" in p for p in differs), differs

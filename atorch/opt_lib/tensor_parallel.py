@@ -38,6 +38,7 @@ from atorch.opt_lib.tp_layouts import (
     NORM_STYLES,
     OwnColumns,
     SumGradOverTensor,
+    elementwise_styles,
     fused_kv_layer,
     head_norm_styles,
     keep_own_columns,
@@ -342,6 +343,11 @@ def _head_norms(model: nn.Module, plan: Plan) -> None:
     """[layouts] Query/key norms of attentions split by head get the style their weights need (tp_layouts.py)."""
     found, plan.whole_k_norms, problems = head_norm_styles(model, plan.styles, plan.replicated_kv, _head_counts)
     plan.styles.update(found)
+    scalars = elementwise_styles(model, plan.styles) if plan.source != "explicit" else {}
+    plan.styles.update(scalars)
+    if scalars:
+        plan.notes.append(f"learned scalars on the rank's shard (gradient summed over the group): {len(scalars)} "
+                          "modules")
     plan.problems.extend(problems)
     if found:
         kinds = sorted(set(found.values()))

@@ -183,6 +183,13 @@ class BlockCheck:
             return []
         what, error = max(errors.items(), key=lambda item: item[1])
         first = _first_difference(block, self.reference, self.inputs, limit, self.name)  # collective: all ranks
+        if errors["output"] <= limit and not first:  # the numbers agree, a gradient does not
+            owner = ".".join(p for p in (self.name, what.removeprefix("gradient of ").rpartition(".")[0]) if p)
+            return [f"the split {label} computes the unsplit output on one sample but not its gradients: {what} "
+                    f"differs by {error:.2e} (relative; tolerance {limit:.1e} for {dtype}); a parameter kept whole "
+                    "that sees only this rank's part of the heads or width gets only that part's gradient: give "
+                    f"{owner or 'its module'} the style 'replicated_with_grad_allreduce' (its gradient summed over "
+                    "the tensor group) or split it with its layers"]
         return [f"the split {label} computes other numbers than the unsplit one on one sample: {what} differs by "
                 f"{error:.2e} (relative; tolerance {limit:.1e} for {dtype}){first}; the plan changes the computation "
                 "(a fused layer split column-wise that the model splits again?): give such layers the gather-output "

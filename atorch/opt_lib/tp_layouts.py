@@ -263,6 +263,24 @@ def head_norm_styles(model: nn.Module, styles: dict[str, str], replicated_kv: li
     return found, whole_k, problems
 
 
+def elementwise_styles(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """Parameter-holding activations between a block's column- and row-split layers (Apertus' XIELU: learned
+    scalars) see the rank's shard of the hidden width: ``head_norm`` (replicated, the partial gradient summed over
+    the group; DTensor applies scalars to any sharded input). Only modules whose parameters are all scalars."""
+    found = {}
+    for name, module in model.named_modules():
+        children = {n: c for n, c in module.named_children()}
+        split = [styles.get(_join(name, n)) for n in children]
+        if "colwise" not in split or "rowwise" not in split:
+            continue
+        for child, sub in children.items():
+            params = list(sub.parameters(recurse=False))
+            if _join(name, child) not in styles and params and all(p.numel() == 1 for p in params) \
+                    and not any(True for _ in sub.children()):
+                found[_join(name, child)] = "replicated_with_grad_allreduce"
+    return found
+
+
 def _replicated_norm_problem(norm_name: str, kv_heads: int) -> str:
     return (f"{norm_name}: a key norm of no known layout on {kv_heads} key/value heads fewer than the ranks "
             f"(replicated, one per rank): not split yet; use a tensor size that divides {kv_heads}")
@@ -287,6 +305,9 @@ class NormOnShards(ParallelStyle):
             for key, param in list(mod.named_parameters(recurse=False)):
                 value = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=self.src_data_rank)
                 mod.register_parameter(key, nn.Parameter(value, requires_grad=param.requires_grad))
+            for key, buffer in list(mod.named_buffers(recurse=False)):  # constants (XIELU's beta): the same everywhere
+                if buffer is not None:
+                    mod.register_buffer(key, DTensor.from_local(buffer, mesh, [Replicate()], run_check=False))
 
         def inputs(mod: nn.Module, args: tuple, mesh: Any) -> tuple:
             return tuple(DTensor.from_local(a, mesh, [Shard(self.dim % a.dim())], run_check=False)

@@ -77,6 +77,9 @@ MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with par
     # OLMo2 without the plan transformers ships (which gathers q/k/v): its whole-width q/k norms on split heads
     "olmo2_split": sm.Setup(lambda: _without_plan(_hf("Olmo2", num_attention_heads=4, num_key_value_heads=2)),
                             sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    # learned scalars (XIELU) in the MLP, between its split layers; q/k norms over head_dim
+    "apertus": sm.Setup(lambda: _hf("Apertus", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "bigcode_mqa": sm.Setup(lambda: _hf("GPTBigCode", num_attention_heads=4, multi_query=True, n_inner=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), sm.TokenDataset,
                             sm.hf_loss, "unpack_dict"),
@@ -147,8 +150,12 @@ LAYOUTS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("q
                                                                             "olmo2_split")}
 # The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
 # the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
+LAYOUTS["layouts_tp2"]["apertus/tp2"] = ("apertus", [TP2, "tensor_parallel"])
 LAYOUTS["layouts_tp2"].update({
     "refused/fused layer split column-wise[first difference]": ("fused_mlp", [TP2, FUSED_PLAN]),
+    # a user's plan leaving XIELU's learned scalars out: the output agrees, their gradients do not
+    "refused/learned scalars kept whole": ("apertus", [TP2, ("tensor_parallel", {"plan": {
+        "*.mlp.up_proj": "colwise", "*.mlp.down_proj": "rowwise"}})]),
     "refused/multi-query c_attn split column-wise": ("bigcode_mqa", [TP2, ("tensor_parallel", {"plan": {
         "*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise"}})]),
 })
@@ -168,7 +175,7 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
 }
 PIPELINED["layouts_tp2xpp2"] = {
     f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
-    for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa", "olmo2_split")}
+    for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa", "olmo2_split", "apertus")}
 # A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
 # alone on stand-in hidden states, must refuse it.
 PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
