@@ -20,6 +20,11 @@ Fused q|k|v projections kept in the user's row order:
   and each rank takes its query heads' columns and their key/value head from the output; the output's gradient is
   summed over the group first, so every rank's copy gets the whole layer's gradient.
 Falcon with ALiBi keeps its attention whole (ALiBi's slopes are built for all heads outside the attention).
+
+Learned scalars between a block's split layers (Apertus' XIELU activation) see the rank's shard of the hidden
+width: replicated, their partial gradient summed over the group (``replicated_with_grad_allreduce``).
+With key/value heads replicated over the ranks (fewer than the tensor size), a key norm over all of them (one row
+per head, or the whole width) stays whole too, and the rank's head is taken from the norm's output.
 """
 
 from __future__ import annotations
