@@ -42,6 +42,7 @@ from atorch.opt_lib.tp_layouts import (
     fused_kv_layer,
     head_norm_styles,
     keep_own_columns,
+    local_inputs,
     match_layout,
 )
 from atorch.opt_lib.tp_styles import (
@@ -449,6 +450,8 @@ def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any, k_norm: t
     def own_head_row(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:  # [..., heads, head_dim]
         return _SumGradOverTensor.apply(output, group).narrow(-2, head, 1)
 
+    for name in ("k_proj", "v_proj"):
+        getattr(attention, name).register_forward_pre_hook(local_inputs)
     attention.v_proj.register_forward_hook(own_head)
     if k_norm is None:
         attention.k_proj.register_forward_hook(own_head)

@@ -181,6 +181,14 @@ def _bigcode(name: str, module: nn.Module, t: int) -> LayoutMatch:
     return match
 
 
+def local_inputs(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook for a layer kept whole: DTensor inputs (under sequence_parallel the attention's input is
+    gathered as a replicated DTensor) handed to it as the local, whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+
+
 def keep_own_columns(attention: nn.Module, spec: OwnColumns, rank: int, group: Any) -> None:
     """The fused layer stays whole; this rank takes its columns of the output (gradient summed over the group)."""
     layer = attention.get_submodule(spec.layer.rpartition(".")[2])
@@ -189,6 +197,7 @@ def keep_own_columns(attention: nn.Module, spec: OwnColumns, rank: int, group: A
     def own(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return SumGradOverTensor.apply(output, group).index_select(-1, index)
 
+    layer.register_forward_pre_hook(local_inputs)
     layer.register_forward_hook(own)
     for attr, value in spec.attrs.items():
         setattr(attention, attr, value)

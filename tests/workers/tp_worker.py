@@ -151,6 +151,9 @@ LAYOUTS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("q
 # The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
 # the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
 LAYOUTS["layouts_tp2"]["apertus/tp2"] = ("apertus", [TP2, "tensor_parallel"])
+# under sequence_parallel the attention's input arrives as a DTensor: the layers kept whole take it local
+LAYOUTS["layouts_tp2"].update({f"{m}/tp2+sequence_parallel": (m, [TP2, SEQUENCE_PARALLEL])
+                               for m in ("qwen3", "bigcode_mqa")})
 LAYOUTS["layouts_tp2"].update({
     "refused/fused layer split column-wise[first difference]": ("fused_mlp", [TP2, FUSED_PLAN]),
     # a user's plan leaving XIELU's learned scalars out: the output agrees, their gradients do not
