@@ -169,6 +169,9 @@ LAYOUTS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m i
 LAYOUTS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
                                                                             "stablelm_qk", "bigcode_mqa",
                                                                             "olmo2_split")}
+# tensor 2 × data 2 with fsdp: the norms' DTensor weights and the kept-whole layers sharded over the data dimension
+LAYOUTS["layouts_tp4"].update({f"{m}/tp2xdp2+fsdp": (m, [TP2, "tensor_parallel", "fsdp"])
+                               for m in ("cohere_qk", "bigcode_mqa")})
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
 TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
