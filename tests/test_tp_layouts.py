@@ -69,7 +69,11 @@ def test_layouts_train_like_one_process(group: str) -> None:
         if model in WHOLE:
             assert not any(n.endswith(WHOLE[model]) for n in entry["split"]), (name, entry["split"])
         memory = entry["memory"]  # the split layers hold 1/t of their parameters per rank (1/(t·d) under fsdp)
-        assert memory["split_local"] * nproc == memory["split_global"] > 0, memory
+        # (fsdp shards a tensor-parallel shard's dim 0 again: Cohere's one key-norm row per rank goes to one data
+        # rank, so a rank holds up to a few rows more than its share)
+        slack = 0.01 * memory["split_global"] if "fsdp" in name else 0
+        assert abs(memory["split_local"] * nproc - memory["split_global"]) <= slack, memory
+        assert memory["split_global"] > 0, memory
         assert entry["dp_size"] == (2 if "xdp2" in name else 1), entry["dp_size"]
     if group != "layouts_tp2":
         return
