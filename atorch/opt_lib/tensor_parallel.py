@@ -7,6 +7,8 @@ A plan maps module names to "colwise" or "rowwise". It is derived from the model
   that each rank's colwise shard holds the q, k and v of its own heads; c_proj rowwise; MLP c_fc
   colwise, c_proj rowwise. Needs ``module_replace`` first (DTensor cannot split transformers' Conv1D).
 - BERT, T5 (with its relative attention bias split by head) and BART: see tp_families.py.
+- Falcon and GPT-BigCode fused q|k|v (per-head blocks split, multi-query kept whole) and the query/key norms of
+  attentions split by head (Qwen3, Cohere, StableLM, OLMo2, ...): see tp_layouts.py.
 - Any other model, and the layers of a recognised model's blocks left out by the above (transformers
   ViT: Llama-named attention, MLP fc1/fc2): Megatron pairing inside the repeated blocks: a Linear that
   changes the width, followed in module order by a Linear taking that width with no parameter-holding
@@ -20,7 +22,7 @@ and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -32,6 +34,17 @@ from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
+from atorch.opt_lib.tp_layouts import (
+    NORM_STYLES,
+    OwnColumns,
+    SumGradOverTensor,
+    elementwise_styles,
+    fused_kv_layer,
+    head_norm_styles,
+    keep_own_columns,
+    local_inputs,
+    match_layout,
+)
 from atorch.opt_lib.tp_styles import (
     KEPT_WHOLE,
     gathered_where_model_says,
@@ -57,7 +70,7 @@ class TensorParallelConfig(MethodConfig):
         description="'auto': the model's own plan where transformers ships one (base_model_tp_plan), else one "
         "derived from the model; or a mapping of module-name patterns (fnmatch, e.g. 'layers.*.fc1') to "
         "'colwise' / 'rowwise' or another transformers style name ('colwise_gather_output', "
-        "'rowwise_split_input', 'embedding_rowwise', ...)",
+        "'rowwise_split_input', 'embedding_rowwise', ...; 'replicated_with_grad_allreduce' for query/key norms)",
     )
     sequence_parallel: bool = Field(default=False, description="norms and dropout run on sequence shards (dim 1) "
                                     "between the split layers (sequence length must divide over the tensor size)")
@@ -83,6 +96,8 @@ class Plan:
     head_modules: list[str] = field(default_factory=list)  # attention modules whose head counts become local
     widths: dict[str, tuple[str, ...]] = field(default_factory=dict)  # [families] attention -> per-rank attributes
     replicated_kv: list[str] = field(default_factory=list)  # attentions with fewer key/value heads than ranks
+    own_columns: dict[str, OwnColumns] = field(default_factory=dict)  # [layouts] attention -> fused layer kept whole
+    whole_k_norms: dict[str, tuple[str, str]] = field(default_factory=dict)  # [layouts] replicated_kv -> (norm, style)
     source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
     notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
@@ -124,6 +139,13 @@ def _family_plan(model: nn.Module, t: int) -> Plan:
         elif _has(module, "gate_proj", "up_proj", "down_proj"):  # gated MLP
             plan.styles.update({_join(name, "gate_proj"): "colwise", _join(name, "up_proj"): "colwise",
                                 _join(name, "down_proj"): "rowwise"})
+        elif (layout := match_layout(name, module, t)) is not None:  # [layouts] Falcon, GPT-BigCode: tp_layouts.py
+            plan.styles.update(layout.styles)
+            plan.problems.extend(layout.problems)
+            plan.notes.extend(layout.notes)
+            plan.own_columns.update(layout.own_columns)
+            if layout.attention is not None:
+                plan.widths[layout.attention] = layout.widths
         elif _has(module, "c_attn", "c_proj") and hasattr(module, "split_size"):  # GPT-2 attention
             if getattr(module, "is_cross_attention", False):
                 plan.problems.append(f"{name}: cross-attention (q_attn and c_attn) is not split yet; "
@@ -189,13 +211,18 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
 def kv_projection_bytes(model: nn.Module) -> tuple[tuple[int, int], ...]:
     """For the cost model: (key/value heads, parameter bytes of their k_proj / v_proj) for the attentions with
     fewer key/value heads than query heads (GQA), one pair per head count. At a tensor size above the head count
-    those projections stay whole on every rank of the group (see _uneven_heads)."""
+    those projections stay whole on every rank of the group (see _uneven_heads); so do Falcon's and GPT-BigCode's
+    fused q|k|v layers (their whole bytes, under their key/value head count: tp_layouts.py)."""
     by_heads: dict[int, int] = {}
     for module in model.modules():
         kv_heads, heads = _head_counts(module) or (0, 0)
         if kv_heads < heads:
             by_heads[kv_heads] = by_heads.get(kv_heads, 0) + sum(
                 p.numel() * p.element_size() for n in ("k_proj", "v_proj") for p in getattr(module, n).parameters())
+        elif (fused := fused_kv_layer(module)) is not None:  # [layouts] Falcon / GPT-BigCode: the fused layer whole
+            kv_heads, layer = fused
+            by_heads[kv_heads] = by_heads.get(kv_heads, 0) + sum(p.numel() * p.element_size()
+                                                                 for p in layer.parameters())
     return tuple(sorted(by_heads.items()))
 
 
@@ -248,8 +275,9 @@ def _explicit_plan(model: nn.Module, patterns: dict[str, Style], source: str = "
     names = [n for n, m in model.named_modules() if _dims(m) is not None or isinstance(m, nn.Embedding)]
     # A pipeline stage holds some of the layers only: the patterns were checked on the whole model.
     staged = isinstance(model, StagedModel)
+    norms = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
     for pattern, style in patterns.items():
-        hits = match(names, pattern)
+        hits = match(norms if style in NORM_STYLES else names, pattern)
         if not hits and source == "explicit" and not staged:
             plan.problems.append(f"plan pattern {pattern!r} matches no nn.Linear of the model")
         plan.styles.update({n: style for n in hits})
@@ -312,6 +340,24 @@ def _uneven_heads(model: nn.Module, plan: Plan, t: int) -> None:
                           f"{t // kv_heads} ranks) in {count} attention layers")
 
 
+def _head_norms(model: nn.Module, plan: Plan) -> None:
+    """[layouts] Query/key norms of attentions split by head get the style their weights need (tp_layouts.py)."""
+    found, plan.whole_k_norms, problems = head_norm_styles(model, plan.styles, plan.replicated_kv, _head_counts)
+    plan.styles.update(found)
+    scalars = elementwise_styles(model, plan.styles) if plan.source != "explicit" else {}
+    plan.styles.update(scalars)
+    if scalars:
+        plan.notes.append(f"learned scalars on the rank's shard (gradient summed over the group): {len(scalars)} "
+                          "modules")
+    plan.problems.extend(problems)
+    if found:
+        kinds = sorted(set(found.values()))
+        plan.notes.append(f"query/key norms on the rank's heads ({', '.join(kinds)}) in {len(found)} layers")
+    if plan.whole_k_norms:
+        plan.notes.append(f"key norms kept whole with their replicated heads in {len(plan.whole_k_norms)} attention "
+                          "layers")
+
+
 def _fused_rewrites(model: nn.Module, plan: Plan) -> None:
     """Layers the model's own plan gathers (fused projections the model splits again, Phi-3's qkv_proj and
     gate_up_proj) given the plain style: rewritten to the model's gather-output style (plain would compute
@@ -335,16 +381,20 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
     else:
         plan = _family_plan(model, t)
         if not plan.styles and not plan.problems:
-            plan = _paired_plan(model)
+            plan = _paired_plan(model) if not plan.notes else replace(_paired_plan(model), notes=plan.notes)
         elif plan.styles:
             # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
             # the rest of its blocks by pairing.
-            plan.styles.update(_paired_plan(model, plan.styles).styles)
+            kept = {spec.layer: "replicate" for spec in plan.own_columns.values()}  # not paired either
+            plan.styles.update(_paired_plan(model, {**plan.styles, **kept}).styles)
     for name in [n for n, s in plan.styles.items() if s in KEPT_WHOLE]:
         del plan.styles[name]
     _uneven_heads(model, plan, t)
+    _head_norms(model, plan)
     modules = dict(model.named_modules())
     for name, style in plan.styles.items():
+        if style in NORM_STYLES:  # split with their projections' heads (checked there)
+            continue
         d_in, d_out = _dims(modules[name]) or split_dims(modules[name])
         split, what = (d_out, "output") if splits_output(style) else (d_in, "input")
         if split % t:
@@ -380,37 +430,34 @@ def _local_head_counts(attention: nn.Module, t: int) -> None:
             setattr(attention, attr, value // t)
 
 
-class _SumGradOverTensor(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the tensor group (Megatron's copy-to-region). On the
-    output of a replicated key/value projection: each rank's gradient comes from its own query heads only."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+_SumGradOverTensor = SumGradOverTensor  # [layouts] shared with the fused layers kept whole
 
 
-def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any) -> None:
+def _replicate_kv(attention: nn.Module, t: int, rank: int, group: Any, k_norm: tuple[str, str] | None = None) -> None:
     """k_proj / v_proj stay whole on every rank; each rank uses the key/value head its h/t query heads read
     (kv_head_of_rank). The output gradient is summed over the group before the head is taken, so every rank
-    gets the whole projections' gradient, each head's from the ranks that use it."""
+    gets the whole projections' gradient, each head's from the ranks that use it. ``k_norm``: a key norm over all
+    key/value heads (its child name and style: one weight row per head, or one norm over the width), kept whole
+    too: the head is taken from its output instead of k_proj's."""
     kv_heads, heads = _head_counts(attention)  # type: ignore[misc]
     width = attention.head_dim
-    start = kv_head_of_rank(rank, t, kv_heads) * width
+    head = kv_head_of_rank(rank, t, kv_heads)
+    start = head * width
 
     def own_head(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return _SumGradOverTensor.apply(output, group)[..., start:start + width]
 
+    def own_head_row(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:  # [..., heads, head_dim]
+        return _SumGradOverTensor.apply(output, group).narrow(-2, head, 1)
+
     for name in ("k_proj", "v_proj"):
-        getattr(attention, name).register_forward_hook(own_head)
+        getattr(attention, name).register_forward_pre_hook(local_inputs)
+    attention.v_proj.register_forward_hook(own_head)
+    if k_norm is None:
+        attention.k_proj.register_forward_hook(own_head)
+    else:
+        norm, style = k_norm
+        getattr(attention, norm).register_forward_hook(own_head if style == "width_norm_split" else own_head_row)
     if isinstance(getattr(attention, "num_key_value_groups", None), int):
         attention.num_key_value_groups = heads // t  # the rank's query heads share its one key/value head
     if isinstance(getattr(attention, "num_key_value_heads", None), int):
@@ -469,7 +516,9 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     for name, widths in plan.widths.items():  # [families] BERT, T5, BART
         local_widths(modules[name], widths, t)
     for name in plan.replicated_kv:
-        _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group())
+        _replicate_kv(modules[name], t, mesh.get_local_rank(), mesh.get_group(), plan.whole_k_norms.get(name))
+    for name, spec in plan.own_columns.items():  # [layouts] multi-query fused layers kept whole
+        keep_own_columns(modules[name], spec, mesh.get_local_rank(), mesh.get_group())
     tied = tp_sequence_vocab.is_tied(ctx.model)
     # [loss_parallel / sequence_parallel] their styles (embeddings, head, norms) and layout hooks (tp_sequence_vocab.py)
     styles = tp_sequence_vocab.styles(ctx.model, config, plan.styles, mesh)
@@ -478,7 +527,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     logger.info("tensor_parallel: %s plan, %d layers split over %d processes (%d colwise, %d rowwise)%s%s",
                 {"explicit": "the user's", "model": "the model's own (transformers)", "derived": "atorch's derived"}[
                     plan.source], len(plan.styles), t, sum(splits_output(s) for s in plan.styles.values()),
-                sum(not splits_output(s) for s in plan.styles.values()),
+                sum(not splits_output(s) and s not in NORM_STYLES for s in plan.styles.values()),
                 "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)),
                 "".join(f"; {note}" for note in plan.notes))
     if check is not None:

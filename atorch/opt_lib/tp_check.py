@@ -155,12 +155,15 @@ class BlockCheck:
 
         block = model.get_submodule(self.name)
         label = self.name or "the model"
+        trace = _Trace(block)
         try:
-            split = _output_and_grads(block, self.inputs)
+            with trace:
+                split = _output_and_grads(block, self.inputs)
         except Exception as exc:  # a plan that does not fit the layer's computation fails here, not in training
-            return [f"the split {label} fails on one sample ({type(exc).__name__}: {exc}); the plan does not fit "
-                    "this model's computation: give fused layers the gather-output styles ('colwise_gather_output', "
-                    "'rowwise_split_input') or leave them out of the plan"]
+            return [f"the split {label} fails on one sample in {trace.where(exc, self.name)}: {type(exc).__name__}: "
+                    f"{_first_line(exc)}; the plan does not fit this model's computation: give fused layers the "
+                    "gather-output styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the "
+                    "plan"]
         reference = _output_and_grads(self.reference, self.inputs)
         dtype = next(self.reference.parameters()).dtype
         errors = {"output": _relative(split[0], reference[0])}
@@ -179,10 +182,22 @@ class BlockCheck:
                         "%.1e, tolerance %.1e for %s)", label, worst.item(), limit, dtype)
             return []
         what, error = max(errors.items(), key=lambda item: item[1])
+        try:  # collective: every rank is here (they agreed on the failure)
+            first = _first_difference(block, self.reference, self.inputs, limit, self.name)
+        except Exception as exc:  # noqa: BLE001 - the figures above are the finding; locating it is a help
+            logger.info("tensor_parallel: the first differing module was not found (%s: %s)", type(exc).__name__, exc)
+            first = ""
+        if errors["output"] <= limit and not first:  # the numbers agree, a gradient does not
+            owner = ".".join(p for p in (self.name, what.removeprefix("gradient of ").rpartition(".")[0]) if p)
+            return [f"the split {label} computes the unsplit output on one sample but not its gradients: {what} "
+                    f"differs by {error:.2e} (relative; tolerance {limit:.1e} for {dtype}); a parameter kept whole "
+                    "that sees only this rank's part of the heads or width gets only that part's gradient: give "
+                    f"{owner or 'its module'} the style 'replicated_with_grad_allreduce' (its gradient summed over "
+                    "the tensor group) or split it with its layers"]
         return [f"the split {label} computes other numbers than the unsplit one on one sample: {what} differs by "
-                f"{error:.2e} (relative; tolerance {limit:.1e} for {dtype}); the plan changes the computation (a fused "
-                "layer split column-wise that the model splits again?): give such layers the gather-output styles "
-                "('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
+                f"{error:.2e} (relative; tolerance {limit:.1e} for {dtype}){first}; the plan changes the computation "
+                "(a fused layer split column-wise that the model splits again?): give such layers the gather-output "
+                "styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
@@ -214,3 +229,97 @@ def _relative(value: torch.Tensor, reference: torch.Tensor, floor: float = 0.0) 
         return float("inf")
     scale = max(reference.double().norm().item(), floor, torch.finfo(torch.float32).tiny)
     return (value.double() - reference.double()).norm().item() / scale
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else "(no message)"
+
+
+class _Trace:
+    """Which of a block's modules is running (forward hooks on each), to name where a split block fails."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.stack: list[tuple[str, nn.Module]] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _Trace:
+        def enter(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any) -> None:
+                self.stack.append((name, module))
+            return hook
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:  # returns nothing: the output is kept
+            self.stack.pop()
+
+        for name, module in self.block.named_modules():
+            self.handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def where(self, exc: BaseException, prefix: str) -> str:
+        """The innermost module running when ``exc`` was raised, and the model's own line that raised it."""
+        import traceback
+
+        if self.stack:
+            name, module = self.stack[-1]
+            full = ".".join(p for p in (prefix, name) if p) or "the model"
+            place = f"{full} ({type(module).__name__}) forward"
+        else:
+            place = "the backward pass"
+        import os
+
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # atorch/
+        ours = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, package + os.sep))
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(ours)]
+        if frames:
+            frame = frames[-1]
+            place += f", at {frame.filename.rpartition('/')[2]}:{frame.lineno} `{(frame.line or '').strip()}`"
+        return place
+
+
+def _outputs(block: nn.Module, inputs: tuple[tuple, dict]) -> list[tuple[str, nn.Module, torch.Tensor]]:
+    """Each sub-module's first floating output (whole), in call order, for one forward."""
+    seen: list[tuple[str, nn.Module, torch.Tensor]] = []
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            leaf = next((t for t in pytree.tree_leaves(output)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+            if leaf is not None:
+                seen.append((name, module, _full(leaf).detach()))
+        return hook
+
+    handles = [m.register_forward_hook(record(n)) for n, m in block.named_modules() if n]
+    args, kwargs = inputs
+    try:
+        with torch.no_grad():
+            block(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _first_difference(split: nn.Module, reference: nn.Module, inputs: tuple[tuple, dict], limit: float,
+                      prefix: str) -> str:
+    """', first at <module> (<type>): its output differs by x' for the first sub-module (in call order) whose
+    output has the unsplit shape and differs beyond ``limit`` (column-split layers hand out shards: not compared)."""
+    found = []
+    for block in (split, reference):
+        training = block.training
+        block.eval()
+        try:
+            found.append(_outputs(block, inputs))
+        finally:
+            block.train(training)
+    theirs = {name: out for name, _, out in found[1]}
+    for name, module, out in found[0]:
+        if name in theirs and theirs[name].shape == out.shape and (error := _relative(out, theirs[name])) > limit:
+            full = ".".join(p for p in (prefix, name) if p)
+            return f", first at {full} ({type(module).__name__}): its output differs by {error:.2e}"
+    return ""

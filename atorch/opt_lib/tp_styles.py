@@ -12,6 +12,8 @@ mapped here onto torch's DTensor styles, with the layouts transformers gives it
 - ``rowwise_split_input`` / ``rowwise_rep``: the whole input is sliced here, output all-reduced.
 - ``embedding_rowwise`` / ``embedding_colwise``: an embedding split over the vocabulary / the hidden size.
 - ``replicate``: kept whole.
+- ``replicated_with_grad_allreduce`` (query/key norms on the rank's heads) and atorch's ``head_norm``,
+  ``head_norm_split``, ``width_norm_split``: norms running on the rank's heads (tp_layouts.py).
 Others (expert-parallel, packed, sequence-parallel and local-output styles, whose communication happens
 in another module of the plan) have no mapping and are refused by name.
 """
@@ -19,14 +21,18 @@ in another module of the plan) have no mapping and are refused by name.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any
 
+import torch
 from torch import nn
+
+from atorch.opt_lib.tp_layouts import NORM_STYLES, norm_style
 
 COLWISE = ("colwise", "local_colwise", "colwise_gather_output", "colwise_rep", "embedding_colwise")
 ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep", "embedding_rowwise")
 KEPT_WHOLE = ("replicate",)
-KNOWN = COLWISE + ROWWISE + KEPT_WHOLE
+KNOWN = COLWISE + ROWWISE + KEPT_WHOLE + NORM_STYLES
 # A plain style and the gather-output style transformers uses where the model splits the output again.
 GATHERED = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
 
@@ -47,17 +53,37 @@ def splits_output(style: str) -> bool:
 def parallel_style(style: str, sequence_parallel: bool) -> Any:
     """torch's ParallelStyle for a style name (``sequence_parallel``: row-wise outputs become sequence shards)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
+    if style in NORM_STYLES:
+        return norm_style(style)
     if style in ("colwise", "local_colwise"):
         return ColwiseParallel()
     if style in ("colwise_gather_output", "colwise_rep", "embedding_colwise"):
         return ColwiseParallel(output_layouts=Replicate())
     whole_input = style in ("rowwise_split_input", "rowwise_rep", "embedding_rowwise")
     if sequence_parallel:
-        return RowwiseParallel(input_layouts=Replicate() if whole_input else Shard(-1),
-                               output_layouts=Shard(1), use_local_output=False)
-    return RowwiseParallel(input_layouts=Replicate()) if whole_input else RowwiseParallel()
+        return _rowwise()(input_layouts=Replicate() if whole_input else Shard(-1),
+                          output_layouts=Shard(1), use_local_output=False)
+    return _rowwise()(input_layouts=Replicate()) if whole_input else _rowwise()()
+
+
+@functools.cache
+def _rowwise() -> type:
+    """RowwiseParallel whose local output is a tensor of its own, not a view of the DTensor's local tensor: models
+    add into it in place (Falcon's parallel attention: ``mlp_output += attention_output``), which autograd refuses
+    on a view made inside DTensor's to_local. One copy of the layer's output per call."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class OwnOutputRowwise(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                               device_mesh: Any) -> Any:
+            out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
+
+    return OwnOutputRowwise
 
 
 def _own_plan(model: nn.Module) -> dict[str, str]:

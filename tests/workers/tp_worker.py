@@ -63,6 +63,27 @@ MODELS.update({  # the tensor-parallel sweep: families with and without a plan s
     "llama_8h_2kv": sm.Setup(lambda: _hf("Llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8),
                              sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 })
+MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with parallel attention, multi-query attention
+    "qwen3": sm.Setup(lambda: _hf("Qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=8), sm.TokenDataset,
+                      sm.hf_loss, "unpack_dict"),
+    "cohere_qk": sm.Setup(lambda: _hf("Cohere", num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True,
+                                      logit_scale=1.0, pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "falcon": sm.Setup(lambda: _hf("Falcon", num_attention_heads=4, parallel_attn=True, bias=True, multi_query=False,
+                                   new_decoder_architecture=False, ffn_hidden_size=64, hidden_dropout=0.0,
+                                   attention_dropout=0.0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "stablelm_qk": sm.Setup(lambda: _hf("StableLm", num_attention_heads=4, num_key_value_heads=4, qk_layernorm=True,
+                                        use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0),
+                            sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    # OLMo2 without the plan transformers ships (which gathers q/k/v): its whole-width q/k norms on split heads
+    "olmo2_split": sm.Setup(lambda: _without_plan(_hf("Olmo2", num_attention_heads=4, num_key_value_heads=2)),
+                            sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    # learned scalars (XIELU) in the MLP, between its split layers; q/k norms over head_dim
+    "apertus": sm.Setup(lambda: _hf("Apertus", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
+    "bigcode_mqa": sm.Setup(lambda: _hf("GPTBigCode", num_attention_heads=4, multi_query=True, n_inner=64,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), sm.TokenDataset,
+                            sm.hf_loss, "unpack_dict"),
+})
 # The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
 PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
 FUSED_PLAN = ("tensor_parallel", {"plan": {"blocks.*.gate_up": "colwise", "blocks.*.down": "rowwise"}})
@@ -121,6 +142,36 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama_8h_2kv/tp4": ("llama_8h_2kv", [TP4, "tensor_parallel"]),
     },
 }
+# Decoder layouts: per-head q/k norms (Qwen3: one weight over head_dim; Cohere: one row per head), fused q|k|v per
+# head with parallel attention and biases (Falcon), multi-query attention with a fused projection (GPT-BigCode).
+LAYOUTS: dict[str, dict[str, tuple[str, list[Any]]]] = {}  # test_tp_layouts.py
+LAYOUTS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+                                                                            "stablelm_qk", "bigcode_mqa",
+                                                                            "olmo2_split")}
+# The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
+# the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
+LAYOUTS["layouts_tp2"]["apertus/tp2"] = ("apertus", [TP2, "tensor_parallel"])
+# under sequence_parallel the attention's input arrives as a DTensor: the layers kept whole take it local
+LAYOUTS["layouts_tp2"].update({f"{m}/tp2+sequence_parallel": (m, [TP2, SEQUENCE_PARALLEL])
+                               for m in ("qwen3", "bigcode_mqa")})
+LAYOUTS["layouts_tp2"].update({
+    "refused/fused layer split column-wise[first difference]": ("fused_mlp", [TP2, FUSED_PLAN]),
+    # a user's plan leaving XIELU's learned scalars out: the output agrees, their gradients do not
+    "refused/learned scalars kept whole": ("apertus", [TP2, ("tensor_parallel", {"plan": {
+        "*.mlp.up_proj": "colwise", "*.mlp.down_proj": "rowwise"}})]),
+    "refused/multi-query c_attn split column-wise": ("bigcode_mqa", [TP2, ("tensor_parallel", {"plan": {
+        "*.attn.c_attn": "colwise", "*.attn.c_proj": "rowwise"}})]),
+})
+# Checkpoints of the layouts saved under tensor 2, loaded under data 2 with fsdp (and read in one process).
+CHECKPOINTS = {f"checkpoint/{m}/tp2 -> fsdp2": m for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk",
+                                                             "bigcode_mqa")}
+LAYOUTS["layouts_tp2"].update({name: (m, [TP2, "tensor_parallel"]) for name, m in CHECKPOINTS.items()})
+LAYOUTS["layouts_tp4"] = {f"{m}/tp4": (m, [TP4, "tensor_parallel"]) for m in ("qwen3", "cohere_qk", "falcon",
+                                                                            "stablelm_qk", "bigcode_mqa",
+                                                                            "olmo2_split")}
+# tensor 2 × data 2 with fsdp: the norms' DTensor weights and the kept-whole layers sharded over the data dimension
+LAYOUTS["layouts_tp4"].update({f"{m}/tp2xdp2+fsdp": (m, [TP2, "tensor_parallel", "fsdp"])
+                               for m in ("cohere_qk", "bigcode_mqa")})
 # Tensor 2 × pipeline 2 on 4 processes (1f1b): the model's own plan and a replicated key/value head on stage copies.
 TPxPP = ("parallel_mode", {"dims": [["tensor", 2], ["data", -1], ["pipeline", 2]]})  # tensor first: adjacent ranks
 PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
@@ -128,6 +179,9 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
                 for m in ("gpt2", "llama", "qwen2", "bert", "opt", "gpt_neox", "phi3", "gemma_1kv", "bloom", "t5",
                           "bart")},
 }
+PIPELINED["layouts_tp2xpp2"] = {
+    f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
+    for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa", "olmo2_split", "apertus")}
 # A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
 # alone on stand-in hidden states, must refuse it.
 PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
@@ -168,6 +222,14 @@ def _hf(family: str, **extra: Any) -> nn.Module:
         vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False, bos_token_id=None, eos_token_id=None, **extra)
     return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _without_plan(model: nn.Module) -> nn.Module:
+    model.config.base_model_tp_plan = None
+    for module in model.modules():  # transformers copies the plan onto the model and its base model
+        if getattr(module, "_tp_plan", None):
+            module._tp_plan = None
+    return model
 
 
 def grad_norm(result: Any, setup: sm.Setup, batch: Any) -> float:
@@ -345,6 +407,45 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
 
 
 
+def run_checkpoint(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """Two steps under ``strategy``, saved; loaded under data 2 with fsdp from other weights: the weights it holds
+    (the consolidated export) must equal the saved ones, and those load into the plain model in one process."""
+    import tempfile
+
+    setup = MODELS[model_name]
+
+    def build(layout: list[Any], seed: int) -> Any:
+        torch.manual_seed(seed)
+        return atorch.auto_accelerate(
+            setup.make(), torch.optim.SGD, repeated_batch(setup.dataset()), setup.loss,
+            model_input_format=setup.input_format, optim_args={"lr": LR},
+            dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=layout)[1]
+
+    holder = [tempfile.mkdtemp(prefix="atorch-tp-layouts-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder)
+    root = holder[0]
+    result = build(strategy, seed=0)
+    batches = iter(result.dataloader)
+    for _ in range(2):
+        train_step(result, [next(batches)])
+    atorch.save_checkpoint(f"{root}/ckpt", result, step=2)
+    atorch.export_consolidated(f"{root}/saved.pt", result)
+    result.close()
+    other = build([("parallel_mode", {"dims": [["data", 2]]}), "fsdp"], seed=5)
+    atorch.load_checkpoint(f"{root}/ckpt", other)
+    atorch.export_consolidated(f"{root}/loaded.pt", other)
+    other.close()
+    if dist.get_rank() != 0:
+        return {}
+    saved, loaded = (torch.load(f"{root}/{n}.pt", weights_only=True) for n in ("saved", "loaded"))
+    plain = make(model_name)
+    missing = plain.load_state_dict(saved, strict=True)
+    return {"keys": len(saved), "same_keys": sorted(saved) == sorted(loaded),
+            "differ": sorted(k for k in saved if k in loaded and not torch.equal(saved[k], loaded[k])),
+            "moved": sum(not torch.equal(saved[k], v) for k, v in make(model_name).state_dict().items() if k in saved),
+            "strict_load": not missing.missing_keys and not missing.unexpected_keys}
+
+
 def pipelined_grad_norm(model: nn.Module) -> float:
     """The whole model's gradient norm under tensor 2 × pipeline 2 (a collective over all ranks): a split
     parameter adds its local shard's squares on both ranks of its tensor group; a whole one (replicated over the
@@ -370,16 +471,18 @@ def pipelined_grad_norm(model: nn.Module) -> float:
 
 def main() -> None:
     pipelined = sys.argv[1] in PIPELINED
-    scenarios = (PIPELINED if pipelined else GROUPS)[sys.argv[1]]
+    scenarios = (PIPELINED if pipelined else {**GROUPS, **LAYOUTS})[sys.argv[1]]
     if sys.argv[2:]:  # optional scenario names, for a quick run by hand
         scenarios = {name: scenario for name, scenario in scenarios.items() if name in sys.argv[2:]}
     report: dict[str, Any] = {"reference": {}, "reference_grad_norm": {}, "scenarios": run_each({
         name: functools.partial(run_pipelined, model, strategy) if pipelined
+        else functools.partial(run_checkpoint, model, strategy) if name in CHECKPOINTS
         else functools.partial(run_scenario, model, strategy, MICRO_BATCHES.get(name, 1))
         for name, (model, strategy) in scenarios.items()
     })}
     if dist.get_rank() == 0:
-        for model_name in sorted({m for name, (m, _) in scenarios.items() if not name.startswith("refused/")}):
+        for model_name in sorted({m for name, (m, _) in scenarios.items()
+                                  if not name.startswith(("refused/", "checkpoint/"))}):
             setup = MODELS[model_name]
             report["reference"][model_name] = reference_losses(
                 make(model_name), repeated_batch(setup.dataset()), setup.loss, setup.input_format,
