@@ -114,7 +114,9 @@ def _hang(tmp_path: Path, rank: int) -> dict[str, Any]:
     assert f"at its {HANG_TIMEOUT_S:g} s timeout: rank {rank}: not done within {HANG_TIMEOUT_S:g} s" in error, error
     assert "in forward" in error and "trial_timeout_s" in error and "rejoin_timeout_s" in error, error
     # the job: the stuck rank ends itself SELF_EXIT_DELAY_S after it learns it was given up, torchrun stops the other
-    assert "ending this process" in proc.stderr and f"exitcode  : {LOST_EXIT_CODE}" in proc.stderr, proc.stderr[-4000:]
+    # said on the console atorch shows the search on (stdout; stderr where no handler is there) and by torchrun
+    said = proc.stdout + proc.stderr
+    assert "ending this process" in said and f"exitcode  : {LOST_EXIT_CODE}" in proc.stderr, said[-4000:]
     silent = 2.0 if rank == 0 else 0.0  # the follower's wait for a silent rank 0 (LEADER_SILENT_S, set by the worker)
     assert out["at"] - hung_at < HANG_TIMEOUT_S + HANG_REJOIN_S + silent + 4.0, out["at"] - hung_at
     assert ended - hung_at < HANG_TIMEOUT_S + HANG_REJOIN_S + silent + SELF_EXIT_DELAY_S + 10.0, ended - hung_at
