@@ -46,6 +46,29 @@ def average_gradients(params: list[torch.Tensor], group: Any, bucket_bytes: int 
                     grad.copy_(averaged)
 
 
+class PendingGradientSync:
+    """A gradient sync made once before the optimizer step (``complete()``, before clipping too) over what the
+    training passes since the last one accumulated; called with the accumulation boundary flag. A forward pre-hook
+    marks that a training pass ran (``due()`` is then the model), so a step with no pass syncs nothing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)  # weak: the model's hook holds this object
+        self.enabled, self._pending = True, False
+        model.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._pending = True
+
+    def __call__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def due(self) -> nn.Module | None:
+        """The model when a sync is due (a boundary, after a training pass), else None."""
+        model = self._model()
+        return model if model is not None and self.enabled and self._pending else None
+
+
 class DDPGradientSync:
     """Called with the boundary flag; ``complete()`` runs just before the optimizer step."""
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from pydantic import Field, field_validator
 from torch import nn
 
+from atorch.grad_sync import PendingGradientSync
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.registry import register
@@ -157,22 +157,17 @@ def _own_rank_mesh(device_type: str) -> Any:
     return _OWN_RANK[key]
 
 
-class ExpertGradientSync:
+class ExpertGradientSync(PendingGradientSync):
     """Wraps the data-parallel gradient sync (DDP's or FSDP's): at the accumulation boundary, before the step, the
     expert gradients are summed over the ranks holding the same experts and divided by data × expert."""
 
     def __init__(self, model: nn.Module, inner: Callable[[bool], None] | None, replicas: Any, batch_size: int) -> None:
-        self._model, self.inner = weakref.ref(model), inner  # weak: the model's hook holds this object
+        super().__init__(model)
+        self.inner = inner
         self.replicas, self.batch_size = replicas, batch_size  # the 'data' group; data × expert ranks
-        self.enabled, self._pending = True, False
-        model.register_forward_pre_hook(self._record)
-
-    def _record(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            self._pending = True
 
     def __call__(self, enabled: bool) -> None:
-        self.enabled = enabled
+        super().__call__(enabled)
         if self.inner is not None:
             self.inner(enabled)
 
@@ -180,8 +175,8 @@ class ExpertGradientSync:
         complete = getattr(self.inner, "complete", None)
         if complete is not None:
             complete()
-        model = self._model()
-        if model is None or not (self.enabled and self._pending):
+        model = self.due()
+        if model is None:
             return
         from torch.distributed.tensor import DTensor
 

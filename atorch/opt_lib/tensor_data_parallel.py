@@ -10,36 +10,26 @@ peers only (the data group joins the ranks at one tensor position).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
-from atorch.grad_sync import average_gradients
+from atorch.grad_sync import PendingGradientSync, average_gradients
 from atorch.log import get_logger
 
 logger = get_logger(__name__)
 
-class ReplicaGradientSync:
-    """The optimizer's gradient sync: called with the accumulation boundary flag; ``complete()`` (before the
-    step, and before clipping) averages once the gradients of the passes since the last average."""
+class ReplicaGradientSync(PendingGradientSync):
+    """The optimizer's gradient sync: ``complete()`` averages once the gradients of the passes since the last
+    average over the data group."""
 
     def __init__(self, model: nn.Module, group: Any) -> None:
-        self._model, self.group = weakref.ref(model), group  # weak: the model's hook holds this object
-        self.enabled, self._pending = True, False
-        model.register_forward_pre_hook(self._record)
-
-    def _record(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            self._pending = True
-
-    def __call__(self, enabled: bool) -> None:
-        self.enabled = enabled
+        super().__init__(model)
+        self.group = group
 
     def complete(self) -> None:
-        model = self._model()
-        if model is None or not (self.enabled and self._pending):
+        model = self.due()
+        if model is None:
             return
         # Averaging is linear: the average of the accumulated sums is the sum of the averages.
         average_gradients([p for p in model.parameters() if p.requires_grad], self.group)
