@@ -104,6 +104,21 @@ def set_verbose(verbose: bool) -> None:
     get_logger().setLevel(level if _rank() == 0 else logging.WARNING)
 
 
+def say_where_seen(log: logging.Logger, level: int, message: str, prefix: str) -> None:
+    """Log ``message``, and print it on stderr (after ``prefix``) as well where no handler would show it: a line
+    that must be seen (a process about to end itself, a launch waiting for its processes) even where the
+    application configured no logging (atorch adds only a NullHandler)."""
+    log.log(level, "%s", message)
+    current: logging.Logger | None = log
+    while current is not None:
+        if any(not isinstance(h, logging.NullHandler) and h.level <= level for h in current.handlers):
+            if log.isEnabledFor(level):
+                return
+            break
+        current = current.parent if current.propagate else None
+    print(f"{prefix} {message}", file=sys.stderr, flush=True)
+
+
 class RepeatedWarnings:
     """Warnings that recur for many items (the cost model failing the same way for every candidate), logged
     once each with their count when the block ends, instead of once per item.

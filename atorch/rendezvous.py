@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,28 +20,16 @@ import torch.distributed as dist
 
 from atorch.agreement import ranks_label
 from atorch.errors import SetupError
-from atorch.log import get_logger
+from atorch.log import get_logger, say_where_seen
 from atorch.settings import settings
 
 logger = get_logger(__name__)
 _joins = 0  # rendezvous joined by this process so far (every process of a job joins in step)
 
 
-def _heard(log: logging.Logger) -> bool:
-    """Whether a warning of ``log`` reaches a handler that shows it (atorch adds only a NullHandler)."""
-    current: logging.Logger | None = log
-    while current is not None:
-        if any(not isinstance(h, logging.NullHandler) and h.level <= logging.WARNING for h in current.handlers):
-            return True
-        current = current.parent if current.propagate else None
-    return False
-
-
 def say(message: str) -> None:
     """A warning that must be seen: logged, and on stderr as well when logging would show it nowhere."""
-    logger.warning("%s", message)
-    if not (logger.isEnabledFor(logging.WARNING) and _heard(logger)):
-        print(f"[atorch rank {os.environ.get('RANK', '?')}] {message}", file=sys.stderr, flush=True)
+    say_where_seen(logger, logging.WARNING, message, f"[atorch rank {os.environ.get('RANK', '?')}]")
 
 
 class _Reporter(threading.Thread):

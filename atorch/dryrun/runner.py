@@ -56,7 +56,7 @@ from atorch.dryrun.memory import PeakMemory
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
 from atorch.errors import RankLost, SetupError
 from atorch.lifecycle import import_off_the_stack
-from atorch.log import get_logger
+from atorch.log import get_logger, say_where_seen
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 
@@ -557,14 +557,8 @@ class _Stopped(Exception):
 
 def _say(message: str) -> None:
     """An error line that must be seen: a process about to end itself says why even where the application
-    configured no logging (the ``atorch`` logger's NullHandler would swallow it)."""
-    logger.error("%s", message)
-    chain: logging.Logger | None = logger
-    while chain is not None:
-        if any(not isinstance(h, logging.NullHandler) for h in chain.handlers):
-            return
-        chain = chain.parent if chain.propagate else None
-    print(f"[atorch] {message}", file=sys.stderr, flush=True)
+    configured no logging."""
+    say_where_seen(logger, logging.ERROR, message, "[atorch]")
 
 
 def _lower_loss_scale(optim: Any) -> None:
