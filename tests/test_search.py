@@ -69,7 +69,11 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced.
     (line,) = out["trace_lines"]
     assert not line.startswith("cost model: memory of 0 of "), line
-    assert all(p is not None and p <= out["limit"] for p in out["measured_predicted_peaks"]), out
+    # nothing dry-run that the figures put over the budget by more than their known error (a close call is measured)
+    from atorch.strategy_search.automatic import ANALYTICAL_MEMORY_BAND
+
+    assert all(p is not None and p * (1 - ANALYTICAL_MEMORY_BAND) <= out["limit"]
+               for p in out["measured_predicted_peaks"]), out
     assert all(math.isfinite(x) for x in out["losses"])
     # Every candidate that ran was checked against the user's model on the same samples (2 ranks, sharded):
     # fp32 ones agree to the order of sums, mixed precision to its dtype (atorch.dryrun.numerics.LOSS_RTOL).

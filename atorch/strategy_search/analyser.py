@@ -797,7 +797,7 @@ def _embedding_range(work: nn.Module, ints: list[tuple[torch.Tensor, int, int]])
     """Token ids of the sample batch at or above an nn.Embedding's size (a tokenizer larger than the model's
     vocabulary): fake tensors do not look at values, the real step raises 'index out of range in self'. The ids an
     embedding gets are matched to the batch's integer tensors by identity (or as a view of one): ids made inside
-    forward (positions) are not the batch's."""
+    forward (positions) are not the batch's, and embeddings with a forward of their own are not checked."""
     names = {id(m): name for name, m in work.named_modules()}
 
     def check(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -816,8 +816,10 @@ def _embedding_range(work: nn.Module, ints: list[tuple[torch.Tensor, int, int]])
                 "'index out of range in self'. Use the tokenizer that matches the model (or one whose vocabulary "
                 "fits), or enlarge the embedding (transformers: model.resize_token_embeddings(len(tokenizer)))")
 
-    handles = [m.register_forward_pre_hook(check) for m in work.modules() if isinstance(m, nn.Embedding)] \
-        if ints else []
+    # nn.Embedding's own lookup only: a subclass with a forward of its own may take the ids for something else
+    # (BART's learned positions read input_ids for their shape and look up positions)
+    handles = [m.register_forward_pre_hook(check) for m in work.modules()
+               if isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward] if ints else []
     try:
         yield
     finally:
