@@ -166,16 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(run=run)
     serve = sub.add_parser("serve", help="run the strategy server (HTTP + JSON, Optuna storage)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--port", type=int, default=8765, help="TCP port to listen on (default 8765)")
     serve.add_argument("--storage", default=None, help="Optuna/SQLAlchemy URL (default: SQLite in the cache dir)")
     serve.add_argument("--token-file", default=None, help="file holding the bearer token (safe: not in ps)")
     serve.add_argument("--token", default=None, help=(
         "bearer token, visible in ps: prefer --token-file or $ATORCH_SERVER_TOKEN (the default)"))
     serve.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes")
     serve.set_defaults(run=_cmd_serve)
-    for action in sub._choices_actions:  # each command's --help opens with what it does (its line in atorch --help)
-        command = sub.choices[action.dest]
-        command.description = command.description or action.help
+    for group in (sub, cache_sub):  # each command's --help opens with what it does (its line in the list)
+        for action in group._choices_actions:
+            command = group.choices[action.dest]
+            command.description = command.description or action.help
     args = parser.parse_args(argv)
     from atorch.log import console_while
 

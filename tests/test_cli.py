@@ -20,3 +20,38 @@ def test_version_prints_the_package_version(capsys) -> None:
     setup = configparser.ConfigParser()
     setup.read(Path(__file__).resolve().parent.parent / "setup.cfg")
     assert setup["metadata"]["version"] == "attr: atorch.__version__"
+
+
+def test_every_command_and_argument_has_help_text() -> None:
+    """`atorch CMD --help` opens with what the command does, and every argument says what it is."""
+    import argparse
+
+    from atorch import cli
+
+    built: dict[str, argparse.ArgumentParser] = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def keep(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        built["parser"] = self
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_args = keep  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["methods"])
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    missing: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for command, sub in action.choices.items():
+                    if not sub.description:
+                        missing.append(f"{name} {command}: no description")
+                    walk(sub, f"{name} {command}")
+            elif action.help is None:
+                missing.append(f"{name} {action.dest}")
+
+    walk(built["parser"], "atorch")
+    assert not missing, missing
