@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from checkpoint_worker import error_of
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from toy_models import mlp, mlp_dataset, mlp_loss
 
@@ -96,14 +97,6 @@ def crash(root: Path) -> None:
         sys.addaudithook(kill_when_writing_own_file)
     atorch.save_checkpoint(root / "latest", a, step=2)
     print("RESULT " + json.dumps({"error": "the save finished: rank 1 was not killed"}), flush=True)
-
-
-def error_of(call: Any) -> dict[str, str]:
-    try:
-        call()
-    except Exception as exc:  # reported to the test, which checks type and message
-        return {"type": type(exc).__name__, "message": str(exc)}
-    return {"type": "none", "message": ""}
 
 
 def resume(root: Path) -> dict[str, Any]:
