@@ -2,10 +2,10 @@
 
 from atorch.accelerate import auto_accelerate
 from atorch.build import AccelerateArgs
+from atorch.checkpointing.state_io import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from atorch.errors import AtorchError, NoStrategyFound, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair
 from atorch.result import AccelerateResult
-from atorch.state_io import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from atorch.strategy import Strategy
 from atorch.training import train_step
 

@@ -17,8 +17,8 @@ from shard_models import TokenDataset, tiny_gpt2
 
 from atorch.booster import checkpoint_io as io
 from atorch.booster.lora import enable_lora
+from atorch.checkpointing.state_io import CheckpointError
 from atorch.errors import SetupError
-from atorch.state_io import CheckpointError
 
 WORKER = Path(__file__).parent / "workers" / "booster_io_worker.py"
 

@@ -1,6 +1,6 @@
 """Checkpoint files in this process: DCP metadata is read without running code from it
-(atorch/checkpoint_reader.py), and a checkpoint directory is replaced without a moment when the path holds
-neither the old nor the new one (atorch/checkpoint_dir.py). The distributed crash-and-resume scenario is in
+(atorch/checkpointing/reader.py), and a checkpoint directory is replaced without a moment when the path holds
+neither the old nor the new one (atorch/checkpointing/atomic_dir.py). The distributed crash-and-resume scenario is in
 tests/test_checkpoint_crash.py.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from atorch import checkpoint_dir
-from atorch.checkpoint_reader import load_tensors, read_metadata
+from atorch.checkpointing import atomic_dir as checkpoint_dir
+from atorch.checkpointing.reader import load_tensors, read_metadata
 from atorch.errors import CheckpointError
 
 

@@ -30,6 +30,16 @@ def test_methods_page_matches_registry() -> None:
         "docs/methods.md's methods section is stale: paste `atorch methods --markdown` between its markers")
 
 
+def test_layout_page_lists_every_module() -> None:
+    """docs/layout.md's module tree is generated from the package (scripts/layout_doc.py): a module added, moved
+    or removed without regenerating it fails here."""
+    spec = importlib.util.spec_from_file_location("layout_doc", ROOT / "scripts" / "layout_doc.py")
+    layout_doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout_doc)
+    assert _block(DOCS / "layout.md", "modules") == layout_doc.module_tree(), (
+        "docs/layout.md's module tree is stale: run python scripts/layout_doc.py")
+
+
 def test_docs_quick_start_loop_is_the_tested_readme_loop() -> None:
     """tests/test_readme_loop.py runs the README's block; the docs page must show that same text."""
     assert _block(DOCS / "getting-started.md", "loop") == _block(README, "loop")

@@ -23,10 +23,8 @@ import torch
 from torch import nn
 
 from atorch.booster.hf_files import SAFE_EXT, TensorFiles, with_prefix, write_file, write_sharded
-from atorch.distributed import all_gather_json
-from atorch.gather import gather_to_rank0, like_live, put_whole
-from atorch.log import get_logger
-from atorch.state_io import (
+from atorch.checkpointing.gather import gather_to_rank0, like_live, put_whole
+from atorch.checkpointing.state_io import (
     CheckpointError,
     barrier,
     inner_optimizer,
@@ -39,6 +37,8 @@ from atorch.state_io import (
     this_rank,
     typed_like,
 )
+from atorch.distributed import all_gather_json
+from atorch.log import get_logger
 from atorch.state_names import named_state, state_roots, tied_names
 
 logger = get_logger(__name__)

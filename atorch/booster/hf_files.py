@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from atorch.state_io import CheckpointError, listed_names
+from atorch.checkpointing.state_io import CheckpointError, listed_names
 
 SAFE_EXT = ".safetensors"
 

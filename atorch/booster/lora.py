@@ -47,7 +47,7 @@ def peft_root(model: nn.Module, where: str) -> Any:
     for root in state_roots(model):
         if isinstance(root, peft.PeftModel):
             return root
-    from atorch.state_io import CheckpointError
+    from atorch.checkpointing.state_io import CheckpointError
 
     raise CheckpointError(where, ["the model has no LoRA adapters (not a peft PeftModel); call enable_lora on the "
                                   "model before boosting it"])

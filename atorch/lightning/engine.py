@@ -45,7 +45,7 @@ class Engine:
 
     @property
     def checkpoint_view(self) -> Any:
-        """The (model, optim, lr_scheduler) view atorch.state_io reads and writes."""
+        """The (model, optim, lr_scheduler) view atorch.checkpointing.state_io reads and writes."""
         from types import SimpleNamespace
 
         return SimpleNamespace(model=self.model, optim=self.optimizer, lr_scheduler=None)

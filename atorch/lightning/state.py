@@ -1,7 +1,7 @@
-"""Lightning checkpoints through atorch.state_io: model and optimizer with DCP (sharded where the
+"""Lightning checkpoints through atorch.checkpointing.state_io: model and optimizer with DCP (sharded where the
 strategy shards), Lightning's own metadata (epoch, global_step, loops, callbacks, LR schedulers) as
 JSON next to them, written into the checkpoint before it is renamed into place. Nothing is pickled
-(DCP's own metadata is read by atorch.checkpoint_reader, which builds only DCP's types); small
+(DCP's own metadata is read by atorch.checkpointing.reader, which builds only DCP's types); small
 tensors in the metadata (a callback's best score) are stored as lists with their dtype.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch.checkpoint_dir import resolve
-from atorch.state_io import CheckpointError, load_checkpoint, write_checkpoint
+from atorch.checkpointing.atomic_dir import resolve
+from atorch.checkpointing.state_io import CheckpointError, load_checkpoint, write_checkpoint
 
 LIGHTNING_FILE = "lightning.json"
 _TENSOR, _TUPLE, _PATH = "__tensor__", "__tuple__", "__path__"
@@ -88,7 +88,7 @@ def load_weights(path: str | os.PathLike, module: torch.nn.Module) -> dict[str, 
     """Evaluation before any fit: only the model's tensors into the plain module (DCP reshards)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from atorch.checkpoint_reader import load_tensors  # imports DCP: seconds
+    from atorch.checkpointing.reader import load_tensors  # imports DCP: seconds
 
     directory = resolve(Path(path))
     if not (directory / LIGHTNING_FILE).is_file():

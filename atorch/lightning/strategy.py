@@ -260,7 +260,7 @@ class StrategyMixin:
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return False  # loaded with the model by atorch.state_io
+        return False  # loaded with the model by atorch.checkpointing.state_io
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the model is saved by DCP in save_checkpoint, sharded where the strategy shards

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from worker_common import run_each
 
 import atorch
-from atorch import state_io_qkv
+from atorch.checkpointing import qkv as state_io_qkv
+from atorch.checkpointing.keys import CheckpointNames
 from atorch.distributed import all_gather_json
-from atorch.state_io_keys import CheckpointNames
 from atorch.training import train_step
 
 K = 2  # steps before the save

@@ -10,14 +10,14 @@ A checkpoint is a directory:
       LR scheduler and grad scaler state, and the name/shape/dtype of every tensor saved.
 
 Names are clean FQNs (no DDP ``module.``, no activation-checkpoint wrapper part, no pipeline stage
-prefix: see state_io_keys.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
+prefix: see keys.py) and tensors are global (DTensor shards under fsdp / tensor parallel),
 so a checkpoint does not depend on the layout or the number of processes that wrote it: DCP reshards
 on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
 the optimizer state of the parameters it owns under the same keys, and on load reads the entries
 of the parameters it owns then. Nothing here pickles or runs code on load: DCP's ``.metadata`` (a
 pickle torch writes) is read by checkpoint_reader.py, which builds only DCP's own types. A save writes
-into a directory beside ``path`` and renames it into place once complete (checkpoint_dir.py), so a
+into a directory beside ``path`` and renames it into place once complete (atomic_dir.py), so a
 crash leaves the previous checkpoint; the JSON file is written last, so a directory without it is
 reported as incomplete rather than loaded.
 """
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from atorch import checkpoint_dir, state_io_qkv
+from atorch.checkpointing import atomic_dir, qkv
+from atorch.checkpointing.keys import CheckpointNames
 from atorch.distributed import agreed_problems, all_gather_json
 from atorch.errors import CheckpointError
 from atorch.log import get_logger
-from atorch.state_io_keys import CheckpointNames
 
 logger = get_logger(__name__)
 
@@ -90,7 +90,7 @@ def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = No
     tensors, scalars, split_problems = _split(model_sd, optim_state)
     problems += split_problems
     # GPT-2's fused q|k|v rows, reordered by tensor_parallel, are written whole in the user's order.
-    tensors = state_io_qkv.to_user_order(tensors, state_io_qkv.reordered_layers(model, names.user))
+    tensors = qkv.to_user_order(tensors, qkv.reordered_layers(model, names.user))
     tensors.update(_rng_tensors())
     scheduler = result.lr_scheduler.state_dict() if result.lr_scheduler is not None else None
     scaler = getattr(result.optim, "grad_scaler", None)
@@ -98,8 +98,8 @@ def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = No
     groups = param_groups_json(optim.param_groups, fqns)
     problems += json_problems(scheduler, "lr_scheduler.state_dict()") + json_problems(groups, "param_groups")
     problems += json_problems(scaler_state, "grad_scaler.state_dict()")
-    directory = checkpoint_dir.real_target(path)
-    problems += checkpoint_dir.replace_problems(directory, (META_FILE, ".metadata"))
+    directory = atomic_dir.real_target(path)
+    problems += atomic_dir.replace_problems(directory, (META_FILE, ".metadata"))
     raise_agreed(where, problems)
 
     # Every rank's tensor names, (non-tensor) optimizer values and parameters, so the JSON describes all
@@ -120,17 +120,17 @@ def write_checkpoint(path: str | os.PathLike, result: Any, step: int | None = No
         "skipped_steps": int(getattr(result.optim, "skipped_steps", 0)),  # steps dropped for inf/nan gradients
     }
     # Written into a staging directory beside the target, put in place once every rank's files are.
-    staging = _on_rank0(where, lambda: checkpoint_dir.prepare(directory))
+    staging = _on_rank0(where, lambda: atomic_dir.prepare(directory))
     dcp.save(tensors, checkpoint_id=staging)  # each rank's files synced; rank 0 writes .metadata last
 
     def describe() -> None:  # the description last: without it a directory is not a checkpoint
         for name, data in {**(files or {}), META_FILE: json.dumps(meta, indent=1).encode()}.items():
-            checkpoint_dir.write_durably(staging / name, data)
+            atomic_dir.write_durably(staging / name, data)
 
     _on_rank0(where, describe)  # also waits for every rank's DCP files
-    replaced = _on_rank0(where, lambda: checkpoint_dir.commit(staging, directory))
+    replaced = _on_rank0(where, lambda: atomic_dir.commit(staging, directory))
     if this_rank() == 0:  # the new checkpoint is in place: the others go on while the old one is removed
-        checkpoint_dir.remove_replaced(replaced)
+        atomic_dir.remove_replaced(replaced)
     logger.info("checkpoint saved to %s (%d tensors, step %s)", directory, len(meta["tensors"]), step)
 
 
@@ -167,9 +167,9 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
 
     where = f"cannot load checkpoint {os.fspath(path)}"
     _refuse_deepspeed(result, "load_checkpoint")
-    directory = checkpoint_dir.resolve(Path(path))  # or the previous one, when a save of it was interrupted
+    directory = atomic_dir.resolve(Path(path))  # or the previous one, when a save of it was interrupted
     meta = _read_meta(directory, where)
-    from atorch.checkpoint_reader import load_tensors, read_metadata  # imports DCP: seconds
+    from atorch.checkpointing.reader import load_tensors, read_metadata  # imports DCP: seconds
 
     read_metadata(directory / ".metadata")  # refused here, on every rank, before any collective
     saved: dict[str, dict[str, Any]] = meta["tensors"]
@@ -204,9 +204,9 @@ def load_checkpoint(path: str | os.PathLike, result: Any) -> dict[str, Any]:
     raise_agreed(where, problems)
 
     tensors.update(_rng_targets(saved))
-    tensors, reordered = state_io_qkv.user_order_targets(tensors, state_io_qkv.reordered_layers(model, names.user))
+    tensors, reordered = qkv.user_order_targets(tensors, qkv.reordered_layers(model, names.user))
     load_tensors(tensors, directory)  # DCP, its metadata unpickled by a reader that builds only DCP's types
-    state_io_qkv.to_live_order(tensors, reordered)
+    qkv.to_live_order(tensors, reordered)
     _restore_rng(tensors)
     # Take the loaded values from the flat dict (whether DCP filled the tensors in place or not).
     model_sd = {fqn: tensors[f"model.{fqn}"] for fqn in model_sd}
@@ -277,15 +277,15 @@ def _whole_state(model: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     names = CheckpointNames(model)
-    layers = state_io_qkv.reordered_layers(model, names.user)
+    layers = qkv.reordered_layers(model, names.user)
     if names.pipelined:  # each stage's entries, from the ranks holding them
-        from atorch.gather import gather_to_rank0
+        from atorch.checkpointing.gather import gather_to_rank0
         from atorch.state_names import named_state
 
-        flat = state_io_qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
+        flat = qkv.to_user_order({f"model.{n}": t for n, t in named_state(model)}, layers)
         return gather_to_rank0((k[len("model."):], v) for k, v in flat.items())
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    flat = state_io_qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
+    flat = qkv.to_user_order({f"model.{k}": v for k, v in state.items()}, layers if state else {})
     return {k[len("model."):]: v for k, v in flat.items()}
 
 
