@@ -159,8 +159,30 @@ def test_predicted_oom_is_a_completed_trial_with_a_violated_constraint_and_never
     assert true_memory(dict(result.candidate.point)) <= budget
 
 
-def test_ddp_baseline_predicted_oom_costs_no_dry_run(space, tmp_path) -> None:
+def test_under_a_budget_ddp_cannot_meet_the_baseline_is_the_fastest_fp32_that_fits(space, tmp_path) -> None:
+    """Plain DDP predicted out of memory: the baseline is the fastest candidate predicted to fit at the user's
+    numbers (fp32, no tensor or pipeline split), measured, so a search under a budget checks the cost model's
+    16-bit speed-ups against one fp32 measurement; DDP itself costs no dry-run."""
     tight = 300 * MiB  # below DDP's 400 MiB of states: every DDP candidate is predicted out of memory
+    measure = Measure()
+    planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
+                      memory_budget=tight, max_trials=4)
+    base = dict(planner.baseline().point)
+    assert base["sharding"] != "ddp" and base["precision"] == "fp32" and predict(planner.baseline()).peak_memory_bytes <= tight
+    fp32_fitting = [c for c in space.enumerate() if dict(c.point)["precision"] == "fp32"
+                    and dict(c.point)["sharding"] != "ddp" and predict(c).peak_memory_bytes <= tight]
+    assert planner.baseline().key == min(fp32_fitting, key=lambda c: predict(c).step_time_s).key
+    result = planner.search()
+    assert planner.baseline().key in {c.key for c in measure.calls}
+    assert all(dict(c.point)["sharding"] != "ddp" for c in measure.calls)
+    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= tight
+
+
+def test_ddp_baseline_predicted_oom_costs_no_dry_run(space, tmp_path) -> None:
+    """Nothing fits at fp32 (only 16-bit weights do): the baseline is plain DDP, predicted out of memory and
+    told without a dry-run."""
+    fp32 = [c for c in space.enumerate() if dict(c.point)["precision"] == "fp32"]
+    tight = 0.85 * min(predict(c).peak_memory_bytes for c in fp32)  # out of the 8% band of every fp32 candidate
     measure = Measure()
     planner = Planner(space, storage=storage(tmp_path), study_key="k", predict=predict, measure=measure,
                       memory_budget=tight, max_trials=3)
@@ -170,7 +192,7 @@ def test_ddp_baseline_predicted_oom_costs_no_dry_run(space, tmp_path) -> None:
     base = [t for t in study.trials if t.user_attrs["key"] == planner.baseline().key]
     assert base and base[0].user_attrs["status"] == "predicted_oom" and base[0].constraints["memory_over"] > 0
     assert all(dict(c.point)["sharding"] != "ddp" for c in measure.calls)
-    assert result.candidate is not None and true_memory(dict(result.candidate.point)) <= tight
+    assert result.candidate is None or true_memory(dict(result.candidate.point)) <= tight
 
 
 def test_measured_failure_is_recorded_with_its_reason_and_the_search_goes_on(space, tmp_path) -> None:

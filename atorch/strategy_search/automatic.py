@@ -51,6 +51,11 @@ TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
 # worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
 # neither is traced (without a memory limit, on a host with RAM to spare, no candidate is).
 TRACE_BAND = (0.5, 1.5)
+# Past the close calls, a doubtful candidate is traced only when it could still be picked: predicted faster than
+# this multiple of the fastest sure fit (the cost model's step-time rank order held at Spearman 0.80-0.97 on the
+# held-out bench, so a candidate predicted 20% slower can still measure faster). The held-out bench's budget
+# searches spent 10 of their 24 s tracing before this rule.
+TRACE_SLOWER_THAN_SURE = 1.2
 # The peak-memory errors the cost model is known to make, as a share of its figure: a candidate within that band of
 # the budget is dry-run (the measurement settles it), never dropped on the estimate. Analytical: its errors reach
 # -15% to +15% on families no fit used (ZeRO-2/FSDP on a decoder and a CNN), but a band that wide spent 3 of 5
@@ -293,22 +298,34 @@ class _Leader:
                 low, high = (share * self.profile.memory_per_rank for share in TRACE_BAND)
                 doubtful = [c for c in space.enumerate() if low < analytical(c).memory.peak < high]
                 traced["*"] = "fits by a wide margin"  # marks tracing as done, whatever follows
+                cands: list[Any] = []
                 try:
                     # the close calls first (within the analytical band of the budget: without a trace they
-                    # would be dry-run to settle their fit), then the rest of the doubtful; fastest first in each
+                    # would be dry-run to settle their fit), then the rest of the doubtful that could still be
+                    # picked: predicted faster than TRACE_SLOWER_THAN_SURE x the fastest candidate that fits even
+                    # if the analytical figure is its band low (a slower one's fit decides nothing); fastest
+                    # first in each
                     budget = self.profile.memory_per_rank
-                    cands = sorted(doubtful, key=lambda c: (
-                        abs(analytical(c).memory.peak / budget - 1.0) > ANALYTICAL_MEMORY_BAND,
-                        analytical(c).time.step))
+                    sure = min((analytical(c).time.step for c in space.enumerate()
+                                if analytical(c).memory.peak * (1.0 + ANALYTICAL_MEMORY_BAND) <= budget),
+                               default=float("inf"))
+
+                    def close(c: Any) -> bool:
+                        return abs(analytical(c).memory.peak / budget - 1.0) <= ANALYTICAL_MEMORY_BAND
+
+                    cands = sorted((c for c in doubtful
+                                    if close(c) or analytical(c).time.step < TRACE_SLOWER_THAN_SURE * sure),
+                                   key=lambda c: (not close(c), analytical(c).time.step))
                     if cands:
                         traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
                 logger.info("cost model: memory of %d of %d candidates traced in %.1f s (%d are under %.0f%% or over "
-                            "%.0f%% of the budget by the analytical model, which stands for them and for the untraced "
-                            "rest)", done, len(space), time.monotonic() - begin, len(space) - len(doubtful),
-                            *(100 * share for share in TRACE_BAND))
+                            "%.0f%% of the budget by the analytical model and %d predicted slower than a sure fit: "
+                            "the analytical model stands for them and for the untraced rest)", done, len(space),
+                            time.monotonic() - begin, len(space) - len(doubtful),
+                            *(100 * share for share in TRACE_BAND), len(doubtful) - len(cands))
             found = traced.get(cand.key)
             return None if found is None or isinstance(found, str) else float(found.peak)
 
