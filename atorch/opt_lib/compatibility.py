@@ -272,14 +272,38 @@ RULES += (
 )
 
 
+# Rules that came with methods registered outside atorch (registry.register_method), after the table above.
+_added: tuple[Rule, ...] = ()
+
+
+def add_rules(rules: tuple[Rule, ...]) -> None:
+    global _added
+    _added = (*_added, *rules)
+
+
+def added_rules() -> tuple[Rule, ...]:
+    return _added
+
+
+def set_added_rules(rules: tuple[Rule, ...]) -> None:
+    """Put back what ``added_rules`` returned (registry.scoped)."""
+    global _added
+    _added = rules
+
+
+def all_rules() -> tuple[Rule, ...]:
+    """The table and the rules registered methods added."""
+    return (*RULES, *_added)
+
+
 def conflicts_in(configs: Configs) -> list[str]:
     """Messages for every rule the given methods and configs break."""
-    return [rule.message() for rule in RULES if rule.applies(configs)]
+    return [rule.message() for rule in all_rules() if rule.applies(configs)]
 
 
 def forbidden_pairs() -> set[frozenset[str]]:
     """Pairs that conflict whatever their configs."""
-    return {frozenset(r.methods) for r in RULES if r.when is None and len(r.methods) == 2}
+    return {frozenset(r.methods) for r in all_rules() if r.when is None and len(r.methods) == 2}
 
 
 def allowed_pairs(names: list[str]) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -252,3 +255,11 @@ class ExpertParallel(Method):
                                 f"parallel_mode an 'expert' size that divides {count} (one of {divisors})")
                 break
         return problems
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: ExpertParallelConfig) -> None:  # type: ignore[override]
+        split_experts(build.ctx, config, build.communicate)
+
+    def finish(self, build: Build, config: ExpertParallelConfig) -> None:  # type: ignore[override]
+        if build.communicate:  # expert gradients: averaged over their replicas only
+            reduce_expert_gradients(build.ctx)

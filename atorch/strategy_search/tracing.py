@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.model_context import UserSetup
+from atorch.opt_lib import registry
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
@@ -131,16 +132,19 @@ def memory_twin(strategy: Strategy) -> Strategy:
 
 
 def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
-    """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
+    """Why ``strategy`` is left to the analytical model, or None if it can be traced (each method says for itself:
+    Method.trace_problem; the layout's pipeline and tensor-replica steps communicate)."""
+    from atorch.opt_lib.pipeline_parallel import UNTRACED_SCHEDULE
+
     layout = strategy.layout(world_size)
-    if layout.size("pipeline") > 1 or "pipeline_parallel" in strategy or "ds_3d_parallel" in strategy:
-        return "pipeline schedules are built by a communicating step"
-    for name in ("zero1", "zero2"):
-        if getattr(strategy.get(name), "implementation", None) == "deepspeed":
-            return "DeepSpeed's engine communicates as it is built"
-    if "fp8" in strategy:
-        return "fp8 layers are not traced"
-    if layout.size("tensor") > 1 and layout.data_size > 1 and not any(n in strategy for n in ("fsdp", "zero2")):
+    if layout.size("pipeline") > 1:
+        return UNTRACED_SCHEDULE
+    for item in strategy.in_apply_order():
+        reason = registry.get_method(item.name).trace_problem(item.config, layout)
+        if reason is not None:
+            return reason
+    sharded = any(registry.get_method(item.name).shards_data(item.config) for item in strategy.methods)
+    if layout.size("tensor") > 1 and layout.data_size > 1 and not sharded:
         return "tensor-parallel replicas are joined by a communicating step"
     return None
 
