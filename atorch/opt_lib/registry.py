@@ -39,6 +39,8 @@ METHOD_MODULES: dict[str, str] = {
     # leave the expert parameters alone [communication: the experts take the first data × expert rank's weights]
     "expert_parallel": "expert_parallel",
     "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
+    "compile": "compile",  # opt-in: compiles the forward as the steps above left it (recompute inside); sharding
+    # and DDP wrap the compiled model
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",
     "zero1": "zero1",  # changes the optimizer, built after the model steps
