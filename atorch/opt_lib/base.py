@@ -212,6 +212,11 @@ class Method(ABC):
         the "precision" group."""
         return dtype
 
+    def traced_as(self, config: MethodConfig) -> MethodConfig:
+        """The config the memory trace builds in this one's place: the same bytes on fake tensors (fp16 autocast is
+        traced as bf16: its loss scaler reads a value fake tensors do not have). By default the config itself."""
+        return config
+
     def trace_problem(self, config: MethodConfig, layout: ParallelLayout) -> str | None:
         """Why a model built with this config cannot be traced on fake tensors (the cost model's memory trace,
         atorch.strategy_search.tracing), or None."""

@@ -150,6 +150,10 @@ class AmpNative(Method):
     def compute_dtype(self, config: AmpConfig, dtype: str) -> str:  # type: ignore[override]
         return str(config.dtype)
 
+    def traced_as(self, config: AmpConfig) -> AmpConfig:  # type: ignore[override]
+        # the same bytes (16-bit casts and activations, fp32 weights and state); fp16's overflow check reads a value
+        return config.model_copy(update={"dtype": "bf16"}) if config.dtype == "fp16" else config
+
 
 FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny
 
