@@ -83,3 +83,37 @@ def test_every_config_key_is_documented(name: str) -> None:
     for key, field in get_method(name).Config.model_fields.items():
         assert field.description, f"{name}.{key} has no description"
 
+
+
+@pytest.mark.parametrize(("items", "dtype"), [
+    (["parallel_mode"], "fp32"), ([("half", "bf16")], "bf16"), ([("amp_native", "fp16")], "fp16"),
+    # fp8's matmuls outside its layers: bf16, unless a cast or autocast says otherwise
+    (["fp8"], "bf16"), (["fp8", ("amp_native", "fp16")], "fp16"), ([("half", "fp16"), "fp8"], "fp16"),
+])
+def test_the_compute_dtype_is_the_methods_own(items: list, dtype: str) -> None:
+    """One derivation for the dry-run's numerics check, the cost model and Lightning's precision methods."""
+    from atorch.dryrun.numerics import compute_dtype
+    from atorch.lightning.engine import precision_methods
+    from atorch.strategy_search.cost_model import _compute_dtype
+
+    strategy = Strategy.load(items)
+    assert strategy.compute_dtype() == compute_dtype(strategy) == dtype
+    assert _compute_dtype(strategy) == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    assert set(precision_methods()) == {"half", "fp8", "amp_native"}
+
+
+@pytest.mark.parametrize(("items", "reason"), [
+    ([("parallel_mode", {"dims": [["pipeline", 2]]}), "pipeline_parallel"],
+     "pipeline schedules are built by a communicating step"),
+    (["parallel_mode", ("zero1", {"implementation": "deepspeed"})], "DeepSpeed's engine communicates as it is built"),
+    (["parallel_mode", ("zero2", {"implementation": "deepspeed"})], "DeepSpeed's engine communicates as it is built"),
+    (["parallel_mode", "fp8"], "fp8 layers are not traced"),
+    ([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel"],
+     "tensor-parallel replicas are joined by a communicating step"),
+    ([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel", "fsdp"], None),
+    (["parallel_mode", "zero2", ("amp_native", "fp16")], None),
+])
+def test_each_method_says_whether_it_can_be_traced(items: list, reason: str | None) -> None:
+    from atorch.strategy_search.tracing import untraced_reason
+
+    assert untraced_reason(Strategy.load(items), 4) == reason
