@@ -3,7 +3,8 @@ are applied in.
 
 The registry loads the methods itself: every lookup here first imports the modules listed below once
 (``load_methods``), and each module's ``@register`` adds its Method. No caller imports a method's module to
-have it registered.
+have it registered. A method defined outside atorch joins with ``register_method`` at a stated place in the order;
+``scoped()`` puts the registry back as it was (tests).
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ METHOD_MODULES: dict[str, str] = {
     # leave the expert parameters alone [communication: the experts take the first data × expert rank's weights]
     "expert_parallel": "expert_parallel",
     "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
-    "compile": "compile",  # opt-in: compiles the forward as the steps above left it (recompute inside); sharding
-    # and DDP wrap the compiled model
+    "compile": "compile",  # opt-in: the forward as the steps above left it; fsdp and DDP wrap the compiled model
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",
     "zero1": "zero1",  # changes the optimizer, built after the model steps
