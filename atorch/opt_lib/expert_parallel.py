@@ -122,7 +122,7 @@ def experts_modules(model: nn.Module, plan: Literal["auto"] | dict[str, str] = "
 
 # ----- the transformation -------------------------------------------------------------------------
 def split_experts(ctx: Any, config: ExpertParallelConfig, communicate: bool) -> None:
-    """apply.py's expert_parallel step: every rank of an expert group keeps its experts, dispatching through
+    """expert_parallel's apply step: every rank of an expert group keeps its experts, dispatching through
     transformers' all-to-all. [communication] The experts start from the first data × expert rank's weights."""
     if not communicate:  # a model of fake tensors for the cost model: experts stay whole
         return
@@ -200,7 +200,7 @@ class ExpertGradientSync(PendingGradientSync):
 
 
 def reduce_expert_gradients(ctx: Any) -> None:
-    """apply.py, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync."""
+    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync."""
     layout, device = ctx.layout, ctx.env.device.type
     replicas = layout.mesh(device)[DATA].get_group() if layout.size(DATA) > 1 else None
     ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.data_size)

@@ -224,7 +224,7 @@ def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
 
 def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:
     """Wrap ctx.model's units and root with FSDP2 over the data-parallel mesh (no communication:
-    FSDP2 gathers on first forward; the initial weights are made equal beforehand by apply.py)."""
+    FSDP2 gathers on first forward; the initial weights are made equal beforehand by shard_over_data)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     model: nn.Module = ctx.model
@@ -306,9 +306,10 @@ def shard_over_data(build: Build, config: ShardingConfig, reshard_after_forward:
 
 def same_program(name: str, config: Any) -> tuple[str, Any]:
     """A strategy item as the program it runs, for telling duplicate candidates apart: zero2 over FSDP2 is
-    FSDP2 keeping gathered parameters from forward to backward (apply.py calls ``shard_model`` with
-    ``reshard_after_forward=False`` for both), so ("zero2", fsdp2) and ("fsdp", reshard_after_forward=False)
-    with the same shared options are one program; the FSDP1 keys fsdp accepts are no-ops."""
+    FSDP2 keeping gathered parameters from forward to backward (zero2's apply step, and fsdp's with
+    ``reshard_after_forward=False``, call the same ``shard_model``), so ("zero2", fsdp2) and ("fsdp",
+    reshard_after_forward=False) with the same shared options are one program; the FSDP1 keys fsdp accepts are
+    no-ops."""
     if name == "zero2" and getattr(config, "implementation", None) == "fsdp2" or name == "fsdp":
         shared = config.model_dump(mode="json", include=set(ShardingConfig.model_fields))
         return "fsdp", {**shared, "reshard_after_forward": getattr(config, "reshard_after_forward", False)}
