@@ -5,6 +5,7 @@ from atorch.build import AccelerateArgs
 from atorch.checkpointing.state_io import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
 from atorch.errors import AtorchError, NoStrategyFound, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair
+from atorch.opt_lib.registry import register_method
 from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
 from atorch.training import train_step
@@ -27,6 +28,7 @@ _register_with_lightning()
 __all__ = [
     "AccelerateArgs", "AccelerateResult", "AtorchError", "CheckpointError", "NoStrategyFound", "SetupError", "Strategy",
     "StrategyError",
-    "auto_accelerate", "export_consolidated", "load_checkpoint", "register_replace_pair", "save_checkpoint",
+    "auto_accelerate", "export_consolidated", "load_checkpoint", "register_method", "register_replace_pair",
+    "save_checkpoint",
     "train_step",
 ]

@@ -10,7 +10,7 @@ from typing import Any
 
 from atorch import __version__, opt_lib
 from atorch.errors import StrategyError
-from atorch.opt_lib.compatibility import RULES
+from atorch.opt_lib.compatibility import all_rules
 from atorch.strategy import Strategy
 
 
@@ -33,7 +33,7 @@ def methods_markdown() -> str:
         for key, field in method.Config.model_fields.items():
             lines.append(f"| `{key}` | `{_default(field)}` | {field.description or ''} |")
     lines += ["", "Combinations that are refused:", "", "| methods | when | because | fix |", "|---|---|---|---|"]
-    for rule in RULES:
+    for rule in all_rules():
         names = " + ".join(f"`{m}`" for m in rule.methods)
         lines.append(f"| {names} | {rule.condition or 'always'} | {rule.reason} | {rule.fix} |")
     return "\n".join(lines)

@@ -83,8 +83,16 @@ class Strategy(BaseModel):
         return name in self.names()
 
     def in_apply_order(self) -> list[StrategyItem]:
-        rank = {name: i for i, name in enumerate(registry.APPLY_ORDER)}
+        rank = {name: i for i, name in enumerate(registry.apply_order())}
         return sorted(self.methods, key=lambda item: rank[item.name])
+
+    def compute_dtype(self) -> str:
+        """The dtype the strategy's matmuls compute in, "fp32", "bf16" or "fp16": each method in apply order
+        turns the dtype before it into the one after it (``Method.compute_dtype``), from "fp32"."""
+        dtype = "fp32"
+        for item in self.in_apply_order():
+            dtype = registry.get_method(item.name).compute_dtype(item.config, dtype)
+        return dtype
 
     def to_list(self) -> list[tuple[str, dict[str, Any]]]:
         """ATorch's list form, with JSON-safe configs."""

@@ -89,7 +89,7 @@ def test_clipping_through_atorch_matches_lightning_ddp(report: dict[str, Any]) -
 def test_automatic_search_fits_like_ddp(report: dict[str, Any]) -> None:
     ddp, ours = _entry(report, "ddp"), _entry(report, "search")
     assert ours["strategy"], "no strategy in effect"
-    assert not {m for m, _ in ours["strategy"]} & set(engine.PRECISION_METHODS)  # precision is the Trainer's flag
+    assert not {m for m, _ in ours["strategy"]} & set(engine.precision_methods())  # precision is the Trainer's flag
     assert _close(ours["losses"], ddp["losses"]), (ours["losses"], ddp["losses"])
 
 

@@ -11,7 +11,8 @@ from toy_models import mlp
 
 from atorch.distributed import DistEnv
 from atorch.model_context import ModelContext, UserSetup
-from atorch.opt_lib import APPLY_ORDER, RULES, Categorical, get_method, method_names
+from atorch.opt_lib import RULES, Categorical, get_method, method_names
+from atorch.opt_lib.registry import METHOD_MODULES
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
@@ -26,18 +27,21 @@ def ctx() -> ModelContext:
 
 
 def test_every_method_is_registered_once_in_apply_order() -> None:
-    assert method_names() == [name for name in APPLY_ORDER]
+    assert method_names() == list(METHOD_MODULES)
     for name in method_names():
         method = get_method(name)
         assert method.name == name and method.group in GROUPS and method.summary
 
 
-def test_apply_steps_are_registered_methods() -> None:
-    """apply_strategy runs its model steps in the registry's order: a step under a name the registry does not list
-    would never run."""
+def test_apply_names_no_method() -> None:
+    """apply_strategy runs every method's own hooks in the registry's order: it branches on no method's name."""
+    import ast
+    import inspect
+
     from atorch import apply
 
-    assert set(apply._MODEL_STEPS) <= set(APPLY_ORDER), set(apply._MODEL_STEPS) - set(APPLY_ORDER)
+    literals = {n.value for n in ast.walk(ast.parse(inspect.getsource(apply))) if isinstance(n, ast.Constant)}
+    assert not literals & set(method_names())
 
 
 def test_conflict_table_names_registered_methods_only() -> None:
@@ -79,3 +83,37 @@ def test_every_config_key_is_documented(name: str) -> None:
     for key, field in get_method(name).Config.model_fields.items():
         assert field.description, f"{name}.{key} has no description"
 
+
+
+@pytest.mark.parametrize(("items", "dtype"), [
+    (["parallel_mode"], "fp32"), ([("half", "bf16")], "bf16"), ([("amp_native", "fp16")], "fp16"),
+    # fp8's matmuls outside its layers: bf16, unless a cast or autocast says otherwise
+    (["fp8"], "bf16"), (["fp8", ("amp_native", "fp16")], "fp16"), ([("half", "fp16"), "fp8"], "fp16"),
+])
+def test_the_compute_dtype_is_the_methods_own(items: list, dtype: str) -> None:
+    """One derivation for the dry-run's numerics check, the cost model and Lightning's precision methods."""
+    from atorch.dryrun.numerics import compute_dtype
+    from atorch.lightning.engine import precision_methods
+    from atorch.strategy_search.cost_model import _compute_dtype
+
+    strategy = Strategy.load(items)
+    assert strategy.compute_dtype() == compute_dtype(strategy) == dtype
+    assert _compute_dtype(strategy) == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    assert set(precision_methods()) == {"half", "fp8", "amp_native"}
+
+
+@pytest.mark.parametrize(("items", "reason"), [
+    ([("parallel_mode", {"dims": [["pipeline", 2]]}), "pipeline_parallel"],
+     "pipeline schedules are built by a communicating step"),
+    (["parallel_mode", ("zero1", {"implementation": "deepspeed"})], "DeepSpeed's engine communicates as it is built"),
+    (["parallel_mode", ("zero2", {"implementation": "deepspeed"})], "DeepSpeed's engine communicates as it is built"),
+    (["parallel_mode", "fp8"], "fp8 layers are not traced"),
+    ([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel"],
+     "tensor-parallel replicas are joined by a communicating step"),
+    ([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel", "fsdp"], None),
+    (["parallel_mode", "zero2", ("amp_native", "fp16")], None),
+])
+def test_each_method_says_whether_it_can_be_traced(items: list, reason: str | None) -> None:
+    from atorch.strategy_search.tracing import untraced_reason
+
+    assert untraced_reason(Strategy.load(items), 4) == reason

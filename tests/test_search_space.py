@@ -202,13 +202,11 @@ def test_signature_follows_the_space(gpt2) -> None:
     assert a.signature() != SearchSpace(gpt2, WORLD, GLOBAL_BATCH, excluded=["fsdp"]).signature()
 
 
-def test_a_method_joins_the_search_by_its_registry_entry_alone(monkeypatch) -> None:
+def test_a_method_joins_the_search_by_its_registry_entry_alone() -> None:
     """A method registered with a search role is searched, built into strategies, kept out of the baseline and
     described, with no edit to the space, the candidate table or the descriptions."""
     from atorch.opt_lib import registry
     from atorch.opt_lib.base import Method, SearchRole
-    from atorch.strategy_search.candidates import CandidateTable, family_key
-    from atorch.strategy_search.describe import describe_candidate
 
     class Toy(Method):
         name = "toy_switch"
@@ -218,9 +216,16 @@ def test_a_method_joins_the_search_by_its_registry_entry_alone(monkeypatch) -> N
 
     model = toy_models.mlp()
     before = SearchSpace(model, WORLD, GLOBAL_BATCH).valid_points()
-    monkeypatch.setattr(registry, "APPLY_ORDER", (*registry.APPLY_ORDER, "toy_switch"))
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # the registration is undone after
-    registry.register(Toy)
+    with registry.scoped():  # the registration is undone after
+        registry.register_method(Toy)
+        _toy_is_searched(model, before)
+    assert not registry.is_registered("toy_switch")
+
+
+def _toy_is_searched(model: object, before: list) -> None:
+    from atorch.strategy_search.candidates import CandidateTable, family_key
+    from atorch.strategy_search.describe import describe_candidate
+
     space = SearchSpace(model, WORLD, GLOBAL_BATCH)
     points = space.valid_points()
     assert len(points) == 2 * len(before)

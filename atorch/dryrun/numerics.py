@@ -39,12 +39,8 @@ MIN_WARMUP_FOR_CHECK = 2  # the first warm-up step runs in eval mode; the second
 
 
 def compute_dtype(strategy: Any) -> str:
-    """The dtype a strategy's matmuls compute in: "fp32", "bf16" or "fp16"."""
-    for name in ("half", "amp_native"):
-        config = strategy.get(name)
-        if config is not None:
-            return str(config.dtype)
-    return "bf16" if strategy.get("fp8") is not None else "fp32"  # fp8's other matmuls run in bf16
+    """The dtype a strategy's matmuls compute in: "fp32", "bf16" or "fp16" (its methods say: Method.compute_dtype)."""
+    return str(strategy.compute_dtype())
 
 
 @contextlib.contextmanager

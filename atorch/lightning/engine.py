@@ -20,6 +20,7 @@ from atorch.distributed import DistEnv
 from atorch.errors import SetupError, StrategyError
 from atorch.log import get_logger
 from atorch.model_context import ModelContext, UserSetup
+from atorch.opt_lib.registry import methods_in_group
 from atorch.options import StrategyOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.prebuilt_optimizer import OptimizerFactory
@@ -27,7 +28,11 @@ from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
 
-PRECISION_METHODS = ("half", "amp_native", "fp8")
+
+
+def precision_methods() -> list[str]:
+    """The methods that set the compute dtype, which Lightning's precision flag sets instead."""
+    return methods_in_group("precision")
 
 
 @dataclass
@@ -77,7 +82,7 @@ def resolve(load_strategy: Any, precision_method: tuple[str, Any] | None, world_
         return None
     strategy = Strategy.load(load_strategy)
     if precision_method is not None:
-        clash = [n for n in PRECISION_METHODS if n in strategy]
+        clash = [n for n in precision_methods() if n in strategy]
         if clash:
             raise StrategyError([f"the strategy has {clash[0]!r} and the Trainer's precision flag sets "
                                  f"{precision_method[0]!r}; set the precision in one place (drop it from the "
@@ -119,7 +124,7 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOption
     from atorch.strategy_search.entry import search_and_check
 
     memory_limit = None if options.memory_limit is None else int(options.memory_limit)
-    excluded = sorted(set(options.excluded) | set(PRECISION_METHODS))
+    excluded = sorted(set(options.excluded) | set(precision_methods()))
     setup = UserSetup(
         model=_TrainingStepModule(module), optim_func=torch.optim.SGD, dataset=loader.dataset,
         loss_func=_loss_is_output, model_input_format=None, optim_args={"lr": 0.0},

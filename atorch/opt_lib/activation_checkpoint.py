@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 from torch import nn
@@ -14,6 +14,9 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -81,6 +84,10 @@ class ActivationCheckpoint(Method):
         if not any(matches(m, classes) for m in ctx.model.modules()):
             return [f"wrap_class {list(classes)} matches no module of the model; use class objects or names"]
         return []
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: CheckpointConfig) -> None:  # type: ignore[override]
+        checkpoint_blocks(build.ctx, config)
 
 
 def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:

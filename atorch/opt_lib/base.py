@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from atorch.model_context import ModelContext
+    from atorch.opt_lib.build_state import Build
+    from atorch.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ class Method(ABC):
     - ``search_role``: how the automatic search offers the method (``SearchRole``), with ``searchable(model)``
       and ``offered_at(partial, space)`` where the model or earlier choices decide.
 
-    A method is data only; ``atorch.apply.apply_strategy`` applies every method, in the registry's order
-    (``registry.APPLY_ORDER``), through the transformation functions next to each method's class.
+    A method owns its behaviour: ``atorch.apply.apply_strategy`` calls every method's ``apply`` in the registry's
+    order (``registry.apply_order()``), then its finishing hooks (``build_optimizer``, ``replicate``, ``finish``)
+    in the reverse order; ``compute_dtype`` and ``trace_problem`` answer for it where the search asks.
     """
 
     name: ClassVar[str]
@@ -172,3 +175,49 @@ class Method(ABC):
 
     def search_space(self, ctx: ModelContext) -> dict[str, Dimension]:
         return {}
+
+    # ----- behaviour: what the method does to a build, and what it tells the search about that ----------------
+    def stands_for(self, config: MethodConfig, configs: dict[str, MethodConfig]) -> dict[str, MethodConfig]:
+        """The methods this config is applied as, by name (mixed_parallel: tensor_parallel and pipeline_parallel on
+        the layout's dimensions); ``configs``: the whole strategy's. By default the method itself."""
+        return {self.name: config}
+
+    def apply(self, build: Build, config: MethodConfig) -> bool | None:
+        """Transform ``build.ctx.model`` (in the registry's order). True: the build is finished here (DeepSpeed's
+        pipeline engine took model and optimizer), no later step and no finishing hook runs."""
+        return None
+
+    def shards_data(self, config: MethodConfig) -> bool:
+        """Whether this config shards the model over the data dimension in its apply step (FSDP2): such a step also
+        materialises a model on the meta device unit by unit, and keeps the replicas in step without DDP."""
+        return False
+
+    def build_optimizer(self, build: Build, config: MethodConfig, params: Any) -> Any:
+        """The optimizer over ``params`` (the user's parameter groups) if this method builds it its own way
+        (zero1: ZeroRedundancyOptimizer), else None: the user's factory builds it."""
+        return None
+
+    def replicate(self, build: Build, config: MethodConfig) -> bool:
+        """Keep the data-parallel replicas in step this method's way; True if it did (or its apply step did:
+        FSDP2), and then neither DDP nor another method does. Called only when the build communicates."""
+        return False
+
+    def finish(self, build: Build, config: MethodConfig) -> None:
+        """Last work once model and optimizer are wrapped (loss scaling, the pipeline schedule)."""
+        return None
+
+    def compute_dtype(self, config: MethodConfig, dtype: str) -> str:
+        """The dtype the model's matmuls compute in after this method ("fp32", "bf16" or "fp16"), given ``dtype``,
+        the one before it (methods are asked in apply order, from "fp32"). A method that changes it belongs to
+        the "precision" group."""
+        return dtype
+
+    def traced_as(self, config: MethodConfig) -> MethodConfig:
+        """The config the memory trace builds in this one's place: the same bytes on fake tensors (fp16 autocast is
+        traced as bf16: its loss scaler reads a value fake tensors do not have). By default the config itself."""
+        return config
+
+    def trace_problem(self, config: MethodConfig, layout: ParallelLayout) -> str | None:
+        """Why a model built with this config cannot be traced on fake tensors (the cost model's memory trace,
+        atorch.strategy_search.tracing), or None."""
+        return None

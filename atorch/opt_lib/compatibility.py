@@ -146,6 +146,12 @@ RULES: tuple[Rule, ...] = (
         )
         for zero in ("zero1", "zero2")
     ),
+    # compile compiles the model's forward, which a pipeline schedule never calls (it calls each stage).
+    Rule(("compile", "pipeline_parallel"), "the pipeline schedule calls each stage, never the compiled model",
+         "drop 'compile'", example=(("parallel_mode", _PP_DIMS), "pipeline_parallel", "compile")),
+    Rule(("compile", "mixed_parallel"), "the pipeline schedule calls each stage, never the compiled model",
+         "drop 'compile'", when=_has_dim("pipeline"), condition="a pipeline dimension",
+         example=(("parallel_mode", _3D_DIMS), "mixed_parallel", "compile")),
     # mixed_parallel stands for tensor_parallel and pipeline_parallel on the dimensions the layout has: their
     # limits hold for it too.
     *(
@@ -198,6 +204,7 @@ _DS3D_ALONE: tuple[tuple[str, str, str], ...] = (
     ("fp8", "the fp8 layers are not carried into DeepSpeed's pipeline layers", "drop 'fp8'"),
     ("checkpoint", "DeepSpeed's pipeline engine recomputes activations itself",
      "drop 'checkpoint' and set ds_3d_parallel's activation_checkpoint_interval"),
+    ("compile", "DeepSpeed's pipeline engine takes the model before compile would apply", "drop 'compile'"),
 )
 
 
@@ -272,14 +279,38 @@ RULES += (
 )
 
 
+# Rules that came with methods registered outside atorch (registry.register_method), after the table above.
+_added: tuple[Rule, ...] = ()
+
+
+def add_rules(rules: tuple[Rule, ...]) -> None:
+    global _added
+    _added = (*_added, *rules)
+
+
+def added_rules() -> tuple[Rule, ...]:
+    return _added
+
+
+def set_added_rules(rules: tuple[Rule, ...]) -> None:
+    """Put back what ``added_rules`` returned (registry.scoped)."""
+    global _added
+    _added = rules
+
+
+def all_rules() -> tuple[Rule, ...]:
+    """The table and the rules registered methods added."""
+    return (*RULES, *_added)
+
+
 def conflicts_in(configs: Configs) -> list[str]:
     """Messages for every rule the given methods and configs break."""
-    return [rule.message() for rule in RULES if rule.applies(configs)]
+    return [rule.message() for rule in all_rules() if rule.applies(configs)]
 
 
 def forbidden_pairs() -> set[frozenset[str]]:
     """Pairs that conflict whatever their configs."""
-    return {frozenset(r.methods) for r in RULES if r.when is None and len(r.methods) == 2}
+    return {frozenset(r.methods) for r in all_rules() if r.when is None and len(r.methods) == 2}
 
 
 def allowed_pairs(names: list[str]) -> list[tuple[str, str]]:

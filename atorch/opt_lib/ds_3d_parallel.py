@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -293,6 +296,18 @@ class Ds3dParallel(Method):
             problems.append(f"the per-rank batch of {local} samples does not split into {micro} micro-batches; set "
                             "micro_batches to a divisor of it, or change the batch size")
         return problems
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: Ds3dParallelConfig) -> bool:  # type: ignore[override]
+        if not build.communicate:  # (the cost model measures the model as transformed so far)
+            return False
+        start_ds_pipeline(build.ctx, config)
+        return True  # DeepSpeed's pipeline engine took model and optimizer
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        from atorch.opt_lib.pipeline_parallel import UNTRACED_SCHEDULE
+
+        return UNTRACED_SCHEDULE
 
 
 def _sample_problems(ctx: Any) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -119,7 +122,7 @@ def experts_modules(model: nn.Module, plan: Literal["auto"] | dict[str, str] = "
 
 # ----- the transformation -------------------------------------------------------------------------
 def split_experts(ctx: Any, config: ExpertParallelConfig, communicate: bool) -> None:
-    """apply.py's expert_parallel step: every rank of an expert group keeps its experts, dispatching through
+    """expert_parallel's apply step: every rank of an expert group keeps its experts, dispatching through
     transformers' all-to-all. [communication] The experts start from the first data × expert rank's weights."""
     if not communicate:  # a model of fake tensors for the cost model: experts stay whole
         return
@@ -197,7 +200,7 @@ class ExpertGradientSync(PendingGradientSync):
 
 
 def reduce_expert_gradients(ctx: Any) -> None:
-    """apply.py, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync."""
+    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync."""
     layout, device = ctx.layout, ctx.env.device.type
     replicas = layout.mesh(device)[DATA].get_group() if layout.size(DATA) > 1 else None
     ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.data_size)
@@ -252,3 +255,11 @@ class ExpertParallel(Method):
                                 f"parallel_mode an 'expert' size that divides {count} (one of {divisors})")
                 break
         return problems
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: ExpertParallelConfig) -> None:  # type: ignore[override]
+        split_experts(build.ctx, config, build.communicate)
+
+    def finish(self, build: Build, config: ExpertParallelConfig) -> None:  # type: ignore[override]
+        if build.communicate:  # expert gradients: averaged over their replicas only
+            reduce_expert_gradients(build.ctx)

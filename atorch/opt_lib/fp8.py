@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
@@ -13,6 +13,9 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig
 from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -91,6 +94,17 @@ class FP8(Method):
 
     def applicable(self, ctx: Any) -> str | None:
         return fp8_unavailable_reason(ctx.env.device)
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: FP8Config) -> None:  # type: ignore[override]
+        use_fp8_linears(build.ctx, config)
+
+    def compute_dtype(self, config: MethodConfig, dtype: str) -> str:
+        # the matmuls outside the fp8 layers: in bf16 unless a cast or autocast says otherwise
+        return "bf16" if dtype == "fp32" else dtype
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        return "fp8 layers are not traced"
 
 
 def use_fp8_linears(ctx: Any, config: FP8Config) -> None:

@@ -59,13 +59,13 @@ def expand_mixed(cfg: dict[str, Any]) -> dict[str, Any]:
     mixed = cfg.get("mixed_parallel")
     if mixed is None:
         return cfg
+    return {**{k: v for k, v in cfg.items() if k != "mixed_parallel"}, **_stood_for(mixed, cfg)}
+
+
+def _stood_for(mixed: MixedParallelConfig, cfg: dict[str, Any]) -> dict[str, Any]:
     dims = _dims(cfg)
-    cfg = {k: v for k, v in cfg.items() if k != "mixed_parallel"}
-    if TENSOR in dims:
-        cfg["tensor_parallel"] = mixed.tensor
-    if PIPELINE in dims:
-        cfg["pipeline_parallel"] = mixed.pipeline
-    return cfg
+    parts = (("tensor_parallel", mixed.tensor, TENSOR), ("pipeline_parallel", mixed.pipeline, PIPELINE))
+    return {name: config for name, config, dim in parts if dim in dims}
 
 
 @register
@@ -93,3 +93,7 @@ class MixedParallel(Method):
         if PIPELINE in ctx.layout.names:
             problems += PipelineParallel().model_problems(ctx, config.pipeline)
         return problems
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def stands_for(self, config: MethodConfig, configs: dict[str, MethodConfig]) -> dict[str, MethodConfig]:
+        return _stood_for(config, configs)  # type: ignore[arg-type]

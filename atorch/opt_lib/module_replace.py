@@ -17,7 +17,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field, model_validator
@@ -35,6 +35,9 @@ from atorch.opt_lib.replace_builtins import (
     rms_norms_to_torch,
     switch_to_sdpa,
 )
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -288,6 +291,15 @@ class ModuleReplace(Method):
             return [f"unknown replace pair(s) {unknown}; registered: {sorted(_PAIRS)}, and ATorch's names "
                     f"{sorted(ATORCH_PAIRS)} (see register_replace_pair)"]
         return []
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: ModuleReplaceConfig) -> None:  # type: ignore[override]
+        from atorch.opt_lib.precision import TORCH_DTYPES
+
+        # the replacements are made in the dtype the model will run in: 'half' casts it right after
+        half = build.configs.get("half")
+        dtype = TORCH_DTYPES[half.dtype] if half is not None else next(build.ctx.model.parameters()).dtype
+        replace_registered(build.ctx, config, dtype)
 
 
 def replace_registered(ctx: Any, config: ModuleReplaceConfig, dtype: torch.dtype) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from atorch.opt_lib.pipeline_split import (
 )
 from atorch.opt_lib.registry import register
 from atorch.state_names import StagedModel
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -520,6 +523,10 @@ def _checked_split(ctx: Any, blocks: Any, stages: int) -> str | None:
 
 
 # ----- the method -----------------------------------------------------------------------------------------
+# Why a candidate with a pipeline schedule is left to the analytical memory model (strategy_search.tracing).
+UNTRACED_SCHEDULE = "pipeline schedules are built by a communicating step"
+
+
 @register
 class PipelineParallel(Method):
     name = "pipeline_parallel"
@@ -581,3 +588,21 @@ class PipelineParallel(Method):
         size = ctx.layout.size(PIPELINE)
         return {"schedule": Categorical(("1f1b", "gpipe", "interleaved_1f1b")),
                 "micro_batches": Categorical((size, 2 * size, 4 * size))}
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: PipelineParallelConfig) -> None:  # type: ignore[override]
+        split_into_stages(build.ctx, config, build.communicate)
+        build.per_stage = shard_stages  # later wrappers (FSDP2) take each stage as a root
+
+    def replicate(self, build: Build, config: PipelineParallelConfig) -> bool:  # type: ignore[override]
+        if build.ctx.dp_size <= 1:
+            return False
+        replicate_stages(build.ctx)  # not DDP: see there
+        return True
+
+    def finish(self, build: Build, config: PipelineParallelConfig) -> None:  # type: ignore[override]
+        if build.communicate:  # the schedule over this rank's (wrapped) stages; train_step runs it
+            build_schedule(build.ctx, config)
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        return UNTRACED_SCHEDULE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import BeforeValidator, Field, model_validator
@@ -13,6 +13,9 @@ from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -134,6 +137,23 @@ class AmpNative(Method):
             return f"torch.autocast is not available on device type {ctx.env.device.type!r}"
         return None
 
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: AmpConfig) -> None:  # type: ignore[override]
+        autocast_forward(build.ctx, config)
+
+    def finish(self, build: Build, config: AmpConfig) -> None:  # type: ignore[override]
+        # Loss scaling for fp16 (DeepSpeed scales inside its engine; no optimizer: nothing to scale for).
+        ctx = build.ctx
+        if ctx.engine is None and ctx.optimizer is not None:
+            ctx.grad_scaler = grad_scaler_for(ctx, config)
+
+    def compute_dtype(self, config: AmpConfig, dtype: str) -> str:  # type: ignore[override]
+        return str(config.dtype)
+
+    def traced_as(self, config: AmpConfig) -> AmpConfig:  # type: ignore[override]
+        # the same bytes (16-bit casts and activations, fp32 weights and state); fp16's overflow check reads a value
+        return config.model_copy(update={"dtype": "bf16"}) if config.dtype == "fp16" else config
+
 
 FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny
 
@@ -190,6 +210,13 @@ class Half(Method):
             "the weights inf/NaN. Use ('half', 'bf16'), or ('amp_native', {'dtype': 'fp16'}) (fp32 weights "
             "and optimizer state), or pass optim_args={'eps': 1e-4}"
         ]
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: HalfConfig) -> None:  # type: ignore[override]
+        cast_to_half(build.ctx, config)
+
+    def compute_dtype(self, config: HalfConfig, dtype: str) -> str:  # type: ignore[override]
+        return str(config.dtype)
 
 
 def cast_to_half(ctx: Any, config: HalfConfig) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -15,10 +15,13 @@ from atorch.log import get_logger
 from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
-from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
+from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_reason, start_deepspeed
 from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.fsdp_keys import translate
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -221,7 +224,7 @@ def broadcast_from_first(module: nn.Module, mesh: Any) -> None:
 
 def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:
     """Wrap ctx.model's units and root with FSDP2 over the data-parallel mesh (no communication:
-    FSDP2 gathers on first forward; the initial weights are made equal beforehand by apply.py)."""
+    FSDP2 gathers on first forward; the initial weights are made equal beforehand by shard_over_data)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     model: nn.Module = ctx.model
@@ -287,11 +290,26 @@ def shard_model(ctx: Any, config: ShardingConfig, reshard_after_forward: bool, l
     )
 
 
+def shard_over_data(build: Build, config: ShardingConfig, reshard_after_forward: bool, label: str) -> None:
+    """The model sharded over the data dimension with FSDP2 (fsdp, and zero2 on FSDP2)."""
+    ctx = build.ctx
+    # [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its constructor and
+    # DeepSpeed in its engine; FSDP2 does not, so it happens here. A model on the meta device is initialised
+    # identically on every rank instead (meta_init.py).
+    if build.communicate and config.sync_module_states and ctx.dp_size > 1 and not is_meta(ctx.model):
+        broadcast_from_first(ctx.model, ctx.data_mesh)
+    if build.per_stage is not None:  # [pipeline] each stage its own FSDP2 root
+        build.per_stage(ctx, shard_model, config, reshard_after_forward=reshard_after_forward, label=label)
+    else:
+        shard_model(ctx, config, reshard_after_forward=reshard_after_forward, label=label)
+
+
 def same_program(name: str, config: Any) -> tuple[str, Any]:
     """A strategy item as the program it runs, for telling duplicate candidates apart: zero2 over FSDP2 is
-    FSDP2 keeping gathered parameters from forward to backward (apply.py calls ``shard_model`` with
-    ``reshard_after_forward=False`` for both), so ("zero2", fsdp2) and ("fsdp", reshard_after_forward=False)
-    with the same shared options are one program; the FSDP1 keys fsdp accepts are no-ops."""
+    FSDP2 keeping gathered parameters from forward to backward (zero2's apply step, and fsdp's with
+    ``reshard_after_forward=False``, call the same ``shard_model``), so ("zero2", fsdp2) and ("fsdp",
+    reshard_after_forward=False) with the same shared options are one program; the FSDP1 keys fsdp accepts are
+    no-ops."""
     if name == "zero2" and getattr(config, "implementation", None) == "fsdp2" or name == "fsdp":
         shared = config.model_dump(mode="json", include=set(ShardingConfig.model_fields))
         return "fsdp", {**shared, "reshard_after_forward": getattr(config, "reshard_after_forward", False)}
@@ -313,6 +331,16 @@ class FSDP(Method):
     def model_problems(self, ctx: Any, config: FSDPConfig) -> list[str]:  # type: ignore[override]
         return sharding_problems(ctx.model, config)
 
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: FSDPConfig) -> None:  # type: ignore[override]
+        shard_over_data(build, config, config.reshard_after_forward, self.name)
+
+    def shards_data(self, config: MethodConfig) -> bool:
+        return True
+
+    def replicate(self, build: Build, config: FSDPConfig) -> bool:  # type: ignore[override]
+        return True  # FSDP2 keeps the shards in step (its apply step)
+
 
 @register
 class Zero2(Method):
@@ -332,3 +360,19 @@ class Zero2(Method):
         if config.implementation == "deepspeed":
             return deepspeed_problems(ctx, config)
         return sharding_problems(ctx.model, config)
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: Zero2Config) -> None:  # type: ignore[override]
+        if self.shards_data(config):  # DeepSpeed's engine shards, after the optimizer is built (replicate)
+            shard_over_data(build, config, False, self.name)
+
+    def shards_data(self, config: MethodConfig) -> bool:
+        return getattr(config, "implementation", None) != "deepspeed"
+
+    def replicate(self, build: Build, config: Zero2Config) -> bool:  # type: ignore[override]
+        if not self.shards_data(config):  # [communication] model and optimizer handed to DeepSpeed
+            start_deepspeed(build.ctx, 2)
+        return True
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        return None if self.shards_data(config) else UNTRACED_ENGINE

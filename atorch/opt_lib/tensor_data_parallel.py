@@ -37,7 +37,7 @@ class ReplicaGradientSync(PendingGradientSync):
 
 
 def replicate_tensor_parallel(ctx: Any) -> None:
-    """Data parallel over ctx.data_mesh for a tensor-parallel model (apply.py step 8, no fsdp/zero2)."""
+    """Data parallel over ctx.data_mesh for a tensor-parallel model (TensorParallel.replicate: no fsdp/zero2)."""
     from atorch.opt_lib.sharding import broadcast_from_first
 
     broadcast_from_first(ctx.model, ctx.data_mesh)

@@ -23,7 +23,7 @@ and ``sequence_parallel`` (norms and dropout on sequence shards) live in tp_sequ
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -55,6 +55,9 @@ from atorch.opt_lib.tp_styles import (
     vocabulary_layers,
 )
 from atorch.state_names import StagedModel
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
 
@@ -581,3 +584,16 @@ class TensorParallel(Method):
         t = ctx.layout.size(TENSOR)
         # [loss_parallel / sequence_parallel] vocabulary divisibility, embedding and head found (tp_sequence_vocab.py)
         return problems + derive_plan(ctx.model, config, t).problems + tp_sequence_vocab_problems(ctx.model, config, t)
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: TensorParallelConfig) -> None:  # type: ignore[override]
+        parallelize(build.ctx, config, build.communicate)
+
+    def replicate(self, build: Build, config: TensorParallelConfig) -> bool:  # type: ignore[override]
+        # replicas of DTensor shards, which DDP refuses (tensor_data_parallel.py); pipeline stages replicate their way
+        if build.ctx.dp_size <= 1 or build.per_stage is not None:
+            return False
+        from atorch.opt_lib.tensor_data_parallel import replicate_tensor_parallel
+
+        replicate_tensor_parallel(build.ctx)
+        return True

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
-from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
+from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_reason, start_deepspeed
 from atorch.opt_lib.registry import register
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
+
+logger = get_logger(__name__)
 
 
 class Zero1Config(ZeroConfig):
@@ -35,6 +41,27 @@ class Zero1(Method):
 
     def model_problems(self, ctx: Any, config: Zero1Config) -> list[str]:  # type: ignore[override]
         return deepspeed_problems(ctx, config)
+
+    # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def build_optimizer(self, build: Build, config: Zero1Config, params: Any) -> Any:  # type: ignore[override]
+        if config.implementation == "deepspeed":  # DeepSpeed's engine shards the user's optimizer (replicate)
+            return None
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ctx = build.ctx
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=ctx.setup.optim_func,
+                                            process_group=ctx.data_mesh.get_group(), **ctx.setup.optim_args)
+        logger.info("zero1: optimizer state sharded over %d processes", ctx.dp_size)
+        return optimizer
+
+    def replicate(self, build: Build, config: Zero1Config) -> bool:  # type: ignore[override]
+        if config.implementation != "deepspeed":
+            return False  # ZeroRedundancyOptimizer under DDP
+        start_deepspeed(build.ctx, 1)  # [communication] model and optimizer handed to DeepSpeed
+        return True
+
+    def trace_problem(self, config: Zero1Config, layout: Any) -> str | None:  # type: ignore[override]
+        return UNTRACED_ENGINE if config.implementation == "deepspeed" else None
 
 
 def deepspeed_problems(ctx: Any, config: Any) -> list[str]:

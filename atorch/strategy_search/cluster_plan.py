@@ -192,7 +192,7 @@ def strategy_for(lay: Layout) -> Strategy:
         names["checkpoint"] = {}
     if lay.sharding != "none":
         names[lay.sharding] = {}
-    return Strategy(methods=tuple(_item(n, names[n]) for n in registry.APPLY_ORDER if n in names))
+    return Strategy(methods=tuple(_item(n, names[n]) for n in registry.apply_order() if n in names))
 
 
 @lru_cache(maxsize=4096)

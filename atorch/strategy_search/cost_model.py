@@ -300,11 +300,7 @@ def _deepspeed_grads_in_partition(stats: ModelStats, dp: int) -> float:
 
 
 def _compute_dtype(strategy: Strategy) -> str:
-    for name in ("half", "amp_native"):
-        config = strategy.get(name)
-        if config is not None:
-            return {"bf16": "bfloat16", "fp16": "float16"}.get(str(config.dtype), str(config.dtype))
-    return "float32"
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[strategy.compute_dtype()]
 
 
 @dataclass(frozen=True)

@@ -385,7 +385,7 @@ class SearchSpace:
         names |= self.included
         items = [
             StrategyItem(name=n, config=registry.get_method(n).parse_config(configs.get(n)))
-            for n in registry.APPLY_ORDER if n in names
+            for n in registry.apply_order() if n in names
         ]
         return Strategy(methods=tuple(items))
 

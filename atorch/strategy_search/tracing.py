@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.model_context import UserSetup
+from atorch.opt_lib import registry
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
@@ -120,27 +121,33 @@ class TracedMemory:
 
 
 def memory_twin(strategy: Strategy) -> Strategy:
-    """The strategy traced for ``strategy``: fp16 autocast is traced as bf16 autocast. Both keep the same bytes
-    (16-bit casts and activations, fp32 weights and state); fp16's loss scaler adds a few scalars, and its
-    overflow check reads a value (``found_inf.item()``) that fake tensors do not have."""
-    items = strategy.to_list()
-    if not any(name == "amp_native" and config.get("dtype") == "fp16" for name, config in items):
+    """The strategy traced for ``strategy``: each method's ``traced_as`` config (fp16 autocast is traced as bf16
+    autocast. Both keep the same bytes (16-bit casts and activations, fp32 weights and state); fp16's loss scaler
+    adds a few scalars, and its overflow check reads a value (``found_inf.item()``) that fake tensors do not have)."""
+    twins = {item.name: registry.get_method(item.name).traced_as(item.config) for item in strategy.methods}
+    if all(twins[item.name] is item.config for item in strategy.methods):
         return strategy
-    return Strategy.load([(name, {**config, "dtype": "bf16"} if name == "amp_native" else config)
-                          for name, config in items])
+    return Strategy.load([(name, twins[name].model_dump(mode="json")) for name, _ in strategy.to_list()])
+
+
+def _shards_data(strategy: Strategy) -> bool:
+    """Whether a method shards the model over the data dimension (FSDP2): no DDP, no replica step."""
+    return any(registry.get_method(item.name).shards_data(item.config) for item in strategy.methods)
 
 
 def untraced_reason(strategy: Strategy, world_size: int) -> str | None:
-    """Why ``strategy`` is left to the analytical model, or None if it can be traced."""
+    """Why ``strategy`` is left to the analytical model, or None if it can be traced (each method says for itself:
+    Method.trace_problem; the layout's pipeline and tensor-replica steps communicate)."""
+    from atorch.opt_lib.pipeline_parallel import UNTRACED_SCHEDULE
+
     layout = strategy.layout(world_size)
-    if layout.size("pipeline") > 1 or "pipeline_parallel" in strategy or "ds_3d_parallel" in strategy:
-        return "pipeline schedules are built by a communicating step"
-    for name in ("zero1", "zero2"):
-        if getattr(strategy.get(name), "implementation", None) == "deepspeed":
-            return "DeepSpeed's engine communicates as it is built"
-    if "fp8" in strategy:
-        return "fp8 layers are not traced"
-    if layout.size("tensor") > 1 and layout.data_size > 1 and not any(n in strategy for n in ("fsdp", "zero2")):
+    if layout.size("pipeline") > 1:
+        return UNTRACED_SCHEDULE
+    for item in strategy.in_apply_order():
+        reason = registry.get_method(item.name).trace_problem(item.config, layout)
+        if reason is not None:
+            return reason
+    if layout.size("tensor") > 1 and layout.data_size > 1 and not _shards_data(strategy):
         return "tensor-parallel replicas are joined by a communicating step"
     return None
 
@@ -543,8 +550,7 @@ def _ddp_buckets(ctx: Any, strategy: Strategy, layout: ParallelLayout) -> int:
     """DDP's reducer buckets, which the trace cannot see (see the module's docstring); 0 where DDP is not used."""
     from atorch.strategy_search.cost_model import DDP_PERSISTENT
 
-    sharded = any(n in strategy for n in ("fsdp", "zero2"))
-    if sharded or layout.data_size <= 1 or layout.size("tensor") > 1 or layout.size("pipeline") > 1:
+    if _shards_data(strategy) or layout.data_size <= 1 or layout.size("tensor") > 1 or layout.size("pipeline") > 1:
         return 0
     model: nn.Module = ctx.model
     return round(DDP_PERSISTENT * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
