@@ -30,9 +30,10 @@ from atorch.opt_lib.module_replace import replace_registered
 from atorch.opt_lib.pipeline_parallel import build_schedule, replicate_stages, shard_stages, split_into_stages
 from atorch.opt_lib.precision import TORCH_DTYPES, autocast_forward, cast_to_half, grad_scaler_for
 from atorch.opt_lib.registry import APPLY_ORDER
-from atorch.opt_lib.sharding import broadcast_from_first, shard_model
+from atorch.opt_lib.sharding import broadcast_from_first, shard_model, zero1_sharding
 from atorch.opt_lib.tensor_data_parallel import replicate_tensor_parallel
 from atorch.opt_lib.tensor_parallel import parallelize
+from atorch.opt_lib.zero1 import runs_on_fsdp2
 from atorch.strategy import Strategy
 
 logger = get_logger(__name__)
@@ -47,7 +48,7 @@ class _Build:
     cfg: dict[str, Any]
     communicate: bool
     deepspeed_stage: int | None  # ZeRO through DeepSpeed's engine (zero1 / zero2 with implementation="deepspeed")
-    sharding: Any  # the FSDP2 config (fsdp, or zero2 on FSDP2), or None
+    sharding: Any  # the FSDP2 config (fsdp, zero2 on FSDP2, or zero1 with a tensor dimension: zero1.py), or None
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -82,7 +83,7 @@ def _split_tensors(b: _Build, config: Any) -> None:
 def _shard(b: _Build, config: Any) -> None:
     if config is not b.sharding:  # zero2 through DeepSpeed: its engine shards, after the optimizer is built
         return
-    ctx, label = b.ctx, "fsdp" if "fsdp" in b.cfg else "zero2"
+    ctx, label = b.ctx, next(name for name in ("fsdp", "zero2", "zero1") if name in b.cfg)
     # [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its constructor and
     # DeepSpeed in its engine; FSDP2 does not, so it happens here. A model on the meta device is initialised
     # identically on every rank instead (meta_init.py).
@@ -106,6 +107,7 @@ _MODEL_STEPS: dict[str, Callable[[_Build, Any], bool | None]] = {
     "checkpoint": lambda b, config: checkpoint_blocks(b.ctx, config),
     "fsdp": _shard,
     "zero2": _shard,
+    "zero1": lambda b, config: _shard(b, b.sharding) if runs_on_fsdp2(b.cfg) else None,  # [zero1] see zero1.py
 }
 
 
@@ -120,8 +122,10 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     deepspeed_stage = next(
         (stage for stage, c in ((1, zero1), (2, zero2)) if c is not None and c.implementation == "deepspeed"), None
     )
-    build = _Build(ctx, cfg, communicate, deepspeed_stage,
-                   sharding=fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None)
+    sharding = fsdp if fsdp is not None else zero2 if deepspeed_stage is None else None
+    if sharding is None and runs_on_fsdp2(cfg):
+        sharding = zero1_sharding()
+    build = _Build(ctx, cfg, communicate, deepspeed_stage, sharding=sharding)
 
     # A model built on the meta device is materialised and initialised identically on every rank, here as a
     # whole before any step, or under FSDP2 one unit at a time as it is sharded (meta_init.py).
@@ -150,7 +154,7 @@ def _finish(b: _Build) -> None:
     params = _optimizer_params(ctx)  # the user's groups, by name
     if ctx.setup.optim_func is None:  # ATorch's optim_func=None: no optimizer (atorch/no_optimizer.py)
         ctx.optimizer = None
-    elif zero1 is not None and b.deepspeed_stage is None:
+    elif zero1 is not None and b.deepspeed_stage is None and b.sharding is None:
         ctx.optimizer = _zero_redundancy(ctx, params)
     else:
         ctx.optimizer = ctx.setup.optim_func(params, **ctx.setup.optim_args)

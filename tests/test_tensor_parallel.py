@@ -2,9 +2,9 @@
 
 Four launches (gloo): tensor 2 on 2 processes (Llama, GPT-2, a block model, BERT, T5, BART, and the family
 sweep: Qwen2, OPT, GPT-NeoX, Phi-3, Gemma with one key/value head, Bloom), tensor 2 × data 2 on 4 processes
-(GPT-2 and Llama, with fsdp or with plain replicas on the data dimension, also with gradient accumulation
-over 2 micro-batches), tensor 4 on 4 (8 query heads with 1 and 2 key/value heads, replicated over the
-group), and tensor 2 × pipeline 2 on 4 (every family above but ViT). Each scenario
+(GPT-2 and Llama, with fsdp, with zero1 (FSDP2 there) or with plain replicas on the data dimension, also with
+gradient accumulation over 2 micro-batches), tensor 4 on 4 (8 query heads with 1 and 2 key/value heads,
+replicated over the group), and tensor 2 × pipeline 2 on 4 (every family above but ViT). Each scenario
 must train like plain single-process fp32 training from the same weights on the same global batches
 (losses, and the first gradient norm) or be refused with the reason asserted; split layers must hold 1/t of
 their parameters on each rank (1/(t·d) under fsdp).
@@ -75,6 +75,11 @@ NPROC = {"tp2": 2, "tp2xdp2": 4, "tp4": 4}
 TENSOR = {"tp2": 2, "tp2xdp2": 2, "tp4": 4}
 
 
+def _sharded(scenario: str) -> bool:
+    """FSDP2 over the data dimension: fsdp, and zero1 next to a tensor dimension (it runs as zero2 there)."""
+    return "fsdp" in scenario or "zero1" in scenario
+
+
 @pytest.fixture(scope="module", params=list(GROUPS))
 def launch(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     group = request.param
@@ -105,7 +110,7 @@ def test_scenarios_train_like_the_reference(launch: tuple[str, dict[str, Any]]) 
         # replicates the shards).
         memory, dp, t = entry["memory"], entry["dp_size"], TENSOR[group]
         assert dp == NPROC[group] // t, entry
-        parts = t * dp if "fsdp" in scenario else t
+        parts = t * dp if _sharded(scenario) else t
         assert memory["split_global"] > 0 and memory["split_local"] * parts == memory["split_global"], memory
         for suffix in SPLIT.get(scenario, ()):
             assert any(name.endswith(suffix) for name in entry["split"]), (scenario, suffix, entry["split"])
@@ -133,7 +138,7 @@ def _check_vocabulary_layout(scenario: str, entry: dict[str, Any]) -> None:
     memory, dp = entry["memory"], entry["dp_size"]
     if "logits_local_vocab" not in entry:  # measured on the decoder LMs (Llama, GPT-2) only
         return
-    shards = (2 if "loss_parallel" in scenario else 1) * (dp if "fsdp" in scenario else 1)
+    shards = (2 if "loss_parallel" in scenario else 1) * (dp if _sharded(scenario) else 1)
     assert memory["head_local"] * shards == memory["head_global"], memory
     family = scenario.split("/")[0].split("_")[0]
     if family in ("gpt2", "llama"):  # GPT-2 ties wte / lm_head, Llama does not (BERT, T5, BART tie theirs too)

@@ -37,7 +37,8 @@ METHOD_MODULES: dict[str, str] = {
     "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",
-    "zero1": "zero1",  # changes the optimizer, built after the model steps
+    # changes the optimizer, built after the model steps (with a tensor dimension: FSDP2 as zero2, see zero1.py)
+    "zero1": "zero1",
 }
 APPLY_ORDER: tuple[str, ...] = tuple(METHOD_MODULES)
 

@@ -298,6 +298,14 @@ def same_program(name: str, config: Any) -> tuple[str, Any]:
     return name, config.model_dump(mode="json") if config is not None else None
 
 
+def zero1_sharding() -> ShardingConfig:
+    """What zero1 runs with next to a 'tensor' dimension (zero1.runs_on_fsdp2): FSDP2 with sharding's defaults (the
+    detected blocks as units), without resharding after forward."""
+    logger.info("zero1: tensor-parallel (DTensor) parameters: runs as FSDP2 over the data dimension without "
+                "resharding after forward (as zero2), which shards the gradients as well as the optimizer state")
+    return ShardingConfig()
+
+
 @register
 class FSDP(Method):
     name = "fsdp"

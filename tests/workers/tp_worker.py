@@ -131,6 +131,9 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2xdp2+fsdp+amp_native[fp16]": ("llama", [TP2, ("amp_native", {"dtype": "fp16"}),
                                                           "tensor_parallel", "fsdp"]),
         "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
+        # zero1 next to a tensor dimension: FSDP2 over the data dimension without resharding after forward
+        "llama/tp2xdp2+zero1": ("llama", [TP2, "tensor_parallel", "zero1"]),
+        "gpt2/tp2xdp2+zero1+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL, "zero1"]),
         "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
         # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
         "llama/tp2xdp2[ddp]": ("llama", [TP2, "tensor_parallel"]),
