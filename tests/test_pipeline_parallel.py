@@ -3,9 +3,9 @@
 Three launches (gloo): pipeline 2 on 2 processes (with the family sweep: GPT-2, Llama, BERT-MLM, OPT,
 GPT-NeoX, Phi-3, Gemma, Bloom, an nn.Sequential CNN, T5 and BART; a model seeded per rank);
 pipeline 2 × data 2 (every schedule, and fsdp) and tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 ×
-data 2 with fsdp on 8. Each scenario must train like plain single-process fp32 training from rank 0's
-weights on the same global batches (losses; on pipeline 2 alone also the first step's gradient norm); a
-stage must hold only its layers.
+data 2 with fsdp, and with sequence parallel and zero1 (Megatron's layout), on 8. Each scenario must train
+like plain single-process fp32 training from rank 0's weights on the same global batches (losses; on
+pipeline 2 alone also the first step's gradient norm); a stage must hold only its layers.
 """
 
 from __future__ import annotations
