@@ -289,3 +289,17 @@ def test_compute_uses_the_rate_measured_at_the_model_s_matmul_size() -> None:
     assert p.time.compute == pytest.approx(3e6 * 4 / 0.25e12)  # not the best size's 1 TFLOP/s
     plain = _predict(["parallel_mode"])
     assert p.time.compute == pytest.approx(4 * plain.time.compute)
+
+
+def test_zero1_across_a_tensor_dimension_is_predicted_as_zero2() -> None:
+    """atorch runs zero1 next to a tensor dimension as zero2 (FSDP2 over the data dimension, zero1.py): the same
+    prediction, with gradients sharded too (below what ZeroRedundancyOptimizer's zero1 keeps)."""
+    layout = ParallelLayout((("tensor", 2), ("data", 2)))
+
+    def memory(*methods: object) -> object:
+        strategy = Strategy.load([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel",
+                                  *methods])
+        return predict(_stats(), strategy, layout, _profile(4), 8).memory
+
+    assert memory("zero1") == memory("zero2")
+    assert memory("zero1").gradients < memory().gradients

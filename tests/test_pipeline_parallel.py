@@ -3,9 +3,9 @@
 Three launches (gloo): pipeline 2 on 2 processes (with the family sweep: GPT-2, Llama, BERT-MLM, OPT,
 GPT-NeoX, Phi-3, Gemma, Bloom, an nn.Sequential CNN, T5 and BART; a model seeded per rank);
 pipeline 2 × data 2 (every schedule, and fsdp) and tensor 2 × pipeline 2 on 4; tensor 2 × pipeline 2 ×
-data 2 with fsdp on 8. Each scenario must train like plain single-process fp32 training from rank 0's
-weights on the same global batches (losses; on pipeline 2 alone also the first step's gradient norm); a
-stage must hold only its layers.
+data 2 with fsdp, and with sequence parallel and zero1 (Megatron's layout), on 8. Each scenario must train
+like plain single-process fp32 training from rank 0's weights on the same global batches (losses; on
+pipeline 2 alone also the first step's gradient norm); a stage must hold only its layers.
 """
 
 from __future__ import annotations
@@ -230,6 +230,13 @@ def test_strategy_checks() -> None:
     # tensor × pipeline × data with DDP on the data dimension: refused (DTensor), with the fix.
     problems = Strategy.load([tp_pp, "tensor_parallel", "pipeline_parallel"]).problems(8)
     assert any("add 'fsdp'" in p for p in problems), problems
+    # zero1 there runs as FSDP2 over the data dimension (ZeroRedundancyOptimizer cannot partition DTensors):
+    # Megatron's tensor + pipeline + distributed optimizer layout is accepted, also through mixed_parallel.
+    three_d = ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["data", -1]]})
+    assert Strategy.load([tp_pp, "tensor_parallel", "pipeline_parallel", "zero1"]).problems(8) == []
+    assert Strategy.load([three_d, "mixed_parallel", "zero1"]).problems(8) == []
+    assert Strategy.load([("parallel_mode", {"dims": [["tensor", 2], ["data", 2]]}), "tensor_parallel", "zero1"]
+                         ).problems(4) == []
     # fp16: the schedule scales the loss (tests/test_booster_port.py)
     assert Strategy.load([PP, "pipeline_parallel", ("amp_native", {"dtype": "fp16"})]).problems(2) == []
 

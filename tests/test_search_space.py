@@ -237,3 +237,16 @@ def _toy_is_searched(model: object, before: list) -> None:
     preds = [{"peak_memory_bytes": 1.0, "step_time_s": 1.0, "samples_per_s": 1.0} for _ in points]
     baseline = CandidateTable(points, preds, GLOBAL_BATCH).baseline(2.0)
     assert baseline is not None and '"toy_switch": false' in baseline
+
+
+def test_zero1_across_a_tensor_dimension_is_zero2s_program() -> None:
+    """zero1 next to a tensor dimension runs as zero2 (FSDP2 over the data dimension, zero1.py): the search counts
+    the two as one program; without a tensor dimension zero1 stays its own (ZeroRedundancyOptimizer under DDP)."""
+    from atorch.strategy_search.space import Candidate, _program_key
+
+    def key(dims: list[list[object]], *methods: object) -> str:
+        return _program_key(Candidate(Strategy.load([("parallel_mode", {"dims": dims}), *methods]), 1, 1))
+
+    tensor = [["tensor", 2], ["data", 2]]
+    assert key(tensor, "tensor_parallel", "zero1") == key(tensor, "tensor_parallel", "zero2")
+    assert key([["data", 4]], "zero1") != key([["data", 4]], "zero2")

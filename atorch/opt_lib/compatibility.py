@@ -13,6 +13,7 @@ from itertools import combinations
 from typing import Any
 
 from atorch.opt_lib.base import MethodConfig
+from atorch.opt_lib.deepspeed_zero import runs_on_fsdp2
 
 Configs = dict[str, MethodConfig]
 
@@ -63,12 +64,13 @@ def _permuted_groups(configs: Configs, dim: str = "data") -> bool:
 
 
 def _ddp_data_parallel(configs: Configs) -> bool:
-    """The data dimension (size > 1) would be replicated by DDP: no fsdp, and no zero2 over FSDP2."""
+    """The data dimension (size > 1) would be replicated by DDP: no fsdp, no zero2 over FSDP2, and no zero1 run as
+    FSDP2 (zero1.runs_on_fsdp2)."""
     mode = configs.get("parallel_mode")
     data = dict(mode.dims).get("data", 1) if mode is not None else 1
     zero2 = configs.get("zero2")
     sharded = "fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
-    return data > 1 and not sharded
+    return data > 1 and not sharded and not runs_on_fsdp2(configs)  # zero1 with a tensor dimension: FSDP2 too
 
 
 _TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
@@ -112,22 +114,18 @@ RULES: tuple[Rule, ...] = (
         for sharding in ("fsdp", "zero2")
     ),
     # Tensor-parallel parameters are DTensors: torch's DDP and ZeroRedundancyOptimizer broadcast them with
-    # plain c10d collectives, which DTensor refuses ("c10d.broadcast_ does not have a sharding strategy").
+    # plain c10d collectives, which DTensor refuses ("c10d.broadcast_ does not have a sharding strategy"); zero1
+    # then runs as FSDP2 over the data dimension (zero1.py), so it is not refused.
     # (tensor_parallel with data size > 1 and no fsdp replicates the shards itself: tensor_data_parallel.py;
     # with a pipeline dimension too, the replicated stages' averaging is not proven on tensor-parallel shards.)
     Rule(
         ("tensor_parallel", "pipeline_parallel"),
         "replicating tensor-parallel pipeline stages over the data dimension is not supported",
-        "add 'fsdp' to shard over the data dimension (FSDP2 per stage, tensor parallel inside)",
-        when=_ddp_data_parallel, condition="data size > 1 without fsdp",
+        "add 'fsdp' (or 'zero2' / 'zero1', FSDP2 there too) to shard over the data dimension (FSDP2 per stage, "
+        "tensor parallel inside)",
+        when=_ddp_data_parallel, condition="data size > 1 without fsdp, zero2 or zero1",
         example=("tensor_parallel", "pipeline_parallel",
                  ("parallel_mode", {"dims": [["pipeline", 1], ["data", 2], ["tensor", 1]]})),
-    ),
-    Rule(
-        ("tensor_parallel", "zero1"),
-        "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
-        "use 'fsdp' on the data dimension instead of 'zero1'",
-        example=("tensor_parallel", ("parallel_mode", _TP_DIMS), "zero1"),
     ),
     Rule(
         ("tensor_parallel", "zero2"), "DeepSpeed's engine takes plain tensors, not tensor-parallel DTensors",
@@ -163,15 +161,10 @@ RULES: tuple[Rule, ...] = (
     Rule(
         ("mixed_parallel", "parallel_mode"),
         "DDP cannot replicate tensor-parallel (DTensor) parameters over the data dimension",
-        "add 'fsdp' to shard over the data dimension",
+        "add 'fsdp' (or 'zero2' / 'zero1', FSDP2 there too) to shard over the data dimension",
         when=lambda c: _has_dim("tensor")(c) and _ddp_data_parallel(c),
-        condition="a tensor dimension, data size > 1 without fsdp",
+        condition="a tensor dimension, data size > 1 without fsdp, zero2 or zero1",
         example=("mixed_parallel", ("parallel_mode", {"dims": [["tensor", 1], ["pipeline", 1], ["data", 2]]})),
-    ),
-    Rule(
-        ("mixed_parallel", "zero1"), "ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters",
-        "use 'fsdp' on the data dimension instead of 'zero1'", when=_has_dim("tensor"),
-        condition="a tensor dimension", example=(("parallel_mode", _3D_DIMS), "mixed_parallel", "zero1"),
     ),
     *(
         Rule(

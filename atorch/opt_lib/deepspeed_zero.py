@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO (stages 1 and 2): the ``implementation="deepspeed"`` of zero1 and zero2."""
+"""ZeRO stages 1 and 2 (zero1, zero2), what they share: their config base, DeepSpeed's engine (their
+``implementation="deepspeed"``) and where zero1 runs on FSDP2 instead (``runs_on_fsdp2``)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,23 @@ def forget_destroyed_groups() -> None:
             isinstance(g, c10d.ProcessGroup) and g not in alive for g in value.values()
         ):
             value.clear()
+
+
+def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
+    """What keeps the DeepSpeed implementation from running here."""
+    if config.implementation != "deepspeed":
+        return []
+    reason = deepspeed_reason()
+    problems = [f"implementation 'deepspeed': {reason}; or use the default implementation"] if reason else []
+    if ctx.layout.data_size != ctx.env.world_size:
+        problems.append("implementation 'deepspeed' needs every process data parallel; remove other parallel_mode dims")
+    return problems
+
+
+def runs_on_fsdp2(configs: Any) -> bool:
+    """True where zero1 (torch implementation) runs as FSDP2 over the data dimension, as zero2 does: with a 'tensor'
+    dimension, whose DTensor parameters ZeroRedundancyOptimizer cannot partition. ``configs``: a Strategy or the
+    method configs by name."""
+    zero1, mode = configs.get("zero1"), configs.get("parallel_mode")
+    return (zero1 is not None and zero1.implementation == "torch" and mode is not None
+            and "tensor" in dict(mode.dims))

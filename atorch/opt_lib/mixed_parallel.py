@@ -3,7 +3,9 @@
 ``[("parallel_mode", ([("tensor", t), ("pipeline", p), ("data", d)], None)), ("mixed_parallel", config)]``
 applies ``tensor_parallel`` on the 'tensor' dimension and ``pipeline_parallel`` on the 'pipeline' dimension
 (each only where the layout has that dimension), with the same configs as those methods; the data
-dimension is replicated per stage, or sharded with ``fsdp`` (needed with a tensor dimension).
+dimension is replicated per stage, or sharded with ``fsdp``, ``zero2`` or ``zero1`` (FSDP2 per stage; needed with a
+tensor dimension, where zero1 runs as zero2: zero1.py). Under the tensor config's ``sequence_parallel`` the stages
+exchange sequence shards (tp_sequence_vocab.py).
 ATorch's keys are accepted: ``tensor_config``, and ``pipe_config`` with ``chunks`` (micro-batches) and
 ``pipe_schedule`` ("GPipe", "1F1B", "Interleaved1F1B").
 """

@@ -373,6 +373,11 @@ class StageModule(nn.Module):
         self.children_split = bool(getattr(module, "atorch_split_children", False))  # a Sequential's children
         self.injector: HiddenInjector | None = getattr(module, "atorch_injector", None)
         self.autocast_dtype: torch.dtype | None = None
+        # Where the stages exchange another form of the hidden states than the blocks pass on (tensor_parallel's
+        # sequence_parallel: the local sequence shard of a DTensor): ``to_send`` makes what a non-last stage sends,
+        # ``received`` what a later stage's first block takes. None: the hidden states as they are.
+        self.to_send: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.received: Callable[[torch.Tensor], torch.Tensor] | None = None
         if no_split:
             self._no_split_modules = list(no_split)  # block detection (checkpoint, fsdp) as on the whole model
 
@@ -390,9 +395,11 @@ class StageModule(nn.Module):
         try:
             return self._call(args, kwargs)
         except StageEnd as end:  # a non-last stage reached the next stage's first block (StageProbe)
-            return end.hidden
+            return end.hidden if self.to_send is None else self.to_send(end.hidden)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        if args and self.received is not None and not self.first:
+            args = (self.received(args[0]), *args[1:])
         if self.children_split and not self.first:
             return hidden_of(self.module(args[0]))
         if BATCH_KEY in kwargs:

@@ -43,7 +43,8 @@ METHOD_MODULES: dict[str, str] = {
     "compile": "compile",  # opt-in: the forward as the steps above left it; fsdp and DDP wrap the compiled model
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]
     "zero2": "sharding",
-    "zero1": "zero1",  # changes the optimizer, built after the model steps
+    # changes the optimizer, built after the model steps (with a tensor dimension: FSDP2 as zero2, see zero1.py)
+    "zero1": "zero1",
 }
 
 # The registry's state: the apply order (the built-in methods', with every user method placed in it by

@@ -316,6 +316,14 @@ def same_program(name: str, config: Any) -> tuple[str, Any]:
     return name, config.model_dump(mode="json") if config is not None else None
 
 
+def zero1_sharding() -> ShardingConfig:
+    """What zero1 runs with next to a 'tensor' dimension (zero1.runs_on_fsdp2): FSDP2 with sharding's defaults (the
+    detected blocks as units), without resharding after forward."""
+    logger.info("zero1: tensor-parallel (DTensor) parameters: runs as FSDP2 over the data dimension without "
+                "resharding after forward (as zero2), which shards the gradients as well as the optimizer state")
+    return ShardingConfig()
+
+
 @register
 class FSDP(Method):
     name = "fsdp"
@@ -355,7 +363,7 @@ class Zero2(Method):
         return {"implementation": Categorical(("fsdp2", "deepspeed") if deepspeed_reason() is None else ("fsdp2",))}
 
     def model_problems(self, ctx: Any, config: Zero2Config) -> list[str]:  # type: ignore[override]
-        from atorch.opt_lib.zero1 import deepspeed_problems
+        from atorch.opt_lib.deepspeed_zero import deepspeed_problems
 
         if config.implementation == "deepspeed":
             return deepspeed_problems(ctx, config)

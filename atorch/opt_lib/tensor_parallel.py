@@ -569,10 +569,11 @@ class TensorParallel(Method):
         mode = check.configs.get("parallel_mode")
         if mode is None or TENSOR not in dict(mode.dims):
             problems.append("needs a 'tensor' dimension: add ('parallel_mode', ([('tensor', 2), ('data', -1)], None))")
-        for key in ("sequence_parallel", "loss_parallel"):
-            if getattr(config, key) and (mode is not None and "pipeline" in dict(mode.dims)):
-                problems.append(f"{key} is not available with a pipeline dimension yet (the stages exchange whole "
-                                f"activations); set {key} to false")
+        # (sequence_parallel runs there: the stages exchange sequence shards, tp_sequence_vocab.py)
+        if config.loss_parallel and mode is not None and "pipeline" in dict(mode.dims):
+            problems.append("loss_parallel is not available with a pipeline dimension yet (the vocabulary split of "
+                            "the embedding and head is not carried onto the stages' copies); set loss_parallel to "
+                            "false")
         return problems
 
     def model_problems(self, ctx: Any, config: TensorParallelConfig) -> list[str]:  # type: ignore[override]

@@ -14,6 +14,13 @@ all-reduce). Embedding outputs enter the stream as sequence shards; the head gat
 
 Both need a model that exposes its token embedding and head as transformers models do
 (``get_input_embeddings`` / ``get_output_embeddings``).
+
+Under pipeline parallel (sequence_parallel only) each stage's copy of the model gets the same layouts, and the
+stages exchange the residual stream as it is between blocks: each rank sends its local sequence shard
+(b, s/t, h) to the same tensor rank of the next stage, which rebuilds the sequence-sharded DTensor its first
+block takes. That is what Megatron-LM (its p2p tensor shape is seq/tp under sequence parallel) and torchtitan
+(its blocks' outputs are local sequence shards) send: 1/t of the bytes per transfer, and no all-gather at a
+stage boundary.
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ def styles(model: nn.Module, config: Any, split: dict[str, str], mesh: Any) -> d
 
     sp, lp = config.sequence_parallel, config.loss_parallel
     result: dict[str, Any] = {name: parallel_style(style, sp) for name, style in split.items()}
-    embedding, head = _embedding_and_head(model)
+    embedding, head = _embedding_and_head(model)  # (None, None) for pipeline stages: their heads are below
     embedding_name, head_name = _name_of(model, embedding), _name_of(model, head)
     modules = dict(model.named_modules())
     inner = _inner_modules(list(split))
@@ -124,8 +131,12 @@ def styles(model: nn.Module, config: Any, split: dict[str, str], mesh: Any) -> d
         return result
     for name in inner:
         modules[name].register_forward_pre_hook(_gather_sequence(local=False), with_kwargs=True)
-    if not lp:
-        modules[head_name].register_forward_pre_hook(_gather_sequence(local=True), with_kwargs=True)
+    if not lp:  # the LM head (of each stage's copy of the model that runs it) takes the whole sequence
+        for root in _roots(model):
+            root_head = _embedding_and_head(root)[1]
+            if root_head is not None:
+                root_head.register_forward_pre_hook(_gather_sequence(local=True), with_kwargs=True)
+    _sequence_shards_between_stages(model, mesh)
     for name, module in modules.items():
         inside = any(name.startswith(i + ".") for i in inner if i) or name in inner
         if _norm(module) and not inside:
@@ -148,7 +159,35 @@ def finish(model: nn.Module, config: Any, tied: bool, t: int) -> None:
         run_forward_in(model, _forward_context, "loss_parallel forward")
         model.register_forward_hook(_plain_loss_output)
     if config.sequence_parallel:
-        model.register_forward_pre_hook(_check_sequence(t), with_kwargs=True)
+        for root in _roots(model):
+            root.register_forward_pre_hook(_check_sequence(t), with_kwargs=True)
+
+
+def _roots(model: nn.Module) -> list[nn.Module]:
+    """The copies of the model that run: the model itself, or under pipeline parallel this rank's stages' copies."""
+    from atorch.state_names import state_roots
+
+    return state_roots(model)
+
+
+def _sequence_shards_between_stages(model: nn.Module, mesh: Any) -> None:
+    """Under pipeline parallel, a non-last stage sends the local sequence shard of the residual stream and a later
+    stage rebuilds the DTensor from it (see the module's docstring): a pipeline schedule sends plain tensors."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from atorch.state_names import StagedModel
+
+    def to_send(hidden: torch.Tensor) -> torch.Tensor:
+        if not isinstance(hidden, DTensor):  # a stream kept whole on this stage: each rank keeps its own shard
+            hidden = DTensor.from_local(hidden, mesh, (Replicate(),), run_check=False)
+        return hidden.redistribute(mesh, (Shard(SEQ_DIM),)).to_local()
+
+    def received(local: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(local, mesh, (Shard(SEQ_DIM),), run_check=False)
+
+    if isinstance(model, StagedModel):
+        for stage in model.stages:  # StageModules, not wrapped yet (sharding comes after)
+            stage.to_send, stage.received = to_send, received
 
 
 def is_tied(model: nn.Module) -> bool:

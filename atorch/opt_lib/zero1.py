@@ -1,4 +1,12 @@
-"""zero1: optimizer state sharded across data-parallel ranks."""
+"""zero1: optimizer state sharded across data-parallel ranks.
+
+With a 'tensor' dimension the parameters are tensor-parallel DTensors, which ZeroRedundancyOptimizer cannot
+partition (it broadcasts them with plain c10d collectives). There zero1 runs as FSDP2 over the data dimension
+without resharding after forward (what zero2 runs: ``runs_on_fsdp2``): the optimizer state is sharded as named,
+and the gradients are reduce-scattered to their shards too, which is more than ZeRO-1 shards. The traffic is
+Megatron's distributed optimizer's (a reduce-scatter of the gradients, an all-gather of the parameters per step);
+the parameters are kept gathered from forward to backward and sharded between steps.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,14 @@ from pydantic import Field
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
-from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_reason, start_deepspeed
+from atorch.opt_lib.deepspeed_zero import (
+    UNTRACED_ENGINE,
+    ZeroConfig,
+    deepspeed_problems,
+    deepspeed_reason,
+    runs_on_fsdp2,
+    start_deepspeed,
+)
 from atorch.opt_lib.registry import register
 
 if TYPE_CHECKING:
@@ -30,7 +45,8 @@ class Zero1Config(ZeroConfig):
 class Zero1(Method):
     name = "zero1"
     group = "parallel"
-    summary = "ZeRO-1: optimizer state sharded across data-parallel ranks; gradients all-reduced by DDP."
+    summary = ("ZeRO-1: optimizer state sharded across data-parallel ranks; gradients all-reduced by DDP (with a "
+               "tensor dimension: FSDP2 without resharding after forward, which shards the gradients too).")
     # "ddp": none of the sharding methods (parallel_mode alone: plain data parallel)
     search_role = SearchRole("choice", "sharding", position=20, rank=0, off="ddp")
     Config = Zero1Config
@@ -43,9 +59,15 @@ class Zero1(Method):
         return deepspeed_problems(ctx, config)
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
+    def apply(self, build: Build, config: Zero1Config) -> None:  # type: ignore[override]
+        if runs_on_fsdp2(build.configs):  # [tensor dimension] FSDP2 over the data dimension, as zero2 runs
+            from atorch.opt_lib.sharding import shard_over_data, zero1_sharding
+
+            shard_over_data(build, zero1_sharding(), False, self.name)
+
     def build_optimizer(self, build: Build, config: Zero1Config, params: Any) -> Any:  # type: ignore[override]
-        if config.implementation == "deepspeed":  # DeepSpeed's engine shards the user's optimizer (replicate)
-            return None
+        if config.implementation == "deepspeed" or runs_on_fsdp2(build.configs):
+            return None  # DeepSpeed's engine shards the user's optimizer (replicate); FSDP2 shards its state
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ctx = build.ctx
@@ -55,6 +77,8 @@ class Zero1(Method):
         return optimizer
 
     def replicate(self, build: Build, config: Zero1Config) -> bool:  # type: ignore[override]
+        if runs_on_fsdp2(build.configs):
+            return True  # FSDP2 keeps the shards in step (the apply step)
         if config.implementation != "deepspeed":
             return False  # ZeroRedundancyOptimizer under DDP
         start_deepspeed(build.ctx, 1)  # [communication] model and optimizer handed to DeepSpeed
@@ -62,14 +86,3 @@ class Zero1(Method):
 
     def trace_problem(self, config: Zero1Config, layout: Any) -> str | None:  # type: ignore[override]
         return UNTRACED_ENGINE if config.implementation == "deepspeed" else None
-
-
-def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
-    """What keeps the DeepSpeed implementation from running here."""
-    if config.implementation != "deepspeed":
-        return []
-    reason = deepspeed_reason()
-    problems = [f"implementation 'deepspeed': {reason}; or use the default implementation"] if reason else []
-    if ctx.layout.data_size != ctx.env.world_size:
-        problems.append("implementation 'deepspeed' needs every process data parallel; remove other parallel_mode dims")
-    return problems

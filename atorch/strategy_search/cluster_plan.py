@@ -235,9 +235,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
             for schedule, v in schedules:
                 for sharding in SHARDINGS if dp > 1 else ("none",):
                     for recompute in RECOMPUTE:
-                        # atorch's vocabulary split needs a tensor dimension and no pipeline. Its sequence parallel
-                        # does too: with a pipeline the layout is enumerated, the registry refuses it (so it is not
-                        # ranked), and ``--layout`` can still evaluate it, reported as not runnable by atorch.
+                        # atorch's vocabulary split needs a tensor dimension and no pipeline; its sequence parallel
+                        # a tensor dimension (the stages exchange sequence shards).
                         split = t > 1 and p == 1
                         for sp in ((False, True) if t > 1 and shape.seq % t == 0 else (False,)):
                             for b in _micro_batch_sizes(global_batch // dp, p):
@@ -261,11 +260,16 @@ def regime_of(shape: TransformerShape, lay: Layout, precision: str | None, runna
 def _regime_notes(lay: Layout, regime: str) -> tuple[str, ...]:
     """Where the emitted strategy's precision is not the regime the plan was predicted in (atorch runs amp_native:
     autocast over fp32 weights, with FSDP2's mixed-precision policy under zero2/fsdp)."""
-    atorch_runs = "fsdp_mixed" if lay.sharding in ("zero2", "fsdp") else "amp_native"
+    as_zero2 = lay.sharding == "zero1" and lay.tensor > 1
+    atorch_runs = "fsdp_mixed" if lay.sharding in ("zero2", "fsdp") or as_zero2 else "amp_native"
+    notes = (("zero1 across the tensor dimension runs as zero2 in atorch (FSDP2 over the data dimension: the "
+              "gradients are sharded too, ZeroRedundancyOptimizer cannot partition tensor-parallel parameters)"
+              + ("; predicted as Megatron-LM's distributed optimizer" if regime == "megatron" else
+                 "; predicted so"),) if as_zero2 else ())
     if regime == atorch_runs:
-        return ()
+        return notes
     return (f"predicted in the {regime} regime ({REGIMES[regime].summary}); the emitted strategy runs "
-            f"{atorch_runs} ({REGIMES[atorch_runs].summary})",)
+            f"{atorch_runs} ({REGIMES[atorch_runs].summary})", *notes)
 
 
 def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, global_batch: int,
@@ -395,6 +399,8 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
         wanted = given is not None and _matches(lay, given)
         if wanted and given and (given.get("fp8") or given.get("schedule") in FOREIGN_SCHEDULES):
             lay = replace(lay, fp8=bool(given.get("fp8")), schedule=given.get("schedule", lay.schedule))
+        if lay.sharding == "zero1" and lay.tensor > 1 and not wanted:
+            continue  # atorch runs it as zero2 (zero1.runs_on_fsdp2): ranked once, as zero2
         problems = _problems(lay.structure(), gpus)
         if problems and not wanted:
             continue

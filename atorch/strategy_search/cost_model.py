@@ -173,7 +173,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS
+from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS, runs_on_fsdp2
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.analyser import ModelStats
@@ -350,6 +350,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     micro = samples / micro_batches
 
     sharding = next((name for name in SHARDED if name in strategy), None)
+    if sharding is None and runs_on_fsdp2(strategy):  # zero1 with a tensor dimension runs as zero2 (zero1.py)
+        sharding = "zero2"
     config = strategy.get(sharding) if sharding else None
     deepspeed = getattr(config, "implementation", None) == "deepspeed" or getattr(
         strategy.get("zero1"), "implementation", None) == "deepspeed"

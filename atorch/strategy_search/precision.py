@@ -64,8 +64,9 @@ REGIME_NAMES = tuple(REGIMES)
 def default_regime(sharding: str, tensor: int, runnable: bool = True) -> str:
     """The regime a layout runs under unless told: atorch's own where atorch runs it (``zero2``/``fsdp`` under
     ``amp_native`` apply FSDP2's mixed-precision policy); Megatron-LM's where only Megatron-style stacks run it
-    (DDP or the distributed optimizer across a tensor dimension)."""
-    if sharding in ("zero2", "fsdp"):
+    (DDP across a tensor dimension). atorch runs ``zero1`` across a tensor dimension as ``zero2`` (FSDP2:
+    ZeroRedundancyOptimizer cannot partition DTensors), so under FSDP2's policy too."""
+    if sharding in ("zero2", "fsdp") or (sharding == "zero1" and tensor > 1 and runnable):
         return "fsdp_mixed"
     if tensor > 1 and not runnable:
         return "megatron"

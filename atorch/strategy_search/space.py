@@ -503,7 +503,11 @@ class SearchSpace:
 
 def _program_key(cand: Candidate) -> str:
     """What a candidate runs: its methods as programs (``sharding.same_program``) and its micro-batching."""
-    from atorch.opt_lib.sharding import same_program
+    from atorch.opt_lib.deepspeed_zero import runs_on_fsdp2
+    from atorch.opt_lib.sharding import Zero2Config, same_program
 
-    items = [same_program(item.name, item.config) for item in cand.strategy.methods]
+    # zero1 across a tensor dimension runs as zero2 with its defaults (zero1.py): one program
+    as_zero2 = runs_on_fsdp2(cand.strategy)
+    items = [same_program("zero2", Zero2Config()) if as_zero2 and item.name == "zero1"
+             else same_program(item.name, item.config) for item in cand.strategy.methods]
     return json.dumps([items, cand.micro_batch_size, cand.micro_batches], sort_keys=True, default=str)

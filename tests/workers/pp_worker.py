@@ -163,6 +163,10 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "gpt2/mixed_parallel[tp2xpp2xdp2]+fsdp": ("gpt2", [
             mode(("tensor", 2), ("pipeline", 2), ("data", 2)), "module_replace",
             ("mixed_parallel", {"pipe_config": {"pipe_schedule": "Interleaved1F1B"}}), "fsdp"]),
+        # Megatron's layout: sequence parallel across the stages, zero1 (FSDP2 over the data dimension there)
+        "llama/mixed_parallel[tp2xpp2xdp2]+sequence_parallel+zero1": ("llama", [
+            mode(("tensor", 2), ("pipeline", 2), ("data", 2)),
+            ("mixed_parallel", {"tensor": {"sequence_parallel": True}, "pipeline": {"schedule": "1f1b"}}), "zero1"]),
     },
 }
 

@@ -22,7 +22,7 @@ import shard_models as sm
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.data import Subset
 from worker_common import GLOBAL_BATCH, LR, STEPS, gathered, losses_of, mean_over_ranks, reference_losses, run_each
@@ -131,6 +131,9 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         "llama/tp2xdp2+fsdp+amp_native[fp16]": ("llama", [TP2, ("amp_native", {"dtype": "fp16"}),
                                                           "tensor_parallel", "fsdp"]),
         "llama/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("llama", [TP2, BOTH, "fsdp"]),
+        # zero1 next to a tensor dimension: FSDP2 over the data dimension without resharding after forward
+        "llama/tp2xdp2+zero1": ("llama", [TP2, "tensor_parallel", "zero1"]),
+        "gpt2/tp2xdp2+zero1+sequence_parallel": ("gpt2", [TP2, "module_replace", SEQUENCE_PARALLEL, "zero1"]),
         "gpt2/tp2xdp2+fsdp+loss_parallel+sequence_parallel": ("gpt2", [TP2, "module_replace", BOTH, "fsdp"]),
         # Plain data parallel on the data dimension (replicas of the shards, gradients averaged).
         "llama/tp2xdp2[ddp]": ("llama", [TP2, "tensor_parallel"]),
@@ -182,6 +185,26 @@ PIPELINED: dict[str, dict[str, tuple[str, list[Any]]]] = {
 PIPELINED["layouts_tp2xpp2"] = {
     f"{m}/tp2xpp2": (m, [TPxPP, "tensor_parallel", ("pipeline_parallel", {"schedule": "1f1b"})])
     for m in ("qwen3", "cohere_qk", "falcon", "stablelm_qk", "bigcode_mqa", "olmo2_split", "apertus")}
+# sequence_parallel across the stages (the stages exchange sequence shards), through mixed_parallel as a user writes
+# it, and with zero1 (FSDP2 over the data dimension, of size 1 here): Megatron's layout at small scale.
+SP_PP = ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2]]})
+SP_MIXED = ("mixed_parallel", {"tensor": {"sequence_parallel": True}, "pipeline": {"schedule": "1f1b"}})
+PIPELINED["tp2xpp2"].update({
+    "llama/tp2xpp2+sequence_parallel": ("llama", [SP_PP, SP_MIXED]),
+    "gpt2/tp2xpp2+sequence_parallel": ("gpt2", [SP_PP, "module_replace", SP_MIXED]),
+    "llama/tp2xpp2+sequence_parallel+zero1": ("llama", [SP_PP, SP_MIXED, "zero1"]),
+})
+
+
+def planner_layout_scaled_down() -> list[Any]:
+    """What ``atorch plan --emit-strategy`` writes for Llama 3 405B's published layout (tensor 8, pipeline 16, data,
+    sequence parallel, ZeRO-1: tests/test_plan.py) at tensor 2 × pipeline 2 × data 1 (1f1b: 2 layers here)."""
+    from atorch.strategy_search.cluster_plan import Layout, strategy_for
+
+    return strategy_for(Layout(2, 2, 1, "zero1", "none", "1f1b", 1, True, 1, 4)).to_list()
+
+
+PIPELINED["tp2xpp2"]["llama/tp2xpp2 planner's 405B layout scaled down [bf16]"] = ("llama", planner_layout_scaled_down())
 # A wrong plan on the second stage only (its fused block split column-wise): the build check of that stage, run
 # alone on stand-in hidden states, must refuse it.
 PIPELINED["tp2xpp2"]["refused/fused layer split column-wise on the second stage"] = ("fused_mlp", [
@@ -395,13 +418,19 @@ def run_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         check_logger.removeHandler(log)
         check_logger.setLevel(level)
     checked = gathered(float(any("build checked on one sample" in line for line in log.lines)))
+    # What this rank's non-last stages hand the schedule to send (sequence_parallel: the local sequence shard).
+    sent: set[tuple[int, ...]] = set()
+    hooks = [stage.register_forward_hook(lambda m, a, out: sent.add(tuple(out.shape)))
+             for stage in result.model.stages if not getattr(stage, "last", True)]
     batches = iter(result.dataloader)
     norms: list[float] = []  # the first step's, after the tied gradients are summed, before the update
     hook = result.optim.optimizer.register_step_pre_hook(lambda *_: norms.append(pipelined_grad_norm(result.model)))
     entry = {"losses": [train_step(result, [next(batches)]).item() for _ in range(STEPS)],
              "split": [n for n, p in result.model.named_parameters() if _split_over_tensor(p)], "checked": checked}
     hook.remove()
-    entry["grad_norm"] = norms[0]
+    for handle in hooks:
+        handle.remove()
+    entry["grad_norm"], entry["sent"] = norms[0], sorted(sent)
     result.close()
     return entry
 
@@ -461,9 +490,16 @@ def pipelined_grad_norm(model: nn.Module) -> float:
             skip.update(held)
     total = torch.zeros((), dtype=torch.float64)
     for name, param in params.items():
-        if param.grad is None or name in skip or not (first_of_group or _split_over_tensor(param)):
+        if param.grad is None:
             continue
-        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            # sequence_parallel: a norm's weight gradient from the sequence shards, summed by DTensor where used
+            # (a collective of the tensor group, whose ranks hold the same parameters in the same order)
+            grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+        if name in skip or not (first_of_group or _split_over_tensor(param)):
+            continue
+        grad = grad.to_local() if isinstance(grad, DTensor) else grad
         total += grad.double().pow(2).sum()
     dist.all_reduce(total)
     return total.sqrt().item()

@@ -134,15 +134,11 @@ class HybridParallelPlugin(Plugin):
         if self.tp_size == 1 or data == 1:
             return []
         # tensor × data: zero_stage 0 replicates the shards (gradients averaged over the data ranks), 2 shards
-        # them with FSDP2; ZeRO-1's ZeroRedundancyOptimizer cannot partition DTensor parameters.
-        if self.zero_stage == 1:
-            return [f"tp_size={self.tp_size} with {data} data-parallel ranks cannot use zero_stage=1 "
-                    "(ZeroRedundancyOptimizer cannot partition tensor-parallel (DTensor) parameters); set "
-                    "zero_stage=0 (replicas) or zero_stage=2 (FSDP2 over the data dimension)"]
+        # them with FSDP2, and so does 1 (zero1 across a tensor dimension runs as zero2: atorch/opt_lib/zero1.py).
         if self.pp_size > 1 and self.zero_stage == 0:
             return [f"tp_size={self.tp_size} × pp_size={self.pp_size} with {data} data-parallel ranks needs "
-                    "zero_stage=2 (FSDP2 per stage over the data dimension): replicated tensor-parallel stages are "
-                    f"not supported; set zero_stage=2, or tp_size × pp_size = {world_size}"]
+                    "zero_stage=1 or 2 (FSDP2 per stage over the data dimension): replicated tensor-parallel stages "
+                    f"are not supported; set zero_stage=2, or tp_size × pp_size = {world_size}"]
         return []
 
     def resolve_micro_batches(self, per_rank_batch: int | None) -> None:
