@@ -13,6 +13,7 @@ from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.registry import register
 
 logger = get_logger(__name__)
@@ -81,6 +82,11 @@ class ActivationCheckpoint(Method):
         if not any(matches(m, classes) for m in ctx.model.modules()):
             return [f"wrap_class {list(classes)} matches no module of the model; use class objects or names"]
         return []
+
+    # ----- cost facts -----
+    def cost_facts(self, config: CheckpointConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # every block keeps only its inputs and runs its forward again in backward
+        return CostFacts(recompute=1.0)
 
 
 def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:

@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
+from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
 
@@ -134,6 +135,11 @@ class AmpNative(Method):
             return f"torch.autocast is not available on device type {ctx.env.device.type!r}"
         return None
 
+    # ----- cost facts -----
+    def cost_facts(self, config: AmpConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # fp32 weights and state; the forward computes (and saves matmul outputs) in the autocast dtype
+        return CostFacts(compute_dtype=_torch_name(config.dtype), autocast=True)
+
 
 FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny
 
@@ -190,6 +196,16 @@ class Half(Method):
             "the weights inf/NaN. Use ('half', 'bf16'), or ('amp_native', {'dtype': 'fp16'}) (fp32 weights "
             "and optimizer state), or pass optim_args={'eps': 1e-4}"
         ]
+
+    # ----- cost facts -----
+    def cost_facts(self, config: HalfConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # parameters, gradients, optimizer state and activations all in 16 bits
+        return CostFacts(storage_bytes=0.5, compute_dtype=_torch_name(config.dtype))
+
+
+def _torch_name(dtype: str) -> str:
+    """torch's name of a 16-bit dtype ("bfloat16"), as hardware profiles key their throughput."""
+    return str(TORCH_DTYPES[dtype]).removeprefix("torch.")
 
 
 def cast_to_half(ctx: Any, config: HalfConfig) -> None:

@@ -15,6 +15,7 @@ from atorch.log import get_logger
 from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.cost_facts import Collective, CostFacts, Gathering
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.fsdp_keys import translate
@@ -313,6 +314,10 @@ class FSDP(Method):
     def model_problems(self, ctx: Any, config: FSDPConfig) -> list[str]:  # type: ignore[override]
         return sharding_problems(ctx.model, config)
 
+    # ----- cost facts -----
+    def cost_facts(self, config: FSDPConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        return fsdp2_cost_facts(config, "per_use" if config.reshard_after_forward else "forward_to_backward")
+
 
 @register
 class Zero2(Method):
@@ -332,3 +337,25 @@ class Zero2(Method):
         if config.implementation == "deepspeed":
             return deepspeed_problems(ctx, config)
         return sharding_problems(ctx.model, config)
+
+    # ----- cost facts -----
+    def cost_facts(self, config: Zero2Config, layout: Any) -> CostFacts:  # type: ignore[override]
+        if config.implementation == "fsdp2":
+            return fsdp2_cost_facts(config, "forward_to_backward")
+        # DeepSpeed's ZeRO-2: every parameter stays whole in its flat buffer; gradients and optimizer state are
+        # partitioned (its own buffers: the cost model's DeepSpeed terms); the updated partitions are gathered
+        return CostFacts(gradients="data", optimizer_state="data", engine="deepspeed", offload=config.cpu_offload,
+                         collectives=_SHARDED_SYNC, syncs_gradients=True)
+
+
+# FSDP2 gathers the parameters (in the compute dtype: its mixed-precision policy) for each use, one collective per
+# unit, and reduce-scatters the gradients once per step (its sync is off for all micro-batches but the last).
+_SHARDED_SYNC = (Collective("all_gather", of="parameters", dtype="compute", per="gather", split="unit"),
+                 Collective("reduce_scatter", split="unit"))
+
+
+def fsdp2_cost_facts(config: ShardingConfig, gathering: Gathering) -> CostFacts:
+    """FSDP2 over the data dimension: parameters, gradients and optimizer state sharded, gathered as ``gathering``
+    says (fsdp's reshard_after_forward; zero2 keeps them from forward to backward)."""
+    return CostFacts(parameters="data", gradients="data", optimizer_state="data", gathering=gathering,
+                     offload=config.cpu_offload, collectives=_SHARDED_SYNC, syncs_gradients=True)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
+from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.deepspeed_zero import ZeroConfig, deepspeed_reason
 from atorch.opt_lib.registry import register
 
@@ -35,6 +36,14 @@ class Zero1(Method):
 
     def model_problems(self, ctx: Any, config: Zero1Config) -> list[str]:  # type: ignore[override]
         return deepspeed_problems(ctx, config)
+
+    # ----- cost facts -----
+    def cost_facts(self, config: Zero1Config, layout: Any) -> CostFacts:  # type: ignore[override]
+        # Optimizer state partitioned; DDP still all-reduces the whole gradients. The updated parameters go back
+        # to every rank: ZeroRedundancyOptimizer broadcasts each from its owner, DeepSpeed all-gathers its buckets.
+        if config.implementation == "deepspeed":
+            return CostFacts(optimizer_state="data", engine="deepspeed", collectives=(Collective("all_gather"),))
+        return CostFacts(optimizer_state="data", collectives=(Collective("broadcast", split="tensor"),))
 
 
 def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
