@@ -476,10 +476,12 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     act_scale = f.micro / stats.batch_size * f.scale * (amp_factor if f.amp and not f.half else 1.0)
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
     if f.checkpoint and stats.blocks:
-        # a recomputed block keeps its inputs, the others all they save (the recomputed fraction of each)
+        # A recomputed block keeps its inputs, the others all they save. The backward peaks at the last recomputed
+        # block's recompute: the 1/recompute blocks from it on have been freed by then, the rest are held.
         inputs = sum(b.input_bytes_total for b in stats.blocks) or CHECKPOINT_INPUT_FRACTION * block_act
-        kept = stats.activation_bytes_outside_blocks + f.recompute * inputs + (1 - f.recompute) * block_act \
-            + max(b.activation_bytes for b in stats.blocks)
+        before = max(0.0, 1 - 1 / (f.recompute * sum(b.count for b in stats.blocks)))
+        kept = stats.activation_bytes_outside_blocks + f.recompute * inputs \
+            + (1 - f.recompute) * block_act * before + max(b.activation_bytes for b in stats.blocks)
     else:
         kept = stats.activation_bytes
     if f.split > 1 and stats.blocks:
