@@ -37,13 +37,18 @@ MICRO_BATCH = 8  # samples per rank: the transformers' activations outweigh thei
 # Analytical peak / traced peak - 1: within the search's own band for analytical figures (strategy_search/
 # automatic.py ANALYTICAL_MEMORY_BAND, 8%) for every example here but the known errors below (measured on this zoo:
 # singles -3% to +2% on the GPT-2 and Llama, -2% to -1% on the MLP; pairs on the GPT-2 +0.5% to +6%).
-BAND = (-0.08, 0.08)
-# Known errors of the analytical model, kept as bands of their own so they cannot grow unseen: recompute's terms for
-# the block being recomputed (its activations and their gradients) are conservative on a few small blocks
-# (measured: GPT-2 +23% alone, +9% to +32% in pairs; Llama +42%), and FSDP's root unit term, fitted on transformers,
-# is low on the MLP, whose parameters are all it holds (-17% to -18%).
-KNOWN_BANDS: dict[tuple[str, str], tuple[float, float]] = {
-    ("gpt2", "checkpoint"): (-0.08, 0.35), ("llama", "checkpoint"): (-0.08, 0.45), ("mlp", "fsdp"): (-0.19, 0.08)}
+BAND = 0.08
+# Known errors of the analytical model (model, example): the band is taken around them, so they can neither grow nor
+# vanish unseen (a method whose program changes moves its error off the known one). Recompute's terms for the block
+# being recomputed (its activations and their gradients) are conservative on a few small blocks; FSDP's root unit
+# term, fitted on transformers, is low on the MLP, whose parameters are all it holds.
+KNOWN_ERRORS: dict[tuple[str, str], float] = {
+    ("mlp", "fsdp"): -0.167,
+    ("gpt2", "checkpoint"): 0.234, ("gpt2", "parallel_mode+checkpoint"): 0.234,
+    ("gpt2", "amp_native+checkpoint"): 0.088, ("gpt2", "checkpoint+fsdp"): 0.316,
+    ("gpt2", "checkpoint+zero2"): 0.273, ("gpt2", "checkpoint+zero1"): 0.268,
+    ("llama", "checkpoint"): 0.421,
+}
 # What the cost model may credit a method with saving beyond what the traced program saves, as a share of the traced
 # peak without the method (measured: at most +1.3%, the GPT-2's FSDP; recompute -12% and -21%: credited less), and
 # the known error: FSDP on the MLP (its root unit term, above) credits +9.4%.
@@ -169,10 +174,9 @@ def _within_band(figures: Figures, examples: dict[str, list[Any]]) -> None:
         errors[name] = figures.predicted(items).memory.peak / traced - 1
     worst = {}
     for name, error in errors.items():
-        low, high = next((KNOWN_BANDS[figures.name, m] for m in sorted(_names(examples[name]))
-                          if (figures.name, m) in KNOWN_BANDS), BAND)
-        if not low <= error <= high:
-            worst[name] = f"{error:+.1%} (band {low:+.0%} to {high:+.0%})"
+        known = KNOWN_ERRORS.get((figures.name, name), 0.0)
+        if abs(error - known) > BAND:
+            worst[name] = f"{error:+.1%} (known {known:+.1%}, band {BAND:.0%})"
     assert not worst, f"analytical peak off the traced one: {worst}"
 
 
