@@ -9,6 +9,11 @@ dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor byt
 before the candidate is built, over build and warm-up, max over ranks; median step time after
 warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
+What each method does is its own statement: ``Method.cost_facts(config, layout)`` (``atorch.opt_lib.cost_facts``:
+sharding of parameters / gradients / optimizer state, gathering, storage and compute dtypes, the fraction of blocks
+recomputed, collectives as multiples of parameter bytes), combined by ``strategy_facts``; the terms below read the
+combined facts, never a method's name ("fsdp", "checkpoint" below name what the facts of those methods state).
+
 For a transformer whose shape is known (what ``atorch plan`` plans), ``plan_terms.predict_transformer`` reads the
 same facts of a strategy (``_facts``) and replaces the activation, FLOP and communication terms with the
 transformer terms (Megatron-LM's formulas, hierarchical collectives across nodes); every term below applies to the
@@ -107,12 +112,14 @@ activations; in steady state (the second step on) the optimizer state exists dur
   analyser's (the same forward run under bf16 autocast on fake tensors, weight casts left out: 0.57 for
   the small GPT-2, 0.50 for the ResNet), or the calibrated ``AMP_ACTIVATION_FACTOR`` (0.6) without it.
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
-* checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
-  for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
-  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``;
-  the backward of an attention block (the analyser saw attention or a softmax run in it) also holds their
-  gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the
-  ResNet's convolution blocks fit within 4% without it).
+* checkpoint (``recompute`` = the fraction of the repeated blocks recomputed; below for all of them; for a
+  fraction ``r``, the others keep all they save, less the blocks freed before the last recomputed one runs again:
+  ``(1 − r) × their bytes × (1 − 1/(r·blocks))``): a block keeps only its inputs (the analyser's
+  ``input_bytes_total``; for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved
+  bytes) and one block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest
+  block``; the backward of an attention block (the analyser saw attention or a softmax run in it) also holds their
+  gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the ResNet's
+  convolution blocks fit within 4% without it).
 
 Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's memory on a CPU depends on
 when Python's cycle collector runs (ZeRO-2 under accumulation: one or two gradient partitions; the bench's rows
