@@ -215,3 +215,28 @@ def test_each_method_moves_time_and_memory_the_way_its_facts_claim(figures: Figu
             faster = profile.matmul_tflops[facts.compute_dtype] > profile.matmul_tflops["float32"]
             assert (on_time.compute < off_time.compute) == faster, name
         assert strategy_facts(strategy, strategy.layout(WORLD)).recompute == facts.recompute, name
+
+
+def test_selective_checkpoint_wraps_every_kth_block_and_the_cost_model_follows(figures: Figures) -> None:
+    """checkpoint's ``every: 2`` recomputes half the blocks; its facts say so, and the predicted peak and compute
+    fall between recomputing none and all of them, as the traced peak does."""
+    from types import SimpleNamespace
+
+    from atorch.opt_lib.activation_checkpoint import checkpoint_blocks
+
+    if figures.name == "mlp":
+        pytest.skip("the MLP's peak is its optimizer step: recompute moves no peak")
+    model = ZOO[figures.name].make()
+    config = get_method("checkpoint").parse_config({"every": 2})
+    checkpoint_blocks(SimpleNamespace(model=model), config)
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+    assert wrapped == BLOCKS // 2
+    assert get_method("checkpoint").cost_facts(config, Strategy.load([]).layout(WORLD)).recompute == 0.5
+    none, half, every = [], [("checkpoint", {"every": 2})], ["checkpoint"]
+    predicted = [figures.predicted(items) for items in (none, half, every)]
+    assert predicted[0].memory.peak > predicted[1].memory.peak > predicted[2].memory.peak
+    assert predicted[0].time.compute < predicted[1].time.compute < predicted[2].time.compute
+    traced = [figures.peak(items) for items in (none, half, every)]
+    assert traced[0] > traced[1] > traced[2]
+    # conservative as full recompute is, and no further off (measured: GPT-2 +23%, Llama +16%; KNOWN_ERRORS)
+    assert 0 <= predicted[1].memory.peak / traced[1] - 1 <= KNOWN_ERRORS[figures.name, "checkpoint"] + BAND
