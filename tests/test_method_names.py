@@ -28,22 +28,24 @@ MOST: dict[str, int] = {
     "lightning/state.py": 1,
     "lightning/strategy.py": 3,
     "no_optimizer.py": 7,
+    "opt_lib/deepspeed_zero.py": 2,  # runs_on_fsdp2: zero1 next to a tensor dimension
     "opt_lib/ds_3d_parallel.py": 1,
     "opt_lib/expert_parallel.py": 1,
     "opt_lib/fsdp_keys.py": 3,
     "opt_lib/mixed_parallel.py": 3,
     "opt_lib/module_replace.py": 1,
     "opt_lib/pipeline_parallel.py": 1,
+    "opt_lib/zero1.py": 1,  # runs_as="zero2" next to a tensor dimension
     "opt_lib/tensor_parallel.py": 1,
     "strategy.py": 2,
     "strategy_search/ask_tell.py": 3,
-    "strategy_search/cluster_plan.py": 22,
-    "strategy_search/cost_model.py": 12,
+    "strategy_search/cluster_plan.py": 24,
+    "strategy_search/cost_model.py": 4,
     "strategy_search/describe.py": 2,
-    "strategy_search/plan_terms.py": 7,
+    "strategy_search/plan_terms.py": 9,
     "strategy_search/planner.py": 1,
-    "strategy_search/precision.py": 9,
-    "strategy_search/space.py": 14,
+    "strategy_search/precision.py": 10,
+    "strategy_search/space.py": 16,
 }
 
 

@@ -1,4 +1,7 @@
-"""checkpoint: activation checkpointing of chosen blocks (recompute in backward, save memory)."""
+"""checkpoint: activation checkpointing of chosen blocks (recompute in backward, save memory).
+
+Selective: ``every: k`` recomputes every k-th of the matched blocks (the first, the (k+1)-th, ...) and leaves the
+others' activations saved, trading memory for less recompute; its cost facts follow (``recompute`` = 1/k)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.registry import register
 
 if TYPE_CHECKING:
@@ -30,6 +34,9 @@ class CheckpointConfig(MethodConfig):
     )
     no_reentrant: bool = Field(
         default=True, description="torch's non-reentrant checkpoint (supports keyword arguments and nested use)"
+    )
+    every: int = Field(
+        default=1, ge=1, description="recompute every k-th matched block (the first, the (k+1)-th, ...); 1: all"
     )
 
     @model_validator(mode="before")
@@ -89,6 +96,11 @@ class ActivationCheckpoint(Method):
     def apply(self, build: Build, config: CheckpointConfig) -> None:  # type: ignore[override]
         checkpoint_blocks(build.ctx, config)
 
+    # ----- cost facts -----
+    def cost_facts(self, config: CheckpointConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # a recomputed block keeps only its inputs and runs its forward again in backward: 1 in ``every``
+        return CostFacts(recompute=1.0 / config.every)
+
 
 def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:
     """Wrap the chosen blocks of ctx.model so that their activations are recomputed in backward."""
@@ -101,11 +113,13 @@ def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:
     classes = config.wrap_class or block_classes(ctx.model)
     if disable_kv_cache(ctx.model):
         logger.info("checkpoint: use_cache set to False in the model's config (a KV cache breaks recompute)")
-    count = sum(1 for m in ctx.model.modules() if matches(m, classes))
+    # chosen before wrapping: the wrappers change what model.modules() yields
+    chosen = {id(m) for m in [m for m in ctx.model.modules() if matches(m, classes)][::config.every]}
     impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
     apply_activation_checkpointing(
         ctx.model,
         checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
-        check_fn=lambda m: matches(m, classes),
+        check_fn=lambda m: id(m) in chosen,
     )
-    logger.info("checkpoint: %d modules of %s (%s)", count, list(classes), impl.name.lower())
+    logger.info("checkpoint: %d modules of %s (%s%s)", len(chosen), list(classes), impl.name.lower(),
+                f", every {config.every}" if config.every > 1 else "")

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from atorch.opt_lib.cost_facts import NO_EFFECT, CostFacts
+
 if TYPE_CHECKING:
     from atorch.model_context import ModelContext
     from atorch.opt_lib.build_state import Build
@@ -221,3 +223,9 @@ class Method(ABC):
         """Why a model built with this config cannot be traced on fake tensors (the cost model's memory trace,
         atorch.strategy_search.tracing), or None."""
         return None
+
+    # ----- cost facts: what the cost model reads of a method (atorch.opt_lib.cost_facts) -----
+    def cost_facts(self, config: MethodConfig, layout: ParallelLayout) -> CostFacts:
+        """What ``config`` does to a training step's bytes, compute and communication at ``layout``. Stated here,
+        next to the code that does it, so the cost model follows a change to the method. Default: no effect."""
+        return NO_EFFECT

@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
+from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.forward_context import run_forward_in
 from atorch.opt_lib.registry import register
 
@@ -154,6 +155,11 @@ class AmpNative(Method):
         # the same bytes (16-bit casts and activations, fp32 weights and state); fp16's overflow check reads a value
         return config.model_copy(update={"dtype": "bf16"}) if config.dtype == "fp16" else config
 
+    # ----- cost facts -----
+    def cost_facts(self, config: AmpConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # fp32 weights and state; the forward computes (and saves matmul outputs) in the autocast dtype
+        return CostFacts(autocast=True)
+
 
 FP16_SMALLEST_NORMAL = torch.finfo(torch.float16).tiny
 
@@ -217,6 +223,11 @@ class Half(Method):
 
     def compute_dtype(self, config: HalfConfig, dtype: str) -> str:  # type: ignore[override]
         return str(config.dtype)
+
+    # ----- cost facts -----
+    def cost_facts(self, config: HalfConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        # parameters, gradients, optimizer state and activations all in 16 bits
+        return CostFacts(storage_bytes=0.5)
 
 
 def cast_to_half(ctx: Any, config: HalfConfig) -> None:

@@ -15,6 +15,7 @@ from atorch.log import get_logger
 from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.cost_facts import Collective, CostFacts, Gathering
 from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_reason, start_deepspeed
 from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.fsdp_keys import translate
@@ -349,6 +350,10 @@ class FSDP(Method):
     def replicate(self, build: Build, config: FSDPConfig) -> bool:  # type: ignore[override]
         return True  # FSDP2 keeps the shards in step (its apply step)
 
+    # ----- cost facts -----
+    def cost_facts(self, config: FSDPConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        return fsdp2_cost_facts(config, "per_use" if config.reshard_after_forward else "forward_to_backward")
+
 
 @register
 class Zero2(Method):
@@ -384,3 +389,25 @@ class Zero2(Method):
 
     def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
         return None if self.shards_data(config) else UNTRACED_ENGINE
+
+    # ----- cost facts -----
+    def cost_facts(self, config: Zero2Config, layout: Any) -> CostFacts:  # type: ignore[override]
+        if config.implementation == "fsdp2":
+            return fsdp2_cost_facts(config, "forward_to_backward")
+        # DeepSpeed's ZeRO-2: every parameter stays whole in its flat buffer; gradients and optimizer state are
+        # partitioned (its own buffers: the cost model's DeepSpeed terms); the updated partitions are gathered
+        return CostFacts(gradients="data", optimizer_state="data", engine="deepspeed", offload=config.cpu_offload,
+                         collectives=_SHARDED_SYNC, syncs_gradients=True)
+
+
+# FSDP2 gathers the parameters (in the compute dtype: its mixed-precision policy) for each use, one collective per
+# unit, and reduce-scatters the gradients once per step (its sync is off for all micro-batches but the last).
+_SHARDED_SYNC = (Collective("all_gather", of="parameters", dtype="compute", per="gather", split="unit"),
+                 Collective("reduce_scatter", split="unit"))
+
+
+def fsdp2_cost_facts(config: ShardingConfig, gathering: Gathering) -> CostFacts:
+    """FSDP2 over the data dimension: parameters, gradients and optimizer state sharded, gathered as ``gathering``
+    says (fsdp's reshard_after_forward; zero2 keeps them from forward to backward)."""
+    return CostFacts(parameters="data", gradients="data", optimizer_state="data", gathering=gathering,
+                     offload=config.cpu_offload, collectives=_SHARDED_SYNC, syncs_gradients=True)

@@ -10,12 +10,14 @@ the parameters are kept gathered from forward to backward and sharded between st
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
+from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.deepspeed_zero import (
     UNTRACED_ENGINE,
     ZeroConfig,
@@ -57,6 +59,18 @@ class Zero1(Method):
 
     def model_problems(self, ctx: Any, config: Zero1Config) -> list[str]:  # type: ignore[override]
         return deepspeed_problems(ctx, config)
+
+    # ----- cost facts -----
+    def cost_facts(self, config: Zero1Config, layout: Any) -> CostFacts:  # type: ignore[override]
+        # Optimizer state partitioned; DDP still all-reduces the whole gradients. The updated parameters go back
+        # to every rank: ZeroRedundancyOptimizer broadcasts each from its owner, DeepSpeed all-gathers its buckets.
+        if config.implementation == "deepspeed":
+            return CostFacts(optimizer_state="data", engine="deepspeed", collectives=(Collective("all_gather"),))
+        if layout.size("tensor") > 1:  # runs as zero2 there (runs_on_fsdp2): FSDP2, kept from forward to backward
+            from atorch.opt_lib.sharding import ShardingConfig, fsdp2_cost_facts
+
+            return replace(fsdp2_cost_facts(ShardingConfig(), "forward_to_backward"), runs_as="zero2")
+        return CostFacts(optimizer_state="data", collectives=(Collective("broadcast", split="tensor"),))
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
     def apply(self, build: Build, config: Zero1Config) -> None:  # type: ignore[override]

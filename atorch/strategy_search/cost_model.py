@@ -9,6 +9,11 @@ dry-run the search uses (``atorch.dryrun``: the peak increase of live tensor byt
 before the candidate is built, over build and warm-up, max over ranks; median step time after
 warm-up), on a small GPT-2, an MLP and a small ResNet at 2 ranks (see bench/README.md).
 
+What each method does is its own statement: ``Method.cost_facts(config, layout)`` (``atorch.opt_lib.cost_facts``:
+sharding of parameters / gradients / optimizer state, gathering, storage and compute dtypes, the fraction of blocks
+recomputed, collectives as multiples of parameter bytes), combined by ``strategy_facts``; the terms below read the
+combined facts, never a method's name ("fsdp", "checkpoint" below name what the facts of those methods state).
+
 For a transformer whose shape is known (what ``atorch plan`` plans), ``plan_terms.predict_transformer`` reads the
 same facts of a strategy (``_facts``) and replaces the activation, FLOP and communication terms with the
 transformer terms (Megatron-LM's formulas, hierarchical collectives across nodes); every term below applies to the
@@ -107,12 +112,14 @@ activations; in steady state (the second step on) the optimizer state exists dur
   analyser's (the same forward run under bf16 autocast on fake tensors, weight casts left out: 0.57 for
   the small GPT-2, 0.50 for the ResNet), or the calibrated ``AMP_ACTIVATION_FACTOR`` (0.6) without it.
 * half: every parameter, gradient, state and activation in 16 bits (half of each fp32 figure).
-* checkpoint (every repeated block): a block keeps only its inputs (the analyser's ``input_bytes_total``;
-  for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved bytes) and one
-  block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest block``;
-  the backward of an attention block (the analyser saw attention or a softmax run in it) also holds their
-  gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the
-  ResNet's convolution blocks fit within 4% without it).
+* checkpoint (``recompute`` = the fraction of the repeated blocks recomputed; below for all of them; for a
+  fraction ``r``, the others keep all they save, less the blocks freed before the last recomputed one runs again:
+  ``(1 − r) × their bytes × (1 − 1/(r·blocks))``): a block keeps only its inputs (the analyser's
+  ``input_bytes_total``; for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved
+  bytes) and one block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest
+  block``; the backward of an attention block (the analyser saw attention or a softmax run in it) also holds their
+  gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the ResNet's
+  convolution blocks fit within 4% without it).
 
 Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's memory on a CPU depends on
 when Python's cycle collector runs (ZeRO-2 under accumulation: one or two gradient partitions; the bench's rows
@@ -173,7 +180,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS, runs_on_fsdp2
+from atorch.opt_lib.cost_facts import Collective, StrategyFacts, combine
+from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS
+from atorch.opt_lib.registry import get_method
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.analyser import ModelStats
@@ -203,7 +212,6 @@ FSDP_PARAM_OPS = 30  # ... and per parameter: DTensor work (wrapping, views into
 # gradient) costs tens of plain operations; calibrated on bench/search.py's small GPT-2 and ResNet spaces
 DEEPSPEED_PARAM_OPS = 8  # DeepSpeed ZeRO's Python work per parameter and micro-batch (calibrated, bench/README.md)
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
-SHARDED = ("fsdp", "zero2")
 TP_REPLICATED_ACTIVATIONS = 10 / 34  # share of a block's saved bytes tensor parallel does not split (Megatron)
 TP_BLOCK_OPS = 4  # collectives per block and micro-batch under tensor parallel (2 in forward, 2 in backward)
 
@@ -299,27 +307,39 @@ def _deepspeed_grads_in_partition(stats: ModelStats, dp: int) -> float:
     return float(most)
 
 
+def strategy_facts(strategy: Strategy, layout: ParallelLayout) -> StrategyFacts:
+    """The cost facts of the strategy's methods at this layout, combined: each method states its own
+    (``Method.cost_facts``, next to its code), so no term here checks a method's name; the compute dtype is the
+    methods' own (``Strategy.compute_dtype``)."""
+    return combine(((name, get_method(name).cost_facts(config, layout)) for name, config in strategy.configs().items()),
+                   compute_dtype=_compute_dtype(strategy))
+
+
 def _compute_dtype(strategy: Strategy) -> str:
+    """The dtype the matmuls run in, by torch's name (the profile's throughput is keyed by it)."""
     return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[strategy.compute_dtype()]
 
 
 @dataclass(frozen=True)
 class _Facts:
     """What a strategy makes of the model on one rank, shared by the memory and the time terms: the layout's
-    sizes, which methods are on, and the parameter bytes this rank holds (after tensor / pipeline splits)."""
+    sizes, what its methods' cost facts state (``strategy_facts``), and the parameter bytes this rank holds
+    (after tensor / pipeline splits)."""
 
     dp: int
     samples: float  # per rank per step
     micro_batches: int  # per step, the pipeline schedule's own included
     micro: float  # samples per micro-batch
-    sharding: str | None  # "fsdp" / "zero2" or None
-    deepspeed: bool
-    reshard: bool
-    offload: bool
-    zero1: bool
-    half: bool
-    amp: bool
-    checkpoint: bool
+    sharding: str | None  # the method whose facts shard the gradients ("fsdp" / "zero2"), or None
+    deepspeed: bool  # DeepSpeed's engine keeps the state in its own buffers
+    reshard: bool  # sharded parameters gathered for forward and again for backward
+    offload: bool  # the sharded state lives in host memory
+    zero1: bool  # optimizer state sharded, gradients whole
+    half: bool  # parameters, gradients, state and activations stored in 16 bits
+    amp: bool  # autocast: fp32 weights cast to 16 bits in the forward
+    checkpoint: bool  # some blocks recomputed
+    recompute: float  # the fraction of the repeated blocks recomputed in backward
+    collectives: tuple[Collective, ...]  # the methods' collectives (and DDP's gradient sync where none syncs them)
     scale: float  # 0.5 under half: everything in 16 bits
     shard: int  # the parameters' sharding degree
     trainable: float
@@ -349,19 +369,16 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     micro_batches *= _schedule_micro_batches(strategy, layout.size("pipeline"))
     micro = samples / micro_batches
 
-    sharding = next((name for name in SHARDED if name in strategy), None)
-    if sharding is None and runs_on_fsdp2(strategy):  # zero1 with a tensor dimension runs as zero2 (zero1.py)
-        sharding = "zero2"
-    config = strategy.get(sharding) if sharding else None
-    deepspeed = getattr(config, "implementation", None) == "deepspeed" or getattr(
-        strategy.get("zero1"), "implementation", None) == "deepspeed"
-    reshard = sharding == "fsdp" and bool(getattr(config, "reshard_after_forward", True))
-    offload = bool(getattr(config, "cpu_offload", False))
-    zero1 = "zero1" in strategy and sharding is None
-    half = "half" in strategy
-    amp = "amp_native" in strategy
-    checkpoint = "checkpoint" in strategy
-    scale = 0.5 if half else 1.0  # everything in 16 bits under half
+    facts = strategy_facts(strategy, layout)
+    sharding = facts.sharded_by
+    deepspeed = facts.engine == "deepspeed"
+    reshard = facts.gathering == "per_use"
+    offload = facts.offload
+    zero1 = facts.optimizer_state is not None and sharding is None
+    half = facts.storage_bytes < 1.0
+    amp = facts.autocast
+    recompute = facts.recompute
+    scale = facts.storage_bytes  # 0.5 under 16-bit storage: everything in 16 bits
     shard = dp if sharding else 1
 
     trainable = stats.trainable_param_bytes * scale
@@ -391,7 +408,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
     return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding,
                   deepspeed=deepspeed, reshard=reshard, offload=offload, zero1=zero1, half=half, amp=amp,
-                  checkpoint=checkpoint, scale=scale, shard=shard, trainable=trainable, frozen=frozen,
+                  checkpoint=recompute > 0, recompute=recompute, collectives=facts.collectives, scale=scale,
+                  shard=shard, trainable=trainable, frozen=frozen,
                   buffers=buffers, block_params=block_params, biggest_block=biggest_block, root_params=root_params,
                   tp=tp, pp=pp, split=split, share=share, rank_param_bytes=rank_param_bytes,
                   rank_trainable_bytes=rank_trainable_bytes, owned=owned, gather=gather,
@@ -466,8 +484,12 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     act_scale = f.micro / stats.batch_size * f.scale * (amp_factor if f.amp and not f.half else 1.0)
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
     if f.checkpoint and stats.blocks:
+        # A recomputed block keeps its inputs, the others all they save. The backward peaks at the last recomputed
+        # block's recompute: the 1/recompute blocks from it on have been freed by then, the rest are held.
         inputs = sum(b.input_bytes_total for b in stats.blocks) or CHECKPOINT_INPUT_FRACTION * block_act
-        kept = stats.activation_bytes_outside_blocks + inputs + max(b.activation_bytes for b in stats.blocks)
+        before = max(0.0, 1 - 1 / (f.recompute * sum(b.count for b in stats.blocks)))
+        kept = stats.activation_bytes_outside_blocks + f.recompute * inputs \
+            + (1 - f.recompute) * block_act * before + max(b.activation_bytes for b in stats.blocks)
     else:
         kept = stats.activation_bytes
     if f.split > 1 and stats.blocks:
@@ -540,6 +562,26 @@ def _matmul_size(stats: ModelStats, f: _Facts) -> float | None:
     return (flops / 2) ** (1 / 3)
 
 
+def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Collective, gathers: int,
+                   units: int) -> list[float]:
+    """Seconds of one kind of collective a method states (``Collective``: its volume as a multiple of parameter
+    bytes) over one step, term by term; none where its mesh dimension has one rank."""
+    ranks = f.dp if c.over == "data" else f.tp if c.over == "tensor" else f.pp if c.over == "pipeline" else 1
+    if ranks <= 1:
+        return []
+    base = f.rank_trainable_bytes if c.of == "trainable" else f.rank_param_bytes
+    nbytes = base * f.scale * (f.gather if c.dtype == "compute" else 1.0) * c.volume  # once
+    times = {"step": 1, "micro_batch": f.micro_batches, "gather": gathers}[c.per]
+    if c.kind == "broadcast":  # moves what an all-gather does; its latency is an all-reduce's (one round) per tensor
+        one = profile.collectives.get("all_reduce")
+        count = stats.param_tensors if c.split == "tensor" else 1
+        return [_collective_s(profile, "all_gather", nbytes * times, ranks, times),
+                (one.latency_s if one else 0.0) * max(0, count - 1) * times]
+    count = {"whole": 1, "unit": units, "tensor": stats.param_tensors,
+             "bucket": max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))}[c.split]
+    return [_collective_s(profile, c.kind, nbytes * times, ranks, count * times)]
+
+
 def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, optimizer_state_factor: float,
           overlap: float, optimizer_bytes_per_s: float | None) -> TimePrediction:
     """Seconds per step: compute, per-operation overhead, exposed communication, optimizer traffic."""
@@ -547,8 +589,8 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     if not tflops:
         raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
     flops = stats.fwd_bwd_flops_per_sample * f.samples
-    if f.checkpoint and stats.blocks:
-        flops += stats.fwd_flops_per_sample * f.samples  # one more forward (of the blocks: most of it)
+    if f.checkpoint and stats.blocks:  # one more forward of the recomputed blocks (the blocks: most of it)
+        flops += f.recompute * stats.fwd_flops_per_sample * f.samples
     flops *= f.share
     bubble = (f.micro_batches + f.pp - 1) / f.micro_batches if f.pp > 1 else 1.0  # stages idle while the pipe fills
     compute = flops / (tflops * 1e12) * bubble
@@ -557,7 +599,7 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     gathers = f.micro_batches * (2 if f.reshard else 1) if f.sharding else 0
     ops = stats.fwd_ops + stats.bwd_ops  # per micro-batch, whatever its size
     if f.checkpoint and stats.blocks:
-        ops += stats.block_fwd_ops  # the blocks' forward runs again in backward
+        ops += f.recompute * stats.block_fwd_ops  # the recomputed blocks' forward runs again in backward
     if f.amp and not f.half:
         ops += AMP_CAST_OPS * stats.fwd_lowp_ops
     if f.pp > 1:  # a stage runs its share of the blocks' operations; the busiest also those outside the blocks
@@ -575,29 +617,18 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     overhead = ops * profile.op_latency_s
     if f.tp > 1:  # DTensor's dispatch on every split linear (and its recompute) and on each DTensor parameter's update
         linear = profile.tensor_parallel_linear_s + (
-            profile.tensor_parallel_linear_forward_s if f.checkpoint and stats.blocks else 0.0)
+            f.recompute * profile.tensor_parallel_linear_forward_s if f.checkpoint and stats.blocks else 0.0)
         overhead += stats.tp_split_layers / f.pp * f.micro_batches * linear
         adamw = OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * 2  # the profile times AdamW's foreach step
         update = (OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor) / adamw
         overhead += stats.tp_split_params / f.pp * profile.dtensor_param_step_s * update
 
     comm = 0.0
+    for collective in f.collectives:
+        for seconds in _collectives_s(stats, f, profile, collective, gathers, units):
+            comm += seconds
     full_grads = f.rank_trainable_bytes * f.scale
     gathered = f.rank_param_bytes * f.scale * f.gather
-    if f.sharding:
-        comm += _collective_s(profile, "all_gather", gathered * gathers, f.dp, units * gathers)
-        comm += _collective_s(profile, "reduce_scatter", full_grads, f.dp, units)
-    elif f.dp > 1:
-        buckets = max(1, math.ceil(full_grads / DDP_BUCKET_BYTES))
-        comm += _collective_s(profile, "all_reduce", full_grads, f.dp, buckets)
-        if f.zero1:  # ZeroRedundancyOptimizer broadcasts every parameter from its owner (one collective each);
-            # DeepSpeed all-gathers the partitions in buckets
-            if f.deepspeed:
-                comm += _collective_s(profile, "all_gather", f.rank_trainable_bytes * f.scale, f.dp, 1)
-            else:  # a broadcast moves what an all-gather does; its latency is an all-reduce's (one round)
-                comm += _collective_s(profile, "all_gather", f.rank_trainable_bytes * f.scale, f.dp, 1)
-                one = profile.collectives.get("all_reduce")
-                comm += (one.latency_s if one else 0.0) * max(0, stats.param_tensors - 1)
     comm += _collective_s(profile, "all_reduce", 4, f.dp, 1)  # the step's loss, averaged over the ranks
     if f.split > 1 and stats.blocks:
         # a block's input (its hidden states) at one micro-batch, in the compute dtype
