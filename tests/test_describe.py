@@ -232,7 +232,14 @@ def test_stop_rules_name_the_rule() -> None:
                                           "the last 2 dry-runs"
     timed = StopRules(5.0, 8, None, clock=lambda: now[0])
     now[0] = 6.0
-    assert timed.reason() == "time limit 5s reached (6.0s)"
+    assert timed.reason() == "time_limit 5 s reached (6.0 s)"
     timed.record(True)
-    assert timed.ended(timed.reason(), "no confirmation (off)") == ("1 dry-run; exploration stopped: time limit 5s "
-                                                                     "reached (6.0s); no confirmation (off)")
+    # it counts what ran, and says the dry-run budget was not reached
+    assert timed.ended(timed.reason(), "no confirmation (off)") == ("1 dry-run; max_trials 8 not reached: time_limit "
+                                                                     "5 s reached (6.0 s); no confirmation (off)")
+    # a dry-run that the time left cannot hold (the median of those that ran) is not started
+    early = StopRules(10.0, 8, None, clock=lambda: now[0])
+    now[0] = 14.0
+    early.timed(3.0)
+    early.record(True)
+    assert early.reason() == "time_limit 10 s: 2.0 s left, a dry-run takes 3.0 s (the median of the 1 that ran)"

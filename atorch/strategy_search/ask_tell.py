@@ -159,12 +159,30 @@ class StopRules:
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs
         self.stopped = ""  # the kind of the last stop reason given: "time_limit", "max_trials" or "patience"
+        self.walls: list[float] = []  # each dry-run's wall time (``timed``): what the next one is predicted to take
+
+    def next_dry_run_s(self) -> float:
+        """What the next dry-run is predicted to take: the median wall time of those that ran (start-up, warm-up and
+        measured steps together; 0 before the first)."""
+        return statistics.median(self.walls) if self.walls else 0.0
+
+    def timed(self, seconds: float) -> None:
+        self.walls.append(max(0.0, float(seconds)))
 
     def out_of_time(self) -> str:
+        """Why no dry-run may start now: the time limit is reached, or what is left of it is shorter than the next
+        dry-run is predicted to take (the search ends within its limit instead of one dry-run past it)."""
         elapsed = self.clock() - self.start
-        if self.time_limit_s is not None and elapsed >= self.time_limit_s:
+        if self.time_limit_s is None:
+            return ""
+        if elapsed >= self.time_limit_s:
             self.stopped = "time_limit"
-            return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
+            return f"time_limit {self.time_limit_s:g} s reached ({elapsed:.1f} s)"
+        left, need = self.time_limit_s - elapsed, self.next_dry_run_s()
+        if need > left:
+            self.stopped = "time_limit"
+            return (f"time_limit {self.time_limit_s:g} s: {left:.1f} s left, a dry-run takes {need:.1f} s "
+                    f"(the median of the {len(self.walls)} that ran)")
         return ""
 
     def reason(self) -> str:
@@ -187,7 +205,11 @@ class StopRules:
         """The whole stop message: how many dry-runs ran, the rule that stopped exploring, and what the
         confirmation did (``confirmation``: "" where the loop has none)."""
         runs = f"{self.dry_runs} dry-run{'' if self.dry_runs == 1 else 's'}"
-        return f"{runs}; exploration stopped: {stop}" + (f"; {confirmation}" if confirmation else "")
+        if self.stopped == "time_limit" and self.dry_runs < self.max_trials:  # what ran, and the budget not used
+            said = f"{runs}; max_trials {self.max_trials} not reached: {stop}"
+        else:
+            said = f"{runs}; exploration stopped: {stop}"
+        return said + (f"; {confirmation}" if confirmation else "")
 
     def record(self, improved: bool) -> None:
         self.dry_runs += 1

@@ -367,7 +367,7 @@ class Planner:
             if proposal.number is None:
                 return proposal.stop, rules.stopped or "exhausted"
             cand = self.space.from_point(proposal.point)
-            record = study.tell(proposal.number, measure_safely(self.measure_fn, cand))
+            record = study.tell(proposal.number, self._timed(cand, rules))
             if record is None:  # the study refused the result (a server's lease expired): the dry-run counts
                 rules.record(False)
                 continue
@@ -375,6 +375,14 @@ class Planner:
                         record.get("reason", ""))
             rules.record(record["improved"])
             same.check(record, cand)  # raises where every dry-run failed the same way: the user's setup
+
+    def _timed(self, cand: Candidate, rules: StopRules) -> Measured:
+        """One dry-run, its wall time kept by ``rules`` (the next one's prediction against the time left)."""
+        begin = self.clock()
+        try:
+            return measure_safely(self.measure_fn, cand)
+        finally:
+            rules.timed(self.clock() - begin)
 
     def _confirm(self, study: SearchStudy, rules: StopRules) -> str:
         """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
