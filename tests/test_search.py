@@ -46,6 +46,12 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     assert first["unchanged"], "the search changed the user's model"
     # No memory limit on a host with RAM to spare: tracing could not change any candidate's fit, so none is traced.
     assert len(first["trace_lines"]) == 1 and first["trace_lines"][0].startswith("cost model: memory of 0 of ")
+    # DeepSpeed's ZeRO is in the space: its one-time preparation (the op build) ran once, before the first dry-run,
+    # so no candidate's time or timeout holds it.
+    events = first["events"]
+    prepared = [i for i, line in enumerate(events) if "one-time preparation before the dry-runs: DeepSpeed" in line]
+    runs = [i for i, line in enumerate(events) if line.startswith("dry-run ")]
+    assert len(prepared) == 1 and runs and prepared[0] < runs[0], events
 
 
 def test_second_run_with_the_same_key_uses_the_cache(auto: dict[str, Any]) -> None:

@@ -227,7 +227,7 @@ class SearchState:
     def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *, storage: Any,
                  on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
                  trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR,
-                 correct_time: bool = True) -> None:
+                 correct_time: bool = True, unbuildable: dict[tuple[str, str], str] | None = None) -> None:
         from optuna.trial import TrialState
 
         if memory_budget <= 0:
@@ -258,7 +258,8 @@ class SearchState:
         self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
         self.promotes = False  # set by ``seed``: a search that enqueues the cost model's favourites promotes too
         # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
-        self.unbuildable_at: dict[tuple[str, str], str] = {}
+        # ``unbuildable``: the families the build check before the search ruled out (atorch.strategy_search.buildable)
+        self.unbuildable_at: dict[tuple[str, str], str] = dict(unbuildable or {})
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -334,7 +335,8 @@ class SearchState:
         found = [(self.corrected_samples_per_s(key), key) for key, pred in zip(self.table.keys, self.table.predictions,
                                                                               strict=True)
                  if key not in self.done and key not in self.queued and "error" not in pred
-                 and self.table.family(key) not in pending and self.table.fits(pred, self.budget, self.correction(key))]
+                 and self.table.family(key) not in pending and not self.unbuildable(key)
+                 and self.table.fits(pred, self.budget, self.correction(key))]
         speed, key = max(found, default=(0.0, None))
         return key if key is not None and speed > bar else None
 
@@ -358,9 +360,10 @@ class SearchState:
         """Enqueue the cost model's top-k predicted-feasible candidates (with ``correct_time``, spread over the
         parallel layouts: ``spread``) and the DDP baseline."""
         self.promotes = top_k > 0  # top_k=0: the sampler alone (and the DDP baseline) decides
-        ranked = self.table.ranked(self.budget, self.correction)
+        ranked = [key for key in self.table.ranked(self.budget, self.correction) if not self.unbuildable(key)]
         seeds = self.spread(ranked, top_k) if self.correct_time else ranked[:top_k]
         base = self.table.baseline(self.budget, self.correction)
+        base = None if base is not None and self.unbuildable(base) else base
         order = seeds
         if base is not None and base not in seeds:
             # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler

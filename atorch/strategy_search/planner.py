@@ -201,6 +201,7 @@ class Planner:
         identity: StudyIdentity | None = None,
         correct_time: bool = True,
         check: Callable[[], None] | None = None,
+        prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -226,6 +227,12 @@ class Planner:
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
         self.check = check or (lambda: None)
+        # What a search does once before its first dry-run (never for a cached answer), in the search's wall time:
+        # the build check of the space's method families (atorch.strategy_search.buildable: it returns the
+        # (method, layout) pairs that do not build, and why) and the methods' one-time preparations
+        # (``MethodConfig.preparation``: DeepSpeed's op build), so no trial's time holds them.
+        self.prepare = prepare
+        self.unbuildable: dict[tuple[str, str], str] | None = None  # set by ``before_dry_runs``
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
 
@@ -332,6 +339,7 @@ class Planner:
         if (hit := study.start(force)) is not None:
             return hit
         try:
+            self.before_dry_runs()  # a strategy server's study: here (a local one did it before seeding)
             stop, kind = self._explore(study, rules)
             confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
             if confirmation.startswith("confirmation cut short"):
@@ -348,6 +356,12 @@ class Planner:
         logger.info("strategy search: %s (%s); best %s", stop, ended, self.describe(best_cand) if best_cand else None)
         return PlanResult(best_cand, best["samples_per_s"] if best is not None else None, "search", self.study_name,
                           rules.dry_runs, stop, study.trials())
+
+    def before_dry_runs(self) -> dict[tuple[str, str], str]:
+        """Run ``prepare`` once: the (method, layout) pairs that do not build, and why."""
+        if self.unbuildable is None:
+            self.unbuildable = dict((self.prepare(self.space.enumerate()) if self.prepare is not None else None) or {})
+        return self.unbuildable
 
     def search_study(self) -> SearchStudy:
         """The study ``search`` drives: this planner's Optuna study (RemotePlanner: a strategy server's)."""
@@ -516,9 +530,13 @@ class LocalStudy(SearchStudy):
                 logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
                             p.study_name, measured, why)
         self._record(False, "running", "started; not finished (a search killed before its end stays so)")
+        unbuildable = p.before_dry_runs()  # before seeding: a family that cannot build is never enqueued
+        if unbuildable:  # the report lists them with their reasons
+            study.set_user_attr("unbuildable", [{"method": m, "layout": at, "reason": why}
+                                                for (m, at), why in unbuildable.items()])
         self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
                                  max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than,
-                                 correct_time=p.correct_time)
+                                 correct_time=p.correct_time, unbuildable=unbuildable)
         self.state.seed(p.top_k)
         return None
 

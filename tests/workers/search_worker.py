@@ -60,6 +60,20 @@ class _TraceLines(logging.Handler):
 
 
 logging.getLogger("atorch.strategy_search.automatic").addHandler(_TraceLines())
+
+
+class _Events(logging.Handler):
+    """The one-time preparations and the dry-runs, in the order the search did them."""
+
+    lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "one-time preparation" in text or text.startswith("dry-run "):
+            self.lines.append(text)
+
+
+logging.getLogger("atorch").addHandler(_Events())
 STORAGE = f"sqlite:///{SCRATCH}/search.db"
 QUICK = {"warmup_steps": 1, "measure_steps": 2, "min_measure_s": 0, "storage": STORAGE}
 
@@ -96,7 +110,7 @@ def auto() -> dict[str, Any]:
              "accumulation": result.args.gradient_accumulation_steps, "global_batch": result.args.global_batch_size,
              "unchanged": all(torch.equal(before[k], v) for k, v in setup["model"].state_dict().items()),
              "trials": [{k: t.get(k) for k in ("status", "reason")} for t in trials_of(result)],
-             "trace_lines": list(_TraceLines.lines)}
+             "trace_lines": list(_TraceLines.lines), "events": list(_Events.lines)}
     result.close()
     start = time.monotonic()
     _, again, strategy2 = atorch.auto_accelerate(**gpt2_setup(), time_limit=240, search=QUICK)
