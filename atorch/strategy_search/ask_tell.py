@@ -113,7 +113,8 @@ HOPELESS_FACTOR = 4.0
 # A candidate that has not run is promoted to the next dry-run when its time-corrected prediction beats the best
 # measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
 PROMOTE_MARGIN = 0.05
-CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
+CONFIRM_RUNS = 2  # a confirmation round re-measures the best and the runner-up once each
+CONFIRM_ROUNDS = 3  # rounds at most, while the two stay within the noise of each other (SearchOptions.confirm_rounds)
 # A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
 _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
@@ -122,26 +123,57 @@ CONFIRM_TIE = 0.05
 
 
 def merge_runs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two dry-runs of one candidate as one outcome: the later run's speed with the higher peak; a run that failed
-    decides. The later run is a confirmation, run back to back with its contender's, so the two are measured
-    under the same load and compare; first runs, made minutes apart under whatever load there was, do not (on a
-    loaded machine a candidate's lucky first run ranked it first though it ran 2x slower side by side)."""
+    """Two dry-runs of one candidate as one outcome, with the higher peak; a run that failed decides. The first
+    confirmation run replaces the first run's speed: it runs interleaved with its contender's, so the two are
+    measured under the same load and compare; first runs, made minutes apart under whatever load there was, do not
+    (on a loaded machine a candidate's lucky first run ranked it first though it ran 2x slower side by side).
+    Later confirmation rounds are pooled: samples/s is the median of the confirmation runs' (``confirmed``), and
+    their measured step times are kept together (``step_times_s``: their spread is the noise ``decided`` reads)."""
     if str(first["status"]).lower() not in OK_STATUSES:
         return first
     if str(second["status"]).lower() not in OK_STATUSES:
         return second
-    return {**second, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
-            "runs": int(first.get("runs", 1)) + int(second.get("runs", 1))}
+    runs = int(first.get("runs", 1))
+    merged = {**second, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
+              "runs": runs + int(second.get("runs", 1))}
+    if runs < 2:  # the first confirmation: it alone compares with its contender's
+        return {**merged, "confirmed": [second["samples_per_s"]], "step_times_s": list(second.get("step_times_s", []))}
+    confirmed = [*first.get("confirmed", [first["samples_per_s"]]), second["samples_per_s"]]
+    steps = [*first.get("step_times_s", []), *second.get("step_times_s", [])]
+    merged.update(confirmed=confirmed, samples_per_s=statistics.median(confirmed), step_times_s=steps)
+    if steps:
+        merged["step_time_s"] = statistics.median(steps)
+    return merged
 
 
-def best_of(entries: list[tuple[float, str, int]]) -> tuple[float, str] | tuple[None, None]:
-    """The best of (samples/s, key, runs) entries: the fastest, except that when the two fastest were both
-    confirmed (run more than once) and are within CONFIRM_TIE of each other, the simpler (``complexity``) wins:
-    the difference is the machine's noise, and the simpler strategy has less to go wrong."""
-    ranked = sorted(entries, reverse=True)
+def _spread(times: list[float]) -> float:
+    """A candidate's noise: the median absolute deviation of its measured step times."""
+    middle = statistics.median(times)
+    return statistics.median(abs(t - middle) for t in times)
+
+
+def decided(best: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two candidates' confirmation runs (merged outcomes, ``merge_runs``) tell them apart: with step times
+    for both, every step of one faster than every step of the other, or medians further apart than the two spreads
+    together (the machine's noise, as measured); without them, samples/s more than CONFIRM_TIE apart."""
+    a, b = list(best.get("step_times_s") or []), list(other.get("step_times_s") or [])
+    if len(a) >= 2 and len(b) >= 2:
+        if max(a) < min(b) or max(b) < min(a):
+            return True
+        return abs(statistics.median(a) - statistics.median(b)) > _spread(a) + _spread(b)
+    high, low = sorted((float(best["samples_per_s"]), float(other["samples_per_s"])), reverse=True)
+    return low < (1 - CONFIRM_TIE) * high
+
+
+def best_of(entries: list[tuple[float, str, int, dict[str, Any]]]) -> tuple[float, str] | tuple[None, None]:
+    """The best of (samples/s, key, runs, merged measured) entries: the fastest, except that when the two fastest
+    were both confirmed (run more than once) and their confirmation runs do not tell them apart (``decided``), the
+    simpler (``complexity``) wins: the difference is the machine's noise, and the simpler strategy has less to go
+    wrong."""
+    ranked = sorted(entries, key=lambda e: (e[0], e[1]), reverse=True)
     if not ranked:
         return None, None
-    if len(ranked) > 1 and ranked[0][2] > 1 and ranked[1][2] > 1 and ranked[1][0] >= (1 - CONFIRM_TIE) * ranked[0][0]:
+    if len(ranked) > 1 and ranked[0][2] > 1 and ranked[1][2] > 1 and not decided(ranked[0][3], ranked[1][3]):
         top = min(ranked[:2], key=lambda e: complexity(json.loads(e[1])))
         return top[0], top[1]
     return ranked[0][0], ranked[0][1]
@@ -569,7 +601,8 @@ class SearchState:
         merged = merge_runs(verdict["measured"], measured)
         value, constraints, attrs = judge(merged, self.table.prediction(key), self.budget)
         self.done[key] = (value, constraints, {"number": verdict["number"], "measured": merged, **attrs})
-        ok = [(v[0], k, int(v[2]["measured"].get("runs", 1))) for k, v in self.done.items() if v[2]["status"] == "ok"]
+        ok = [(v[0], k, int(v[2]["measured"].get("runs", 1)), v[2]["measured"]) for k, v in self.done.items()
+              if v[2]["status"] == "ok"]
         self.best_value, self.best_key = best_of(ok)
 
     # ----- the result --------------------------------------------------------------------------
@@ -668,7 +701,7 @@ def reselect(study: Any, memory_budget: float) -> dict[str, dict[str, Any]]:
         value, _, attrs = judge(measured, pred, memory_budget)
         judged[key] = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
                        "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"],
-                       "runs": int(measured.get("runs", 1))}
+                       "runs": int(measured.get("runs", 1)), "measured": measured}
     return judged
 
 
@@ -699,7 +732,7 @@ def cached_best(study: Any, memory_budget: float) -> CacheVerdict:
     for record in reversed(records):  # the latest first
         fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
         if not (why_not := record.answers(memory_budget, fits)):
-            _, best_key = best_of([(j["samples_per_s"], j["key"], j["runs"]) for j in ok])
+            _, best_key = best_of([(j["samples_per_s"], j["key"], j["runs"], j["measured"]) for j in ok])
             best = judged[best_key]
             mib = 2**20
             return CacheVerdict(best, (

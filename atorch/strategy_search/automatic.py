@@ -336,7 +336,8 @@ class _Leader:
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
                         skip_slower_than=self.options.skip_slower_than, identity=identity,
-                        confirm_within=self.options.confirm_within, check=self._all_back,
+                        confirm_within=self.options.confirm_within, confirm_rounds=self.options.confirm_rounds,
+                        check=self._all_back,
                         prepare=self._prepare)
             if not remote:
                 return Planner(space, **args)

@@ -57,6 +57,7 @@ from atorch.log import RepeatedWarnings, get_logger
 from atorch.settings import cache_dir
 from atorch.strategy_search.analyser import StepError, identity_json
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
+    CONFIRM_ROUNDS,
     CONFIRM_RUNS,
     CONFIRM_TIE,
     DEFAULT_TOP_K,
@@ -69,8 +70,10 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     SearchState,
     StopRules,
     cached_best,
+    decided,
     make_sampler,
     measure_safely,
+    merge_runs,
     trial_record,
 )
 from atorch.strategy_search.candidates import CandidateTable
@@ -202,6 +205,7 @@ class Planner:
         correct_time: bool = True,
         check: Callable[[], None] | None = None,
         prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
+        confirm_rounds: int = CONFIRM_ROUNDS,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -222,6 +226,7 @@ class Planner:
         self.clock = clock
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self.confirm_within = confirm_within
+        self.confirm_rounds = confirm_rounds  # interleaved rounds at most, while the two stay within noise
         self.skip_slower_than = skip_slower_than
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
@@ -399,32 +404,60 @@ class Planner:
             rules.timed(self.clock() - begin)
 
     def _confirm(self, study: SearchStudy, rules: StopRules) -> str:
-        """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
-        it did (for the stop message)."""
+        """Re-measure the best and a close runner-up interleaved (the runner-up first: A B, A B, ...) in rounds,
+        while their runs stay within the noise of each other (``decided``; at most ``confirm_rounds``), then choose
+        again (``best_of``: the faster where the runs tell them apart, else the simpler); says what it did and
+        which rule decided (for the stop message, and the study's ``confirmation_verdict``)."""
         contenders, measured = study.contenders(self.confirm_within or 0.0)
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
                 f"the runner-up was not within {self.confirm_within:.0%} of the best")
             return f"no confirmation: {why}"
-        done, best, speeds = 0, None, []
-        for contender in reversed(contenders):
-            if late := rules.out_of_time():
-                logger.info("strategy search: confirmation cut short: %s", late)
-                return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
-            self.check()
-            cand = self.space.from_point(contender["point"])
-            record, best = study.confirm(contender["key"], measure_safely(self.measure_fn, cand))
-            rules.record(False)
-            done += 1
-            speeds.append(record["measured"]["samples_per_s"] if record["status"] == "ok" else 0.0)
-            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
-                        record["status"], record["measured"]["samples_per_s"], contender["samples_per_s"])
-        logger.info("confirmation: best %s", self.describe(self.space.from_point(best["point"])) if best else None)
-        said = f"confirmation: the best and the runner-up ran once more, back to back ({done} dry-runs)"
-        if len(speeds) == 2 and min(speeds) >= (1 - CONFIRM_TIE) * max(speeds) > 0:
-            said += f"; within {CONFIRM_TIE:.0%} of each other side by side: the simpler strategy is kept"
-        return said
+        # each contender's confirmation runs merged as the study merges them (merge_runs), to judge the rounds
+        merged = {c["key"]: {"status": "ok", "samples_per_s": c["samples_per_s"], "peak_memory_bytes": 0.0}
+                  for c in contenders}
+        done, rounds, best, rule = 0, 0, None, ""
+        while rounds < max(1, self.confirm_rounds) and not rule:
+            for contender in reversed(contenders):
+                if late := rules.out_of_time():
+                    logger.info("strategy search: confirmation cut short: %s", late)
+                    said = f"confirmation cut short after {done} dry-runs ({rounds} full rounds): {late}"
+                    if rounds:  # what the full rounds measured still decides
+                        said += "; " + self._verdict(study, contenders, merged, rounds, best, final=True)
+                    return said
+                self.check()
+                cand = self.space.from_point(contender["point"])
+                run = self._timed(cand, rules)
+                record, best = study.confirm(contender["key"], run)
+                merged[contender["key"]] = merge_runs(merged[contender["key"]], run.to_json())
+                rules.record(False)
+                done += 1
+                logger.info("confirmation round %d: %s -> %s, %.3g samples/s (first run %.3g)", rounds + 1,
+                            self.describe(cand), record["status"], run.samples_per_s, contender["samples_per_s"])
+            rounds += 1
+            rule = self._verdict(study, contenders, merged, rounds, best, final=rounds >= self.confirm_rounds)
+        logger.info("confirmation: best %s (%s)", self.describe(self.space.from_point(best["point"])) if best else None,
+                    rule)
+        return (f"confirmation: the best and the runner-up re-measured interleaved, {rounds} round"
+                f"{'' if rounds == 1 else 's'} ({done} dry-runs); {rule}")
 
+    def _verdict(self, study: SearchStudy, contenders: list[dict[str, Any]], merged: dict[str, dict[str, Any]],
+                 rounds: int, best: dict[str, Any] | None, final: bool) -> str:
+        """Which rule decides after ``rounds`` rounds ("" while the two are within noise and rounds are left); the
+        verdict is kept in the study."""
+        runs = [merged[c["key"]] for c in contenders]
+        failed = [r for r in runs if str(r["status"]).lower() not in OK_STATUSES]
+        if failed:
+            rule = "a contender failed when re-measured: the other is kept"
+        elif decided(*runs):
+            rule = f"measured faster over {rounds} round{'' if rounds == 1 else 's'}"
+        elif final:
+            rule = f"tie within noise over {rounds} round{'' if rounds == 1 else 's'}: the simpler strategy wins"
+        else:
+            return ""
+        study.note_verdict({"rule": rule, "rounds": rounds, "keys": [c["key"] for c in contenders],
+                            "best": best["key"] if best else None})
+        return rule
 
 def failure_signature(reason: str) -> str:
     """A failure's reason as compared across candidates: the first rank's error, without rank numbers, figures
@@ -491,6 +524,9 @@ class SearchStudy(ABC):
     @abstractmethod
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Record a re-measurement (``SearchState.confirm``): its record and the best chosen again."""
+
+    def note_verdict(self, verdict: dict[str, Any]) -> None:  # noqa: B027  (optional: a server keeps none)
+        """Keep which rule decided the confirmation (the report shows it)."""
 
     @abstractmethod
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
@@ -560,6 +596,9 @@ class LocalStudy(SearchStudy):
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
         state = self._state()
         return state.confirm(key, measured), state.best()
+
+    def note_verdict(self, verdict: dict[str, Any]) -> None:
+        self.study.set_user_attr("confirmation_verdict", verdict)
 
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
                ) -> tuple[dict[str, Any] | None, str]:
