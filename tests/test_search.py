@@ -240,6 +240,59 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
     result.close()
 
 
+def _mlp_args() -> dict[str, Any]:
+    return dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
+                optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8})
+
+
+def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tmp_path, monkeypatch) -> None:
+    """Real dry-runs (one process): every runner-up is close enough to confirm; the best two are re-measured
+    interleaved, round after round while within noise (at most confirm_rounds), and the rule that decided is in the
+    stop message and the report."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    storage = f"sqlite:///{tmp_path}/s.db"
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **_mlp_args(),
+        search={"storage": storage, "max_trials": 6, "warmup_steps": 1, "measure_steps": 3, "min_measure_s": 0,
+                "confirm_within": 0.99, "confirm_rounds": 2})
+    search = result.args.search
+    result.close()
+    stop = search["stop_reason"]
+    assert "re-measured interleaved" in stop, stop
+    study = optuna.load_study(study_name=search["study_name"], storage=storage)
+    verdict = study.user_attrs["confirmation_verdict"]
+    again = study.user_attrs["confirmations"]
+    assert 2 <= len(again) == 2 * verdict["rounds"] <= 4
+    # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
+    assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
+    assert all(len(c["measured"]["step_times_s"]) == 3 for c in again)
+    if verdict["rule"].startswith("tie within noise"):  # a tie takes every round; a clear difference can stop early
+        assert verdict["rounds"] == 2
+    assert verdict["rule"] in stop and search["dry_runs"] == 4 + len(again)
+    out = tmp_path / "report.html"
+    assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
+    assert html.escape(verdict["rule"]) in out.read_text()
+
+
+def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> None:
+    """time_limit 25 s on a small model with room for 50 dry-runs: a dry-run starts only when the time left holds
+    one, so the search ends within the limit (plus bookkeeping), and the stop message counts what ran."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    limit = 25.0
+    start = time.monotonic()
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **_mlp_args(), time_limit=limit,
+        search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 50, "warmup_steps": 1, "measure_steps": 2,
+                "min_measure_s": 0.5})
+    elapsed = time.monotonic() - start
+    search = result.args.search
+    result.close()
+    runs = search["dry_runs"]
+    assert runs >= 1 and search["stop_reason"].startswith(
+        f"{runs} dry-run{'' if runs == 1 else 's'}; max_trials 50 not reached: time_limit 25 s"), search["stop_reason"]
+    assert elapsed < limit + 5.0, (elapsed, search["stop_reason"])  # the profile, the pick's build: a few seconds
+
+
 def test_no_dataset_means_the_default_strategy(caplog) -> None:
     _, result, strategy = atorch.auto_accelerate(mlp(), torch.optim.SGD)
     assert strategy.names() == ["parallel_mode"] and result.args.search is None

@@ -183,10 +183,10 @@ class StopRules:
     """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
 
     def __init__(self, time_limit_s: float | None, max_trials: int, patience: int | None,
-                 clock: Callable[[], float] = time.monotonic, reserved: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, reserved: int = 0, spent: float = 0.0) -> None:
         self.time_limit_s, self.max_trials, self.patience, self.clock = time_limit_s, max_trials, patience, clock
         self.reserved = reserved  # dry-runs of max_trials kept for after exploration (the confirmation)
-        self.start = clock()
+        self.start = clock() - spent  # ``spent``: seconds of the time limit used before these rules started
         self.dry_runs = 0
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs

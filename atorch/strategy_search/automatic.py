@@ -330,9 +330,10 @@ class _Leader:
         key = study_key(identity)
 
         def make_planner(remote: bool) -> Any:
-            remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
+            # the whole time_limit, with what the profile and the analysis spent of it: the messages name the user's
             args = dict(predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
-                        storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
+                        storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=self.time_limit,
+                        time_spent_s=time.monotonic() - self.start,
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
                         skip_slower_than=self.options.skip_slower_than, identity=identity,

@@ -206,6 +206,7 @@ class Planner:
         check: Callable[[], None] | None = None,
         prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
         confirm_rounds: int = CONFIRM_ROUNDS,
+        time_spent_s: float = 0.0,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -219,6 +220,7 @@ class Planner:
         self.study_name = study_key or _study_key(identity or StudyIdentity.of(space))
         self.sampler = sampler
         self.time_limit_s = time_limit_s
+        self.time_spent_s = time_spent_s  # of time_limit_s, before this planner (the analysis): counted against it
         self.max_trials = max_trials
         self.patience = patience
         self.top_k = top_k
@@ -339,7 +341,8 @@ class Planner:
         served with no dry-run; any other is resumed: explore, then confirm a close runner-up."""
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
-        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
+        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve,
+                          spent=self.time_spent_s)
         study = self.search_study()
         if (hit := study.start(force)) is not None:
             return hit
