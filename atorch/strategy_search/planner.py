@@ -11,12 +11,14 @@
 4. It stops on ``time_limit_s`` (checked before each trial), ``max_trials`` dry-runs, or ``patience``
    dry-runs without improvement. The best is the highest *measured* samples/s among feasible trials.
 5. Confirmation (``confirm_within``, off by default here; ``auto_accelerate`` turns it on): when the
-   runner-up measured within that fraction of the best, both are measured once more, back to back, the
-   runner-up first, and those two runs decide (``merge_runs``): they ran under the same load. One dry-run each
-   cannot separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a
-   20% deficit when re-measured. Within CONFIRM_TIE of each other side by side, the simpler strategy is kept
-   (``best_of``). The two runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget
-   holds.
+   runner-up measured within that fraction of the best, both are re-measured interleaved (the runner-up first:
+   A B, A B, ...) in rounds, at most ``confirm_rounds``, while their runs stay within the machine's noise of
+   each other (``decided``: the spread of their measured steps; without step times, CONFIRM_TIE), and those
+   runs decide (``merge_runs`` pools the rounds): they ran under the same load. One dry-run each cannot
+   separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a 20%
+   deficit when re-measured. Still within noise after the last round, the simpler strategy is kept
+   (``best_of``). The first round's two runs come out of ``max_trials`` (exploration stops two early); later
+   rounds run only while undecided.
 
 The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
 ``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
