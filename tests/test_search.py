@@ -183,6 +183,19 @@ def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
     assert not SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
 
 
+def test_a_family_that_does_not_build_on_the_model_is_ruled_out_before_the_first_dry_run(tmp_path) -> None:
+    out = run_json(WORKER, "unbuildable", str(tmp_path), timeout=600)
+    (ruled,) = out["unbuildable"]
+    assert ruled["method"] == "tensor_parallel" and "no token embedding" in ruled["reason"], ruled
+    measured = [t for t in out["trials"] if t.get("status") not in (None, "duplicate", "skipped", "predicted_oom")]
+    assert measured, out["trials"]
+    assert not [t for t in measured if json.loads(t["key"]).get("tensor", 1) > 1], "a ruled-out family was dry-run"
+    assert all("no token embedding" in t["reason"] for t in out["trials"]
+               if t.get("status") == "skipped" and json.loads(t["key"]).get("tensor", 1) > 1)
+    assert "Ruled out before the search" in out["report"] and "no token embedding" in out["report"]
+    assert "tensor_parallel" not in json.dumps(out["strategy"])
+
+
 def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:
     from server_harness import ThreadServer
 
