@@ -33,6 +33,7 @@ from atorch.model_context import UserSetup
 
 logger = get_logger(__name__)
 CHECK_TIME_S = 20.0  # for every build of the check; the families not reached are left to the dry-runs
+REAL_BUILD_BYTES = 256 * 2**20  # a model's parameters up to this size are copied for a real build (see below)
 
 
 @dataclass
@@ -49,8 +50,12 @@ class BuildCheck:
         return [{"method": m, "layout": at, "reason": why} for (m, at), why in self.unbuildable.items()]
 
 
-def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cand: Any) -> str | None:
-    """Build ``cand`` on fake tensors (inside ``fake_world``): None when it builds, else "method\\treason"."""
+def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cand: Any,
+               fake: bool = True) -> str | None:
+    """Build ``cand`` (inside ``fake_world``) on fake tensors, or with ``fake=False`` on a real copy of the model
+    (the fake group's collectives return at once either way): None when it builds, else the method and the
+    reason, tab-separated."""
+    import contextlib
     import warnings
 
     from atorch.apply import apply_strategy
@@ -60,20 +65,28 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
     from atorch.strategy_search.fake_kernels import FakeKernelGaps
     from atorch.strategy_search.tracing import MemoryTracer, memory_twin
 
-    tracer = MemoryTracer(setup, batch, world_size, device)  # a fake copy of the model in a fake mode of its own
     strategy = memory_twin(cand.strategy)
     env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
     layout = strategy.layout(world_size)
-    fake_setup = replace(tracer.setup, dataloader_args={**tracer.setup.dataloader_args,
-                                                        "batch_size": cand.micro_batch_size * layout.data_size})
-    skipped, problems = preflight(fake_setup, env, strategy, layout)
+    modes: list[Any] = []  # entered around the build only (the mesh is made from real rank tensors)
+    if fake:
+        tracer = MemoryTracer(setup, batch, world_size, device)  # a fake copy of the model, a fake mode of its own
+        base = tracer.setup
+        modes = [tracer.mode, FakeKernelGaps()]
+    else:
+        base = replace(setup, dataset=None)
+    built_setup = replace(base, dataloader_args={**base.dataloader_args,
+                                                 "batch_size": cand.micro_batch_size * layout.data_size})
+    skipped, problems = preflight(built_setup, env, strategy, layout)
     if problems:
         return "preflight\t" + "; ".join(problems)
     layout.mesh(device.type)
     try:
-        with warnings.catch_warnings(), tracer.mode, FakeKernelGaps():
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             warnings.simplefilter("ignore")
-            ctx = ModelContext(fake_setup, env, layout).fresh()
+            for mode in modes:
+                stack.enter_context(mode)
+            ctx = ModelContext(built_setup, env, layout).fresh()
             ctx.skipped = dict(skipped)
             apply_strategy(ctx, strategy, communicate=False)
     except Exception as exc:  # noqa: BLE001  (the method that raised is named by apply_strategy)
@@ -104,6 +117,10 @@ def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.
     begin = time.monotonic()
     plan = _plan(cands, world_size)
     found = BuildCheck()
+    # A fake build can fail where the real one does not (seen: module_replace's swap of fake parameters): a failure
+    # is confirmed by a real build of the same candidate where the model is small enough to copy once more; else
+    # it is left to the dry-runs, never ruled out on the fake build alone.
+    real_ok = sum(p.numel() * p.element_size() for p in setup.model.parameters()) <= REAL_BUILD_BYTES
 
     def run_all(emit: Any) -> None:
         deadline = time.monotonic() + time_limit_s
@@ -119,6 +136,14 @@ def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.
                                            f"{time_limit_s:g} s"})
                         break
                     why = _build_one(setup, batch, world_size, device, cand)
+                    if why is not None and not real_ok:
+                        emit({"unchecked": f"{' + '.join(sorted(names))} at {at}: the fake build failed "
+                                           f"({why.split(chr(9), 1)[-1]}); the model is too large for a real build "
+                                           "here: left to the dry-runs"})
+                        settled |= names
+                        continue
+                    if why is not None:  # a fake tensor's gap is not the method's: a real build decides
+                        why = _build_one(setup, batch, world_size, device, cand, fake=False)
                     emit({"layout": at, "names": sorted(cand.strategy.names()), "failed": why})
                     if why is None:
                         settled |= names
