@@ -36,7 +36,8 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     first = auto["first"]
     assert first["search"]["source"] == "search"
     assert first["seconds"] < 240, "the search ran past time_limit"
-    assert 1 <= first["search"]["dry_runs"] <= 8
+    # max_trials 8, plus the confirmation's later rounds (2 of 3 by default), which run only while undecided
+    assert 1 <= first["search"]["dry_runs"] <= 8 + 2 * 2
     # Every dry-run of this model works on 2 CPU ranks: a failed trial here is a defect (DeepSpeed
     # engines after the first, once, failed on a destroyed group).
     assert [t for t in first["trials"] if t["status"] not in ("ok", "duplicate", "predicted_oom", "skipped")] == []
