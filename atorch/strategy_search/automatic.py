@@ -419,13 +419,18 @@ class _Leader:
         rest (deduplicated by what they do): a DeepSpeed op build (30-70 s the first time) would otherwise land
         inside whichever dry-run first used it, and on a time limit, stop the search in the middle of it."""
         from atorch.dryrun.runner import preparations, prepare_once
-        from atorch.strategy_search.buildable import CHECK_TIME_S, check_families
+        from atorch.strategy_search.buildable import CHECK_TIME_S, BuildCheck, check_families
         from atorch.strategy_search.candidates import layout_key
 
         limit = CHECK_TIME_S
         if self.time_limit is not None:
             limit = max(1.0, min(limit, 0.2 * (self.time_limit - (time.monotonic() - self.start))))
-        checked = check_families(self.setup, self.batch, self.env.world_size, self.env.device, cands, limit)
+        try:
+            checked = check_families(self.setup, self.batch, self.env.world_size, self.env.device, cands, limit)
+        except Exception as exc:  # noqa: BLE001  (the dry-runs rule out what does not build, one failure each)
+            logger.warning("automatic search: the build check could not run (%s: %s); the dry-runs decide",
+                           type(exc).__name__, exc)
+            checked = BuildCheck()
         logger.info("automatic search: build check of the space's method families: %d build%s in %.1f s on fake "
                     "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s", checked.seconds,
                     "; ".join(f"{m} at {at} ({why})" for (m, at), why in checked.unbuildable.items()) or "none",
