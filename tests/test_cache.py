@@ -84,7 +84,7 @@ def test_a_time_limited_search_is_stored_unfinished_and_resumed(space, tmp_path)
 
     first = Slow()
     cut = planner(space, tmp_path, first, time_limit_s=2.0, clock=lambda: now[0]).search()
-    assert "time limit" in cut.stop_reason and len(first.calls) == 2
+    assert "time_limit" in cut.stop_reason and len(first.calls) == 2
     stored = record(planner(space, tmp_path, Measure()))
     assert not stored.finished and stored.stop == "time_limit"
     rest = Measure()

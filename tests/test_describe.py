@@ -202,11 +202,12 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[P
 
 def test_stop_message_with_a_confirmation(tmp_path) -> None:
     result, calls = _search(tmp_path, runner_up=95.0, confirm_within=0.1)
-    assert len(calls) == 8 == result.dry_runs
-    assert result.stop_reason == ("8 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
-                                  "kept for a confirmation); confirmation: the best and the runner-up ran once more, "
-                                  "back to back (2 dry-runs); within 5% of each other side by side: the simpler "
-                                  "strategy is kept")
+    # 5% apart each time, without step times to show the noise: undecided after every round, so all 3 run
+    assert len(calls) == 12 == result.dry_runs
+    assert result.stop_reason == ("12 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
+                                  "kept for a confirmation); confirmation: the best and the runner-up re-measured "
+                                  "interleaved, 3 rounds (6 dry-runs); tie within noise over 3 rounds: the simpler "
+                                  "strategy wins")
 
 
 def test_stop_message_without_a_confirmation(tmp_path) -> None:
@@ -232,7 +233,14 @@ def test_stop_rules_name_the_rule() -> None:
                                           "the last 2 dry-runs"
     timed = StopRules(5.0, 8, None, clock=lambda: now[0])
     now[0] = 6.0
-    assert timed.reason() == "time limit 5s reached (6.0s)"
+    assert timed.reason() == "time_limit 5 s reached (6.0 s)"
     timed.record(True)
-    assert timed.ended(timed.reason(), "no confirmation (off)") == ("1 dry-run; exploration stopped: time limit 5s "
-                                                                     "reached (6.0s); no confirmation (off)")
+    # it counts what ran, and says the dry-run budget was not reached
+    assert timed.ended(timed.reason(), "no confirmation (off)") == ("1 dry-run; max_trials 8 not reached: time_limit "
+                                                                     "5 s reached (6.0 s); no confirmation (off)")
+    # a dry-run that the time left cannot hold (the median of those that ran) is not started
+    early = StopRules(10.0, 8, None, clock=lambda: now[0])
+    now[0] = 14.0
+    early.timed(3.0)
+    early.record(True)
+    assert early.reason() == "time_limit 10 s: 2.0 s left, a dry-run takes 3.0 s (the median of the 1 that ran)"

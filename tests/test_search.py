@@ -36,7 +36,8 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     first = auto["first"]
     assert first["search"]["source"] == "search"
     assert first["seconds"] < 240, "the search ran past time_limit"
-    assert 1 <= first["search"]["dry_runs"] <= 8
+    # max_trials 8, plus the confirmation's later rounds (2 of 3 by default), which run only while undecided
+    assert 1 <= first["search"]["dry_runs"] <= 8 + 2 * 2
     # Every dry-run of this model works on 2 CPU ranks: a failed trial here is a defect (DeepSpeed
     # engines after the first, once, failed on a destroyed group).
     assert [t for t in first["trials"] if t["status"] not in ("ok", "duplicate", "predicted_oom", "skipped")] == []
@@ -46,6 +47,12 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     assert first["unchanged"], "the search changed the user's model"
     # No memory limit on a host with RAM to spare: tracing could not change any candidate's fit, so none is traced.
     assert len(first["trace_lines"]) == 1 and first["trace_lines"][0].startswith("cost model: memory of 0 of ")
+    # DeepSpeed's ZeRO is in the space: its one-time preparation (the op build) ran once, before the first dry-run,
+    # so no candidate's time or timeout holds it.
+    events = first["events"]
+    prepared = [i for i, line in enumerate(events) if "one-time preparation before the dry-runs: DeepSpeed" in line]
+    runs = [i for i, line in enumerate(events) if line.startswith("dry-run ")]
+    assert len(prepared) == 1 and runs and prepared[0] < runs[0], events
 
 
 def test_second_run_with_the_same_key_uses_the_cache(auto: dict[str, Any]) -> None:
@@ -177,6 +184,19 @@ def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
     assert not SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
 
 
+def test_a_family_that_does_not_build_on_the_model_is_ruled_out_before_the_first_dry_run(tmp_path) -> None:
+    out = run_json(WORKER, "unbuildable", str(tmp_path), timeout=600)
+    (ruled,) = out["unbuildable"]
+    assert ruled["method"] == "tensor_parallel" and "no token embedding" in ruled["reason"], ruled
+    measured = [t for t in out["trials"] if t.get("status") not in (None, "duplicate", "skipped", "predicted_oom")]
+    assert measured, out["trials"]
+    assert not [t for t in measured if json.loads(t["key"]).get("tensor", 1) > 1], "a ruled-out family was dry-run"
+    assert all("no token embedding" in t["reason"] for t in out["trials"]
+               if t.get("status") == "skipped" and json.loads(t["key"]).get("tensor", 1) > 1)
+    assert "Ruled out before the search" in out["report"] and "no token embedding" in out["report"]
+    assert "tensor_parallel" not in json.dumps(out["strategy"])
+
+
 def test_search_against_a_strategy_server(tmp_path, monkeypatch) -> None:
     from server_harness import ThreadServer
 
@@ -232,6 +252,59 @@ def test_one_process_search_and_cost_model_only_mode(tmp_path, monkeypatch) -> N
                                                search={"storage": storage, "dryrun": False})
     assert result.args.search["source"] == "cost_model" and result.args.search["dry_runs"] == 0
     result.close()
+
+
+def _mlp_args() -> dict[str, Any]:
+    return dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
+                optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8})
+
+
+def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tmp_path, monkeypatch) -> None:
+    """Real dry-runs (one process): every runner-up is close enough to confirm; the best two are re-measured
+    interleaved, round after round while within noise (at most confirm_rounds), and the rule that decided is in the
+    stop message and the report."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    storage = f"sqlite:///{tmp_path}/s.db"
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **_mlp_args(),
+        search={"storage": storage, "max_trials": 6, "warmup_steps": 1, "measure_steps": 3, "min_measure_s": 0,
+                "confirm_within": 0.99, "confirm_rounds": 2})
+    search = result.args.search
+    result.close()
+    stop = search["stop_reason"]
+    assert "re-measured interleaved" in stop, stop
+    study = optuna.load_study(study_name=search["study_name"], storage=storage)
+    verdict = study.user_attrs["confirmation_verdict"]
+    again = study.user_attrs["confirmations"]
+    assert 2 <= len(again) == 2 * verdict["rounds"] <= 4
+    # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
+    assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
+    assert all(len(c["measured"]["step_times_s"]) == 3 for c in again)
+    if verdict["rule"].startswith("tie within noise"):  # a tie takes every round; a clear difference can stop early
+        assert verdict["rounds"] == 2
+    assert verdict["rule"] in stop and search["dry_runs"] == 4 + len(again)
+    out = tmp_path / "report.html"
+    assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
+    assert html.escape(verdict["rule"]) in out.read_text()
+
+
+def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> None:
+    """time_limit 25 s on a small model with room for 50 dry-runs: a dry-run starts only when the time left holds
+    one, so the search ends within the limit (plus bookkeeping), and the stop message counts what ran."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    limit = 25.0
+    start = time.monotonic()
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **_mlp_args(), time_limit=limit,
+        search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 50, "warmup_steps": 1, "measure_steps": 2,
+                "min_measure_s": 0.5})
+    elapsed = time.monotonic() - start
+    search = result.args.search
+    result.close()
+    runs = search["dry_runs"]
+    assert runs >= 1 and search["stop_reason"].startswith(
+        f"{runs} dry-run{'' if runs == 1 else 's'}; max_trials 50 not reached: time_limit 25 s"), search["stop_reason"]
+    assert elapsed < limit + 5.0, (elapsed, search["stop_reason"])  # the profile, the pick's build: a few seconds
 
 
 def test_no_dataset_means_the_default_strategy(caplog) -> None:

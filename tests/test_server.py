@@ -274,7 +274,8 @@ def test_a_remote_search_confirms_a_close_runner_up_as_a_local_one_does(space, t
     slowed = max(seeds, key=lambda c: true_speed(dict(c.point)))
     args = dict(study_key="c", predict=predict, memory_budget=BUDGET, max_trials=8, confirm_within=0.3)
     local = Planner(space, storage=local_db, measure=SlowFirstRun(slowed.key), **args).search()
-    confirmed_line = "; confirmation: the best and the runner-up ran once more, back to back (2 dry-runs)"
+    confirmed_line = ("; confirmation: the best and the runner-up re-measured interleaved, 1 round (2 dry-runs); "
+                      "measured faster over 1 round")
     assert local.stop_reason.endswith(confirmed_line)
     with ThreadServer(sqlite(tmp_path)) as server:
         measure = SlowFirstRun(slowed.key)

@@ -93,3 +93,21 @@ class SmallVGG(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x.flatten(1))
+
+
+class ConvClassifier(nn.Module):
+    """A convolution, then two paired linear layers (a tensor-parallel plan derives from them), and a
+    transformers-style ``get_input_embeddings`` that refuses with an error tensor parallel's build does not take
+    for "no embedding": the tensor-parallel family cannot build on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * 8 * 8, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(torch.relu(self.conv(x)).flatten(1))))
+
+    def get_input_embeddings(self) -> nn.Module:
+        raise TypeError("a convolutional classifier has no token embedding")

@@ -315,6 +315,17 @@ def prepare_once(strategy: Strategy, log: bool) -> list[str]:
     return problems
 
 
+def preparations(strategies: Sequence[Strategy]) -> dict[str, Strategy]:
+    """The distinct one-time preparations the strategies' methods declare (by ``Preparation.what``), each with
+    the first strategy that needs it (``prepare_once`` of it does that one)."""
+    found: dict[str, Strategy] = {}
+    for strategy in strategies:
+        for item in strategy.methods:
+            if (preparation := item.config.preparation()) is not None:
+                found.setdefault(preparation.what, Strategy(methods=(item,)))
+    return found
+
+
 class _Trial:
     def __init__(self, coordinator: Coordinator, index: int, setup: UserSetup, env: DistEnv, strategy: Strategy,
                  warmup: int, steps: int, timeout_s: float, micro_batches: int) -> None:

@@ -100,6 +100,8 @@ class Measured(outcome.Measured):
     reason: str = Field("", max_length=10_000)
     loss: float | str | None = Field(None, description="first-step loss")
     reference_loss: float | str | None = Field(None, description="the user's model on the same samples")
+    step_times_s: list[float] = Field(default_factory=list, max_length=10_000,
+                                      description="each measured step's time on the slowest rank")
 
 
 class TellRequest(BaseModel):

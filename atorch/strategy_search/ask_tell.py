@@ -113,7 +113,8 @@ HOPELESS_FACTOR = 4.0
 # A candidate that has not run is promoted to the next dry-run when its time-corrected prediction beats the best
 # measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
 PROMOTE_MARGIN = 0.05
-CONFIRM_RUNS = 2  # a confirmation re-measures the best and the runner-up once each
+CONFIRM_RUNS = 2  # a confirmation round re-measures the best and the runner-up once each
+CONFIRM_ROUNDS = 3  # rounds at most, while the two stay within the noise of each other (SearchOptions.confirm_rounds)
 # A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
 _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
@@ -122,26 +123,57 @@ CONFIRM_TIE = 0.05
 
 
 def merge_runs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two dry-runs of one candidate as one outcome: the later run's speed with the higher peak; a run that failed
-    decides. The later run is a confirmation, run back to back with its contender's, so the two are measured
-    under the same load and compare; first runs, made minutes apart under whatever load there was, do not (on a
-    loaded machine a candidate's lucky first run ranked it first though it ran 2x slower side by side)."""
+    """Two dry-runs of one candidate as one outcome, with the higher peak; a run that failed decides. The first
+    confirmation run replaces the first run's speed: it runs interleaved with its contender's, so the two are
+    measured under the same load and compare; first runs, made minutes apart under whatever load there was, do not
+    (on a loaded machine a candidate's lucky first run ranked it first though it ran 2x slower side by side).
+    Later confirmation rounds are pooled: samples/s is the median of the confirmation runs' (``confirmed``), and
+    their measured step times are kept together (``step_times_s``: their spread is the noise ``decided`` reads)."""
     if str(first["status"]).lower() not in OK_STATUSES:
         return first
     if str(second["status"]).lower() not in OK_STATUSES:
         return second
-    return {**second, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
-            "runs": int(first.get("runs", 1)) + int(second.get("runs", 1))}
+    runs = int(first.get("runs", 1))
+    merged = {**second, "peak_memory_bytes": max(first["peak_memory_bytes"], second["peak_memory_bytes"]),
+              "runs": runs + int(second.get("runs", 1))}
+    if runs < 2:  # the first confirmation: it alone compares with its contender's
+        return {**merged, "confirmed": [second["samples_per_s"]], "step_times_s": list(second.get("step_times_s", []))}
+    confirmed = [*first.get("confirmed", [first["samples_per_s"]]), second["samples_per_s"]]
+    steps = [*first.get("step_times_s", []), *second.get("step_times_s", [])]
+    merged.update(confirmed=confirmed, samples_per_s=statistics.median(confirmed), step_times_s=steps)
+    if steps:
+        merged["step_time_s"] = statistics.median(steps)
+    return merged
 
 
-def best_of(entries: list[tuple[float, str, int]]) -> tuple[float, str] | tuple[None, None]:
-    """The best of (samples/s, key, runs) entries: the fastest, except that when the two fastest were both
-    confirmed (run more than once) and are within CONFIRM_TIE of each other, the simpler (``complexity``) wins:
-    the difference is the machine's noise, and the simpler strategy has less to go wrong."""
-    ranked = sorted(entries, reverse=True)
+def _spread(times: list[float]) -> float:
+    """A candidate's noise: the median absolute deviation of its measured step times."""
+    middle = statistics.median(times)
+    return statistics.median(abs(t - middle) for t in times)
+
+
+def decided(best: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two candidates' confirmation runs (merged outcomes, ``merge_runs``) tell them apart: with step times
+    for both, every step of one faster than every step of the other, or medians further apart than the two spreads
+    together (the machine's noise, as measured); without them, samples/s more than CONFIRM_TIE apart."""
+    a, b = list(best.get("step_times_s") or []), list(other.get("step_times_s") or [])
+    if len(a) >= 2 and len(b) >= 2:
+        if max(a) < min(b) or max(b) < min(a):
+            return True
+        return abs(statistics.median(a) - statistics.median(b)) > _spread(a) + _spread(b)
+    high, low = sorted((float(best["samples_per_s"]), float(other["samples_per_s"])), reverse=True)
+    return low < (1 - CONFIRM_TIE) * high
+
+
+def best_of(entries: list[tuple[float, str, int, dict[str, Any]]]) -> tuple[float, str] | tuple[None, None]:
+    """The best of (samples/s, key, runs, merged measured) entries: the fastest, except that when the two fastest
+    were both confirmed (run more than once) and their confirmation runs do not tell them apart (``decided``), the
+    simpler (``complexity``) wins: the difference is the machine's noise, and the simpler strategy has less to go
+    wrong."""
+    ranked = sorted(entries, key=lambda e: (e[0], e[1]), reverse=True)
     if not ranked:
         return None, None
-    if len(ranked) > 1 and ranked[0][2] > 1 and ranked[1][2] > 1 and ranked[1][0] >= (1 - CONFIRM_TIE) * ranked[0][0]:
+    if len(ranked) > 1 and ranked[0][2] > 1 and ranked[1][2] > 1 and not decided(ranked[0][3], ranked[1][3]):
         top = min(ranked[:2], key=lambda e: complexity(json.loads(e[1])))
         return top[0], top[1]
     return ranked[0][0], ranked[0][1]
@@ -151,20 +183,38 @@ class StopRules:
     """One search's stop rules: time limit (checked before each ask), dry-run budget, patience."""
 
     def __init__(self, time_limit_s: float | None, max_trials: int, patience: int | None,
-                 clock: Callable[[], float] = time.monotonic, reserved: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, reserved: int = 0, spent: float = 0.0) -> None:
         self.time_limit_s, self.max_trials, self.patience, self.clock = time_limit_s, max_trials, patience, clock
         self.reserved = reserved  # dry-runs of max_trials kept for after exploration (the confirmation)
-        self.start = clock()
+        self.start = clock() - spent  # ``spent``: seconds of the time limit used before these rules started
         self.dry_runs = 0
         self.since_best = 0
         self.found = False  # patience counts only once something fits and runs
         self.stopped = ""  # the kind of the last stop reason given: "time_limit", "max_trials" or "patience"
+        self.walls: list[float] = []  # each dry-run's wall time (``timed``): what the next one is predicted to take
+
+    def next_dry_run_s(self) -> float:
+        """What the next dry-run is predicted to take: the median wall time of those that ran (start-up, warm-up and
+        measured steps together; 0 before the first)."""
+        return statistics.median(self.walls) if self.walls else 0.0
+
+    def timed(self, seconds: float) -> None:
+        self.walls.append(max(0.0, float(seconds)))
 
     def out_of_time(self) -> str:
+        """Why no dry-run may start now: the time limit is reached, or what is left of it is shorter than the next
+        dry-run is predicted to take (the search ends within its limit instead of one dry-run past it)."""
         elapsed = self.clock() - self.start
-        if self.time_limit_s is not None and elapsed >= self.time_limit_s:
+        if self.time_limit_s is None:
+            return ""
+        if elapsed >= self.time_limit_s:
             self.stopped = "time_limit"
-            return f"time limit {self.time_limit_s:g}s reached ({elapsed:.1f}s)"
+            return f"time_limit {self.time_limit_s:g} s reached ({elapsed:.1f} s)"
+        left, need = self.time_limit_s - elapsed, self.next_dry_run_s()
+        if need > left:
+            self.stopped = "time_limit"
+            return (f"time_limit {self.time_limit_s:g} s: {left:.1f} s left, a dry-run takes {need:.1f} s "
+                    f"(the median of the {len(self.walls)} that ran)")
         return ""
 
     def reason(self) -> str:
@@ -187,7 +237,11 @@ class StopRules:
         """The whole stop message: how many dry-runs ran, the rule that stopped exploring, and what the
         confirmation did (``confirmation``: "" where the loop has none)."""
         runs = f"{self.dry_runs} dry-run{'' if self.dry_runs == 1 else 's'}"
-        return f"{runs}; exploration stopped: {stop}" + (f"; {confirmation}" if confirmation else "")
+        if self.stopped == "time_limit" and self.dry_runs < self.max_trials:  # what ran, and the budget not used
+            said = f"{runs}; max_trials {self.max_trials} not reached: {stop}"
+        else:
+            said = f"{runs}; exploration stopped: {stop}"
+        return said + (f"; {confirmation}" if confirmation else "")
 
     def record(self, improved: bool) -> None:
         self.dry_runs += 1
@@ -205,7 +259,7 @@ class SearchState:
     def __init__(self, study: Any, table: CandidateTable, memory_budget: float, *, storage: Any,
                  on_trial: Callable[[dict[str, Any]], None] | None = None, max_asks: int = 50,
                  trials: list[Any] | None = None, skip_slower_than: float | None = HOPELESS_FACTOR,
-                 correct_time: bool = True) -> None:
+                 correct_time: bool = True, unbuildable: dict[tuple[str, str], str] | None = None) -> None:
         from optuna.trial import TrialState
 
         if memory_budget <= 0:
@@ -236,7 +290,8 @@ class SearchState:
         self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
         self.promotes = False  # set by ``seed``: a search that enqueues the cost model's favourites promotes too
         # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
-        self.unbuildable_at: dict[tuple[str, str], str] = {}
+        # ``unbuildable``: the families the build check before the search ruled out (atorch.strategy_search.buildable)
+        self.unbuildable_at: dict[tuple[str, str], str] = dict(unbuildable or {})
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -312,7 +367,8 @@ class SearchState:
         found = [(self.corrected_samples_per_s(key), key) for key, pred in zip(self.table.keys, self.table.predictions,
                                                                               strict=True)
                  if key not in self.done and key not in self.queued and "error" not in pred
-                 and self.table.family(key) not in pending and self.table.fits(pred, self.budget, self.correction(key))]
+                 and self.table.family(key) not in pending and not self.unbuildable(key)
+                 and self.table.fits(pred, self.budget, self.correction(key))]
         speed, key = max(found, default=(0.0, None))
         return key if key is not None and speed > bar else None
 
@@ -336,9 +392,10 @@ class SearchState:
         """Enqueue the cost model's top-k predicted-feasible candidates (with ``correct_time``, spread over the
         parallel layouts: ``spread``) and the DDP baseline."""
         self.promotes = top_k > 0  # top_k=0: the sampler alone (and the DDP baseline) decides
-        ranked = self.table.ranked(self.budget, self.correction)
+        ranked = [key for key in self.table.ranked(self.budget, self.correction) if not self.unbuildable(key)]
         seeds = self.spread(ranked, top_k) if self.correct_time else ranked[:top_k]
         base = self.table.baseline(self.budget, self.correction)
+        base = None if base is not None and self.unbuildable(base) else base
         order = seeds
         if base is not None and base not in seeds:
             # A baseline predicted not to fit goes first: it costs no dry-run and shows the sampler
@@ -544,7 +601,8 @@ class SearchState:
         merged = merge_runs(verdict["measured"], measured)
         value, constraints, attrs = judge(merged, self.table.prediction(key), self.budget)
         self.done[key] = (value, constraints, {"number": verdict["number"], "measured": merged, **attrs})
-        ok = [(v[0], k, int(v[2]["measured"].get("runs", 1))) for k, v in self.done.items() if v[2]["status"] == "ok"]
+        ok = [(v[0], k, int(v[2]["measured"].get("runs", 1)), v[2]["measured"]) for k, v in self.done.items()
+              if v[2]["status"] == "ok"]
         self.best_value, self.best_key = best_of(ok)
 
     # ----- the result --------------------------------------------------------------------------
@@ -643,7 +701,7 @@ def reselect(study: Any, memory_budget: float) -> dict[str, dict[str, Any]]:
         value, _, attrs = judge(measured, pred, memory_budget)
         judged[key] = {"key": key, "point": json.loads(key), "samples_per_s": value, "trial": number,
                        "status": attrs["status"], "peak_memory_bytes": measured["peak_memory_bytes"],
-                       "runs": int(measured.get("runs", 1))}
+                       "runs": int(measured.get("runs", 1)), "measured": measured}
     return judged
 
 
@@ -674,7 +732,7 @@ def cached_best(study: Any, memory_budget: float) -> CacheVerdict:
     for record in reversed(records):  # the latest first
         fits = record.best_key in judged and judged[record.best_key]["status"] == "ok"
         if not (why_not := record.answers(memory_budget, fits)):
-            _, best_key = best_of([(j["samples_per_s"], j["key"], j["runs"]) for j in ok])
+            _, best_key = best_of([(j["samples_per_s"], j["key"], j["runs"], j["measured"]) for j in ok])
             best = judged[best_key]
             mib = 2**20
             return CacheVerdict(best, (

@@ -157,6 +157,11 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
                 raise
         if word["kind"] == "trace":
             _trace_share(session, word)
+        elif word["kind"] == "prepare":  # each process prepares for itself, before the first timed dry-run
+            from atorch.dryrun.runner import prepare_once
+
+            for strategy in word["strategies"]:
+                prepare_once(Strategy.load(strategy), log=False)
         elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
                         micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"))
@@ -245,6 +250,7 @@ class _Leader:
 
         per_rank = self.global_batch // self.env.world_size
         batch = sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
+        self.batch = batch
         # The model's statistics are made at the first prediction (a cached pick needs none: on a 206M-parameter
         # GPT-2 they took 9 of a cached call's 11 s). A failure is kept, so the cost model reports it once per
         # candidate without analysing again.
@@ -341,13 +347,16 @@ class _Leader:
         key = study_key(identity)
 
         def make_planner(remote: bool) -> Any:
-            remaining = None if self.time_limit is None else self.time_limit - (time.monotonic() - self.start)
+            # the whole time_limit, with what the profile and the analysis spent of it: the messages name the user's
             args = dict(predict=predict, measure=self._measure, memory_budget=self.profile.memory_per_rank,
-                        storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=remaining,
+                        storage=storage, study_key=key, sampler=self.options.sampler, time_limit_s=self.time_limit,
+                        time_spent_s=time.monotonic() - self.start,
                         max_trials=self.options.max_trials, patience=self.options.patience,
                         top_k=self.options.top_k, seed=self.options.seed,
                         skip_slower_than=self.options.skip_slower_than, identity=identity,
-                        confirm_within=self.options.confirm_within, check=self._all_back)
+                        confirm_within=self.options.confirm_within, confirm_rounds=self.options.confirm_rounds,
+                        check=self._all_back,
+                        prepare=self._prepare)
             if not remote:
                 return Planner(space, **args)
             from atorch.server.client import RemotePlanner
@@ -420,6 +429,49 @@ class _Leader:
                                result.stop_reason)
                 result = fallback
         return result
+
+    def _prepare(self, cands: list[Any]) -> dict[tuple[str, str], str]:
+        """Before the first dry-run: the build check of the space's method families (buildable.py: a family that
+        does not build on this model leaves the search), then every rank does the one-time preparations of the
+        rest (deduplicated by what they do): a DeepSpeed op build (30-70 s the first time) would otherwise land
+        inside whichever dry-run first used it, and on a time limit, stop the search in the middle of it."""
+        from atorch.dryrun.runner import preparations, prepare_once
+        from atorch.strategy_search.buildable import CHECK_TIME_S, BuildCheck, check_families
+        from atorch.strategy_search.candidates import layout_key
+
+        limit = CHECK_TIME_S
+        if self.time_limit is not None:
+            limit = max(1.0, min(limit, 0.2 * (self.time_limit - (time.monotonic() - self.start))))
+        try:
+            checked = check_families(self.setup, self.batch, self.env.world_size, self.env.device, cands, limit)
+        except Exception as exc:  # noqa: BLE001  (the dry-runs rule out what does not build, one failure each)
+            logger.warning("automatic search: the build check could not run (%s: %s); the dry-runs decide",
+                           type(exc).__name__, exc)
+            checked = BuildCheck()
+        logger.info("automatic search: build check of the space's method families: %d build%s in %.1f s on fake "
+                    "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s", checked.seconds,
+                    "; ".join(f"{m} at {at} ({why})" for (m, at), why in checked.unbuildable.items()) or "none",
+                    f"; left to the dry-runs: {'; '.join(checked.unchecked)}" if checked.unchecked else "")
+        ruled_out = checked.unbuildable
+
+        def buildable(cand: Any) -> bool:
+            at = layout_key(dict(cand.point))
+            return not any((name, at) in ruled_out for name in cand.strategy.names())
+
+        found = preparations([c.strategy for c in cands if buildable(c)])
+        if not found:
+            return ruled_out
+        begin = time.monotonic()
+        if self.env.world_size > 1:
+            self.session.announce_next({"kind": "prepare", "strategies": [s.to_list() for s in found.values()]})
+        for what, strategy in found.items():
+            self.progress.note(f"strategy search: one-time preparation before the dry-runs: {what}")
+            problems = prepare_once(strategy, log=False)
+            if problems:  # its candidates fail with it in their dry-runs (the preflight agreement)
+                self.progress.note(f"strategy search: preparation failed: {'; '.join(problems)}")
+        logger.info("automatic search: %d one-time preparation%s done in %.1f s, before the first dry-run",
+                    len(found), "" if len(found) == 1 else "s", time.monotonic() - begin)
+        return ruled_out
 
     def _measure(self, cand: Any) -> Measured:
         """Every rank dry-runs ``cand``: announce it, run it here too."""

@@ -77,6 +77,9 @@ class Measured(BaseModel):
     reason: str = ""
     loss: float | str | None = None
     reference_loss: float | str | None = None
+    # every measured step's time on the slowest rank: their spread is the machine's noise, which tells whether
+    # two candidates' confirmation runs differ (ask_tell.decided)
+    step_times_s: list[float] = []
 
     @classmethod
     def of(cls, result: Any) -> Measured:
@@ -90,7 +93,7 @@ class Measured(BaseModel):
         return cls(status=str(result.status).lower(), samples_per_s=float(result.samples_per_s or 0.0),
                    peak_memory_bytes=float(peak or 0.0), step_time_s=float(getattr(result, "step_time_s", 0.0) or 0.0),
                    reason=str(getattr(result, "reason", "") or ""), loss=getattr(result, "loss", None),
-                   reference_loss=getattr(result, "reference_loss", None))
+                   reference_loss=getattr(result, "reference_loss", None), step_times_s=_slowest_steps(result))
 
     @classmethod
     def failure(cls, exc: BaseException) -> Measured:
@@ -110,3 +113,15 @@ class Measured(BaseModel):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Measured:
         return cls.model_validate(data)
+
+
+def _slowest_steps(result: Any) -> list[float]:
+    """The measured step times of the rank with the slowest median (a TrialResult's ``ranks``), or the result's
+    own ``step_times_s``; none where it has neither."""
+    import statistics
+
+    own = getattr(result, "step_times_s", None)
+    if own:
+        return [float(t) for t in own]
+    ranks = [list(r.step_times_s) for r in getattr(result, "ranks", None) or [] if r is not None and r.step_times_s]
+    return [float(t) for t in max(ranks, key=statistics.median)] if ranks else []

@@ -11,12 +11,14 @@
 4. It stops on ``time_limit_s`` (checked before each trial), ``max_trials`` dry-runs, or ``patience``
    dry-runs without improvement. The best is the highest *measured* samples/s among feasible trials.
 5. Confirmation (``confirm_within``, off by default here; ``auto_accelerate`` turns it on): when the
-   runner-up measured within that fraction of the best, both are measured once more, back to back, the
-   runner-up first, and those two runs decide (``merge_runs``): they ran under the same load. One dry-run each
-   cannot separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a
-   20% deficit when re-measured. Within CONFIRM_TIE of each other side by side, the simpler strategy is kept
-   (``best_of``). The two runs come out of ``max_trials`` (exploration stops two early), so the dry-run budget
-   holds.
+   runner-up measured within that fraction of the best, both are re-measured interleaved (the runner-up first:
+   A B, A B, ...) in rounds, at most ``confirm_rounds``, while their runs stay within the machine's noise of
+   each other (``decided``: the spread of their measured steps; without step times, CONFIRM_TIE), and those
+   runs decide (``merge_runs`` pools the rounds): they ran under the same load. One dry-run each cannot
+   separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a 20%
+   deficit when re-measured. Still within noise after the last round, the simpler strategy is kept
+   (``best_of``). The first round's two runs come out of ``max_trials`` (exploration stops two early); later
+   rounds run only while undecided.
 
 The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
 ``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
@@ -57,6 +59,7 @@ from atorch.log import RepeatedWarnings, get_logger
 from atorch.settings import cache_dir
 from atorch.strategy_search.analyser import StepError, identity_json
 from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
+    CONFIRM_ROUNDS,
     CONFIRM_RUNS,
     CONFIRM_TIE,
     DEFAULT_TOP_K,
@@ -69,8 +72,10 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     SearchState,
     StopRules,
     cached_best,
+    decided,
     make_sampler,
     measure_safely,
+    merge_runs,
     trial_record,
 )
 from atorch.strategy_search.candidates import CandidateTable
@@ -201,6 +206,9 @@ class Planner:
         identity: StudyIdentity | None = None,
         correct_time: bool = True,
         check: Callable[[], None] | None = None,
+        prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
+        confirm_rounds: int = CONFIRM_ROUNDS,
+        time_spent_s: float = 0.0,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -214,6 +222,7 @@ class Planner:
         self.study_name = study_key or _study_key(identity or StudyIdentity.of(space))
         self.sampler = sampler
         self.time_limit_s = time_limit_s
+        self.time_spent_s = time_spent_s  # of time_limit_s, before this planner (the analysis): counted against it
         self.max_trials = max_trials
         self.patience = patience
         self.top_k = top_k
@@ -221,11 +230,18 @@ class Planner:
         self.clock = clock
         self.on_trial = on_trial  # called after every told trial with its record (_trial_records' shape)
         self.confirm_within = confirm_within
+        self.confirm_rounds = confirm_rounds  # interleaved rounds at most, while the two stay within noise
         self.skip_slower_than = skip_slower_than
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
         self.check = check or (lambda: None)
+        # What a search does once before its first dry-run (never for a cached answer), in the search's wall time:
+        # the build check of the space's method families (atorch.strategy_search.buildable: it returns the
+        # (method, layout) pairs that do not build, and why) and the methods' one-time preparations
+        # (``MethodConfig.preparation``: DeepSpeed's op build), so no trial's time holds them.
+        self.prepare = prepare
+        self.unbuildable: dict[tuple[str, str], str] | None = None  # set by ``before_dry_runs``
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
 
@@ -327,11 +343,13 @@ class Planner:
         served with no dry-run; any other is resumed: explore, then confirm a close runner-up."""
         # confirmation's dry-runs are kept out of exploration where at least four are left to it
         reserve = CONFIRM_RUNS if self.confirm_within and self.max_trials >= 4 + CONFIRM_RUNS else 0
-        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve)
+        rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve,
+                          spent=self.time_spent_s)
         study = self.search_study()
         if (hit := study.start(force)) is not None:
             return hit
         try:
+            self.before_dry_runs()  # a strategy server's study: here (a local one did it before seeding)
             stop, kind = self._explore(study, rules)
             confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
             if confirmation.startswith("confirmation cut short"):
@@ -348,6 +366,12 @@ class Planner:
         logger.info("strategy search: %s (%s); best %s", stop, ended, self.describe(best_cand) if best_cand else None)
         return PlanResult(best_cand, best["samples_per_s"] if best is not None else None, "search", self.study_name,
                           rules.dry_runs, stop, study.trials())
+
+    def before_dry_runs(self) -> dict[tuple[str, str], str]:
+        """Run ``prepare`` once: the (method, layout) pairs that do not build, and why."""
+        if self.unbuildable is None:
+            self.unbuildable = dict((self.prepare(self.space.enumerate()) if self.prepare is not None else None) or {})
+        return self.unbuildable
 
     def search_study(self) -> SearchStudy:
         """The study ``search`` drives: this planner's Optuna study (RemotePlanner: a strategy server's)."""
@@ -367,7 +391,7 @@ class Planner:
             if proposal.number is None:
                 return proposal.stop, rules.stopped or "exhausted"
             cand = self.space.from_point(proposal.point)
-            record = study.tell(proposal.number, measure_safely(self.measure_fn, cand))
+            record = study.tell(proposal.number, self._timed(cand, rules))
             if record is None:  # the study refused the result (a server's lease expired): the dry-run counts
                 rules.record(False)
                 continue
@@ -376,33 +400,69 @@ class Planner:
             rules.record(record["improved"])
             same.check(record, cand)  # raises where every dry-run failed the same way: the user's setup
 
+    def _timed(self, cand: Candidate, rules: StopRules) -> Measured:
+        """One dry-run, its wall time kept by ``rules`` (the next one's prediction against the time left)."""
+        begin = self.clock()
+        try:
+            return measure_safely(self.measure_fn, cand)
+        finally:
+            rules.timed(self.clock() - begin)
+
     def _confirm(self, study: SearchStudy, rules: StopRules) -> str:
-        """Measure the best and a close runner-up once more (the runner-up first) and choose again; says what
-        it did (for the stop message)."""
+        """Re-measure the best and a close runner-up interleaved (the runner-up first: A B, A B, ...) in rounds,
+        while their runs stay within the noise of each other (``decided``; at most ``confirm_rounds``), then choose
+        again (``best_of``: the faster where the runs tell them apart, else the simpler); says what it did and
+        which rule decided (for the stop message, and the study's ``confirmation_verdict``)."""
         contenders, measured = study.contenders(self.confirm_within or 0.0)
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
                 f"the runner-up was not within {self.confirm_within:.0%} of the best")
             return f"no confirmation: {why}"
-        done, best, speeds = 0, None, []
-        for contender in reversed(contenders):
-            if late := rules.out_of_time():
-                logger.info("strategy search: confirmation cut short: %s", late)
-                return f"confirmation cut short after {done} of {len(contenders)} dry-runs: {late}"
-            self.check()
-            cand = self.space.from_point(contender["point"])
-            record, best = study.confirm(contender["key"], measure_safely(self.measure_fn, cand))
-            rules.record(False)
-            done += 1
-            speeds.append(record["measured"]["samples_per_s"] if record["status"] == "ok" else 0.0)
-            logger.info("confirmation: %s -> %s, %.3g samples/s (first run %.3g)", self.describe(cand),
-                        record["status"], record["measured"]["samples_per_s"], contender["samples_per_s"])
-        logger.info("confirmation: best %s", self.describe(self.space.from_point(best["point"])) if best else None)
-        said = f"confirmation: the best and the runner-up ran once more, back to back ({done} dry-runs)"
-        if len(speeds) == 2 and min(speeds) >= (1 - CONFIRM_TIE) * max(speeds) > 0:
-            said += f"; within {CONFIRM_TIE:.0%} of each other side by side: the simpler strategy is kept"
-        return said
+        # each contender's confirmation runs merged as the study merges them (merge_runs), to judge the rounds
+        merged = {c["key"]: {"status": "ok", "samples_per_s": c["samples_per_s"], "peak_memory_bytes": 0.0}
+                  for c in contenders}
+        done, rounds, best, rule = 0, 0, None, ""
+        while rounds < max(1, self.confirm_rounds) and not rule:
+            for contender in reversed(contenders):
+                if late := rules.out_of_time():
+                    logger.info("strategy search: confirmation cut short: %s", late)
+                    said = f"confirmation cut short after {done} dry-runs ({rounds} full rounds): {late}"
+                    if rounds:  # what the full rounds measured still decides
+                        said += "; " + self._verdict(study, contenders, merged, rounds, best, final=True)
+                    return said
+                self.check()
+                cand = self.space.from_point(contender["point"])
+                run = self._timed(cand, rules)
+                record, best = study.confirm(contender["key"], run)
+                merged[contender["key"]] = merge_runs(merged[contender["key"]], run.to_json())
+                rules.record(False)
+                done += 1
+                logger.info("confirmation round %d: %s -> %s, %.3g samples/s (first run %.3g)", rounds + 1,
+                            self.describe(cand), record["status"], run.samples_per_s, contender["samples_per_s"])
+            rounds += 1
+            rule = self._verdict(study, contenders, merged, rounds, best, final=rounds >= self.confirm_rounds)
+        logger.info("confirmation: best %s (%s)", self.describe(self.space.from_point(best["point"])) if best else None,
+                    rule)
+        return (f"confirmation: the best and the runner-up re-measured interleaved, {rounds} round"
+                f"{'' if rounds == 1 else 's'} ({done} dry-runs); {rule}")
 
+    def _verdict(self, study: SearchStudy, contenders: list[dict[str, Any]], merged: dict[str, dict[str, Any]],
+                 rounds: int, best: dict[str, Any] | None, final: bool) -> str:
+        """Which rule decides after ``rounds`` rounds ("" while the two are within noise and rounds are left); the
+        verdict is kept in the study."""
+        runs = [merged[c["key"]] for c in contenders]
+        failed = [r for r in runs if str(r["status"]).lower() not in OK_STATUSES]
+        if failed:
+            rule = "a contender failed when re-measured: the other is kept"
+        elif decided(*runs):
+            rule = f"measured faster over {rounds} round{'' if rounds == 1 else 's'}"
+        elif final:
+            rule = f"tie within noise over {rounds} round{'' if rounds == 1 else 's'}: the simpler strategy wins"
+        else:
+            return ""
+        study.note_verdict({"rule": rule, "rounds": rounds, "keys": [c["key"] for c in contenders],
+                            "best": best["key"] if best else None})
+        return rule
 
 def failure_signature(reason: str) -> str:
     """A failure's reason as compared across candidates: the first rank's error, without rank numbers, figures
@@ -470,6 +530,9 @@ class SearchStudy(ABC):
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Record a re-measurement (``SearchState.confirm``): its record and the best chosen again."""
 
+    def note_verdict(self, verdict: dict[str, Any]) -> None:  # noqa: B027  (optional: a server keeps none)
+        """Keep which rule decided the confirmation (the report shows it)."""
+
     @abstractmethod
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
                ) -> tuple[dict[str, Any] | None, str]:
@@ -508,9 +571,13 @@ class LocalStudy(SearchStudy):
                 logger.info("strategy search: resuming study %s, reusing its %d measured trials: %s",
                             p.study_name, measured, why)
         self._record(False, "running", "started; not finished (a search killed before its end stays so)")
+        unbuildable = p.before_dry_runs()  # before seeding: a family that cannot build is never enqueued
+        if unbuildable:  # the report lists them with their reasons
+            study.set_user_attr("unbuildable", [{"method": m, "layout": at, "reason": why}
+                                                for (m, at), why in unbuildable.items()])
         self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
                                  max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than,
-                                 correct_time=p.correct_time)
+                                 correct_time=p.correct_time, unbuildable=unbuildable)
         self.state.seed(p.top_k)
         return None
 
@@ -534,6 +601,9 @@ class LocalStudy(SearchStudy):
     def confirm(self, key: str, measured: Measured) -> tuple[dict[str, Any], dict[str, Any] | None]:
         state = self._state()
         return state.confirm(key, measured), state.best()
+
+    def note_verdict(self, verdict: dict[str, Any]) -> None:
+        self.study.set_user_attr("confirmation_verdict", verdict)
 
     def finish(self, kind: str, stop: str, strategy_of: Callable[[Any], dict[str, Any]]
                ) -> tuple[dict[str, Any] | None, str]:

@@ -112,6 +112,14 @@ class SearchProgress:
         """The one description of a Candidate at this search's world size."""
         return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.world_size)
 
+    def note(self, text: str) -> None:
+        """A line on what the search does between dry-runs (one-time preparations): above the live table on a
+        terminal, else in the log."""
+        if self._live is not None:
+            self._live.console.print(text)
+        else:
+            logger.info("%s", text)
+
     def started(self, cand: Any, prediction: Predicted | None) -> None:
         pred = {} if prediction is None or not prediction.ok else {
             "step_time_s": prediction.step_time_s, "peak_memory_bytes": prediction.peak_memory_bytes}

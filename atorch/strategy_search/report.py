@@ -25,7 +25,8 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td.l,th.l{{text-a
 .ok{{color:#060}}.bad{{color:#a00}}</style></head><body>
 <h1>Strategy search: {study}</h1>
 <p>{summary}</p>
-<h2>Pick</h2><p>{pick}</p><pre>{best}</pre>
+<h2>Pick</h2><p>{pick}</p><p>{decided}</p><pre>{best}</pre>
+<h2>Ruled out before the search</h2>{ruled_out}
 <h2>Trials</h2>{table}
 <h2>Plots</h2>{plots}
 </body></html>
@@ -106,6 +107,17 @@ def plots_html(study: Any, records: list[dict[str, Any]]) -> str:
     return "\n".join(fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figures))
 
 
+def ruled_out_html(study: Any) -> str:
+    """The method families the build check left out of the space (``unbuildable``), each with its reason."""
+    rows = study.user_attrs.get("unbuildable") or []
+    if not rows:
+        return "<p>none: every method family of the space built on the model (or was left to the dry-runs)</p>"
+    head = "<tr><th class=\"l\">method</th><th class=\"l\">layout</th><th class=\"l\">why it does not build</th></tr>"
+    body = "".join("<tr>" + _cell(r.get("method"), True) + _cell(r.get("layout"), True)
+                   + _cell(r.get("reason"), True, "bad") + "</tr>" for r in rows)
+    return f"<table>{head}{body}</table>"
+
+
 def write_report(storage: str, out: str | Path, study_name: str | None = None) -> Path:
     """Write the HTML report of a study (the only atorch study in ``storage`` if none is named)."""
     study, records = load_trials(storage, study_name)
@@ -118,6 +130,8 @@ def write_report(storage: str, out: str | Path, study_name: str | None = None) -
                  if best and r["number"] == best.get("trial") and r.get("candidate")), "")
     page = PAGE.format(
         study=html.escape(study.study_name), summary=html.escape(summary), pick=html.escape(pick),
+        decided=html.escape(str((study.user_attrs.get("confirmation_verdict") or {}).get("rule", ""))),
+        ruled_out=ruled_out_html(study),
         best=html.escape(json.dumps(best, indent=2) if best else "no finished search has stored a pick"),
         table=trials_html(records), plots=plots_html(study, records),
     )

@@ -13,6 +13,8 @@ argv: scenario, a scratch directory (the search's SQLite storage and the hardwar
 - ``faults``: a model that raises on rank 1 under autocast and sleeps past the trial timeout on rank 1
   in bf16 (once); a space of 8 candidates, all dry-run: the failure and the hang are recorded with
   their reasons and the search picks a working fp32 candidate.
+- ``unbuildable``: a conv classifier whose tensor-parallel build fails: that family is ruled out before the first
+  dry-run (never dry-run) and the report names the reason.
 - ``hang RANK``: that rank never returns from its second dry-run (an endless sleep in the model's forward): the
   other prints the error it got (``RESULT``) and then lingers; the job must end all the same. ``resume``: the
   same job again, nothing hangs: the search resumes the stored study (``RESULT``: its record and log lines).
@@ -60,6 +62,20 @@ class _TraceLines(logging.Handler):
 
 
 logging.getLogger("atorch.strategy_search.automatic").addHandler(_TraceLines())
+
+
+class _Events(logging.Handler):
+    """The one-time preparations and the dry-runs, in the order the search did them."""
+
+    lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "one-time preparation" in text or text.startswith("dry-run "):
+            self.lines.append(text)
+
+
+logging.getLogger("atorch").addHandler(_Events())
 STORAGE = f"sqlite:///{SCRATCH}/search.db"
 QUICK = {"warmup_steps": 1, "measure_steps": 2, "min_measure_s": 0, "storage": STORAGE}
 
@@ -96,7 +112,7 @@ def auto() -> dict[str, Any]:
              "accumulation": result.args.gradient_accumulation_steps, "global_batch": result.args.global_batch_size,
              "unchanged": all(torch.equal(before[k], v) for k, v in setup["model"].state_dict().items()),
              "trials": [{k: t.get(k) for k in ("status", "reason")} for t in trials_of(result)],
-             "trace_lines": list(_TraceLines.lines)}
+             "trace_lines": list(_TraceLines.lines), "events": list(_Events.lines)}
     result.close()
     start = time.monotonic()
     _, again, strategy2 = atorch.auto_accelerate(**gpt2_setup(), time_limit=240, search=QUICK)
@@ -278,8 +294,31 @@ def resume() -> dict[str, Any]:
     return out
 
 
+def unbuildable() -> dict[str, Any]:
+    """A convolutional classifier whose tensor-parallel build refuses it (toy_models.ConvClassifier): the build
+    check before the search rules that family out; the search runs the rest, and the report says why."""
+    from atorch.strategy_search.report import write_report
+
+    images = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 10, (64,)))
+    _, result, strategy = atorch.auto_accelerate(
+        toy_models.ConvClassifier(), torch.optim.SGD, dataset=images, optim_args={"lr": 0.1},
+        loss_func=lambda data, out: torch.nn.functional.cross_entropy(out, data[1]),
+        model_input_format="unpack_sequence", dataloader_args={"batch_size": 8},
+        search={**QUICK, "max_trials": 4, "top_k": 3})
+    out: dict[str, Any] = {"strategy": strategy.to_list(), "search": result.args.search["stop_reason"]}
+    if int(os.environ.get("RANK", "0")) == 0:
+        import optuna
+
+        study = optuna.load_study(study_name=result.args.search["study_name"], storage=STORAGE)
+        out["unbuildable"] = study.user_attrs.get("unbuildable")
+        out["trials"] = [{k: t.get(k) for k in ("status", "reason", "key")} for t in trials_of(result)]
+        out["report"] = write_report(STORAGE, Path(SCRATCH) / "report.html").read_text()
+    result.close()
+    return out
+
+
 SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit, "hang": hang,
-             "resume": resume}
+             "resume": resume, "unbuildable": unbuildable}
 
 if __name__ == "__main__":
     out = SCENARIOS[sys.argv[1]]()

@@ -1,0 +1,210 @@
+"""Which method families of a search space build on the user's model, checked once before the first dry-run.
+
+A transformation that refuses the model (tensor parallel on a model it cannot split, a replacement that does not
+fit) refuses it whatever the micro-batch, precision or other methods: one build of each method at each parallel
+layout says so, and a failure rules that (method, layout) out of the search (``SearchState.unbuildable_at``: its
+candidates are told "skipped" with the reason, never seeded, promoted or dry-run) and is listed in the search
+report. The build is the dry-run's own (``atorch.apply.apply_strategy`` on a fresh copy of the model, without its
+communicating steps) on fake tensors in a fake process group of the job's size (``tracing.fake_world``), so it
+costs no memory and no collective: on the small models of the tests, well under a second per build.
+
+Each layout's methods are covered by the fewest candidates, the simplest first (fewest methods): a build that
+fails names the method whose step raised (``exc.atorch_method``, set by ``apply_strategy``); the methods of a
+candidate that built are known to build there. Candidates the fake build cannot stand for
+(``tracing.untraced_reason``: pipeline schedules, DeepSpeed's engine, which communicate as they are built) are left
+to the dry-runs, where one failure rules out its family the same way. The builds run in a forked child where
+``os.fork`` exists: torch can crash on a fake program (tracing.py), and that must cost the check, not the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from atorch.log import get_logger
+from atorch.model_context import UserSetup
+
+logger = get_logger(__name__)
+CHECK_TIME_S = 20.0  # for every build of the check; the families not reached are left to the dry-runs
+REAL_BUILD_BYTES = 256 * 2**20  # a model's parameters up to this size are copied for a real build (see below)
+
+
+@dataclass
+class BuildCheck:
+    """The check's findings: (method, layout) -> why it does not build; how many builds ran; what is unchecked."""
+
+    unbuildable: dict[tuple[str, str], str] = field(default_factory=dict)
+    builds: int = 0
+    seconds: float = 0.0
+    unchecked: list[str] = field(default_factory=list)  # "method at layout: why"
+
+    def to_json(self) -> list[dict[str, str]]:
+        """The ruled-out families as the study keeps them (its ``unbuildable`` attribute; the report lists them)."""
+        return [{"method": m, "layout": at, "reason": why} for (m, at), why in self.unbuildable.items()]
+
+
+def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cand: Any,
+               fake: bool = True) -> str | None:
+    """Build ``cand`` (inside ``fake_world``) on fake tensors, or with ``fake=False`` on a real copy of the model
+    (the fake group's collectives return at once either way): None when it builds, else the method and the
+    reason, tab-separated."""
+    import contextlib
+    import warnings
+
+    from atorch.apply import apply_strategy
+    from atorch.build import preflight
+    from atorch.distributed import DistEnv
+    from atorch.model_context import ModelContext
+    from atorch.strategy_search.fake_kernels import FakeKernelGaps
+    from atorch.strategy_search.tracing import MemoryTracer, memory_twin
+
+    strategy = memory_twin(cand.strategy)
+    env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
+    layout = strategy.layout(world_size)
+    modes: list[Any] = []  # entered around the build only (the mesh is made from real rank tensors)
+    if fake:
+        tracer = MemoryTracer(setup, batch, world_size, device)  # a fake copy of the model, a fake mode of its own
+        base = tracer.setup
+        modes = [tracer.mode, FakeKernelGaps()]
+    else:
+        base = replace(setup, dataset=None)
+    built_setup = replace(base, dataloader_args={**base.dataloader_args,
+                                                 "batch_size": cand.micro_batch_size * layout.data_size})
+    skipped, problems = preflight(built_setup, env, strategy, layout)
+    if problems:
+        return "preflight\t" + "; ".join(problems)
+    layout.mesh(device.type)
+    try:
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            warnings.simplefilter("ignore")
+            for mode in modes:
+                stack.enter_context(mode)
+            ctx = ModelContext(built_setup, env, layout).fresh()
+            ctx.skipped = dict(skipped)
+            apply_strategy(ctx, strategy, communicate=False)
+    except Exception as exc:  # noqa: BLE001  (the method that raised is named by apply_strategy)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{getattr(exc, 'atorch_method', 'build')}\t{type(exc).__name__}: {first}"[:600]
+    return None
+
+
+def _plan(cands: Sequence[Any], world_size: int) -> dict[str, list[Any]]:
+    """Per layout, the candidates to build, the simplest first: each method of the layout in one of them."""
+    from atorch.strategy_search.candidates import layout_key
+    from atorch.strategy_search.tracing import untraced_reason
+
+    by_layout: dict[str, list[Any]] = {}
+    for cand in cands:
+        if untraced_reason(cand.strategy, world_size) is None:
+            by_layout.setdefault(layout_key(dict(cand.point)), []).append(cand)
+    return {at: sorted(members, key=lambda c: (len(c.strategy.methods), c.micro_batches, -c.micro_batch_size))
+            for at, members in by_layout.items()}
+
+
+def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cands: Sequence[Any],
+                   time_limit_s: float = CHECK_TIME_S) -> BuildCheck:
+    """Build one candidate per method and layout of ``cands`` (fewest builds, simplest first) on fake tensors;
+    a method whose build step raises is unbuildable at that layout."""
+    from atorch.strategy_search.tracing import fake_world
+
+    begin = time.monotonic()
+    plan = _plan(cands, world_size)
+    found = BuildCheck()
+    # A fake build can fail where the real one does not (seen: module_replace's swap of fake parameters): a failure
+    # is confirmed by a real build of the same candidate where the model is small enough to copy once more; else
+    # it is left to the dry-runs, never ruled out on the fake build alone.
+    real_ok = sum(p.numel() * p.element_size() for p in setup.model.parameters()) <= REAL_BUILD_BYTES
+
+    def run_all(emit: Any) -> None:
+        deadline = time.monotonic() + time_limit_s
+        with fake_world(world_size):
+            for at, members in plan.items():
+                settled: set[str] = set()  # methods known to build, or not, at this layout
+                for cand in members:
+                    names = set(cand.strategy.names()) - settled
+                    if not names or any((m, at) in found.unbuildable for m in cand.strategy.names()):
+                        continue
+                    if time.monotonic() >= deadline:
+                        emit({"unchecked": f"{', '.join(sorted(names))} at {at}: not checked within "
+                                           f"{time_limit_s:g} s"})
+                        break
+                    why = _build_one(setup, batch, world_size, device, cand)
+                    if why is not None and not real_ok:
+                        emit({"unchecked": f"{' + '.join(sorted(names))} at {at}: the fake build failed "
+                                           f"({why.split(chr(9), 1)[-1]}); the model is too large for a real build "
+                                           "here: left to the dry-runs"})
+                        settled |= names
+                        continue
+                    if why is not None:  # a fake tensor's gap is not the method's: a real build decides
+                        why = _build_one(setup, batch, world_size, device, cand, fake=False)
+                    emit({"layout": at, "names": sorted(cand.strategy.names()), "failed": why})
+                    if why is None:
+                        settled |= names
+                    else:
+                        method = why.split("\t", 1)[0]
+                        settled.add(method)
+                        if method in cand.strategy.names():
+                            found.unbuildable[(method, at)] = why.split("\t", 1)[1]
+
+    def take(event: dict[str, Any]) -> None:
+        if "unchecked" in event:
+            found.unchecked.append(event["unchecked"])
+            return
+        found.builds += 1
+        if event["failed"] is not None:
+            method, why = event["failed"].split("\t", 1)
+            if method in event["names"]:
+                found.unbuildable[(method, event["layout"])] = why
+            else:  # a failure no method step owns (preflight): the dry-runs decide that candidate
+                found.unchecked.append(f"{' + '.join(event['names'])} at {event['layout']}: {why}")
+
+    if hasattr(os, "fork"):
+        _in_child(run_all, take, time_limit_s + 30.0)
+    else:
+        run_all(take)
+    found.seconds = time.monotonic() - begin
+    return found
+
+
+def _in_child(run_all: Any, take: Any, limit_s: float) -> None:
+    """``run_all`` in a forked child, its events back as JSON lines; a child that dies or overruns loses the rest
+    (those families are left to the dry-runs)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: check, report, leave without the parent's exit handlers
+        os.close(read)
+        code = 0
+        try:
+            with os.fdopen(write, "w") as out:
+                def emit(event: dict[str, Any]) -> None:
+                    out.write(json.dumps(event) + "\n")
+                    out.flush()
+
+                run_all(emit)
+        except BaseException:  # noqa: BLE001  (the parent keeps what was reported)
+            code = 1
+        os._exit(code)
+    os.close(write)
+    deadline = time.monotonic() + limit_s
+    buffer = b""
+    with os.fdopen(read, "rb") as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                os.kill(pid, 9)
+                break
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                take(json.loads(line))
+    os.waitpid(pid, 0)
