@@ -9,33 +9,17 @@ from typing import Any
 import pytest
 import torch
 from launcher import HERE, run_json
-from pydantic import Field
 from toy_models import mlp, mlp_dataset, mlp_loss
+from user_method_example import ScaleOutput
 
 import atorch
 from atorch import Strategy, StrategyError
-from atorch.opt_lib import Build, Method, MethodConfig, Rule, registry
+from atorch.opt_lib import Rule, registry
 from atorch.opt_lib.compatibility import added_rules
 from atorch.training import train_step
 
 MLP_ARGS = dict(dataset=mlp_dataset(), loss_func=mlp_loss, model_input_format="unpack_sequence",
                 optim_args={"lr": 0.1}, dataloader_args={"batch_size": 8, "shuffle": False})
-
-
-class ScaleConfig(MethodConfig):
-    factor: float = Field(default=2.0, description="what the model's output is multiplied by")
-
-
-class ScaleOutput(Method):
-    """A user's method: the model's output multiplied by a factor (a forward hook)."""
-
-    name = "scale_output"
-    group = "module"
-    summary = "The model's output multiplied by a factor."
-    Config = ScaleConfig
-
-    def apply(self, build: Build, config: ScaleConfig) -> None:  # type: ignore[override]
-        build.ctx.model.register_forward_hook(lambda module, args, output: output * config.factor)
 
 
 def test_a_user_method_is_placed_applied_and_gone_after_its_scope() -> None:

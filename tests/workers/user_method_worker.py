@@ -13,24 +13,9 @@ import json
 import torch
 import torch.distributed as dist
 import toy_models
-from pydantic import Field
+from user_method_example import ScaleOutput
 
 import atorch
-from atorch.opt_lib import Build, Method, MethodConfig
-
-
-class ScaleConfig(MethodConfig):
-    factor: float = Field(default=2.0, description="what the model's output is multiplied by")
-
-
-class ScaleOutput(Method):
-    name = "scale_output"
-    group = "module"
-    summary = "The model's output multiplied by a factor."
-    Config = ScaleConfig
-
-    def apply(self, build: Build, config: ScaleConfig) -> None:  # type: ignore[override]
-        build.ctx.model.register_forward_hook(lambda module, args, output: output * config.factor)
 
 
 def main() -> None:
