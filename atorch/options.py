@@ -39,8 +39,9 @@ class SearchOptions(BaseModel):
         "run (two of max_trials; 0: off; with a strategy server too: the server records the second runs)"))
     confirm_rounds: int = Field(default=3, ge=1, le=10, description=(
         "interleaved re-measurement rounds of the best and the runner-up at most, while their step times stay "
-        "within the machine's measured noise of each other (the first round is one of the two runs of max_trials "
-        "kept for it; a tie after the last round keeps the simpler strategy)"))
+        "within the machine's measured noise of each other (the first round is the two runs of max_trials kept for "
+        "it, later ones only what exploration left of max_trials; a tie after the last round keeps the simpler "
+        "strategy)"))
     sampler: Literal["tpe", "gp"] = Field(default="tpe", description="Optuna sampler")
     storage: str | None = Field(default=None, description="Optuna storage URL; default SQLite in the cache dir")
     force: bool = Field(default=False, description="search again even if a finished search has the same key")

@@ -37,7 +37,7 @@ def test_search_returns_a_strategy_that_trains_within_the_time_limit(auto: dict[
     assert first["search"]["source"] == "search"
     assert first["seconds"] < 240, "the search ran past time_limit"
     # max_trials 8, plus the confirmation's later rounds (2 of 3 by default), which run only while undecided
-    assert 1 <= first["search"]["dry_runs"] <= 8 + 2 * 2
+    assert 1 <= first["search"]["dry_runs"] <= 8  # confirmation rounds included: max_trials holds
     # Every dry-run of this model works on 2 CPU ranks: a failed trial here is a defect (DeepSpeed
     # engines after the first, once, failed on a destroyed group).
     assert [t for t in first["trials"] if t["status"] not in ("ok", "duplicate", "predicted_oom", "skipped")] == []
@@ -267,8 +267,8 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     storage = f"sqlite:///{tmp_path}/s.db"
     _, result, _ = atorch.auto_accelerate(
         mlp(), torch.optim.SGD, **_mlp_args(),
-        search={"storage": storage, "max_trials": 6, "warmup_steps": 1, "measure_steps": 3, "min_measure_s": 0,
-                "confirm_within": 0.99, "confirm_rounds": 2})
+        search={"storage": storage, "max_trials": 8, "patience": 2, "warmup_steps": 1, "measure_steps": 3,
+                "min_measure_s": 0, "confirm_within": 0.99, "confirm_rounds": 2})
     search = result.args.search
     result.close()
     stop = search["stop_reason"]
@@ -280,9 +280,12 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
     assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
     assert all(len(c["measured"]["step_times_s"]) == 3 for c in again)
-    if verdict["rule"].startswith("tie within noise"):  # a tie takes every round; a clear difference can stop early
-        assert verdict["rounds"] == 2
-    assert verdict["rule"] in stop and search["dry_runs"] == 4 + len(again)
+    # a tie takes every round that max_trials leaves room for (a round is 2 dry-runs); a clear difference can stop
+    # early; the rounds never take the search past max_trials
+    explored = search["dry_runs"] - len(again)
+    if verdict["rule"].startswith("tie within noise"):
+        assert verdict["rounds"] == 2 or explored + len(again) + 2 > 8, (verdict, explored)
+    assert verdict["rule"] in stop and search["dry_runs"] <= 8
     out = tmp_path / "report.html"
     assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
     assert html.escape(verdict["rule"]) in out.read_text()

@@ -18,7 +18,7 @@
    separate two candidates that close on a shared machine: on the bench, a 5% lead in the search was a 20%
    deficit when re-measured. Still within noise after the last round, the simpler strategy is kept
    (``best_of``). The first round's two runs come out of ``max_trials`` (exploration stops two early); later
-   rounds run only while undecided.
+   rounds run only while undecided, from what exploration left of ``max_trials`` (the budget of dry-runs holds).
 
 The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
 ``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
@@ -423,6 +423,10 @@ class Planner:
                   for c in contenders}
         done, rounds, best, rule = 0, 0, None, ""
         while rounds < max(1, self.confirm_rounds) and not rule:
+            if rounds and rules.dry_runs + len(contenders) > self.max_trials:
+                # a further round only from what exploration left of max_trials: the user's budget of dry-runs holds
+                rule = self._verdict(study, contenders, merged, rounds, best, final=True)
+                break
             for contender in reversed(contenders):
                 if late := rules.out_of_time():
                     logger.info("strategy search: confirmation cut short: %s", late)
