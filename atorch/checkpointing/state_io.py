@@ -16,7 +16,7 @@ on load, and a pipeline stage saves and loads only the entries it holds.
 ZeRO-1 (ZeroRedundancyOptimizer) is handled without consolidating on one rank: each rank writes
 the optimizer state of the parameters it owns under the same keys, and on load reads the entries
 of the parameters it owns then. Nothing here pickles or runs code on load: DCP's ``.metadata`` (a
-pickle torch writes) is read by checkpoint_reader.py, which builds only DCP's own types. A save writes
+pickle torch writes) is read by reader.py, which builds only DCP's own types. A save writes
 into a directory beside ``path`` and renames it into place once complete (atomic_dir.py), so a
 crash leaves the previous checkpoint; the JSON file is written last, so a directory without it is
 reported as incomplete rather than loaded.
