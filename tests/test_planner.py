@@ -506,7 +506,8 @@ def test_a_close_call_on_memory_is_measured_not_dropped(space, tmp_path) -> None
     assert not CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0, correction=1.01)
 
 
-def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]]) -> tuple[Planner, list, list]:
+def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]], max_trials: int = 8,
+                    patience: int | None = None) -> tuple[Planner, list, list]:
     """A search whose cost model ranks two candidates first (the first, then the second); ``runs[i]``: the
     samples/s of candidate i's successive dry-runs; everything else runs at 10."""
     mlp_space = SearchSpace(toy_models.mlp(), WORLD, GLOBAL_BATCH, excluded=["tensor_parallel", "pipeline_parallel"])
@@ -531,7 +532,7 @@ def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]]) -> tuple[P
         return Run("ok", runs[index][min(seen, len(runs[index]) - 1)], MiB)
 
     planner = Planner(mlp_space, storage=storage(tmp_path), study_key=key, predict=predict, measure=measure,
-                      memory_budget=100 * MiB, max_trials=8, top_k=2, confirm_within=0.3)
+                      memory_budget=100 * MiB, max_trials=max_trials, patience=patience, top_k=2, confirm_within=0.3)
     return planner, calls, order
 
 
@@ -547,10 +548,12 @@ def test_a_lucky_first_run_does_not_win_what_side_by_side_runs_lose(tmp_path) ->
 def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> None:
     """FSDP + checkpointing and plain DDP run within 3% of each other back to back: the simpler (DDP) is kept,
     though the other measured a little faster, and the stop message says why; 10% apart, the faster is kept."""
-    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "tie", {0: [100.0, 100.0], 1: [97.0, 97.0]})
+    # exploration ends early (patience), leaving max_trials room for every round
+    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "tie", {0: [100.0, 100.0], 1: [97.0, 97.0]},
+                                                  max_trials=12, patience=2)
     result = planner.search()
     # within noise after each round: re-measured interleaved (runner-up, best) for the 3 rounds, then a tie
-    assert [c.key for c in calls[-6:]] == [ddp.key, fsdp.key] * 3
+    assert [c.key for c in calls[-6:]] == [ddp.key, fsdp.key] * 3 and len(calls) <= 12
     assert result.candidate == ddp and "tie within noise over 3 rounds: the simpler strategy wins" in result.stop_reason
     verdict = optuna.load_study(study_name="tie", storage=storage(tmp_path)).user_attrs["confirmation_verdict"]
     assert verdict["rounds"] == 3 and verdict["rule"].startswith("tie within noise")
@@ -558,6 +561,11 @@ def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> Non
     result = planner.search()
     assert result.candidate == fsdp and "simpler" not in result.stop_reason
     assert "measured faster over 1 round" in result.stop_reason and len(calls) == 8  # clear at once: one round
+    # exploration used all of max_trials but the first round's two: no further round, the budget holds
+    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "capped", {0: [100.0, 100.0], 1: [97.0, 97.0]})
+    result = planner.search()
+    assert len(calls) == 8 and "tie within noise over 1 round: the simpler strategy wins" in result.stop_reason
+    assert result.candidate == ddp
 
 
 def test_the_measured_noise_decides_how_many_rounds_and_who_wins() -> None:
