@@ -300,7 +300,7 @@ def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> 
     _, result, _ = atorch.auto_accelerate(
         mlp(), torch.optim.SGD, **_mlp_args(), time_limit=limit,
         search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 50, "warmup_steps": 1, "measure_steps": 2,
-                "min_measure_s": 0.5})
+                "min_measure_s": 3.0})  # a dry-run of 3 s and more: the MLP's 10 candidates outlast 25 s
     elapsed = time.monotonic() - start
     search = result.args.search
     result.close()

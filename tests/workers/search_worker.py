@@ -75,7 +75,6 @@ class _Events(logging.Handler):
             self.lines.append(text)
 
 
-logging.getLogger("atorch").addHandler(_Events())
 STORAGE = f"sqlite:///{SCRATCH}/search.db"
 QUICK = {"warmup_steps": 1, "measure_steps": 2, "min_measure_s": 0, "storage": STORAGE}
 
@@ -321,6 +320,7 @@ SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote,
              "resume": resume, "unbuildable": unbuildable}
 
 if __name__ == "__main__":
+    logging.getLogger("atorch").addHandler(_Events())  # in the worker only: an import (test_search) adds nothing
     out = SCENARIOS[sys.argv[1]]()
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(out), flush=True)
