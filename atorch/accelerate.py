@@ -17,7 +17,7 @@ from atorch.input_checks import input_problems, launch_problems, unused_paramete
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
 from atorch.no_optimizer import no_optimizer_problems
-from atorch.opt_lib.registry import is_registered, method_names
+from atorch.opt_lib.registry import get_method, is_registered, method_names
 from atorch.options import AccelerateOptions
 from atorch.result import AccelerateResult
 from atorch.strategy import Strategy
@@ -97,21 +97,18 @@ def _warn_search_options(kargs: dict[str, Any], options: AccelerateOptions, why:
         "searches around load_strategy)", SearchOptionIgnored, stacklevel=3)
 
 
-_CASTING = ("half", "fp8", "amp_native", "ds_3d_parallel")  # autocast, 16-bit weights, DeepSpeed's fp16/bf16
-
-
 def _casts(load_strategy: Any, included: Any, searching: bool) -> bool:
     """Whether the strategy given (or included in the search) casts inputs or parameters (autocast, half, fp8):
     the user's step is then not held to the model's own dtypes."""
-    names: list[str] = []
+    methods: list[tuple[str, Any]] = []
     if load_strategy is not None:
         try:
-            names = Strategy.parse(load_strategy)[0].names()
+            methods = [(item.name, item.config) for item in Strategy.parse(load_strategy)[0].methods]
         except Exception:  # noqa: BLE001  (an unreadable strategy is reported by _resolve_strategy)
             return True
     if searching and isinstance(included, (list, tuple, set)):
-        names += [str(n) for n in included]
-    return any(n in _CASTING for n in names)
+        methods += [(str(n), None) for n in included]
+    return any(name in method_names() and get_method(name).casts(config) for name, config in methods)
 
 
 def _copy_if_dict(value: Any) -> Any:

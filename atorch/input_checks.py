@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from atorch.log import get_logger
+from atorch.opt_lib.registry import get_method
 
 logger = get_logger(__name__)
 
@@ -485,18 +486,13 @@ def launch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
     return problems
 
 
-# Methods under which data parallel is not DDP (sharding, DeepSpeed, pipeline or tensor-parallel replicas).
-_NOT_DDP = ("fsdp", "zero2", "ds_3d_parallel", "pipeline_parallel", "mixed_parallel", "tensor_parallel")
-
-
 def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list[str]:
     """Trainable parameters that get no gradient, under DDP without find_unused_parameters: DDP waits for their
     gradients and fails at the next step ("Expected to have finished reduction in the prior iteration")."""
     if data_size < 2 or setup.find_unused_parameters or setup.optim_func is None or setup.dataset is None \
             or setup.prepare_input is not None or not isinstance(setup.model, nn.Module) \
             or setup.loss_func is None and setup.model_input_format is None \
-            or any(name in strategy for name in _NOT_DDP) \
-            or getattr(strategy.get("zero1"), "implementation", None) == "deepspeed":
+            or any(get_method(item.name).keeps_replicas_without_ddp(item.config) for item in strategy.methods):
         return []
     try:
         batch = _sample_batch(setup.dataset, setup.dataloader_args.get("collate_fn") or default_collate,

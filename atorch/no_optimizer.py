@@ -19,13 +19,10 @@ def no_optimizer_problems(strategy: Any, lr_scheduler_cls: Any, searching: bool)
         problems.append(f"lr_scheduler_cls needs an optimizer to schedule: {_FIX}, or drop lr_scheduler_cls")
     if strategy is None:
         return problems
-    needs = {"zero1": "shards the optimizer's state", "ds_3d_parallel": "hands the optimizer to DeepSpeed's engine",
-             "pipeline_parallel": "runs the optimizer step inside train_step's schedule",
-             "mixed_parallel": "runs the optimizer step inside train_step's schedule"}
-    for name, why in needs.items():
-        if name in strategy:
-            problems.append(f"'{name}' {why}: {_FIX}")
-    for name in ("zero1", "zero2"):
-        if getattr(strategy.get(name), "implementation", None) == "deepspeed" and name != "zero1":
-            problems.append(f"'{name}' with implementation 'deepspeed' hands the optimizer to DeepSpeed: {_FIX}")
+    from atorch.opt_lib.registry import get_method
+
+    for item in strategy.methods:
+        why = get_method(item.name).optimizer_need(item.config)
+        if why is not None:
+            problems.append(f"'{item.name}' {why}: {_FIX}")
     return problems

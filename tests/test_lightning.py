@@ -246,3 +246,11 @@ def test_foreign_checkpoint_is_refused(tmp_path: Path) -> None:
     plain.write_bytes(b"")  # a file written by another strategy
     with pytest.raises(state.CheckpointError, match="not a checkpoint written by ATorchStrategy"):
         state.load(plain, None)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "zero2"])
+def test_empty_init_builds_on_meta_where_the_strategy_shards_unit_by_unit(sharding: str) -> None:
+    # Trainer.init_module(empty_init=True): FSDP2 materialises the model one unit at a time as it shards it
+    strategy = ATorchStrategy(load_strategy=["parallel_mode", sharding])
+    with strategy.tensor_init_context(empty_init=True):
+        assert torch.empty(1).device.type == "meta"

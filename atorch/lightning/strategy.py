@@ -22,6 +22,7 @@ from atorch.lightning import engine as engine_lib
 from atorch.lightning import state
 from atorch.lightning.precision import FLAG_TO_METHOD, flag_of
 from atorch.log import get_logger
+from atorch.opt_lib.registry import get_method
 from atorch.options import StrategyOptions
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
@@ -178,7 +179,7 @@ class StrategyMixin:
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # A sharding strategy materialises a meta-device model one unit at a time (atorch.meta_init).
         given = Strategy.load(self._load_strategy) if self._load_strategy is not None else None
-        if empty_init and given is not None and ("fsdp" in given or "zero2" in given):
+        if empty_init and given is not None and any(get_method(i.name).shards_data(i.config) for i in given.methods):
             with torch.device("meta"):
                 yield
             return

@@ -208,6 +208,23 @@ class Method(ABC):
         """Last work once model and optimizer are wrapped (loss scaling, the pipeline schedule)."""
         return None
 
+    # ----- what the user's setup must allow: the input checks ask these, by method, never by name ----------------
+    def casts(self, config: MethodConfig | None) -> bool:
+        """Whether the method casts inputs or parameters away from the model's own dtypes (autocast, 16-bit weights,
+        fp8), so the user's step is not held to those dtypes; ``config`` None: named without one (a search's
+        ``include``), answered for the method's configs at large."""
+        return self.numerics != "exact"
+
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        """Why ``config`` cannot run without an optimizer (ATorch's ``optim_func=None``), completing "'<name>' ...",
+        or None: it shards, owns or schedules the optimizer step."""
+        return None
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        """Whether data parallel under ``config`` is not DDP (sharded, DeepSpeed's engine, a pipeline schedule or
+        tensor-parallel replicas): DDP's unused-parameter failure cannot happen there."""
+        return self.shards_data(config)
+
     def compute_dtype(self, config: MethodConfig, dtype: str) -> str:
         """The dtype the model's matmuls compute in after this method ("fp32", "bf16" or "fp16"), given ``dtype``,
         the one before it (methods are asked in apply order, from "fp32"). A method that changes it belongs to

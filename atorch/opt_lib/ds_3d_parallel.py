@@ -249,6 +249,15 @@ class Ds3dParallel(Method):
     group = "parallel"
     summary = "DeepSpeed's pipeline engine on the 'pipeline' dimension (layers converted), ZeRO-1 on 'data'."
 
+    def casts(self, config: MethodConfig | None) -> bool:
+        return True  # DeepSpeed's engine runs its fp16/bf16 config: the step's dtypes are its own
+
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        return "hands the optimizer to DeepSpeed's engine"
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return True
+
     def schedule_micro_batches(self, config: MethodConfig) -> int:
         return int(getattr(config, "micro_batches", None) or 0)
     Config = Ds3dParallelConfig

@@ -76,6 +76,12 @@ class MixedParallel(Method):
     group = "parallel"
     summary = "Tensor × pipeline (× data) on one mesh: tensor_parallel and pipeline_parallel on their dimensions."
 
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        return "runs the optimizer step inside train_step's schedule"
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return True
+
     def schedule_micro_batches(self, config: MethodConfig) -> int:
         return int(getattr(getattr(config, "pipeline", None), "micro_batches", None) or 0)
     Config = MixedParallelConfig

@@ -534,6 +534,12 @@ class PipelineParallel(Method):
     summary = "Pipeline parallel (torch.distributed.pipelining) on the 'pipeline' dimension: automatic balanced split."
     search_role = SearchRole("layout", "pipeline", off=1)
 
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        return "runs the optimizer step inside train_step's schedule"
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return True
+
     def schedule_micro_batches(self, config: MethodConfig) -> int:
         return int(getattr(config, "micro_batches", None) or 0)
     Config = PipelineParallelConfig

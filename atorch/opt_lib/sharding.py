@@ -364,6 +364,14 @@ class Zero2(Method):
     Config = Zero2Config
     mesh_dims = ("data",)
 
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        if getattr(config, "implementation", None) == "deepspeed":
+            return "with implementation 'deepspeed' hands the optimizer to DeepSpeed"
+        return None
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return True  # FSDP2, or DeepSpeed's engine
+
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"implementation": Categorical(("fsdp2", "deepspeed") if deepspeed_reason() is None else ("fsdp2",))}
 

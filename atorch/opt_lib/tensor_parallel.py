@@ -561,6 +561,9 @@ class TensorParallel(Method):
     Config = TensorParallelConfig
     mesh_dims = (TENSOR,)
 
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return True  # tensor-parallel replicas
+
     def requires_train_step(self, config: TensorParallelConfig) -> bool:  # type: ignore[override]
         return config.loss_parallel  # the loss must run inside torch's loss_parallel(): train_step enters it
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from atorch.log import get_logger
-from atorch.opt_lib.base import Categorical, Dimension, Method, SearchRole
+from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.deepspeed_zero import (
     UNTRACED_ENGINE,
@@ -53,6 +53,12 @@ class Zero1(Method):
     search_role = SearchRole("choice", "sharding", position=20, rank=0, off="ddp")
     Config = Zero1Config
     mesh_dims = ("data",)
+
+    def optimizer_need(self, config: MethodConfig) -> str | None:
+        return "shards the optimizer's state"
+
+    def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
+        return getattr(config, "implementation", None) == "deepspeed"  # DeepSpeed's engine, not DDP
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"implementation": Categorical(("torch", "deepspeed") if deepspeed_reason() is None else ("torch",))}
