@@ -17,6 +17,8 @@ from atorch.input_checks import input_problems, launch_problems, unused_paramete
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
 from atorch.no_optimizer import no_optimizer_problems
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.precision import AmpNative
 from atorch.opt_lib.registry import get_method, is_registered, method_names
 from atorch.options import AccelerateOptions
 from atorch.result import AccelerateResult
@@ -28,9 +30,9 @@ logger = get_logger(__name__)
 def default_strategy(env: DistEnv) -> Strategy:
     """Used when no load_strategy is given and there is no dataset to search with: data parallel over
     all processes, plus bf16 autocast where the GPU computes bf16 natively."""
-    names: list[Any] = ["parallel_mode"]
+    names: list[Any] = [ParallelMode.name]
     if env.device.type == "cuda" and torch.cuda.is_bf16_supported():
-        names.append(("amp_native", {"dtype": "bf16"}))
+        names.append((AmpNative.name, {"dtype": "bf16"}))
     return Strategy.load(names)
 
 

@@ -19,6 +19,7 @@ from atorch.errors import StrategyError
 from atorch.opt_lib import registry
 from atorch.opt_lib.base import MethodConfig, StrategyCheck
 from atorch.opt_lib.compatibility import conflicts_in
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.parallel_layout import ParallelLayout
 
 FORMAT_VERSION = 1
@@ -139,10 +140,10 @@ class Strategy(BaseModel):
 
     def layout(self, world_size: int) -> ParallelLayout:
         """The layout this strategy runs with at world_size (its parallel_mode, fitted; else all data)."""
-        mode = self.get("parallel_mode")
+        mode = self.get(ParallelMode.name)
         if mode is None:
             return ParallelLayout.data_parallel(world_size)
-        fitted = registry.get_method("parallel_mode").adjust(mode, world_size)
+        fitted = registry.get_method(ParallelMode.name).adjust(mode, world_size)
         return ParallelLayout(tuple(fitted.dims), fitted.rank_order)
 
     def with_method(self, name: str, config: Any = None) -> Strategy:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from atorch.errors import SetupError
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.precision import AmpNative
 
 # name -> the methods added to the plugin's strategy
 MIXED_PRECISION: dict[str, list[Any]] = {
-    "fp16": [("amp_native", {"dtype": "fp16"})],  # autocast + GradScaler (loss scaling in booster.backward)
-    "bf16": [("amp_native", {"dtype": "bf16"})],
-    "fp8": ["fp8"],  # Transformer Engine fp8 linears; skipped with the reason (booster.skipped) where unsupported
+    "fp16": [(AmpNative.name, {"dtype": "fp16"})],  # autocast + GradScaler (loss scaling in booster.backward)
+    "bf16": [(AmpNative.name, {"dtype": "bf16"})],
+    "fp8": [FP8.name],  # Transformer Engine fp8 linears; skipped with the reason (booster.skipped) where unsupported
 }
 
 

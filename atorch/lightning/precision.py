@@ -14,14 +14,15 @@ from typing import Any
 import torch
 
 from atorch.errors import SetupError
+from atorch.opt_lib.precision import AmpNative, Half
 
 # Lightning flag -> atorch method (None: fp32, nothing to add).
 FLAG_TO_METHOD: dict[str, tuple[str, Any] | None] = {
     "32-true": None,
-    "bf16-mixed": ("amp_native", {"dtype": "bf16"}),
-    "16-mixed": ("amp_native", {"dtype": "fp16"}),
-    "bf16-true": ("half", {"dtype": "bf16"}),
-    "16-true": ("half", {"dtype": "fp16"}),
+    "bf16-mixed": (AmpNative.name, {"dtype": "bf16"}),
+    "16-mixed": (AmpNative.name, {"dtype": "fp16"}),
+    "bf16-true": (Half.name, {"dtype": "bf16"}),
+    "16-true": (Half.name, {"dtype": "fp16"}),
 }
 
 

@@ -22,6 +22,7 @@ from atorch.lightning import engine as engine_lib
 from atorch.lightning import state
 from atorch.lightning.precision import FLAG_TO_METHOD, flag_of
 from atorch.log import get_logger
+from atorch.opt_lib.precision import Half
 from atorch.opt_lib.registry import get_method
 from atorch.options import StrategyOptions
 from atorch.parallel_layout import ParallelLayout
@@ -128,7 +129,7 @@ class StrategyMixin:
                 for tensor in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(tensor.data, 0)
             method = FLAG_TO_METHOD[self._flag]
-            if method is not None and method[0] == "half":
+            if method is not None and method[0] == Half.name:
                 module.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[method[1]["dtype"]]))
             elif method is not None:
                 self._eval_autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}[method[1]["dtype"]]

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.errors import StrategyError
+from atorch.opt_lib.precision import AmpNative, Half
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 
@@ -31,8 +32,8 @@ def precision_methods(precision: str, master_weights: bool = True) -> list[Any]:
     if precision == "fp32":
         return []
     if master_weights:
-        return [("amp_native", {"dtype": precision})]
-    return [("half", {"dtype": precision})]
+        return [(AmpNative.name, {"dtype": precision})]
+    return [(Half.name, {"dtype": precision})]
 
 
 class Plugin:

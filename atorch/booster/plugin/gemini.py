@@ -6,6 +6,10 @@ import warnings
 from typing import Any
 
 from atorch.booster.plugin.base import Plugin, precision_methods
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.sharding import FSDP, Zero2
+from atorch.opt_lib.tensor_parallel import TensorParallel
 
 # Older Gemini's placement policies (Colossal-AI < 0.3.1), which scripts still pass; the current one knows
 # 'static' and 'auto' only. Both are read as the placement they named.
@@ -76,7 +80,7 @@ class GeminiPlugin(Plugin):
         self._refuse_unless(max_norm >= 0, "max_norm", max_norm, "use 0 (no clipping) or a positive norm")
         self._scaler(initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self.precision, self.master_weights, self.tp_size, self.use_fp8 = precision, master_weights, tp_size, use_fp8
-        self.sharding = "fsdp" if shard_param_frac == 1.0 else "zero2"
+        self.sharding = FSDP.name if shard_param_frac == 1.0 else Zero2.name
         self.offload = offload_param_frac == 1.0 or offload_optim_frac == 1.0 or placement_policy == "cpu"
         if placement_policy in _LEGACY_PLACEMENT:  # neither changes numerics: only where tensors live
             warnings.warn(f"GeminiPlugin(placement_policy={placement_policy!r}) is an older Gemini's name; "
@@ -105,11 +109,11 @@ class GeminiPlugin(Plugin):
 
     def methods(self) -> list[Any]:
         dims = ([["tensor", self.tp_size]] if self.tp_size > 1 else []) + [["data", -1]]  # tensor varies fastest
-        methods: list[Any] = [("parallel_mode", {"dims": dims}),
+        methods: list[Any] = [(ParallelMode.name, {"dims": dims}),
                               *precision_methods(self.precision, self.master_weights)]
         if self.use_fp8:
-            methods.append("fp8")
+            methods.append(FP8.name)
         if self.tp_size > 1:
-            methods.append("tensor_parallel")
+            methods.append(TensorParallel.name)
         methods.append((self.sharding, {"cpu_offload": True} if self.offload else {}))
         return methods

@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from atorch.booster.plugin.base import Plugin, precision_methods
+from atorch.opt_lib.activation_checkpoint import ActivationCheckpoint
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.pipeline_parallel import PipelineParallel
+from atorch.opt_lib.sharding import Zero2
+from atorch.opt_lib.tensor_parallel import TensorParallel
+from atorch.opt_lib.zero1 import Zero1
 
 _PP_STYLES = {"1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zbv": "zbv"}
 
@@ -161,11 +168,11 @@ class HybridParallelPlugin(Plugin):
         outer = [["pipeline", self.pp_size], ["data", -1]]
         dims = [["tensor", self.tp_size]] + (outer if self.dp_outside else outer[::-1])
         dims = [d for d in dims if d[0] == "data" or d[1] > 1]
-        methods: list[Any] = [("parallel_mode", {"dims": dims}), *precision_methods(self.precision)]
+        methods: list[Any] = [(ParallelMode.name, {"dims": dims}), *precision_methods(self.precision)]
         if self.use_fp8:
-            methods.append("fp8")
+            methods.append(FP8.name)
         if self.tp_size > 1:
-            methods.append(("tensor_parallel", {**({"plan": self.tp_plan} if self.tp_plan else {}),
+            methods.append((TensorParallel.name, {**({"plan": self.tp_plan} if self.tp_plan else {}),
                                                 **({"sequence_parallel": True} if self.sequence_parallel else {})}))
         if self.pp_size > 1:
             config: dict[str, Any] = {"schedule": _PP_STYLES[self.pp_style]}
@@ -173,11 +180,11 @@ class HybridParallelPlugin(Plugin):
                 config["micro_batches"] = self.num_microbatches
             if self.pp_style != "1f1b":
                 config["virtual_stages"] = self.num_model_chunks
-            methods.append(("pipeline_parallel", config))
+            methods.append((PipelineParallel.name, config))
         if self.checkpoint:
-            methods.append("checkpoint")
+            methods.append(ActivationCheckpoint.name)
         if self.zero_stage == 1:
-            methods.append("zero1")
+            methods.append(Zero1.name)
         elif self.zero_stage == 2:
-            methods.append(("zero2", {"cpu_offload": True} if self.cpu_offload else {}))
+            methods.append((Zero2.name, {"cpu_offload": True} if self.cpu_offload else {}))
         return methods

@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from atorch.booster.plugin.base import Plugin, precision_methods
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.sharding import Zero2
+from atorch.opt_lib.zero1 import Zero1
 
 
 class LowLevelZeroPlugin(Plugin):
@@ -61,11 +65,11 @@ class LowLevelZeroPlugin(Plugin):
         self._check()
 
     def methods(self) -> list[Any]:
-        methods: list[Any] = ["parallel_mode", *precision_methods(self.precision, self.master_weights)]
+        methods: list[Any] = [ParallelMode.name, *precision_methods(self.precision, self.master_weights)]
         if self.use_fp8:
-            methods.append("fp8")
+            methods.append(FP8.name)
         if self.stage == 1:
-            methods.append("zero1")
+            methods.append(Zero1.name)
         else:
-            methods.append(("zero2", {"cpu_offload": True} if self.cpu_offload else {}))
+            methods.append((Zero2.name, {"cpu_offload": True} if self.cpu_offload else {}))
         return methods

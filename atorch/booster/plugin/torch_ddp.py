@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from atorch.booster.plugin.base import Plugin
+from atorch.opt_lib.parallel_mode import ParallelMode
 
 
 class TorchDDPPlugin(Plugin):
@@ -49,7 +50,7 @@ class TorchDDPPlugin(Plugin):
         return ["fp16", "bf16", "fp8"]
 
     def methods(self) -> list[Any]:
-        return ["parallel_mode"]
+        return [ParallelMode.name]
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """With sync_bn, the model's BatchNorms become SyncBatchNorms, in place as in Colossal-AI (the parameters stay

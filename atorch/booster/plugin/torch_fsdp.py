@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from atorch.booster.plugin.base import Plugin
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.sharding import FSDP, Zero2
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -49,7 +51,7 @@ class TorchFSDPPlugin(Plugin):
         self._refuse_unless(strategy_name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), "sharding_strategy",
                             sharding_strategy, "use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (hybrid sharding needs a "
                             "2-D mesh: use HybridParallelPlugin or atorch's parallel_mode)")
-        self.sharding = {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2"}.get(strategy_name)
+        self.sharding = {"FULL_SHARD": FSDP.name, "SHARD_GRAD_OP": Zero2.name}.get(strategy_name)
         # sync_module_states: atorch always starts every rank from rank 0's weights (a no-op when they are equal).
         self.config: dict[str, Any] = {}
         if cpu_offload is not None and getattr(cpu_offload, "offload_params", bool(cpu_offload)):
@@ -118,7 +120,7 @@ class TorchFSDPPlugin(Plugin):
     def methods(self) -> list[Any]:
         from atorch.booster.plugin.base import precision_methods
 
-        methods: list[Any] = ["parallel_mode", *precision_methods(self.precision)]
+        methods: list[Any] = [ParallelMode.name, *precision_methods(self.precision)]
         if self.sharding is not None:
             methods.append((self.sharding, dict(self.config)))
         return methods
