@@ -198,19 +198,19 @@ def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
     if source is None:
         source = inputs.get("inputs_embeds")
     if source is None:
-        raise SetupError(["context_parallel splits input_ids (or inputs_embeds) along the sequence; the model was "
-                          f"called with {sorted(inputs)}"])
+        raise SetupError("context_parallel splits input_ids (or inputs_embeds) along the sequence; the model was "
+                          f"called with {sorted(inputs)}")
     batch, length = source.shape[0], source.shape[1]
     if length % (2 * shard.size):
-        raise SetupError([f"context_parallel over {shard.size} ranks splits each sequence into {2 * shard.size} "
+        raise SetupError(f"context_parallel over {shard.size} ranks splits each sequence into {2 * shard.size} "
                           f"equal chunks, but the sequence length is {length}; pad or cut sequences to a multiple of "
-                          f"{2 * shard.size}"])
+                          f"{2 * shard.size}")
     mask = inputs.pop("attention_mask", None)
     if mask is not None and not bool((mask == 1).all()):
-        raise SetupError(["context_parallel does not support attention masks with padding (its attention is causal "
-                          "over the whole sequence); pack sequences without padding, or drop the attention_mask"])
+        raise SetupError("context_parallel does not support attention masks with padding (its attention is causal "
+                          "over the whole sequence); pack sequences without padding, or drop the attention_mask")
     if inputs.get("past_key_values") is not None:
-        raise SetupError(["context_parallel trains on whole sequences: past_key_values (a KV cache) is not supported"])
+        raise SetupError("context_parallel trains on whole sequences: past_key_values (a KV cache) is not supported")
     index = shard.positions(length // shard.size, source.device)
     out = dict(inputs, use_cache=False)
     for name in ("input_ids", "inputs_embeds", "token_type_ids"):

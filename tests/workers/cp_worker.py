@@ -88,18 +88,18 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
     user = _make(model_name)
     try:
         result = _accelerate(user, strategy)
-    except (atorch.StrategyError, atorch.SetupError) as exc:
+    except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
     inner = getattr(result.model, "module", result.model)
     local_lengths: list[int] = []
-    handle = inner.model.embed_tokens.register_forward_hook(lambda m, a, o: local_lengths.append(o.shape[1])) \
-        if hasattr(inner, "model") and hasattr(inner.model, "embed_tokens") else None
+    # the sequence length each rank embeds (and so every activation's): 1/c of the batch's
+    handle = inner.get_input_embeddings().register_forward_hook(lambda m, a, o: local_lengths.append(o.shape[1]))
     loader, batches, mine = iter(result.dataloader), [], []
     for _ in range(STEPS):
         data = result.prepare_input(next(loader), result.args.device)
         if accumulate:  # atorch.train_step over micro-batches: the gradients averaged once, at the boundary
             parts = [{k: v.chunk(accumulate)[m] for k, v in data.items()} for m in range(accumulate)]
-            mine.append(float(train_step(result, parts)) / accumulate)
+            mine.append(float(train_step(result, parts)))  # the mean over micro-batches and ranks
         else:
             loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
             loss.backward()
@@ -107,8 +107,7 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
             result.optim.zero_grad()
             mine.append(loss.item())
         batches.append(data)
-    if handle is not None:
-        handle.remove()
+    handle.remove()
     per_rank = _gather_ids(batches)
     shares = _data_shares(per_rank)
     model = copy.deepcopy(user)
@@ -169,7 +168,7 @@ def refused_at_call(model_name: str, strategy: list[Any], **batch: Any) -> dict[
     try:
         call_model(result.model, {"input_ids": ids, "labels": ids, **batch}, "unpack_dict")
     except atorch.SetupError as exc:
-        return {"refused": list(exc.problems)}
+        return {"refused": [str(exc)]}
     return {"accepted": True}
 
 
