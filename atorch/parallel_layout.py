@@ -188,9 +188,9 @@ class ParallelLayout:
         return self._batch_mesh(device_type)
 
     def _batch_mesh(self, device_type: str) -> Any:
-        """A 1-D mesh over this process's data × expert × context group. A DeviceMesh slices only dimensions in its own order
-        and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order, which
-        FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
+        """A 1-D mesh over this process's data × expert × context group. A DeviceMesh slices only dimensions in its
+        own order and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order,
+        which FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -220,8 +220,9 @@ def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
             crossing, layout.world_size // layout.size("tensor"), per_node, layout, layout.size("tensor"))
 
 
-# (layout, device type[, "batch": the data × expert × context mesh]) -> (the default group it was made on, mesh). Entries
-# made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
+# (layout, device type[, "batch": the data × expert × context mesh]) -> (the default group it was made on, mesh).
+# Entries made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops
+# them all.
 _MESHES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 

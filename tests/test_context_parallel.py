@@ -68,7 +68,8 @@ def test_context_parallel_needs_a_context_dimension() -> None:
     assert rule.message() in _problems(["context_parallel", ("parallel_mode", {"dims": [["data", 2]]})])
     (alone,) = _problems(["context_parallel"])
     assert "'context' dimension" in alone and "parallel_mode" in alone
-    assert any("dimension 'context' is not used" in p for p in _problems([("parallel_mode", {"dims": [["context", 2]]})]))
+    unused = _problems([("parallel_mode", {"dims": [["context", 2]]})])
+    assert any("dimension 'context' is not used" in p for p in unused)
     assert _problems([("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel", "fsdp"], 4) == []
 
 
