@@ -35,6 +35,7 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
 from atorch.opt_lib.cost_facts import CostFacts
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import CONTEXT, ParallelLayout
 
@@ -287,7 +288,7 @@ class ContextParallel(Method):
     Config = ContextParallelConfig
 
     def check(self, config: Any, check: StrategyCheck) -> list[str]:
-        if "parallel_mode" not in check.configs:  # with one: the compatibility table's rule
+        if ParallelMode.name not in check.configs:  # with one: the compatibility table's rule
             return [f"{self.name} splits each sequence over parallel_mode's 'context' dimension; add one, e.g. "
                     "('parallel_mode', {'dims': [['context', 2], ['data', -1]]})"]
         return []
