@@ -137,8 +137,9 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         lay, mem, t = self.layout, self.prediction.memory, self.prediction.time
         return {
+            # 'context' only where sequences are split (the layouts of short sequences keep their form)
             "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data, "expert": lay.expert,
-                       "context": lay.context},
+                       **({"context": lay.context} if lay.context > 1 else {})},
             "fp8": lay.fp8, "moe": self.moe,
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "sharding": lay.sharding,
             "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
