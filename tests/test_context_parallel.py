@@ -101,7 +101,8 @@ def _matches_one_process(entry: dict[str, Any], context: int, dp_size: int) -> N
     assert entry["local_length"] * context == entry["sequence_length"], entry
 
 
-@pytest.mark.parametrize("scenario", ["llama_c2", "qwen2_c2", "gpt_neox_c2", "llama_c2_fsdp", "llama_c2_accumulated"])
+@pytest.mark.parametrize("scenario", ["llama_c2", "qwen2_c2", "gpt_neox_c2", "llama_c2_fsdp", "llama_c2_accumulated",
+                                      "mistral_window_c2"])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str) -> None:
     _matches_one_process(two[scenario], context=2, dp_size=1)
 

@@ -50,7 +50,17 @@ def gpt_neox() -> nn.Module:
         max_position_embeddings=sm.SEQ_LEN, use_cache=False, hidden_dropout=0.0, attention_dropout=0.0))
 
 
+def mistral_window() -> nn.Module:
+    """Mistral with a sliding window shorter than the sequence: each query sees its last 6 keys only."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=sm.SEQ_LEN, sliding_window=6, use_cache=False))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": sm.tiny_llama, "qwen2": qwen2, "gpt_neox": gpt_neox,
+                                             "mistral_window": mistral_window,
                                              "mlp": sm.FlatMLP, "bart": sm.tiny_bart}
 
 
@@ -184,6 +194,7 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "qwen2_c2": lambda: train_and_compare("qwen2", _cp(2)),
         "gpt_neox_c2": lambda: train_and_compare("gpt_neox", _cp(2)),
         "llama_c2_fsdp": lambda: train_and_compare("llama", _cp(2, extra=("fsdp",))),
+        "mistral_window_c2": lambda: train_and_compare("mistral_window", _cp(2)),
         "llama_c2_accumulated": lambda: train_and_compare("llama", _cp(2), accumulate=2),
         "llama_whole_logits": lambda: whole_logits("llama", _cp(2)),
         "mlp_refused": lambda: train_and_compare("mlp", _cp(2)),
