@@ -67,7 +67,7 @@ def _finish(b: Build, methods: list[tuple[Method, Any]]) -> None:
         if ctx.optimizer is None:
             ctx.optimizer = ctx.setup.optim_func(params, **ctx.setup.optim_args)
     # [communication] The replicas kept in step: by a method's own way (FSDP2, DeepSpeed, ...), else by DDP.
-    if b.communicate and not any(method.replicate(b, config) for method, config in methods) and ctx.dp_size > 1:
+    if b.communicate and not any(method.replicate(b, config) for method, config in methods) and ctx.replica_size > 1:
         _wrap_ddp(ctx)
     for method, config in methods:
         method.finish(b, config)
@@ -94,4 +94,4 @@ def _wrap_ddp(ctx: ModelContext) -> None:
     ctx.model = model
     # The boundary may be declared before forward or before backward: see atorch/grad_sync.py.
     ctx.gradient_sync = DDPGradientSync(model, ctx.data_mesh.get_group())
-    logger.info("data parallel: DDP over %d processes", ctx.dp_size)
+    logger.info("data parallel: DDP over %d processes", ctx.replica_size)

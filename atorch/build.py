@@ -48,7 +48,8 @@ class AccelerateArgs:
     # how the strategy was found (automatic mode): source, study, dry-runs, stop reason, the pick's description and
     # (rank 0) every trial with its description, status and reason
     search: dict[str, Any] | None = None
-    data_parallel_group: Any = field(default=None, repr=False)  # process group of the data-parallel ranks
+    # process group of the data-parallel ranks (with context_parallel: data × context, which train the same loss)
+    data_parallel_group: Any = field(default=None, repr=False)
 
     # ATorch hands these out as a dict: ``result.args["use_optim_backward"]`` works too.
     def __getitem__(self, key: str) -> Any:
@@ -195,6 +196,6 @@ def build_result(
             local_batch_size=ctx.local_batch_size() if with_data else None,
             model_input_format=setup.model_input_format, memory_limit=memory_limit, time_limit=time_limit,
             skipped=dict(ctx.skipped), gradient_accumulation_steps=micro_batches, search=search,
-            data_parallel_group=ctx.data_mesh.get_group() if ctx.dp_size > 1 else None,
+            data_parallel_group=ctx.data_mesh.get_group() if ctx.replica_size > 1 else None,
         ),
     )

@@ -108,6 +108,11 @@ class ModelContext:
         return self.layout.data_size
 
     @property
+    def replica_size(self) -> int:
+        """The ranks of ``data_mesh``, which gradients are averaged over: data × expert × context."""
+        return self.layout.replica_size
+
+    @property
     def dp_rank(self) -> int:
         return self.layout.data_rank(self.env.rank)
 

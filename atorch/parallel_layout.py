@@ -29,6 +29,11 @@ DATA = "data"
 # runs over that group. The ranks holding the same experts are the 'data' dimension alone.
 EXPERT = "expert"
 BATCH_DIMS = (DATA, EXPERT)
+# Context-parallel ranks split each sequence (atorch/opt_lib/context_parallel.py): they read the same batch (not in
+# the batch split), but every parameter's gradient is averaged over them too, so DDP/FSDP run over
+# data × expert × context (torchtitan's dp_shard_cp).
+CONTEXT = "context"
+REPLICA_DIMS = (DATA, EXPERT, CONTEXT)
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,11 @@ class ParallelLayout:
         """The data-parallel size: the ranks the batch is split over (data × expert)."""
         return self.size(DATA) * self.size(EXPERT)
 
+    @property
+    def replica_size(self) -> int:
+        """The ranks gradients are averaged over (DDP/FSDP's group): data × expert × context."""
+        return self.data_size * self.size(CONTEXT)
+
     def ranks(self) -> torch.Tensor:
         """The global rank at each mesh position, shaped like the mesh (dimension i of the tensor is
         ``dims[i]``); positions are numbered with the first dimension varying fastest."""
@@ -109,13 +119,15 @@ class ParallelLayout:
             return self.coordinate(rank).get(DATA, 0)
         return next(group.index(rank) for group in self.batch_groups() if rank in group)
 
-    def batch_groups(self) -> list[list[int]]:
-        """The data × expert groups (the ranks that split one batch), each in ascending rank order."""
+    def batch_groups(self, dims: tuple[str, ...] = BATCH_DIMS) -> list[list[int]]:
+        """The data × expert groups (the ranks that split one batch), each in ascending rank order; with
+        ``dims=REPLICA_DIMS`` the data × expert × context groups (the ranks gradients are averaged over)."""
         with unset_fake_temporarily():
             ranks = self.ranks()
-            inner = [self.names.index(n) for n in BATCH_DIMS if n in self.names]
+            inner = [self.names.index(n) for n in dims if n in self.names]
             others = [i for i in range(len(self.names)) if i not in inner]
-            return [sorted(line) for line in ranks.permute(*others, *inner).reshape(-1, self.data_size).tolist()]
+            size = math.prod(self.size(n) for n in dims)
+            return [sorted(line) for line in ranks.permute(*others, *inner).reshape(-1, size).tolist()]
 
     def groups_follow_coordinates(self, name: str) -> bool:
         """True if along dimension ``name`` every group's ranks ascend with the coordinate.
@@ -169,15 +181,16 @@ class ParallelLayout:
         return mesh
 
     def data_mesh(self, device_type: str) -> Any:
-        """The 1-D data-parallel sub-mesh this process belongs to (with an 'expert' dimension: data × expert)."""
-        if EXPERT not in self.names:
+        """The 1-D data-parallel sub-mesh this process belongs to, the group DDP/FSDP average gradients over (with
+        an 'expert' or 'context' dimension: data × expert × context)."""
+        if EXPERT not in self.names and CONTEXT not in self.names:
             return self.mesh(device_type)[DATA]
         return self._batch_mesh(device_type)
 
     def _batch_mesh(self, device_type: str) -> Any:
-        """A 1-D mesh over this process's data × expert group. A DeviceMesh slices only dimensions in its own order
-        and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order, which
-        FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
+        """A 1-D mesh over this process's data × expert × context group. A DeviceMesh slices only dimensions in its
+        own order and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order,
+        which FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -186,7 +199,7 @@ class ParallelLayout:
         cached = _MESHES.get(key)
         if cached is not None and cached[0] is group:
             return cached[1]
-        mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups())
+        mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups(REPLICA_DIMS))
         mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(DATA,))
         _MESHES[key] = (group, mesh)
         return mesh
@@ -207,8 +220,9 @@ def _warn_if_tensor_groups_cross_nodes(layout: ParallelLayout) -> None:
             crossing, layout.world_size // layout.size("tensor"), per_node, layout, layout.size("tensor"))
 
 
-# (layout, device type[, "batch": the data × expert mesh]) -> (the default group it was made on, mesh). Entries
-# made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops them all.
+# (layout, device type[, "batch": the data × expert × context mesh]) -> (the default group it was made on, mesh).
+# Entries made on a process group that has since been destroyed are replaced on next use; forget_meshes() drops
+# them all.
 _MESHES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 
 

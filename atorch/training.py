@@ -66,12 +66,12 @@ def train_step(result: Any, micro_batches: Sequence[Any], max_norm: float | None
         result.lr_scheduler.step()
     if reduction is not None:
         reduction.wait()
-        total /= args.data_parallel_size
+        total /= dist.get_world_size(args.data_parallel_group)  # [context_parallel] data × context: equal losses
     return total
 
 
 def _start_mean(total: torch.Tensor, result: Any) -> Any:
-    if result.args.data_parallel_size == 1:
+    if result.args.data_parallel_group is None:
         return None
     return dist.all_reduce(total, group=result.args.data_parallel_group, async_op=True)
 

@@ -5,11 +5,18 @@ dry-run's CUDA peak against the cost model, and a short automatic search. Prints
 
 Runs on the machine's torch as installed (no transformers needed): the models are tests/toy_models'
 MLP and a small BatchNorm CNN. Every case is reported (ok / failed with the error), none stops the rest.
+
+The multi-GPU methods (``MULTI``: expert_parallel, sequence parallel across pipeline stages, context_parallel) run
+where the machine has enough GPUs (and transformers is installed): the script launches each with torchrun on that
+many GPUs (``--multi NAME``), trains a small transformers model two steps under NCCL and reports the losses against
+one process on one GPU; with too few GPUs the entry says it is skipped and why.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -132,10 +139,103 @@ def optimizer_step_vs_cost_model() -> dict[str, Any]:
             "predicted_phase": pred.memory.peak_phase, "rows": rows}
 
 
+# ----- multi-GPU methods: name -> (GPUs, strategy, model); each launched by torchrun on that many GPUs --------
+MULTI: dict[str, tuple[int, list[Any], str]] = {
+    "expert_parallel": (2, [("parallel_mode", {"dims": [["expert", 2], ["data", -1]]}), "expert_parallel"],
+                        "mixtral"),
+    # Megatron's layout at small scale: the stages exchange sequence shards
+    "sequence_parallel_over_pipeline": (4, [("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2]]}),
+                                            ("mixed_parallel", {"tensor": {"sequence_parallel": True},
+                                                                "pipeline": {"schedule": "1f1b"}})], "llama"),
+    "context_parallel": (2, [("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel"],
+                         "llama"),
+}
+MULTI_STEPS, MULTI_BATCH, MULTI_LR, MULTI_TOLERANCE = 2, 8, 0.1, 1e-4  # fp32, TF32 off: a few ulp of a loss of 5
+
+
+def _transformers_model(kind: str) -> nn.Module:
+    from shard_models import SEQ_LEN, VOCAB
+
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=SEQ_LEN, use_cache=False))  # no router aux loss: the loss is the batch's mean
+    from shard_models import tiny_llama
+
+    return tiny_llama(layers=4)  # 4 layers: one per stage and chunk under the pipeline
+
+
+def multi_rank(name: str) -> None:
+    """One rank of a MULTI case (under torchrun): train, and on rank 0 compare with one process on its GPU."""
+    import copy
+
+    import shard_models as sm
+    from worker_common import repeated_batch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    _, strategy, kind = MULTI[name]
+    torch.manual_seed(0)
+    user = _transformers_model(kind)
+    reference = copy.deepcopy(user)
+    _, result, _ = atorch.auto_accelerate(
+        user, torch.optim.SGD, repeated_batch(sm.TokenDataset()), sm.hf_loss, model_input_format="unpack_dict",
+        optim_args={"lr": MULTI_LR}, dataloader_args={"batch_size": MULTI_BATCH, "shuffle": False},
+        load_strategy=strategy)
+    batches = iter(result.dataloader)
+    losses = [float(atorch.train_step(result, [next(batches)])) for _ in range(MULTI_STEPS)]
+    if torch.distributed.get_rank() == 0:  # the global batch is the same each step: one process trains on it
+        device = result.args.device  # its GPU (a CPU run of one case, for checking the script: the CPU)
+        model, ids = reference.to(device), torch.stack([sm.TokenDataset()[i]["input_ids"] for i in range(MULTI_BATCH)])
+        optim, expected = torch.optim.SGD(model.parameters(), lr=MULTI_LR), []
+        for _ in range(MULTI_STEPS):
+            loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            expected.append(loss.item())
+        diff = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        print("MULTI " + json.dumps({"losses": losses, "one_process": expected, "loss_diff": diff,
+                                     "matches": diff <= MULTI_TOLERANCE, "strategy": str(strategy)}), flush=True)
+    result.close()
+
+
+def multi_case(name: str, timeout: float = 600.0) -> dict[str, Any]:
+    """Launch MULTI[name] on its GPUs, or say why it is skipped."""
+    gpus = MULTI[name][0]
+    if torch.cuda.device_count() < gpus:
+        return {"skipped": f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}"}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "needs transformers (pip install transformers): the check trains a transformers model"}
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_",
+                                                                     "TORCHELASTIC", "GROUP_", "ROLE_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                           __file__, "--multi", name], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MULTI ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"torchrun exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1200:]}")
+    found = json.loads(lines[-1][len("MULTI "):])
+    if not found["matches"]:
+        raise AssertionError(f"losses differ from one process by {found['loss_diff']:.3g}: {found}")
+    return found
+
+
 def main() -> None:
+    if "--multi" in sys.argv:  # one rank of a multi-GPU case (launched by multi_case)
+        init_distributed()
+        multi_rank(sys.argv[sys.argv.index("--multi") + 1])
+        return
     init_distributed()
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    report: dict[str, Any] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "backend": backend}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    report: dict[str, Any] = {"torch": torch.__version__, "gpu": gpu, "backend": backend}
     cases = {
         "ddp": lambda: train(["parallel_mode"]),
         "amp_bf16": lambda: train(["parallel_mode", ("amp_native", {"dtype": "bf16"})]),
@@ -150,10 +250,12 @@ def main() -> None:
         "dry_run_vs_cost_model": dry_run_vs_cost_model,
         "optimizer_step_vs_cost_model": optimizer_step_vs_cost_model,
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
+        **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }
     for name, case in cases.items():
         try:
-            report[name] = {"ok": True, **case()}
+            found = case()
+            report[name] = {"ok": None if "skipped" in found else True, **found}  # a skip: neither
         except Exception as exc:  # noqa: BLE001  (every case is reported)
             report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500],
                             "where": traceback.format_exc()[-1500:]}

@@ -272,6 +272,46 @@ RULES += (
 )
 
 
+# context_parallel: each sequence split over parallel_mode's 'context' dimension (context_parallel.py).
+_CP_DIMS = {"dims": [["context", 2], ["data", 1]]}
+_CP_ALONE: tuple[tuple[str, str, str], ...] = (
+    ("tensor_parallel", "splitting the sequence over a context dimension next to a tensor dimension is not "
+     "supported yet (each tensor rank's heads would need their own K/V all-gather)", "drop 'tensor_parallel'"),
+    ("mixed_parallel", "tensor and pipeline stages next to a context dimension are not supported yet",
+     "drop 'mixed_parallel'"),
+    ("pipeline_parallel", "pipeline stages next to a context dimension are not supported yet (the stages would "
+     "pass on split sequences and the last one compute a split loss)", "drop 'pipeline_parallel'"),
+    ("ds_3d_parallel", "DeepSpeed's pipeline engine splits no sequence", "drop 'ds_3d_parallel'"),
+    ("expert_parallel", "experts next to a context dimension are not supported yet (the expert gradients would "
+     "need averaging over the context ranks too)", "drop 'expert_parallel' or 'context_parallel'"),
+)
+
+RULES += (
+    # (context_parallel without any parallel_mode: ContextParallel.check says the same)
+    Rule(("context_parallel", "parallel_mode"), "context_parallel splits each sequence over parallel_mode's "
+         "'context' dimension", "add one, e.g. ('parallel_mode', {'dims': [['context', 2], ['data', -1]]})",
+         when=lambda c: not _has_dim("context")(c), condition="no 'context' dimension in parallel_mode",
+         example=("context_parallel", ("parallel_mode", {"dims": [["data", 2]]}))),
+    *(
+        Rule(("context_parallel", other), reason, fix,
+             example=(("parallel_mode", _CP_DIMS), "context_parallel", other))
+        for other, reason, fix in _CP_ALONE
+    ),
+    Rule(
+        ("context_parallel", "zero2"), "DeepSpeed's engine averages gradients over its own data-parallel group, "
+        "not over data × context", "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
+        when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
+        example=(("parallel_mode", _CP_DIMS), "context_parallel", ("zero2", {"implementation": "deepspeed"})),
+    ),
+    Rule(
+        ("context_parallel", "zero1"), "DeepSpeed's engine averages gradients over its own data-parallel group, "
+        "not over data × context", "use implementation 'torch' for 'zero1'",
+        when=_deepspeed("zero1"), condition="zero1 implementation='deepspeed'",
+        example=(("parallel_mode", _CP_DIMS), "context_parallel", ("zero1", {"implementation": "deepspeed"})),
+    ),
+)
+
+
 # Rules that came with methods registered outside atorch (registry.register_method), after the table above.
 _added: tuple[Rule, ...] = ()
 

@@ -66,6 +66,8 @@ class CostFacts:
     collectives: tuple[Collective, ...] = ()
     syncs_gradients: bool = False
     runs_as: str | None = None  # the method whose program this config runs (zero1 next to a tensor dimension: zero2)
+    # the mesh dimension each sequence (and so every activation) is split over (context_parallel: 'context')
+    activations: str | None = None
 
 
 NO_EFFECT = CostFacts()
@@ -92,6 +94,7 @@ class StrategyFacts:
     recompute: float
     collectives: tuple[Collective, ...]
     sharded_by: str | None
+    activations: str | None = None  # the mesh dimension sequences are split over (CostFacts.activations)
 
 
 def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float32") -> StrategyFacts:
@@ -117,4 +120,5 @@ def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float3
         compute_dtype=compute_dtype, autocast=bool(first("autocast", False)),
         recompute=float(first("recompute", 0.0)), collectives=collectives,  # type: ignore[arg-type]
         sharded_by=next((f.runs_as or name for name, f in pairs if f.gradients is not None), None),
+        activations=first("activations", None),  # type: ignore[arg-type]
     )

@@ -81,7 +81,7 @@ def grad_scaler_for(ctx: Any, config: AmpConfig) -> Any:
 
         # The data-parallel group, explicitly: the default argument is whatever group was the world
         # when torch was imported, which is not this result's (a search trial's group, a tensor x data mesh).
-        group = ctx.data_mesh.get_group() if ctx.dp_size > 1 else None
+        group = ctx.data_mesh.get_group() if ctx.replica_size > 1 else None
         return ShardedGradScaler(device=device, process_group=group)
     return torch.amp.GradScaler(device)
 

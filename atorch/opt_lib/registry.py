@@ -39,6 +39,9 @@ METHOD_MODULES: dict[str, str] = {
     # the experts split over the 'expert' dimension before recompute wraps the blocks and before DDP/FSDP, which
     # leave the expert parameters alone [communication: the experts take the first data × expert rank's weights]
     "expert_parallel": "expert_parallel",
+    # the attention swapped and the inputs split by hooks on the whole model, before DDP/FSDP wrap it (they average
+    # over data × context)
+    "context_parallel": "context_parallel",
     "checkpoint": "activation_checkpoint",  # wraps the plain (split) blocks: it ends up inside any sharding unit
     "compile": "compile",  # opt-in: the forward as the steps above left it; fsdp and DDP wrap the compiled model
     "fsdp": "sharding",  # sharding wraps last [communication: rank 0's weights first, as DDP's constructor does]

@@ -297,7 +297,7 @@ def shard_over_data(build: Build, config: ShardingConfig, reshard_after_forward:
     # [communication] Every data-parallel rank starts from rank 0's weights. DDP does this in its constructor and
     # DeepSpeed in its engine; FSDP2 does not, so it happens here. A model on the meta device is initialised
     # identically on every rank instead (meta_init.py).
-    if build.communicate and config.sync_module_states and ctx.dp_size > 1 and not is_meta(ctx.model):
+    if build.communicate and config.sync_module_states and ctx.replica_size > 1 and not is_meta(ctx.model):
         broadcast_from_first(ctx.model, ctx.data_mesh)
     if build.per_stage is not None:  # [pipeline] each stage its own FSDP2 root
         build.per_stage(ctx, shard_model, config, reshard_after_forward=reshard_after_forward, label=label)

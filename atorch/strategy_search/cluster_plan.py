@@ -25,6 +25,7 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.opt_lib import registry
+from atorch.opt_lib.context_parallel import ContextParallel
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy, StrategyItem
 from atorch.strategy_search.analyser import ModelStats
@@ -42,12 +43,16 @@ FOREIGN_SCHEDULES = {"dualpipe": "1f1b"}
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
-               "sequence_parallel", "micro_batch_size", "expert", "fp8")
+               "sequence_parallel", "micro_batch_size", "expert", "fp8", "context")
 # The memory figure's error band: the analytical cost model's measured error (the same band the automatic search
 # allows its analytical predictions, strategy_search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
 # within 1-6% of one H100's peak, bench/plan.py --gpu-check)
 MEMORY_BAND = 0.15
 EXPERT_METHOD = "expert_parallel"  # the registry's method that splits experts over an 'expert' dimension
+# Context parallel is enumerated for long sequences only (Llama 3 used it from 131k tokens; below this the
+# activations of a sequence fit with tensor parallel and recompute), in powers of two up to MAX_CONTEXT.
+CONTEXT_MIN_SEQ = 32768
+MAX_CONTEXT = 32
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,20 @@ class Layout:
     vocab_parallel: bool = False
     expert: int = 1  # a MoE model's experts split over this many of the data ranks (expert ranks are data ranks)
     fp8: bool = False  # the layers' linears in fp8 (atorch's fp8 method; evaluated for --layout only)
+    # each sequence split over this many ranks (context_parallel), besides tensor × pipeline × data
+    context: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.context * self.pipeline * self.data
 
     def structure(self) -> tuple[Any, ...]:
         return (self.tensor, self.pipeline, self.sharding, self.recompute, self.schedule, self.virtual_stages,
-                self.sequence_parallel, self.vocab_parallel, self.expert, self.fp8)
+                self.sequence_parallel, self.vocab_parallel, self.expert, self.fp8, self.context)
 
     def describe(self) -> str:
-        text = f"t{self.tensor}·p{self.pipeline}·d{self.data}" + (f"·e{self.expert}" if self.expert > 1 else "")
+        text = f"t{self.tensor}" + (f"·c{self.context}" if self.context > 1 else "") + \
+            f"·p{self.pipeline}·d{self.data}" + (f"·e{self.expert}" if self.expert > 1 else "")
         if self.pipeline > 1:
             text += f" {self.schedule}" + (f"×{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return text
@@ -125,7 +137,9 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         lay, mem, t = self.layout, self.prediction.memory, self.prediction.time
         return {
-            "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data, "expert": lay.expert},
+            # 'context' only where sequences are split (the layouts of short sequences keep their form)
+            "layout": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data, "expert": lay.expert,
+                       **({"context": lay.context} if lay.context > 1 else {})},
             "fp8": lay.fp8, "moe": self.moe,
             "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "sharding": lay.sharding,
             "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
@@ -169,10 +183,14 @@ def strategy_for(lay: Layout) -> Strategy:
     names: dict[str, dict[str, Any]] = {"amp_native": {"dtype": "bf16"}}
     # expert ranks next to the tensor ranks (inside a node where they fit), then the pipeline
     expert = lay.expert > 1 and EXPERT_METHOD in registry.method_names()
-    dims = [(n, s) for n, s in (("tensor", lay.tensor), ("expert", lay.expert if expert else 1),
+    # context ranks next to the tensor ranks (Llama 3's order: tensor, context, pipeline, data)
+    dims = [(n, s) for n, s in (("tensor", lay.tensor), ("context", lay.context), ("expert", lay.expert if expert
+                                                                                     else 1),
                                 ("pipeline", lay.pipeline)) if s > 1]
     if expert:
         names[EXPERT_METHOD] = {}
+    if lay.context > 1:
+        names[ContextParallel.name] = {}
     if lay.fp8:
         names["fp8"] = {}
     if dims:
@@ -197,8 +215,9 @@ def strategy_for(lay: Layout) -> Strategy:
 
 @lru_cache(maxsize=4096)
 def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
-    t, p, sharding, recompute, schedule, v, sp, vocab, ep, fp8 = structure
-    lay = Layout(t, p, gpus // (t * p), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab, ep, fp8)
+    t, p, sharding, recompute, schedule, v, sp, vocab, ep, fp8, cp = structure
+    lay = Layout(t, p, gpus // (t * p * cp), sharding, recompute, schedule, v, sp, 1, max(2 * p, 1), vocab, ep, fp8,
+                 cp)
     found = list(strategy_for(lay).problems(gpus))
     if schedule in FOREIGN_SCHEDULES:
         found.append(f"atorch has no {schedule} schedule: the strategy is written with {FOREIGN_SCHEDULES[schedule]}")
@@ -219,10 +238,13 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
     for t in _divisors(min(gpus, gpus_per_node)):
         if gpus % t or shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads):
             continue
-        for p in _divisors(gpus // t):
+        # context sizes (long sequences only): powers of two whose 2·c chunks divide the sequence
+        contexts = [1] + [size for size in (2 ** k for k in range(1, MAX_CONTEXT.bit_length()))
+                          if shape.seq >= CONTEXT_MIN_SEQ and (gpus // t) % size == 0 and shape.seq % (2 * size) == 0]
+        for c, p in [(size, p) for size in contexts for p in _divisors(gpus // t // size)]:
             if p > shape.layers:
                 continue
-            dp = gpus // (t * p)
+            dp = gpus // (t * p * c)
             if global_batch % dp:
                 continue
             # a MoE model's expert dimension: a size dividing the experts and the data ranks
@@ -244,7 +266,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
                                 if schedule == "interleaved_1f1b" and m % p:
                                     continue  # the interleaved schedule runs micro-batches in groups of p
                                 for ep in experts:
-                                    yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split, ep)
+                                    yield Layout(t, p, dp, sharding, recompute, schedule, v, sp, b, m, split, ep,
+                                                 context=c)
 
 
 def regime_of(shape: TransformerShape, lay: Layout, precision: str | None, runnable: bool) -> str:
@@ -280,7 +303,8 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
     per-operation and DTensor costs: what ranks small models on the local processes)."""
     strategy = strategy or strategy_for(lay)
     regime = regime_of(shape, lay, precision, runnable)
-    per_layout = {"precision": regime, "expert_ranks": lay.expert, "dualpipe": lay.schedule == "dualpipe"}
+    per_layout = {"precision": regime, "expert_ranks": lay.expert, "dualpipe": lay.schedule == "dualpipe",
+                  "context_ranks": lay.context}
     if stats is None and any(getattr(shape, k) != v for k, v in per_layout.items()):
         shape = shape.model_copy(update=per_layout)
     predicted = strategy
@@ -288,14 +312,14 @@ def evaluate(shape: TransformerShape, lay: Layout, profile: HardwareProfile, glo
         # Megatron-LM always splits the embedding and the LM head over the tensor ranks (atorch's loss_parallel
         # only without a pipeline): predicted so, the emitted strategy keeps atorch's choice
         predicted = strategy_for(replace(lay, vocab_parallel=True))
-    mesh = ParallelLayout(tuple((n, s) for n, s in (("tensor", lay.tensor), ("pipeline", lay.pipeline),
-                                                    ("data", lay.data))))
+    context = (("context", lay.context),) if lay.context > 1 else ()
+    mesh = ParallelLayout((("tensor", lay.tensor), *context, ("pipeline", lay.pipeline), ("data", lay.data)))
     accumulation = 1 if lay.pipeline > 1 else lay.micro_batches  # a pipeline's micro-batches are its schedule's
     if stats is not None:
         pred = predict(stats, strategy, mesh, profile, global_batch, accumulation)
     else:
         pred = predict_transformer(shape, _stats(shape), predicted, mesh, profile, global_batch, accumulation)
-    gpus = lay.tensor * lay.pipeline * lay.data
+    gpus = lay.gpus
     tokens = global_batch * shape.seq
     step = pred.time.step
     model_flops = shape.model_flops_per_token() * tokens
@@ -340,7 +364,7 @@ def parse_layout(text: str) -> dict[str, Any]:
     """``tensor=8,pipeline=35,sharding=zero1,...`` -> the fields given (the rest are the planner's)."""
     aliases = {"tp": "tensor", "pp": "pipeline", "dp": "data", "virtual": "virtual_stages",
                "mbs": "micro_batch_size", "micro_batch": "micro_batch_size", "sp": "sequence_parallel",
-               "ep": "expert"}
+               "ep": "expert", "cp": "context"}
     wanted: dict[str, Any] = {}
     problems = []
     for part in filter(None, (p.strip() for p in text.split(","))):

@@ -357,6 +357,7 @@ class _Facts:
     owned: float  # the parameters whose optimizer state this rank keeps
     gather: float  # FSDP mixed precision gathers 16-bit copies
     schedule: str  # the pipeline schedule
+    context: int = 1  # each sequence split over this many ranks (context_parallel): activations / context
 
 
 def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global_batch: int,
@@ -413,7 +414,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
                   buffers=buffers, block_params=block_params, biggest_block=biggest_block, root_params=root_params,
                   tp=tp, pp=pp, split=split, share=share, rank_param_bytes=rank_param_bytes,
                   rank_trainable_bytes=rank_trainable_bytes, owned=owned, gather=gather,
-                  schedule=_schedule(strategy))
+                  schedule=_schedule(strategy),
+                  context=layout.size(facts.activations) if facts.activations else 1)
 
 
 def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
@@ -481,7 +483,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
 
     amp_factor = (stats.amp_activation_bytes / stats.activation_bytes if stats.amp_activation_bytes
                   and stats.activation_bytes else AMP_ACTIVATION_FACTOR)
-    act_scale = f.micro / stats.batch_size * f.scale * (amp_factor if f.amp and not f.half else 1.0)
+    act_scale = f.micro / stats.batch_size * f.scale * (amp_factor if f.amp and not f.half else 1.0) / f.context
     block_act = sum(b.activation_bytes_total for b in stats.blocks)
     if f.checkpoint and stats.blocks:
         # A recomputed block keeps its inputs, the others all they save. The backward peaks at the last recomputed

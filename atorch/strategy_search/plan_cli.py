@@ -45,8 +45,8 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--top", type=int, default=10, help="rows of the table (the JSON has every plan)")
     plan.add_argument("--layout", default=None, help="evaluate a layout, e.g. tensor=8,pipeline=4,sharding=fsdp "
                       "(keys: tensor, pipeline, data, sharding, recompute, schedule, virtual_stages, "
-                      "sequence_parallel, micro_batch_size, expert, fp8; schedule also dualpipe; the rest chosen by "
-                      "the planner)")
+                      "sequence_parallel, micro_batch_size, expert, fp8, context; schedule also dualpipe; the rest "
+                      "chosen by the planner)")
     plan.add_argument("--precision-regime", default="auto", choices=("auto", *REGIME_NAMES),
                       help="bytes per parameter as which mixed precision keeps them: amp_native (fp32 weights, "
                       "autocast), fsdp_mixed (FSDP2 MixedPrecisionPolicy: fp32 sharded master, bf16 gathered), "

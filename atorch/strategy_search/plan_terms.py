@@ -97,6 +97,13 @@ def predict_transformer(shape: TransformerShape, stats: ModelStats, strategy: St
 #   per MoE layer and micro-batch, dispatch and combine all-to-alls in forward and backward (and the recompute), in
 #   line with the compute: a rank keeps 1/ep of its tokens' copies, sends the node-local share over NVLink and the
 #   rest over its own adapter (capped by node-limited routing).
+# * Context parallel (atorch's context_parallel, Llama 3's all-gather form; Dubey et al. 2024, section 3.3.2: CP 16
+#   at 131k tokens in the long-context stage of the 405B): a rank runs s/cp of each sequence, so its tokens, FLOPs,
+#   activations and logits are 1/cp (a query still attends over all s keys: the score FLOPs per token keep s);
+#   each layer all-gathers the K and V of the whole sequence (2·b·s·kv_dim 16-bit values, split with the heads over
+#   tensor ranks) in forward, again in a full recompute, and reduce-scatters their gradients in backward, in line
+#   with the compute; context ranks sit next to the tensor ranks (Llama 3's order [TP, CP, PP, DP]). The parameters'
+#   gradients are reduced (and ZeRO-sharded) over data × context ranks.
 # * fp8 (Transformer Engine's linears): the layers' matmuls at the profile's fp8 rate. DualPipe: see
 #   ``TransformerShape.dualpipe``.
 
@@ -157,6 +164,9 @@ class TransformerShape(_Frozen):
     # the layout's expert dimension (set per layout by the planner): a MoE layer's experts split over that many
     # ranks of the data dimension, their gradients and states sharded over the rest
     expert_ranks: int = 1
+    # the layout's context dimension (context_parallel; set per layout by the planner): each sequence split over that
+    # many ranks besides the tensor × pipeline × data ones (see the context parallel terms above)
+    context_ranks: int = 1
     # DeepSeek-V3's DualPipe schedule (set per layout by the planner; atorch has none): each rank holds two stages
     # (both pipeline directions: twice the parameters and gradients), keeps pp + 1 micro-batches in flight, overlaps
     # a forward chunk's all-to-alls and sends with another's backward on the SMs it keeps for communication, and
@@ -352,6 +362,25 @@ def _all_to_all_s(shape: TransformerShape, profile: HardwareProfile, tokens: flo
     return moe_layers * one * (6 if recompute else 4)
 
 
+def context_kv_bytes(shape: TransformerShape, micro: float, tp: int) -> float:
+    """Bytes of one layer's K and V for a micro-batch's whole sequences on one tensor rank, in 16 bits: what each
+    context-parallel all-gather assembles (and each reduce-scatter of their gradients takes apart)."""
+    return 2.0 * 2.0 * micro * shape.seq * shape.kv_dim / tp
+
+
+def context_kv_s(shape: TransformerShape, profile: HardwareProfile, micro: float, stage_layers: int, cp: int, tp: int,
+                 recompute: bool) -> float:
+    """A micro-batch's context-parallel K/V collectives on a stage: per layer an all-gather in forward (again in a
+    full recompute) and a reduce-scatter of their gradients in backward, over the cp ranks next to the tensor
+    ranks (stride tp)."""
+    if cp <= 1:
+        return 0.0
+    nbytes = context_kv_bytes(shape, micro, tp)
+    gathers = stage_layers * (2 if recompute else 1)
+    return (_group_collective_s(profile, "all_gather", nbytes * gathers, cp, tp, gathers)
+            + _group_collective_s(profile, "reduce_scatter", nbytes * stage_layers, cp, tp, stage_layers))
+
+
 def _regime(shape: TransformerShape, sharding: str, half: bool) -> PrecisionRegime:
     """The precision regime the transformer terms count bytes with (``precision``; see TransformerShape)."""
     if half:  # everything in 16 bits, no master weights
@@ -382,7 +411,8 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     if regime.autocast != shape.autocast:
         shape = shape.model_copy(update={"autocast": regime.autocast})
     b, s, h, m = f.micro, shape.seq, shape.hidden, f.micro_batches
-    tokens = b * s  # per micro-batch
+    cp = max(1, shape.context_ranks)
+    tokens = b * s / cp  # per micro-batch and rank (context parallel: its share of each sequence)
     stage_layers = math.ceil(shape.layers / pp)
     wbytes = 2.0 if f.half else 4.0  # bytes per parameter of what the optimizer updates (fp32 master weights)
     # gradient bytes: the regime's (fp32 under autocast, FSDP2's fp32 reduction and Megatron-LM's fp32 buffer);
@@ -403,9 +433,10 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     n_dense = stage_layers * layer_dense + (first + last if pp == 1 else max(first, last)) + 2 * h
     n_rank = n_dense + n_experts
     expert_dp = max(1, dp // ep)
-    owned = n_dense / dp + n_experts / expert_dp if sharding != "none" else n_rank
+    replicas = dp * cp  # the ranks a parameter's gradient is reduced over (and ZeRO-sharded over)
+    owned = n_dense / replicas + n_experts / expert_dp if sharding != "none" else n_rank
     held = [rank_bytes(regime, sharding, n, layer_n, d, grads=grad_el, states=optimizer_state_factor)
-            for n, layer_n, d in ((n_dense, layer_dense, dp), (n_experts, layer_experts / ep, expert_dp))]
+            for n, layer_n, d in ((n_dense, layer_dense, replicas), (n_experts, layer_experts / ep, expert_dp))]
     params, grads, state, temporary = (sum(getattr(b, k) for b in held)
                                        for k in ("parameters", "gradients", "optimizer_state", "temporary"))
     dualpipe = shape.dualpipe and pp > 1
@@ -498,6 +529,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
         mb_p2p = 2 * v * one
     mb_compute = mb_flops / flops_s + mb_scores + mb_elementwise / bandwidth
     mb_tp += _all_to_all_s(shape, profile, tokens, stage_layers, ep, tp, recompute == "full")
+    mb_tp += context_kv_s(shape, profile, b, stage_layers, cp, tp, recompute == "full")
     if dualpipe:  # the compute runs on the SMs communication leaves it and hides the in-line transfers
         mb_compute /= DUALPIPE_COMPUTE_SHARE
         mb_tp, mb_p2p = max(0.0, mb_tp + mb_p2p - mb_compute), 0.0
@@ -515,6 +547,8 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     grad_bytes = n_rank * grad_el
     gather_bytes = n_rank * regime.gathered
     stride = tp * pp
+    if cp > 1:  # data × context: the context ranks next to the tensor ranks, the data ranks beyond the pipeline
+        dp, stride = replicas, tp
     dp_comm, hidden_by = 0.0, 0.0
     if dp > 1:
         last_backward = mb_compute * 2 / 3
@@ -546,7 +580,8 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     step = compute + exposed_comm + bubble + optimizer
     time = TimePrediction(compute=compute, communication=exposed_comm, optimizer=optimizer, bubble=bubble,
                           step=step)
-    notes = (f"transformer terms: tensor {tp}, pipeline {pp} (x{v} virtual), data {dp}, sharding {f.sharding or 'none'}"
+    notes = (f"transformer terms: tensor {tp}, pipeline {pp} (x{v} virtual), data {f.dp}"
+             f"{f', context {cp}' if cp > 1 else ''}, sharding {f.sharding or 'none'}"
              f"{' zero1' if f.zero1 else ''}, precision {regime.name}, recompute {recompute}, sequence parallel {sp}, "
              f"bubble {bubble:.4g} s",)
     return Prediction(memory=memory, time=time, samples_per_rank=f.micro, notes=notes)

@@ -1,0 +1,324 @@
+"""context_parallel: each sequence split over parallel_mode's 'context' dimension (long-context training).
+
+torch's own ``torch.distributed.tensor.experimental.context_parallel`` replaces only the CUDA SDPA kernels (flash,
+efficient, cuDNN: its dispatch table in ``_context_parallel/_attention.py``); on CPU SDPA runs
+``_scaled_dot_product_flash_attention_for_cpu`` or the math kernel, which it does not cover, so atorch runs its own,
+on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3.2).
+
+* Sharding: the ``c`` ranks of a context group read the same batch (they are not in the batch split) and each keeps
+  ``2/(2c)`` of every sequence, load-balanced for causal attention ("zigzag"): rank ``r`` holds chunks ``r`` and
+  ``2c-1-r`` of ``2c``, so every rank attends over the same number of (query, key) pairs.
+* Attention: each layer all-gathers K and V over the context group (before GQA's repeat: the fewer heads) and runs
+  SDPA for the rank's queries with the causal mask at their global positions; the all-gather's backward sums the
+  K/V gradients back to their owners. It is hooked into transformers through its attention registry
+  (``AttentionInterface``: the model's ``_attn_implementation`` becomes ``atorch_context_parallel``), so every
+  transformers decoder on the attention interface runs it; position ids are the global positions of the rank's
+  tokens (rotary and absolute embeddings alike).
+* Loss: with ``labels``, they are shifted over the whole sequence before the split (transformers' ``shift_labels``)
+  and each rank's loss is its tokens' sum over ``num_items_in_batch`` / c, so the mean of the ranks' losses is the
+  token-weighted mean of one process; the loss returned is that mean (the same on every context rank). Without
+  labels the logits are gathered whole (in sequence order), so a user's own loss on them trains the same.
+* Gradients: DDP/FSDP average every parameter over data × expert × context (``ParallelLayout.replica_size``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from atorch.errors import SetupError
+from atorch.log import get_logger
+from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.cost_facts import CostFacts
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.registry import register
+from atorch.parallel_layout import CONTEXT, ParallelLayout
+
+if TYPE_CHECKING:
+    from atorch.opt_lib.build_state import Build
+
+logger = get_logger(__name__)
+
+ATTENTION_NAME = "atorch_context_parallel"  # the key in transformers' attention (and no mask) registry
+_STATE = "_atorch_context"  # set on every attention module of a context-parallel model: its ContextShard
+
+
+class ContextParallelConfig(MethodConfig):
+    """Needs a 'context' dimension in parallel_mode, e.g. ``([("context", 2), ("data", -1)], None)``."""
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's place in its context group: ``size`` ranks, this one ``rank`` (its group rank: the all-gather's
+    order, so a rank_order that permutes the group changes nothing)."""
+
+    group: Any
+    size: int
+    rank: int
+
+    def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of this rank's ``local_length`` tokens (zigzag: chunks rank and 2c-1-rank)."""
+        return zigzag_positions(local_length * self.size, self.size, self.rank, device)
+
+    def all_positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of the gathered sequence, in the all-gather's (group rank) order."""
+        return torch.cat([zigzag_positions(local_length * self.size, self.size, r, device) for r in range(self.size)])
+
+
+def zigzag_positions(length: int, size: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Positions of the tokens rank ``rank`` of ``size`` holds of a sequence of ``length``: chunks ``rank`` and
+    ``2·size-1-rank`` of ``2·size`` equal chunks (each rank then sees the same causal work)."""
+    chunk = length // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = 2 * size - 1 - rank
+    return torch.cat([first, torch.arange(last * chunk, (last + 1) * chunk, device=device)])
+
+
+# ----- the collectives, with autograd ----------------------------------------------------------------------
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 2 (B, heads, S/c, D) -> (B, heads, S, D) in group rank order; backward: the sum of every
+    rank's gradient of this rank's part (a reduce-scatter; gloo has none, so all-reduce and keep the part)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, shard: ContextShard, dim: int) -> torch.Tensor:
+        ctx.shard, ctx.dim = shard, dim
+        parts = [torch.empty_like(tensor) for _ in range(shard.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        shard, dim = ctx.shard, ctx.dim
+        grad = grad.contiguous()
+        if dist.get_backend(shard.group) == dist.Backend.GLOO:
+            dist.all_reduce(grad, group=shard.group)
+            return grad.chunk(shard.size, dim=dim)[shard.rank].contiguous(), None, None
+        parts = [p.contiguous() for p in grad.chunk(shard.size, dim=dim)]
+        out = torch.empty_like(parts[shard.rank])
+        dist.reduce_scatter(out, parts, group=shard.group)
+        return out, None, None
+
+
+class _MeanOverGroup(torch.autograd.Function):
+    """The mean of the context ranks' losses (the global loss, the same on every rank). Backward passes the
+    gradient through unscaled: every rank backpropagates its own share of the objective (its loss is already
+    scaled by c/N), and the K/V all-gathers and DDP/FSDP's average over the context ranks combine the shares."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=shard.group)
+        return total / shard.size
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+# ----- attention -------------------------------------------------------------------------------------------
+def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature (query (B, H, S/c, D), key/value (B, H_kv, S/c, D)); returns
+    (B, S/c, H, D) as sdpa_attention_forward does. Causal over global positions, with the model's sliding window."""
+    shard: ContextShard | None = getattr(module, _STATE, None)
+    if shard is None:
+        raise RuntimeError(f"{type(module).__name__} runs the '{ATTENTION_NAME}' attention but was not set up by "
+                           "context_parallel (atorch sets it on every attention module of the model it applies to)")
+    for unsupported in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"context_parallel's attention does not support '{unsupported}' "
+                                      f"({type(module).__name__}); drop context_parallel for this model")
+    local = query.shape[2]
+    key = _GatherSequence.apply(key, shard, 2)
+    value = _GatherSequence.apply(value, shard, 2)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # after the gather: the K/V heads travel, not their copies
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    q_pos = shard.positions(local, query.device)[:, None]
+    k_pos = shard.all_positions(local, query.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:  # transformers' convention: a query sees the last ``sliding_window`` keys
+        allowed &= q_pos - k_pos < sliding_window
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, context_attention)  # no mask function: the model builds no mask
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of a transformers decoder on the attention interface (those with ``is_causal``)."""
+    return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+
+
+def not_supported_reason(model: nn.Module) -> str | None:
+    """Why context_parallel cannot split this model's sequences, or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency of this method only
+        return "context_parallel needs transformers (it hooks into transformers' attention interface)"
+    if not isinstance(model, PreTrainedModel):
+        return (f"context_parallel splits the sequence of a transformers decoder (a PreTrainedModel on the attention "
+                f"interface), not a {type(model).__name__}; drop context_parallel or use a transformers causal LM")
+    if not getattr(model, "_supports_attention_backend", False):
+        return (f"{type(model).__name__} does not run its attention through transformers' attention interface "
+                "(_supports_attention_backend), so atorch cannot replace it; drop context_parallel for this model")
+    modules = attention_modules(model)
+    if not modules or not all(bool(m.is_causal) for m in modules):
+        return (f"{type(model).__name__} has no causal self-attention on every attention module (an encoder or "
+                "encoder-decoder model); context_parallel splits causal decoders only")
+    return None
+
+
+# ----- the inputs: split before the model, the loss combined after ---------------------------------------
+def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not args:
+        return dict(kwargs)
+    signature = inspect.signature(type(model).forward)
+    bound = signature.bind_partial(model, *args, **kwargs)
+    found = dict(bound.arguments)
+    found.pop("self", None)
+    found.update(found.pop("kwargs", {}))
+    return found
+
+
+def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The model's keyword inputs for this rank: its zigzag share of every sequence, global positions, labels
+    shifted over the whole sequence. Refuses what it cannot split exactly."""
+    source = inputs.get("input_ids")
+    if source is None:
+        source = inputs.get("inputs_embeds")
+    if source is None:
+        raise SetupError("context_parallel splits input_ids (or inputs_embeds) along the sequence; the model was "
+                          f"called with {sorted(inputs)}")
+    batch, length = source.shape[0], source.shape[1]
+    if length % (2 * shard.size):
+        raise SetupError(f"context_parallel over {shard.size} ranks splits each sequence into {2 * shard.size} "
+                          f"equal chunks, but the sequence length is {length}; pad or cut sequences to a multiple of "
+                          f"{2 * shard.size}")
+    mask = inputs.pop("attention_mask", None)
+    if mask is not None and not bool((mask == 1).all()):
+        raise SetupError("context_parallel does not support attention masks with padding (its attention is causal "
+                          "over the whole sequence); pack sequences without padding, or drop the attention_mask")
+    if inputs.get("past_key_values") is not None:
+        raise SetupError("context_parallel trains on whole sequences: past_key_values (a KV cache) is not supported")
+    index = shard.positions(length // shard.size, source.device)
+    out = dict(inputs, use_cache=False)
+    for name in ("input_ids", "inputs_embeds", "token_type_ids"):
+        if out.get(name) is not None:
+            out[name] = out[name][:, index]
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=source.device).expand(batch, length)
+    out["position_ids"] = positions[..., index]
+    labels = inputs.get("labels")
+    if labels is not None:
+        shifted = inputs.get("shift_labels")
+        if shifted is None:  # transformers' ForCausalLMLoss shift, over the whole sequence
+            shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        items = inputs.get("num_items_in_batch")
+        if items is None:
+            items = (shifted != -100).sum()
+        # each rank's sum over N/c: the mean of the c ranks' losses is the sum over all tokens / N
+        out["num_items_in_batch"] = torch.as_tensor(items, device=source.device) / shard.size
+        out["shift_labels"] = shifted[:, index].contiguous()
+        out["labels"] = out["shift_labels"]  # transformers computes a loss only with labels given
+    return out
+
+
+def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
+        inputs = _bound(module, args, kwargs)
+        module._atorch_cp_labels = inputs.get("labels") is not None  # type: ignore[assignment]
+        return (), split_inputs(shard, inputs)
+
+    def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if module._atorch_cp_labels:
+            if getattr(output, "loss", None) is not None:
+                output.loss = _MeanOverGroup.apply(output.loss, shard)
+        elif getattr(output, "logits", None) is not None:  # whole logits, in sequence order
+            local = output.logits.shape[1]
+            gathered = _GatherSequence.apply(output.logits, shard, 1)
+            order = torch.argsort(shard.all_positions(local, gathered.device))
+            output.logits = gathered[:, order]
+        return output
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True)
+
+
+def split_sequences(ctx: Any, communicate: bool) -> None:
+    """context_parallel's apply step: the attention through atorch's all-gather, the inputs split by hooks."""
+    if not communicate:  # a model of fake tensors for the cost model: whole sequences (cost_facts divides)
+        return
+    layout, model = ctx.layout, ctx.model
+    group = layout.mesh(ctx.env.device.type)[CONTEXT].get_group()
+    shard = ContextShard(group, dist.get_world_size(group), dist.get_rank(group))
+    _register_attention()
+    for module in attention_modules(model):
+        object.__setattr__(module, _STATE, shard)  # not a submodule or buffer: plain state, out of state_dict
+    model.config._attn_implementation = ATTENTION_NAME
+    for sub in model.modules():  # sub-models keep their own config objects (a text model inside a VLM)
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
+    _install_hooks(model, shard)
+    logger.info("context_parallel: sequences split over %d ranks (zigzag), gradients averaged over %d "
+                "(data × expert × context)", shard.size, layout.replica_size)
+
+
+# ----- the method ------------------------------------------------------------------------------------------
+@register
+class ContextParallel(Method):
+    name = "context_parallel"
+    group = "parallel"
+    summary = ("Context parallel: each sequence split over the 'context' dimension (load-balanced zigzag); "
+               "attention all-gathers K/V over it (Llama 3's); transformers decoders.")
+    mesh_dims = (CONTEXT,)
+    Config = ContextParallelConfig
+
+    def check(self, config: Any, check: StrategyCheck) -> list[str]:
+        if ParallelMode.name not in check.configs:  # with one: the compatibility table's rule
+            return [f"{self.name} splits each sequence over parallel_mode's 'context' dimension; add one, e.g. "
+                    "('parallel_mode', {'dims': [['context', 2], ['data', -1]]})"]
+        return []
+
+    def applicable(self, ctx: Any) -> str | None:
+        return not_supported_reason(ctx.model)
+
+    def model_problems(self, ctx: Any, config: MethodConfig) -> list[str]:
+        from atorch.meta_init import is_meta
+
+        if is_meta(ctx.model):
+            return [f"a model on the meta device is not supported with {self.name} yet; build it on CPU"]
+        return []
+
+    def apply(self, build: Build, config: MethodConfig) -> None:
+        split_sequences(build.ctx, build.communicate)
+
+    def cost_facts(self, config: MethodConfig, layout: ParallelLayout) -> CostFacts:
+        """Activations per rank: 1/c of the sequence (``activations`` over 'context'); per layer, K and V of the
+        whole sequence are all-gathered in forward and their gradients reduce-scattered in backward: per rank
+        2 · (c-1)/c · S · kv_heads · head_dim · bytes each way (``context_kv_traffic``). The parameter gradients are
+        averaged over data × context by DDP/FSDP (the data-parallel sync, over ``replica_size`` ranks)."""
+        return CostFacts(activations=CONTEXT if layout.size(CONTEXT) > 1 else None)
+
+
+def context_kv_traffic(sequence: int, kv_heads: int, head_dim: int, layers: int, size: int,
+                       bytes_per_element: float = 2.0) -> float:
+    """Bytes one rank sends and receives per micro-batch sample for context parallel over ``size`` ranks: per
+    layer the K/V all-gather in forward and the reduce-scatter of their gradients in backward."""
+    if size <= 1:
+        return 0.0
+    per_layer = 2 * sequence * kv_heads * head_dim * bytes_per_element * (size - 1) / size  # K and V
+    return 2 * per_layer * layers  # forward all-gather + backward reduce-scatter

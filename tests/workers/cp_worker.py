@@ -1,0 +1,228 @@
+"""Context parallel on real processes (gloo), against one process.
+
+Usage: ``torchrun --nproc_per_node=N cp_worker.py GROUP`` (see GROUPS). Every rank trains the accelerated model with
+ATorch's loop (forward with labels, ``loss.backward()``, ``optim.step()``) on its data rank's share of the batch; the
+ranks of a context group read the same share and each runs 1/c of every sequence. One process trains the user's model
+on every data rank's share (the mean of the shares' losses backpropagated: data parallel). Prints
+``RESULT {scenario: {...} | {"error": ...} | {"refused": [...]}}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, like the rest of the suite
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import copy
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import shard_models as sm
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from worker_common import GLOBAL_BATCH, LR, repeated_batch, run_each
+
+import atorch
+from atorch.model_context import call_model
+from atorch.training import train_step
+
+STEPS = 2
+
+
+def qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=sm.SEQ_LEN, use_cache=False))
+
+
+def gpt_neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=sm.SEQ_LEN, use_cache=False, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def mistral_window() -> nn.Module:
+    """Mistral with a sliding window shorter than the sequence: each query sees its last 6 keys only."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=sm.SEQ_LEN, sliding_window=6, use_cache=False))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"llama": sm.tiny_llama, "qwen2": qwen2, "gpt_neox": gpt_neox,
+                                             "mistral_window": mistral_window,
+                                             "mlp": sm.FlatMLP, "bart": sm.tiny_bart}
+
+
+def _make(name: str) -> nn.Module:
+    torch.manual_seed(0)  # the same user model on every rank
+    return MODELS[name]()
+
+
+def _accelerate(model: nn.Module, strategy: list[Any], dataset: Any = None) -> Any:
+    _, result, _ = atorch.auto_accelerate(
+        model, torch.optim.SGD, repeated_batch(dataset or sm.TokenDataset()), sm.hf_loss,
+        model_input_format="unpack_dict", optim_args={"lr": LR},
+        dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, load_strategy=strategy,
+    )
+    return result
+
+
+def _whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.full_tensor() if isinstance(param, DTensor) else param
+        out[name.removeprefix("module.")] = value.detach().clone()
+    return out
+
+
+def _gather_ids(batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Every rank's input_ids of every step, by global rank."""
+    ids = torch.stack([b["input_ids"] for b in batches])
+    out = [torch.empty_like(ids) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, ids)
+    return out
+
+
+def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0) -> dict[str, Any]:
+    user = _make(model_name)
+    try:
+        result = _accelerate(user, strategy)
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
+    inner = getattr(result.model, "module", result.model)
+    local_lengths: list[int] = []
+    # the sequence length each rank embeds (and so every activation's): 1/c of the batch's
+    handle = inner.get_input_embeddings().register_forward_hook(lambda m, a, o: local_lengths.append(o.shape[1]))
+    loader, batches, mine = iter(result.dataloader), [], []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        if accumulate:  # atorch.train_step over micro-batches: the gradients averaged once, at the boundary
+            parts = [{k: v.chunk(accumulate)[m] for k, v in data.items()} for m in range(accumulate)]
+            mine.append(float(train_step(result, parts)))  # the mean over micro-batches and ranks
+        else:
+            loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
+            loss.backward()
+            result.optim.step()
+            result.optim.zero_grad()
+            mine.append(loss.item())
+        batches.append(data)
+    handle.remove()
+    per_rank = _gather_ids(batches)
+    shares = _data_shares(per_rank)
+    model = copy.deepcopy(user)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    expected: list[float] = []
+    for step in range(STEPS):
+        losses = []
+        for ids in shares:
+            parts = ids[step].chunk(accumulate) if accumulate else [ids[step]]
+            losses += [call_model(model, {"input_ids": p, "labels": p}, "unpack_dict").loss for p in parts]
+        total = torch.stack(losses).mean()
+        total.backward()
+        optim.step()
+        optim.zero_grad()
+        expected.append(total.item())
+    ours = _whole_params(result.model)
+    reference = {n: p.detach() for n, p in model.named_parameters()}
+    # this rank's own loss against the reference's global one where the data is whole (data size 1), else each
+    # rank's loss is its data share's: compared through the mean over ranks
+    mean = torch.tensor(mine)
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(mean.tolist(), expected, strict=True)),
+        "loss_drop": expected[0] - expected[-1],
+        "weight_diff": max((ours[n] - w).abs().max().item() for n, w in reference.items()),
+        "names_match": sorted(ours) == sorted(reference),
+        "attention": inner.config._attn_implementation,
+        "local_length": local_lengths[0] if local_lengths else None,
+        "sequence_length": int(per_rank[0].shape[-1]),
+        "dp_size": result.args.data_parallel_size,
+    }
+
+
+def _data_shares(per_rank: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct batches the ranks trained on (the context ranks of a data rank hold the same one)."""
+    found: list[torch.Tensor] = []
+    for ids in per_rank:
+        if not any(torch.equal(ids, seen) for seen in found):
+            found.append(ids)
+    return found
+
+
+def whole_logits(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """Without labels the logits come back whole, in sequence order: the same as one process's."""
+    user = _make(model_name)
+    result = _accelerate(user, strategy)
+    ids = sm.TokenDataset()[0]["input_ids"][None].repeat(2, 1)
+    with torch.no_grad():
+        ours = call_model(result.model, {"input_ids": ids}, "unpack_dict").logits
+        theirs = user(input_ids=ids).logits
+    return {"shape_match": list(ours.shape) == list(theirs.shape), "logits_diff": (ours - theirs).abs().max().item()}
+
+
+def refused_at_call(model_name: str, strategy: list[Any], **batch: Any) -> dict[str, Any]:
+    result = _accelerate(_make(model_name), strategy)
+    ids = batch.pop("input_ids")
+    try:
+        call_model(result.model, {"input_ids": ids, "labels": ids, **batch}, "unpack_dict")
+    except atorch.SetupError as exc:
+        return {"refused": [str(exc)]}
+    return {"accepted": True}
+
+
+def _cp(context: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
+    dims = [["context", context]] + ([["data", data]] if data is not None else [])
+    return [("parallel_mode", {"dims": dims}), "context_parallel", *extra]
+
+
+_IDS = sm.TokenDataset()[0]["input_ids"][None]
+GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
+    "two": {
+        "llama_c2": lambda: train_and_compare("llama", _cp(2)),
+        "qwen2_c2": lambda: train_and_compare("qwen2", _cp(2)),
+        "gpt_neox_c2": lambda: train_and_compare("gpt_neox", _cp(2)),
+        "llama_c2_fsdp": lambda: train_and_compare("llama", _cp(2, extra=("fsdp",))),
+        "mistral_window_c2": lambda: train_and_compare("mistral_window", _cp(2)),
+        "llama_c2_accumulated": lambda: train_and_compare("llama", _cp(2), accumulate=2),
+        "llama_whole_logits": lambda: whole_logits("llama", _cp(2)),
+        "mlp_refused": lambda: train_and_compare("mlp", _cp(2)),
+        "bart_refused": lambda: train_and_compare("bart", _cp(2)),
+        "uneven_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS[:, :14]),
+        "padding_refused": lambda: refused_at_call(
+            "llama", _cp(2), input_ids=_IDS, attention_mask=torch.cat([torch.ones(1, 12), torch.zeros(1, 4)], 1)),
+    },
+    "four": {
+        "llama_c2_d2": lambda: train_and_compare("llama", _cp(2, 2)),
+        "qwen2_c2_d2_fsdp": lambda: train_and_compare("qwen2", _cp(2, 2, ("fsdp",))),
+        "llama_c4": lambda: train_and_compare("llama", _cp(4)),
+    },
+}
+
+
+def main() -> None:
+    group = sys.argv[1]
+    dist.init_process_group("gloo")
+    scenarios = GROUPS[group]
+    only = os.environ.get("CP_ONLY")
+    if only:
+        scenarios = {k: v for k, v in scenarios.items() if k in only.split(",")}
+    report = run_each(scenarios)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
