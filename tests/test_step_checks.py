@@ -20,7 +20,7 @@ import atorch
 from atorch import StrategyError
 from atorch.errors import SetupError
 from atorch.log import RepeatedWarnings
-from atorch.strategy_search.analyser import StepError, analyse, step_problems
+from atorch.strategy_search.costing.analyser import StepError, analyse, step_problems
 
 X, Y = torch.randn(4, 16), torch.randint(0, 8, (4,))
 
@@ -186,8 +186,8 @@ def captured(name: str) -> Iterator[list[logging.LogRecord]]:
 
 # ----- the search: a user's mistake stops it; a cost-model gap is measured, warned once ------------------
 def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path) -> None:
-    from atorch.strategy_search.planner import Planner
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.search.planner import Planner
+    from atorch.strategy_search.search.space import SearchSpace
 
     space = SearchSpace(mlp(), 2, 8, excluded=["tensor_parallel", "pipeline_parallel", "mixed_parallel"])
     assert len(space) > 10

@@ -46,7 +46,7 @@ from atorch.opt_lib import registry
 from atorch.opt_lib.base import NUMERICS_ORDER, Method, Numerics, SearchRole
 from atorch.opt_lib.registry import SearchDimension, search_dimensions
 from atorch.strategy import Strategy, StrategyItem
-from atorch.strategy_search.analyser import fingerprint
+from atorch.strategy_search.costing.analyser import fingerprint
 
 Point = dict[str, Any]
 
@@ -93,9 +93,9 @@ class Candidate:
                    micro_batches=int(data["micro_batches"]), point=tuple(data["point"].items()))
 
     def __str__(self) -> str:
-        """The one description (atorch.strategy_search.describe); the data size is ``*`` here, where the world
+        """The one description (atorch.strategy_search.search.describe); the data size is ``*`` here, where the world
         size is not known: callers that know it use ``describe_candidate`` with it."""
-        from atorch.strategy_search.describe import describe_candidate
+        from atorch.strategy_search.search.describe import describe_candidate
 
         return describe_candidate(self.strategy, self.micro_batch_size, self.micro_batches, None)
 

@@ -27,12 +27,12 @@ from atorch.errors import SetupError
 from atorch.opt_lib import registry
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy, StrategyItem
-from atorch.strategy_search.analyser import ModelStats
-from atorch.strategy_search.cost_model import Prediction, predict
-from atorch.strategy_search.hardware import HardwareProfile
-from atorch.strategy_search.model_shapes import stats_of
-from atorch.strategy_search.plan_terms import TransformerShape, predict_transformer
-from atorch.strategy_search.precision import REGIMES, default_regime
+from atorch.strategy_search.cluster.model_shapes import stats_of
+from atorch.strategy_search.cluster.plan_terms import TransformerShape, predict_transformer
+from atorch.strategy_search.cluster.precision import REGIMES, default_regime
+from atorch.strategy_search.costing.analyser import ModelStats
+from atorch.strategy_search.costing.cost_model import Prediction, predict
+from atorch.strategy_search.costing.hardware import HardwareProfile
 
 SHARDINGS = ("none", "zero1", "zero2", "fsdp")
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
@@ -44,7 +44,7 @@ MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
                "sequence_parallel", "micro_batch_size", "expert", "fp8")
 # The memory figure's error band: the analytical cost model's measured error (the same band the automatic search
-# allows its analytical predictions, strategy_search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
+# allows its analytical predictions, strategy_search.search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
 # within 1-6% of one H100's peak, bench/plan.py --gpu-check)
 MEMORY_BAND = 0.15
 EXPERT_METHOD = "expert_parallel"  # the registry's method that splits experts over an 'expert' dimension

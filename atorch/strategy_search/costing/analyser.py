@@ -75,8 +75,8 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
-from atorch.strategy_search import fake_kernels
-from atorch.strategy_search.fake_kernels import FakeKernelGaps
+from atorch.strategy_search.costing import fake_kernels
+from atorch.strategy_search.costing.fake_kernels import FakeKernelGaps
 
 logger = get_logger(__name__)
 
