@@ -599,7 +599,7 @@ def test_every_dry_run_failing_the_same_way_is_the_users_mistake(space, tmp_path
     search stops and raises that error as the setup's (never "raise memory_limit"), and the study is left
     unfinished, so a fixed setup searches again. Failures that differ, or that a shared method may explain, do
     not stop it."""
-    from atorch.strategy_search.costing.analyser import StepError
+    from atorch.strategy_search.costing.diagnosis import StepError
 
     def dtype_error(cand: Candidate) -> Run:
         batch = 4 * cand.micro_batch_size

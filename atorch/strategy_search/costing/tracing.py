@@ -198,7 +198,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    from atorch.strategy_search.costing.analyser import map_tensors
+    from atorch.strategy_search.costing.fake_step import map_tensors
 
     return map_tensors(data, fn)
 
@@ -226,7 +226,7 @@ class MemoryTracer:
         with recompute and autocast crashed torch (segfault) after another candidate had run in the same mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from atorch.strategy_search.costing.analyser import fake_copy
+        from atorch.strategy_search.costing.fake_step import fake_copy
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = fake_copy(self.user_setup.model, self.mode, self.device)

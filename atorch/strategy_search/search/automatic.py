@@ -243,7 +243,8 @@ class _Leader:
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
-        from atorch.strategy_search.costing.analyser import StepError, analyse
+        from atorch.strategy_search.costing.analyser import analyse
+        from atorch.strategy_search.costing.diagnosis import StepError
         from atorch.strategy_search.costing.hardware import ranks_per_node
         from atorch.strategy_search.search.planner import Planner, default_storage, study_key
         from atorch.strategy_search.search.space import SearchSpace

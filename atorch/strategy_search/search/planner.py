@@ -57,7 +57,8 @@ from atorch.class_ref import class_path
 from atorch.errors import RankLost
 from atorch.log import RepeatedWarnings, get_logger
 from atorch.settings import cache_dir
-from atorch.strategy_search.costing.analyser import StepError, identity_json
+from atorch.strategy_search.costing.analyser import identity_json
+from atorch.strategy_search.costing.diagnosis import StepError
 from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_ROUNDS,
     CONFIRM_RUNS,
