@@ -221,8 +221,8 @@ def auto_accelerate(
         logger.warning("no load_strategy and no dataset: automatic search needs batches to measure; using %s",
                        strategy)
     elif searching:
-        # [automatic mode] atorch/strategy_search/automatic.py: every rank returns the same pick.
-        from atorch.strategy_search.entry import search_and_check  # `import atorch` loads no search (no Optuna)
+        # [automatic mode] atorch/strategy_search/search/automatic.py: every rank returns the same pick.
+        from atorch.strategy_search.search.entry import search_and_check  # `import atorch` loads no search (no Optuna)
 
         try:
             strategy, setup, skipped, micro_batches, search_record = search_and_check(

@@ -70,8 +70,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_search_report(args: argparse.Namespace) -> int:
     from atorch.errors import SetupError
-    from atorch.strategy_search.planner import default_storage
-    from atorch.strategy_search.report import write_report
+    from atorch.strategy_search.search.planner import default_storage
+    from atorch.strategy_search.search.report import write_report
 
     try:
         path = write_report(args.storage or default_storage(), args.out, args.study)
@@ -83,7 +83,7 @@ def _cmd_search_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_list(args: argparse.Namespace) -> int:
-    from atorch.strategy_search.planner import list_studies
+    from atorch.strategy_search.search.planner import list_studies
 
     rows = list_studies(args.storage)
     if args.json:
@@ -112,7 +112,7 @@ def _cmd_cache_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
-    from atorch.strategy_search.planner import clear_studies
+    from atorch.strategy_search.search.planner import clear_studies
 
     try:
         names = clear_studies(args.storage, args.study)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--world-size", type=int, default=1,
                        help="the number of processes it will run on (layout sizes must divide it; default 1)")
     check.set_defaults(run=_cmd_check)
-    from atorch.strategy_search.plan_cli import add_parser as add_plan_parser
+    from atorch.strategy_search.cluster.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
     report = sub.add_parser("search-report", help="write an HTML report of a strategy search (trials and plots)")

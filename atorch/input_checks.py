@@ -359,7 +359,7 @@ def _batch_problems(setup: Any, run_loss: bool = True, casts: bool = False) -> l
         # Neither a loss_func nor an input format: the user's own loop calls the model (result.loss_func is
         # None, so the documented loop cannot run); the dataset may feed it in any way.
         return problems
-    from atorch.strategy_search.analyser import step_problems
+    from atorch.strategy_search.costing.diagnosis import step_problems
 
     return step_problems(setup.model, batch, setup.model_input_format, setup.loss_func if run_loss else None,
                          casts=casts)
@@ -501,7 +501,7 @@ def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list
         return []
     if batch is None:
         return []
-    from atorch.strategy_search.analyser import unused_parameters
+    from atorch.strategy_search.costing.diagnosis import unused_parameters
 
     unused = unused_parameters(setup.model, batch, setup.model_input_format, setup.loss_func)
     if not unused:

@@ -13,7 +13,7 @@ size; ``--every K`` keeps every K-th from ``--first``) is measured with the dry-
   before the candidate is built, over build and warm-up, the maximum over ranks (``PeakMemory``);
 * step time = ``TrialResult.step_time_s``: the median of barrier-synchronised steps after warm-up (the
   slowest rank's);
-* the prediction is ``atorch.strategy_search.cost_model.predict`` with the analyser's statistics (fake
+* the prediction is ``atorch.strategy_search.costing.cost_model.predict`` with the analyser's statistics (fake
   tensors) and the hardware profile measured on the same ranks,
 
 so the cost model is held to exactly what the search and bench/search.py compare it with. Prints a
@@ -43,9 +43,9 @@ from common import spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
 from atorch.strategy import Strategy  # noqa: E402
-from atorch.strategy_search.analyser import ModelStats  # noqa: E402
-from atorch.strategy_search.cost_model import predict  # noqa: E402
-from atorch.strategy_search.hardware import HardwareProfile  # noqa: E402
+from atorch.strategy_search.costing.analyser import ModelStats  # noqa: E402
+from atorch.strategy_search.costing.cost_model import predict  # noqa: E402
+from atorch.strategy_search.costing.hardware import HardwareProfile  # noqa: E402
 
 EXCLUDED = ["half", "module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel"]
 
@@ -175,10 +175,10 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     import search
 
     from atorch.dryrun.runner import DryRunSession
-    from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import optimizer_state_factor, sample_batch
-    from atorch.strategy_search.describe import describe_candidate
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.search.automatic import optimizer_state_factor, sample_batch
+    from atorch.strategy_search.search.describe import describe_candidate
+    from atorch.strategy_search.search.space import SearchSpace
 
     parts = builders()[name]()
     setup = search.user_setup(parts, args.global_batch)
@@ -190,7 +190,7 @@ def measure(name: str, args: argparse.Namespace, env: Any, profile: HardwareProf
     cands = cands[args.first:: args.every]
     traced: dict[str, Any] = {}
     if env.rank == 0 and not args.no_trace:  # as the search does: rank 0 traces while the others wait
-        from atorch.strategy_search.tracing import MemoryTracer
+        from atorch.strategy_search.costing.tracing import MemoryTracer
 
         tracer = MemoryTracer(setup, sample_batch(setup, env, args.global_batch // env.world_size),
                               env.world_size, env.device)
@@ -333,7 +333,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from atorch.distributed import init_distributed
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.hardware import measure_profile
 
     env = init_distributed()
     profile = measure_profile()

@@ -6,7 +6,7 @@ and micro-batch size of the paper's scripts, Megatron-LM examples/sc21/run_table
 TFLOP/s per GPU,
 whether it is predicted to fit in 80 GB, and atorch's own top pick's predicted step time against it.
 
-Nothing here is fitted: the model and the A100 profile (atorch/strategy_search/profiles/a100-80gb.json,
+Nothing here is fitted: the model and the A100 profile (atorch/strategy_search/costing/profiles/a100-80gb.json,
 figures from data sheets, nccl-tests and the MAMF matmul ceiling) are used as shipped.
 
     PYTHONPATH=. python bench/plan.py [--json results.json]
@@ -22,9 +22,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from atorch.strategy_search.cluster_plan import Layout, Plan, evaluate, layouts, plan_job
-from atorch.strategy_search.hardware import HardwareProfile, load_profile
-from atorch.strategy_search.plan_terms import TransformerShape
+from atorch.strategy_search.cluster.cluster_plan import Layout, Plan, evaluate, layouts, plan_job
+from atorch.strategy_search.cluster.plan_terms import TransformerShape
+from atorch.strategy_search.costing.hardware import HardwareProfile, load_profile
 
 # params (B), heads, hidden, layers, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU (the paper's Table 1);
 # micro-batch size and virtual pipeline stages per rank as the paper's scripts ran each row (Megatron-LM,
@@ -169,8 +169,8 @@ def run() -> dict:
 
 def other_runs() -> list[dict]:
     """OTHER_RUNS predicted as ``atorch plan MODEL --layout ... [--precision-regime ...]`` evaluates them."""
-    from atorch.strategy_search.cluster_plan import parse_layout
-    from atorch.strategy_search.model_shapes import resolve_model
+    from atorch.strategy_search.cluster.cluster_plan import parse_layout
+    from atorch.strategy_search.cluster.model_shapes import resolve_model
 
     rows = []
     for run in OTHER_RUNS:

@@ -37,10 +37,10 @@ from common import spearman  # noqa: E402
 from search_replay import WORLD_SIZE, Replay, _current_keys  # noqa: E402
 
 from atorch.strategy import Strategy  # noqa: E402
-from atorch.strategy_search.cost_model import predict  # noqa: E402
-from atorch.strategy_search.hardware import HardwareProfile  # noqa: E402
-from atorch.strategy_search.model_shapes import shape_from_config, stats_of  # noqa: E402
-from atorch.strategy_search.plan_terms import predict_transformer  # noqa: E402
+from atorch.strategy_search.cluster.model_shapes import shape_from_config, stats_of  # noqa: E402
+from atorch.strategy_search.cluster.plan_terms import predict_transformer  # noqa: E402
+from atorch.strategy_search.costing.cost_model import predict  # noqa: E402
+from atorch.strategy_search.costing.hardware import HardwareProfile  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 SCENARIOS = ("small", "cnn")  # GPT-2 (global batch 2) and the ResNet (global batch 4): one sweep each
@@ -83,7 +83,7 @@ def plan_path(sweeps: dict[str, Any], profile: HardwareProfile) -> dict[str, Any
     from its config on the meta device and analysed (``analysed_stats``), the search's terms."""
     import tempfile
 
-    from atorch.strategy_search.model_shapes import analysed_stats
+    from atorch.strategy_search.cluster.model_shapes import analysed_stats
 
     config = search.MODELS["gpt2"]()["model"].config
     with tempfile.TemporaryDirectory() as scratch:

@@ -75,9 +75,9 @@ import atorch  # noqa: E402
 from atorch.distributed import init_distributed  # noqa: E402
 from atorch.dryrun.runner import DryRunSession, prepare_once  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
-from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
-from atorch.strategy_search.describe import describe_candidate  # noqa: E402
-from atorch.strategy_search.space import SearchSpace  # noqa: E402
+from atorch.strategy_search.search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
+from atorch.strategy_search.search.describe import describe_candidate  # noqa: E402
+from atorch.strategy_search.search.space import SearchSpace  # noqa: E402
 
 # Two warm-up steps, as the search (SearchOptions.warmup_steps): the first step runs its forward before any
 # optimizer state exists, so only the second reaches the peak training keeps reaching.
@@ -335,10 +335,10 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
     budget = int(spec["budget_of_ddp"] * rows[sweep_id(by_key[ddp_key])]["peak"]) if "budget_of_ddp" in spec else None
 
     # The cost model's predictions (its TOP fastest predicted to fit are the favourites measured below).
-    from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.automatic import sample_batch
-    from atorch.strategy_search.cost_model import predict
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.costing.hardware import measure_profile
+    from atorch.strategy_search.search.automatic import sample_batch
 
     profile = measure_profile()
     stats = analyse(parts["model"], sample_batch(setup, env, spec["global_batch"] // env.world_size),
@@ -558,7 +558,7 @@ def main() -> None:
     scratch = Path(all_gather_json(str(scratch))[0])
     os.environ["ATORCH_CACHE_DIR"] = str(scratch)
     SearchOptions()  # the options the bench passes are valid
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.hardware import measure_profile
 
     measure_profile()  # once per machine for a user (cached): not a search's time
     sweeps: dict[str, Any] = json.loads(args.sweeps.read_text()) if args.sweeps and args.sweeps.exists() else {}

@@ -44,13 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import optuna  # noqa: E402
 import search  # noqa: E402
 
-from atorch.strategy_search.analyser import analyse  # noqa: E402
-from atorch.strategy_search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
-from atorch.strategy_search.cost_model import predict  # noqa: E402
-from atorch.strategy_search.hardware import HardwareProfile, measure_profile  # noqa: E402
-from atorch.strategy_search.outcome import Measured, Predicted  # noqa: E402
-from atorch.strategy_search.planner import Planner  # noqa: E402
-from atorch.strategy_search.space import SearchSpace  # noqa: E402
+from atorch.strategy_search.costing.analyser import analyse  # noqa: E402
+from atorch.strategy_search.costing.cost_model import predict  # noqa: E402
+from atorch.strategy_search.costing.hardware import HardwareProfile, measure_profile  # noqa: E402
+from atorch.strategy_search.search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
+from atorch.strategy_search.search.outcome import Measured, Predicted  # noqa: E402
+from atorch.strategy_search.search.planner import Planner  # noqa: E402
+from atorch.strategy_search.search.space import SearchSpace  # noqa: E402
 
 WORLD_SIZE = 2  # the sweeps are measured at 2 ranks
 DEFAULT_BUDGETS = "none,0.9,0.8,0.75,0.7,0.65,0.6,0.55,0.5"

@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import httpx  # noqa: E402
 from server_harness import ProcessServer  # noqa: E402
 
-from atorch.server.client import StrategyClient  # noqa: E402
+from atorch.strategy_search.search.remote import StrategyClient  # noqa: E402
 
 
 def table() -> dict:
@@ -169,7 +169,7 @@ def in_process(storage: str, clients: int, pairs: int, tbl: dict, journal: bool 
     RDB storage; with ``journal``, on a JournalStorage over ``SQLJournal`` in the same database)."""
     import optuna
 
-    from atorch.strategy_search.candidates import CandidateTable, point_key
+    from atorch.strategy_search.search.candidates import CandidateTable, point_key
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cand = CandidateTable.from_json(tbl)
@@ -209,7 +209,7 @@ def statements(storage: str, pairs: int, tbl: dict) -> dict:
     from sqlalchemy import event
 
     from atorch.server.store import Studies
-    from atorch.strategy_search.candidates import CandidateTable, point_key
+    from atorch.strategy_search.search.candidates import CandidateTable, point_key
 
     def counting(engine: Any) -> dict[str, int]:
         counts = {"statements": 0, "commits": 0}

@@ -84,9 +84,9 @@ def dry_run_vs_cost_model() -> dict[str, Any]:
     from atorch.dryrun import dry_run
     from atorch.model_context import UserSetup
     from atorch.strategy import Strategy
-    from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.cost_model import predict
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.costing.hardware import measure_profile
 
     env = init_distributed()
     profile = measure_profile()
@@ -116,9 +116,9 @@ def optimizer_step_vs_cost_model() -> dict[str, Any]:
     from atorch.dryrun import dry_run
     from atorch.model_context import UserSetup
     from atorch.strategy import Strategy
-    from atorch.strategy_search.analyser import analyse
-    from atorch.strategy_search.cost_model import predict
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.costing.hardware import measure_profile
 
     env = init_distributed()
     profile = measure_profile()

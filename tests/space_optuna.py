@@ -1,11 +1,11 @@
 """An Optuna view of a SearchSpace walked directly (define-by-run over its tree), for the space's tests: the
-search itself asks through the candidate table (atorch.strategy_search.candidates.CandidateTable)."""
+search itself asks through the candidate table (atorch.strategy_search.search.candidates.CandidateTable)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from atorch.strategy_search.space import Candidate, Point, SearchSpace
+from atorch.strategy_search.search.space import Candidate, Point, SearchSpace
 
 
 def _param_name(space: SearchSpace, dim: Any, choices: tuple[Any, ...]) -> str:

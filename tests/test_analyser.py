@@ -12,7 +12,7 @@ import toy_models
 from torch import nn
 
 from atorch.errors import SetupError
-from atorch.strategy_search.analyser import ModelStats, analyse, fingerprint
+from atorch.strategy_search.costing.analyser import ModelStats, analyse, fingerprint
 
 BATCH = 4
 F32 = 4  # bytes
@@ -178,7 +178,7 @@ def test_a_mixture_of_experts_model_is_analysed_as_such() -> None:
     experts: total against active parameters."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from atorch.strategy_search.analyser import _EXTRA_FLOPS
+    from atorch.strategy_search.costing.analyser import _EXTRA_FLOPS
 
     model = tiny_mixtral()
     ids = torch.randint(0, 128, (BATCH, 32))

@@ -8,11 +8,11 @@ import optuna
 import pytest
 from test_planner import BUDGET, GLOBAL_BATCH, Measure, landscape_space, predict
 
-from atorch.strategy_search.ask_tell import SearchState
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.outcome import Predicted
-from atorch.strategy_search.planner import Planner
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.ask_tell import SearchState
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.outcome import Predicted
+from atorch.strategy_search.search.planner import Planner
+from atorch.strategy_search.search.space import SearchSpace
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The build check before the search (atorch.strategy_search.buildable): one build per method family on fake
+"""The build check before the search (atorch.strategy_search.search.buildable): one build per method family on fake
 tensors; a family that does not build leaves the search (never seeded or dry-run) and the report names it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import toy_models
 from search_doubles import Pred, Run
 
 from atorch.model_context import UserSetup
-from atorch.strategy_search.buildable import check_families
-from atorch.strategy_search.planner import Planner
-from atorch.strategy_search.report import write_report
-from atorch.strategy_search.space import Candidate, SearchSpace
+from atorch.strategy_search.search.buildable import check_families
+from atorch.strategy_search.search.planner import Planner
+from atorch.strategy_search.search.report import write_report
+from atorch.strategy_search.search.space import Candidate, SearchSpace
 
 MiB = 2**20
 WORLD, BATCH = 2, 8

@@ -24,9 +24,9 @@ import atorch
 from atorch import cli
 from atorch.errors import RankLost
 from atorch.prebuilt_optimizer import factory_from_optimizer
-from atorch.strategy_search.ask_tell import SearchRecord
-from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.ask_tell import SearchRecord
+from atorch.strategy_search.search.planner import Planner, StudyIdentity, study_key
+from atorch.strategy_search.search.space import SearchSpace
 
 GiB = 2**30
 
@@ -299,7 +299,7 @@ def test_the_search_finds_the_unconstrained_best_after_a_constrained_one(space, 
 def test_fingerprint_covers_module_settings_and_the_transformers_config() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from atorch.strategy_search.analyser import fingerprint
+    from atorch.strategy_search.costing.analyser import fingerprint
 
     def llama(**kw) -> nn.Module:
         torch.manual_seed(0)

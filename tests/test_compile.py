@@ -49,7 +49,7 @@ def test_compile_is_refused_beside_a_pipeline_schedule_and_with_an_unknown_backe
 
 def test_compile_is_opt_in_and_not_traced() -> None:
     from atorch.opt_lib.registry import apply_order, get_method
-    from atorch.strategy_search.tracing import untraced_reason
+    from atorch.strategy_search.costing.tracing import untraced_reason
 
     order = apply_order()
     assert order.index("checkpoint") < order.index("compile") < order.index("fsdp")

@@ -131,9 +131,9 @@ def test_refusals_name_the_problem_and_the_fix(two: dict[str, Any]) -> None:
 
 # ----- the cluster planner ----------------------------------------------------------------------
 def _planned(layout: str, seq: int = 131072, gpus: int = 16384, batch: int = 2048) -> Any:
-    from atorch.strategy_search.cluster_plan import parse_layout, plan_job
-    from atorch.strategy_search.hardware import load_profile
-    from atorch.strategy_search.model_shapes import resolve_model
+    from atorch.strategy_search.cluster.cluster_plan import parse_layout, plan_job
+    from atorch.strategy_search.costing.hardware import load_profile
+    from atorch.strategy_search.cluster.model_shapes import resolve_model
 
     shape = resolve_model("llama3-405b", seq)[1]
     return plan_job(shape, gpus, batch, load_profile("h100-80gb"), given=parse_layout(layout))
@@ -156,7 +156,7 @@ def test_the_planner_splits_long_sequences_over_context_ranks() -> None:
 
 
 def test_short_sequences_get_no_context_dimension_and_a_data_context_layout_runs() -> None:
-    from atorch.strategy_search.cluster_plan import Layout, strategy_for
+    from atorch.strategy_search.cluster.cluster_plan import Layout, strategy_for
 
     assert all(plan.layout.context == 1 for plan in _planned("tp=8,pp=16", seq=8192).plans)
     plain = strategy_for(Layout(1, 1, 4, "fsdp", "none", "none", 1, False, 1, 1, context=2))

@@ -27,10 +27,10 @@ from workers.numerics_worker import scenarios
 from atorch.model_context import UserSetup
 from atorch.opt_lib import get_method
 from atorch.strategy import Strategy
-from atorch.strategy_search.analyser import ModelStats, analyse
-from atorch.strategy_search.cost_model import Prediction, predict, strategy_facts
-from atorch.strategy_search.hardware import HardwareProfile
-from atorch.strategy_search.tracing import MemoryTracer, TraceError, fake_world, memory_twin, untraced_reason
+from atorch.strategy_search.costing.analyser import ModelStats, analyse
+from atorch.strategy_search.costing.cost_model import Prediction, predict, strategy_facts
+from atorch.strategy_search.costing.hardware import HardwareProfile
+from atorch.strategy_search.costing.tracing import MemoryTracer, TraceError, fake_world, memory_twin, untraced_reason
 
 WORLD = 2
 MICRO_BATCH = 8  # samples per rank: the transformers' activations outweigh their parameters, as in training

@@ -6,9 +6,9 @@ import pytest
 
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
-from atorch.strategy_search.analyser import ActivationStats, BlockStats, LayerStats, ModelStats
-from atorch.strategy_search.cost_model import Prediction, predict
-from atorch.strategy_search.hardware import HardwareProfile, load_profile
+from atorch.strategy_search.costing.analyser import ActivationStats, BlockStats, LayerStats, ModelStats
+from atorch.strategy_search.costing.cost_model import Prediction, predict
+from atorch.strategy_search.costing.hardware import HardwareProfile, load_profile
 
 
 def _stats() -> ModelStats:
@@ -148,7 +148,7 @@ def test_prediction_json_round_trip_and_bad_input() -> None:
 def test_per_operation_overhead() -> None:
     """Operations x the profile's latency: per micro-batch (whatever its size), recompute adds the blocks'
     forward operations, autocast adds casts, FSDP adds operations per unit and collective."""
-    from atorch.strategy_search import cost_model as cm
+    from atorch.strategy_search.costing import cost_model as cm
 
     ddp = _predict(["parallel_mode"])
     optimizer_ops = cm.OPTIMIZER_OPS[0] + cm.OPTIMIZER_OPS[1] * 2  # AdamW: 2 states
@@ -173,7 +173,7 @@ def test_per_operation_overhead() -> None:
 def test_checkpoint_keeps_the_blocks_inputs_and_cpu_offload_stays_on_a_cpu_device() -> None:
     """With the analyser's block inputs, recompute keeps exactly them (plus what is outside the blocks and
     one block's activations during its recompute); on a CPU device, offloaded state is still device memory."""
-    from atorch.strategy_search.analyser import BlockStats
+    from atorch.strategy_search.costing.analyser import BlockStats
 
     stats = _stats()
     with_inputs = stats.model_copy(update={"blocks": (BlockStats(

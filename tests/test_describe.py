@@ -16,12 +16,12 @@ from rich.console import Console
 from search_doubles import Pred, Run
 
 from atorch.strategy import Strategy
-from atorch.strategy_search.ask_tell import StopRules
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.describe import describe_candidate, describe_record, search_json
-from atorch.strategy_search.planner import Planner, PlanResult
-from atorch.strategy_search.progress import SearchProgress, rejudged, trial_table
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.ask_tell import StopRules
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.describe import describe_candidate, describe_record, search_json
+from atorch.strategy_search.search.planner import Planner, PlanResult
+from atorch.strategy_search.search.progress import SearchProgress, rejudged, trial_table
+from atorch.strategy_search.search.space import SearchSpace
 
 MiB = 2**20
 WORLD = 4

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 from launcher import HERE, run_json
 
-from atorch.strategy_search import hardware
-from atorch.strategy_search.hardware import (
+from atorch.strategy_search.costing import hardware
+from atorch.strategy_search.costing.hardware import (
     COLLECTIVES,
     PROFILES_DIR,
     HardwareProfile,

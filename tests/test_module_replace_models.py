@@ -222,7 +222,7 @@ def test_the_bench_runs_and_compares_the_same_model(monkeypatch) -> None:
 def test_norms_are_checked_on_real_numbers_while_the_cost_model_traces_on_fake_tensors() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):  # as atorch.strategy_search.tracing builds a candidate
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as atorch.strategy_search.costing.tracing builds a candidate
         model = llama()
         assert replace_modules(model, [replace_pairs()["rms_norm_fused"]]) == {"rms_norm_fused": 5}
 

@@ -58,7 +58,7 @@ def test_automatic_search_measures_nodes_and_keeps_tensor_groups_in_a_node(job: 
 def test_search_space_tensor_sizes_divide_the_ranks_per_node() -> None:
     from toy_models import tiny_gpt2
 
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.search.space import SearchSpace
 
     one_node = SearchSpace(tiny_gpt2(), 4, 8)
     two_nodes = SearchSpace(tiny_gpt2(), 4, 8, ranks_per_node=2)
@@ -66,7 +66,7 @@ def test_search_space_tensor_sizes_divide_the_ranks_per_node() -> None:
 
 
 def test_ranks_per_node_and_the_profile_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    from atorch.strategy_search.hardware import cache_path, ranks_per_node
+    from atorch.strategy_search.costing.hardware import cache_path, ranks_per_node
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ranks_per_node(4) == 2 and ranks_per_node(2) == 2

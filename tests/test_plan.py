@@ -15,10 +15,10 @@ from torch import nn
 
 from atorch.cli import main
 from atorch.strategy import Strategy
-from atorch.strategy_search.cluster_plan import evaluate, layouts, parse_layout, plan_job
-from atorch.strategy_search.hardware import load_profile
-from atorch.strategy_search.model_shapes import resolve_model
-from atorch.strategy_search.plan_terms import TransformerShape, _group_link
+from atorch.strategy_search.cluster.cluster_plan import evaluate, layouts, parse_layout, plan_job
+from atorch.strategy_search.cluster.model_shapes import resolve_model
+from atorch.strategy_search.cluster.plan_terms import TransformerShape, _group_link
+from atorch.strategy_search.costing.hardware import load_profile
 
 PLAN_FIELDS = {"layout", "sharding", "recompute", "micro_batch_size", "fits", "memory_per_gpu_bytes", "step_time_s",
                "tflops_per_gpu", "model_tflops_per_gpu", "mfu", "given", "strategy"}
@@ -48,7 +48,7 @@ def test_flops_and_activations_follow_megatron() -> None:
 
 def _one_gpu(shape: TransformerShape, batch: int, mbs: int, **kw: object) -> tuple[float, float]:
     """(compute, communication) seconds of a layout with full recompute off, DDP, on the A100 profile."""
-    from atorch.strategy_search.cluster_plan import Layout
+    from atorch.strategy_search.cluster.cluster_plan import Layout
 
     t, p = int(kw.get("t", 1)), int(kw.get("p", 1))
     gpus = int(kw.get("gpus", t * p))
@@ -59,7 +59,7 @@ def _one_gpu(shape: TransformerShape, batch: int, mbs: int, **kw: object) -> tup
 
 
 def test_unfused_attention_on_the_roofline_and_gradient_accumulation() -> None:
-    from atorch.strategy_search.plan_terms import ELEMENTWISE_PASSES, VOCAB_LOSS_BYTES
+    from atorch.strategy_search.cluster.plan_terms import ELEMENTWISE_PASSES, VOCAB_LOSS_BYTES
 
     profile = load_profile("a100-80gb")
     flops_s = profile.matmul_tflops["bfloat16"] * 1e12 * profile.matmul_efficiency["bfloat16"]
@@ -204,8 +204,8 @@ def test_a_measured_profile_plans_with_the_search_s_cost_model(tmp_path: Path) -
     """With a profile atorch measured (the local processes), a config's model is analysed on fake tensors and
     every layout is predicted by the automatic search's own cost model (per-operation, DTensor costs); a table
     profile keeps the transformer terms."""
-    from atorch.strategy_search.cost_model import predict
-    from atorch.strategy_search.model_shapes import analysed_stats
+    from atorch.strategy_search.cluster.model_shapes import analysed_stats
+    from atorch.strategy_search.costing.cost_model import predict
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256,
@@ -339,7 +339,7 @@ def test_precision_regimes_count_bytes_per_parameter_as_each_stack_keeps_them() 
     """Megatron-LM's distributed optimizer: 2 (bf16 weights) + 4 (fp32 gradient buffer) + 12/d (fp32 master and Adam
     states) bytes per parameter; ZeRO-1 shards only the optimizer, ZeRO-2 also the gradients but keeps the stage's
     weights whole, FSDP shards everything."""
-    from atorch.strategy_search.precision import REGIMES, rank_bytes
+    from atorch.strategy_search.cluster.precision import REGIMES, rank_bytes
 
     n, d = 1e9, 8
     mega = REGIMES["megatron"]
@@ -431,7 +431,7 @@ def test_moe_models_expert_dimension_and_all_to_all() -> None:
     rank's expert bytes shrinking with it, the all-to-all volume per layer growing towards 4 x tokens x top-k x h x 2
     bytes; without an expert_parallel method in the registry an expert layout is not runnable."""
     from atorch.opt_lib import registry
-    from atorch.strategy_search.cluster_plan import Layout
+    from atorch.strategy_search.cluster.cluster_plan import Layout
 
     shape = resolve_model("deepseek-v3", 4096)[1]
     assert shape.params() / 1e9 == pytest.approx(671, rel=0.01)
@@ -459,7 +459,7 @@ def test_moe_models_expert_dimension_and_all_to_all() -> None:
 
 
 def test_moe_config_and_mla() -> None:
-    from atorch.strategy_search.model_shapes import shape_from_config
+    from atorch.strategy_search.cluster.model_shapes import shape_from_config
 
     mixtral = shape_from_config({"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32,
                                  "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,

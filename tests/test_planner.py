@@ -16,11 +16,11 @@ import pytest
 import toy_models
 from search_doubles import Pred, Run
 
-from atorch.strategy_search.ask_tell import HOPELESS_FACTOR, SearchState
-from atorch.strategy_search.candidates import CandidateTable, family_key
-from atorch.strategy_search.outcome import Predicted
-from atorch.strategy_search.planner import Planner, StudyIdentity, study_key
-from atorch.strategy_search.space import Candidate, SearchSpace
+from atorch.strategy_search.search.ask_tell import HOPELESS_FACTOR, SearchState
+from atorch.strategy_search.search.candidates import CandidateTable, family_key
+from atorch.strategy_search.search.outcome import Predicted
+from atorch.strategy_search.search.planner import Planner, StudyIdentity, study_key
+from atorch.strategy_search.search.space import Candidate, SearchSpace
 
 WORLD, GLOBAL_BATCH = 2, 8
 MiB = 2**20
@@ -119,7 +119,7 @@ def test_planner_finds_the_best_of_the_landscape_within_the_trial_budget(space, 
 def test_cost_model_alone_keeps_a_margin_under_the_budget(space, tmp_path) -> None:
     """Nothing measures the cost model's own pick, so it must be predicted to fit with COST_MODEL_ONLY_MARGIN to
     spare: a candidate predicted just under the budget (and fastest) is passed over for one clear of it."""
-    from atorch.strategy_search.planner import COST_MODEL_ONLY_MARGIN
+    from atorch.strategy_search.search.planner import COST_MODEL_ONLY_MARGIN
 
     def plain(cand: Candidate) -> Pred:  # the landscape without the wobble: the truth, predicted
         p = dict(cand.point)
@@ -466,7 +466,7 @@ def test_confirmation_measures_a_close_runner_up_again_and_keeps_the_faster_run(
 
 
 def test_merged_runs_keep_the_faster_and_the_higher_peak_and_a_failure_decides() -> None:
-    from atorch.strategy_search.ask_tell import merge_runs
+    from atorch.strategy_search.search.ask_tell import merge_runs
 
     ok = {"status": "ok", "samples_per_s": 10.0, "peak_memory_bytes": 5.0, "step_time_s": 0.8, "reason": ""}
     faster = {**ok, "samples_per_s": 12.0, "peak_memory_bytes": 4.0, "step_time_s": 0.66}
@@ -571,7 +571,7 @@ def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> Non
 def test_the_measured_noise_decides_how_many_rounds_and_who_wins() -> None:
     """Step times whose spreads overlap are a tie, however the medians fall; every step of one faster than every
     step of the other, or medians further apart than both spreads, is a decision."""
-    from atorch.strategy_search.ask_tell import best_of, decided, merge_runs
+    from atorch.strategy_search.search.ask_tell import best_of, decided, merge_runs
 
     def run(sps: float, steps: list[float]) -> dict:
         return {"status": "ok", "samples_per_s": sps, "peak_memory_bytes": 1.0, "step_time_s": steps[0],
@@ -599,7 +599,7 @@ def test_every_dry_run_failing_the_same_way_is_the_users_mistake(space, tmp_path
     search stops and raises that error as the setup's (never "raise memory_limit"), and the study is left
     unfinished, so a fixed setup searches again. Failures that differ, or that a shared method may explain, do
     not stop it."""
-    from atorch.strategy_search.analyser import StepError
+    from atorch.strategy_search.costing.diagnosis import StepError
 
     def dtype_error(cand: Candidate) -> Run:
         batch = 4 * cand.micro_batch_size

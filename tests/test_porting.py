@@ -129,7 +129,7 @@ def test_deepspeed_topology_matches_the_layout() -> None:
 def test_the_search_keeps_tensor_groups_on_consecutive_ranks() -> None:
     from toy_models import tiny_gpt2
 
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.search.space import SearchSpace
 
     space = SearchSpace(tiny_gpt2(), 8, 16, loop="train_step", precision="low")
     layouts = {c.strategy.layout(8) for c in space.enumerate()}

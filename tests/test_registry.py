@@ -94,7 +94,7 @@ def test_the_compute_dtype_is_the_methods_own(items: list, dtype: str) -> None:
     """One derivation for the dry-run's numerics check, the cost model and Lightning's precision methods."""
     from atorch.dryrun.numerics import compute_dtype
     from atorch.lightning.engine import precision_methods
-    from atorch.strategy_search.cost_model import _compute_dtype
+    from atorch.strategy_search.costing.cost_model import _compute_dtype
 
     strategy = Strategy.load(items)
     assert strategy.compute_dtype() == compute_dtype(strategy) == dtype
@@ -114,6 +114,6 @@ def test_the_compute_dtype_is_the_methods_own(items: list, dtype: str) -> None:
     (["parallel_mode", "zero2", ("amp_native", "fp16")], None),
 ])
 def test_each_method_says_whether_it_can_be_traced(items: list, reason: str | None) -> None:
-    from atorch.strategy_search.tracing import untraced_reason
+    from atorch.strategy_search.costing.tracing import untraced_reason
 
     assert untraced_reason(Strategy.load(items), 4) == reason

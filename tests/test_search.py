@@ -22,7 +22,7 @@ from toy_models import mlp, mlp_dataset, mlp_loss
 
 import atorch
 from atorch import cli
-from atorch.strategy_search.describe import describe_candidate
+from atorch.strategy_search.search.describe import describe_candidate
 
 WORKER = Path(__file__).resolve().parent / "workers" / "search_worker.py"
 
@@ -77,7 +77,7 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     (line,) = out["trace_lines"]
     assert not line.startswith("cost model: memory of 0 of "), line
     # nothing dry-run that the figures put over the budget by more than their known error (a close call is measured)
-    from atorch.strategy_search.automatic import ANALYTICAL_MEMORY_BAND
+    from atorch.strategy_search.search.automatic import ANALYTICAL_MEMORY_BAND
 
     assert all(p is not None and p * (1 - ANALYTICAL_MEMORY_BAND) <= out["limit"]
                for p in out["measured_predicted_peaks"]), out
@@ -143,7 +143,7 @@ def test_a_rank_that_hangs_for_good_ends_the_job_and_the_next_run_resumes(tmp_pa
     timeout kept and not run again) and finishes it."""
     from workers.search_worker import HANG_REJOIN_S, HANG_TIMEOUT_S
 
-    from atorch.strategy_search.ask_tell import SearchRecord
+    from atorch.strategy_search.search.ask_tell import SearchRecord
 
     out = _hang(tmp_path, rank=1)
     assert f"rank(s) 1 did not come back within {HANG_REJOIN_S:g} s after candidate 1 (" in out["raised"], out
@@ -174,7 +174,7 @@ def test_a_rank_that_hangs_for_good_ends_the_job_and_the_next_run_resumes(tmp_pa
 def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
     """Rank 0, which leads the search, never returns from its second dry-run: rank 1 records the timeout, hears
     nothing from rank 0 (rejoin time + LEADER_SILENT_S) and raises the error naming rank 0; rank 0 ends itself."""
-    from atorch.strategy_search.ask_tell import SearchRecord
+    from atorch.strategy_search.search.ask_tell import SearchRecord
 
     out = _hang(tmp_path, rank=0)
     assert "rank 0 (which leads the search) said nothing within " in out["raised"], out
@@ -319,7 +319,7 @@ def test_no_dataset_means_the_default_strategy(caplog) -> None:
 
 
 def test_docs_document_every_search_option() -> None:
-    from atorch.strategy_search.automatic import SearchOptions
+    from atorch.strategy_search.search.automatic import SearchOptions
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "automatic.md").read_text()
     missing = [name for name in SearchOptions.model_fields if f"`{name}`" not in page]

@@ -10,7 +10,7 @@ from space_optuna import optuna_distributions, point_from_params, suggest, to_pa
 from atorch.errors import SetupError
 from atorch.opt_lib.compatibility import conflicts_in
 from atorch.strategy import Strategy
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.space import SearchSpace
 
 WORLD = 2
 GLOBAL_BATCH = 8  # 4 samples per rank: micro-batch sizes 1, 2, 4
@@ -223,8 +223,8 @@ def test_a_method_joins_the_search_by_its_registry_entry_alone() -> None:
 
 
 def _toy_is_searched(model: object, before: list) -> None:
-    from atorch.strategy_search.candidates import CandidateTable, family_key
-    from atorch.strategy_search.describe import describe_candidate
+    from atorch.strategy_search.search.candidates import CandidateTable, family_key
+    from atorch.strategy_search.search.describe import describe_candidate
 
     space = SearchSpace(model, WORLD, GLOBAL_BATCH)
     points = space.valid_points()
@@ -242,7 +242,7 @@ def _toy_is_searched(model: object, before: list) -> None:
 def test_zero1_across_a_tensor_dimension_is_zero2s_program() -> None:
     """zero1 next to a tensor dimension runs as zero2 (FSDP2 over the data dimension, zero1.py): the search counts
     the two as one program; without a tensor dimension zero1 stays its own (ZeroRedundancyOptimizer under DDP)."""
-    from atorch.strategy_search.space import Candidate, _program_key
+    from atorch.strategy_search.search.space import Candidate, _program_key
 
     def key(dims: list[list[object]], *methods: object) -> str:
         return _program_key(Candidate(Strategy.load([("parallel_mode", {"dims": dims}), *methods]), 1, 1))

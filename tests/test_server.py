@@ -33,12 +33,12 @@ from test_planner import (
 
 from atorch.cli import main
 from atorch.errors import SetupError
-from atorch.server.client import RemotePlanner, ServerError, StrategyClient
 from atorch.server.serve import check_bind
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.outcome import Predicted
-from atorch.strategy_search.planner import Planner
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.outcome import Predicted
+from atorch.strategy_search.search.planner import Planner
+from atorch.strategy_search.search.remote import RemotePlanner, ServerError, StrategyClient
+from atorch.strategy_search.search.space import SearchSpace
 
 TOKEN = "s3cret-token"
 POSTGRES = os.environ.get("ATORCH_TEST_POSTGRES_URL")

@@ -8,7 +8,7 @@ import pytest
 from server_harness import ThreadServer
 from test_planner import BUDGET, Measure, landscape_space, predict
 
-from atorch.server.client import RemotePlanner
+from atorch.strategy_search.search.remote import RemotePlanner
 
 TOKEN = "dash-token"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -21,9 +21,9 @@ from test_planner import BUDGET, GLOBAL_BATCH, landscape_space, predict
 from test_server import TOKEN, postgres_or_skip, run_of, sqlite
 
 from atorch.server.auth import COOKIE
-from atorch.server.client import StrategyClient
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.outcome import Predicted
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.outcome import Predicted
+from atorch.strategy_search.search.remote import StrategyClient
 
 
 @pytest.fixture(scope="module")

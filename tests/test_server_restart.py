@@ -21,9 +21,9 @@ from test_server import sqlite
 from test_server_failures import grid
 
 from atorch.errors import SetupError
-from atorch.server.client import RemotePlanner, ServerError, StrategyClient
-from atorch.server.retry import retry_after
-from atorch.strategy_search.outcome import Measured
+from atorch.strategy_search.search.outcome import Measured
+from atorch.strategy_search.search.remote import RemotePlanner, ServerError, StrategyClient
+from atorch.strategy_search.search.retry import retry_after
 
 RETRY_LINE = "retrying for up to"
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +24,8 @@ import atorch
 from atorch import StrategyError
 from atorch.errors import SetupError
 from atorch.log import RepeatedWarnings
-from atorch.strategy_search.analyser import StepError, analyse, step_problems
+from atorch.strategy_search.costing.analyser import analyse
+from atorch.strategy_search.costing.diagnosis import StepError, step_problems
 
 X, Y = torch.randn(4, 16), torch.randint(0, 8, (4,))
 
@@ -186,8 +191,8 @@ def captured(name: str) -> Iterator[list[logging.LogRecord]]:
 
 # ----- the search: a user's mistake stops it; a cost-model gap is measured, warned once ------------------
 def test_the_planner_stops_on_a_users_mistake_and_warns_once_for_a_gap(tmp_path) -> None:
-    from atorch.strategy_search.planner import Planner
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.search.planner import Planner
+    from atorch.strategy_search.search.space import SearchSpace
 
     space = SearchSpace(mlp(), 2, 8, excluded=["tensor_parallel", "pipeline_parallel", "mixed_parallel"])
     assert len(space) > 10
@@ -225,3 +230,16 @@ def test_repeated_warnings_counts_by_key() -> None:
         warn("b", "second kind")
         assert records == []  # nothing until the end
     assert [r.getMessage() for r in records] == ["first kind, item 0 (repeated for 3 items)", "second kind"]
+
+
+def test_the_step_checks_load_no_search() -> None:
+    """Semi-automatic mode's checks of the user's step (``costing.diagnosis``) load neither the search nor the
+    cluster planner, nor Optuna: only the costing they are part of."""
+    code = ("import sys; import atorch.input_checks; "
+            "from atorch.strategy_search.costing.diagnosis import step_problems, unused_parameters; "
+            "print(sorted(m for m in sys.modules if m == 'optuna' or m.startswith(('atorch.strategy_search.search', "
+            "'atorch.strategy_search.cluster'))))")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]", out.stdout

@@ -532,7 +532,7 @@ def test_cost_model_counts_replicated_key_value_heads_whole() -> None:
     from test_cost_model import _profile, _stats
 
     from atorch.opt_lib.tensor_parallel import kv_projection_bytes, replicated_kv_bytes
-    from atorch.strategy_search.cost_model import predict
+    from atorch.strategy_search.costing.cost_model import predict
 
     gemma = _hf("Gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=8)
     kv = sum(p.numel() * 4 for n, p in gemma.named_parameters() if ".k_proj." in n or ".v_proj." in n)

@@ -1,4 +1,4 @@
-"""The cost model's traced memory (atorch/strategy_search/tracing.py): the real build and training step on fake
+"""The cost model's traced memory (atorch/strategy_search/costing/tracing.py): the real build and training step on fake
 tensors and torch's fake process group, held against the dry-run's live-tensor counter on the same program."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from atorch.distributed import init_distributed
 from atorch.dryrun.memory import PeakMemory
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search.space import Candidate
-from atorch.strategy_search.tracing import MemoryTracer, TraceError, fake_world, untraced_reason
+from atorch.strategy_search.costing.tracing import MemoryTracer, TraceError, fake_world, untraced_reason
+from atorch.strategy_search.search.space import Candidate
 from atorch.training import train_step
 
 

@@ -121,7 +121,7 @@ def search(module: nn.Module, loader: Any, env: DistEnv, options: StrategyOption
         raise SetupError("ATorchStrategy without load_strategy searches a strategy with the train dataloader's "
                          "dataset and batch size; give a train_dataloader with a batch_size (a DataLoader), "
                          "or pass ATorchStrategy(load_strategy=[...])")
-    from atorch.strategy_search.entry import search_and_check
+    from atorch.strategy_search.search.entry import search_and_check
 
     memory_limit = None if options.memory_limit is None else int(options.memory_limit)
     excluded = sorted(set(options.excluded) | set(precision_methods()))

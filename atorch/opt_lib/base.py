@@ -69,7 +69,7 @@ Dimension = Categorical | IntRange
 
 @dataclass(frozen=True)
 class SearchRole:
-    """How the automatic search (atorch.strategy_search.space) offers a method: the point key that carries it and
+    """How the automatic search (atorch.strategy_search.search.space) offers a method: the point key that carries it and
     its value there. Adding a method to the search is this entry (and the method's ``search_space``), no edit to
     the space, the candidate table or the descriptions.
 
@@ -84,7 +84,7 @@ class SearchRole:
     ``position``: where the dimension sits in the tree, smaller first (layout sizes always come first, the
     micro-batch size last); ``rank``: the order of a method among its dimension's choices.
     ``in_family``: whether the choice changes how memory is laid out; a measured peak corrects the predictions
-    of the candidates that agree on every such key (a "family", atorch.strategy_search.candidates.family_key)."""
+    of the candidates that agree on every such key (a "family", atorch.strategy_search.search.candidates.family_key)."""
 
     kind: Literal["choice", "switch", "layout"]
     dimension: str
@@ -238,7 +238,7 @@ class Method(ABC):
 
     def trace_problem(self, config: MethodConfig, layout: ParallelLayout) -> str | None:
         """Why a model built with this config cannot be traced on fake tensors (the cost model's memory trace,
-        atorch.strategy_search.tracing), or None."""
+        atorch.strategy_search.costing.tracing), or None."""
         return None
 
     # ----- cost facts: what the cost model reads of a method (atorch.opt_lib.cost_facts) -----

@@ -1,7 +1,7 @@
 """What a method does to a step's bytes, compute and communication: the facts the cost model combines.
 
 Each Method states its own facts (``Method.cost_facts(config, layout)``), next to the code that does it, so a
-change to a method changes its facts in the same module; the cost model (``strategy_search/cost_model.py``)
+change to a method changes its facts in the same module; the cost model (``strategy_search/costing/cost_model.py``)
 reads the combined facts of a strategy's methods and never a method's name. A method with no effect on cost
 states the default ``CostFacts()``.
 """

@@ -18,7 +18,7 @@ from atorch.opt_lib.base import MethodConfig, Preparation
 logger = get_logger(__name__)
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/all-gather bucket size
-# Why a candidate on DeepSpeed's engine is left to the analytical memory model (strategy_search.tracing).
+# Why a candidate on DeepSpeed's engine is left to the analytical memory model (strategy_search.costing.tracing).
 UNTRACED_ENGINE = "DeepSpeed's engine communicates as it is built"
 
 

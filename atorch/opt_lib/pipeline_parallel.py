@@ -523,7 +523,7 @@ def _checked_split(ctx: Any, blocks: Any, stages: int) -> str | None:
 
 
 # ----- the method -----------------------------------------------------------------------------------------
-# Why a candidate with a pipeline schedule is left to the analytical memory model (strategy_search.tracing).
+# Why a candidate with a pipeline schedule is left to the analytical memory model (strategy_search.costing.tracing).
 UNTRACED_SCHEDULE = "pipeline schedules are built by a communicating step"
 
 

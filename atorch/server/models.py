@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from atorch.strategy_search import outcome
-from atorch.strategy_search.outcome import Predicted
+from atorch.strategy_search.search import outcome
+from atorch.strategy_search.search.outcome import Predicted
 
 Scalar = str | bool | int | float
 STUDY_KEY = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,239}$"  # a key, or a study name (key:digest)
@@ -89,8 +89,8 @@ class AskResponse(BaseModel):
 
 
 class Measured(outcome.Measured):
-    """A dry-run's outcome (``atorch.strategy_search.outcome.Measured``) with the wire's limits; a non-finite loss
-    travels as its text ("nan", "inf")."""
+    """A dry-run's outcome (``atorch.strategy_search.search.outcome.Measured``) with the wire's limits; a
+    non-finite loss travels as its text ("nan", "inf")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
     status: str = Field(min_length=1, max_length=64, description="ok, oom, failed, timeout, ...")

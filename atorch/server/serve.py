@@ -84,7 +84,7 @@ def serve(host: str, port: int, storage: str | None, token: str | None, max_body
     import uvicorn
 
     from atorch.server.app import create_app
-    from atorch.strategy_search.planner import default_storage
+    from atorch.strategy_search.search.planner import default_storage
 
     # How long a write waits for a locked SQLite file before the request is a 503 (the client retries).
     busy = settings().server_busy_timeout_s

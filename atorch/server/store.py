@@ -53,8 +53,8 @@ from optuna.trial import TrialState
 
 from atorch.server.memo import RequestMemo
 from atorch.server.sqlite_lock import ServerLock
-from atorch.strategy_search.ask_tell import SearchState, make_sampler
-from atorch.strategy_search.candidates import CandidateTable, family_key, is_baseline, point_key
+from atorch.strategy_search.search.ask_tell import SearchState, make_sampler
+from atorch.strategy_search.search.candidates import CandidateTable, family_key, is_baseline, point_key
 
 TABLE_ATTR, CONFIG_ATTR, CONFIRM_ATTR = "atorch_table", "atorch_config", "confirmations"
 EXHAUSTED = "exhausted: every candidate is measured, ruled out or being measured by another client"

@@ -47,7 +47,7 @@ def _accelerate(rank_one: Callable[[], dict[str, Any]], **common: Any) -> Callab
 
 def _search_entry() -> Any:
     """The automatic search's entry, as the Lightning strategy starts it: rank 1's model has one block more."""
-    from atorch.strategy_search.entry import search_and_check
+    from atorch.strategy_search.search.entry import search_and_check
 
     torch.manual_seed(0)
     model = toy_models.MLP(depth=4 if dist.get_rank() == 1 else 3)

@@ -16,7 +16,7 @@ import json
 import time
 
 from atorch.distributed import all_gather_json, init_distributed
-from atorch.strategy_search.hardware import measure_profile, profile_dir
+from atorch.strategy_search.costing.hardware import measure_profile, profile_dir
 
 
 def main() -> None:

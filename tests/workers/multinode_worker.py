@@ -78,7 +78,7 @@ def automatic() -> dict[str, Any]:
     losses = [float(train_step(result, [b])) for b in islice(result.dataloader, 2)]
     record = result.args.search
     result.close()
-    from atorch.strategy_search.hardware import measure_profile
+    from atorch.strategy_search.costing.hardware import measure_profile
 
     profile = measure_profile()  # the search's, from this node's cache (rank 0's, sent to every rank)
     return {"strategy": strategy.to_list(), "tensor_groups": tensor_groups(strategy, 4), "losses": losses,

@@ -81,7 +81,7 @@ def case_setup(case: str) -> tuple[Callable[[], torch.nn.Module], Dataset, Calla
 
 def families(model: torch.nn.Module, world: int, skip: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """Name -> strategy: a covering set of the default space's families (see the module's docstring)."""
-    from atorch.strategy_search.space import SearchSpace
+    from atorch.strategy_search.search.space import SearchSpace
 
     by_family: dict[str, dict[str, Any]] = {}
     strategies: dict[str, Any] = {}

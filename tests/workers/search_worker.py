@@ -45,7 +45,7 @@ from atorch.dryrun import dry_run
 from atorch.errors import RankLost
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search import automatic
+from atorch.strategy_search.search import automatic
 from atorch.training import train_step
 
 SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
@@ -61,7 +61,7 @@ class _TraceLines(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-logging.getLogger("atorch.strategy_search.automatic").addHandler(_TraceLines())
+logging.getLogger("atorch.strategy_search.search.automatic").addHandler(_TraceLines())
 
 
 class _Events(logging.Handler):
@@ -296,7 +296,7 @@ def resume() -> dict[str, Any]:
 def unbuildable() -> dict[str, Any]:
     """A convolutional classifier whose tensor-parallel build refuses it (toy_models.ConvClassifier): the build
     check before the search rules that family out; the search runs the rest, and the report says why."""
-    from atorch.strategy_search.report import write_report
+    from atorch.strategy_search.search.report import write_report
 
     images = torch.utils.data.TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(0, 10, (64,)))
     _, result, strategy = atorch.auto_accelerate(

@@ -199,7 +199,7 @@ PIPELINED["tp2xpp2"].update({
 def planner_layout_scaled_down() -> list[Any]:
     """What ``atorch plan --emit-strategy`` writes for Llama 3 405B's published layout (tensor 8, pipeline 16, data,
     sequence parallel, ZeRO-1: tests/test_plan.py) at tensor 2 × pipeline 2 × data 1 (1f1b: 2 layers here)."""
-    from atorch.strategy_search.cluster_plan import Layout, strategy_for
+    from atorch.strategy_search.cluster.cluster_plan import Layout, strategy_for
 
     return strategy_for(Layout(2, 2, 1, "zero1", "none", "1f1b", 1, True, 1, 4)).to_list()
 

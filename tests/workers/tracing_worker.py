@@ -1,4 +1,4 @@
-"""Traced memory (atorch/strategy_search/tracing.py) against the real program on 2 gloo ranks: FSDP2 with
+"""Traced memory (atorch/strategy_search/costing/tracing.py) against the real program on 2 gloo ranks: FSDP2 with
 autocast on a small VGG-like CNN (convolutions, GroupNorm, no repeated transformer blocks), whose peak is in
 the post-backward reduce-scatter of its largest unit.
 
@@ -26,9 +26,9 @@ from atorch.distributed import init_distributed
 from atorch.dryrun.runner import DryRunSession
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search.automatic import _trace_share, sample_batch, trace_on_every_rank
-from atorch.strategy_search.space import Candidate
-from atorch.strategy_search.tracing import MemoryTracer
+from atorch.strategy_search.costing.tracing import MemoryTracer
+from atorch.strategy_search.search.automatic import _trace_share, sample_batch, trace_on_every_rank
+from atorch.strategy_search.search.space import Candidate
 
 MICRO_BATCHES = 2
 REPEATS = 3

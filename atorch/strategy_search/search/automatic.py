@@ -32,9 +32,9 @@ from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.options import SearchOptions
 from atorch.strategy import Strategy
-from atorch.strategy_search.describe import describe_record
-from atorch.strategy_search.outcome import Measured, Predicted
-from atorch.strategy_search.progress import SearchProgress, rejudged
+from atorch.strategy_search.search.describe import describe_record
+from atorch.strategy_search.search.outcome import Measured, Predicted
+from atorch.strategy_search.search.progress import SearchProgress, rejudged
 
 logger = get_logger(__name__)
 
@@ -105,7 +105,7 @@ def search_strategy(
 ) -> SearchOutcome:
     """Find a strategy for this job; call on every rank. With ``strategy_server`` (a URL; the token
     from $ATORCH_SERVER_TOKEN) the study lives on that server (atorch serve) instead of local storage."""
-    from atorch.strategy_search.hardware import load_profile, measure_profile
+    from atorch.strategy_search.costing.hardware import load_profile, measure_profile
 
     start = time.monotonic()
     if options.hardware_profile is not None:
@@ -179,8 +179,8 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
 def _trace_share(session: DryRunSession, word: dict[str, Any]) -> None:
     """A follower's share of the memory traces (``MemoryTracer``): the candidates the leader sent this rank,
     traced within the leader's time limit, sent back as JSON (a failure is sent as the reason)."""
-    from atorch.strategy_search.space import Candidate
-    from atorch.strategy_search.tracing import MemoryTracer
+    from atorch.strategy_search.costing.tracing import MemoryTracer
+    from atorch.strategy_search.search.space import Candidate
 
     rank = session.env.rank
     mine = [Candidate.from_json(c) for c in word["shares"].get(str(rank), [])]
@@ -202,7 +202,7 @@ def trace_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands
     round-robin to the ranks, fastest predicted first, each rank traces its share for ``limit_s``, and the
     leader gathers the results (JSON through the job's store). A rank that sends nothing in time leaves its share
     to the analytical model. Called by the leader; the followers hear the task as a word (``_follow``)."""
-    from atorch.strategy_search.tracing import MemoryTracer, TracedMemory, family_of
+    from atorch.strategy_search.costing.tracing import MemoryTracer, TracedMemory, family_of
 
     env = session.env
     families: dict[str, list[Any]] = {}
@@ -243,10 +243,11 @@ class _Leader:
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
 
     def plan(self) -> SearchOutcome:
-        from atorch.strategy_search.analyser import StepError, analyse
-        from atorch.strategy_search.hardware import ranks_per_node
-        from atorch.strategy_search.planner import Planner, default_storage, study_key
-        from atorch.strategy_search.space import SearchSpace
+        from atorch.strategy_search.costing.analyser import analyse
+        from atorch.strategy_search.costing.diagnosis import StepError
+        from atorch.strategy_search.costing.hardware import ranks_per_node
+        from atorch.strategy_search.search.planner import Planner, default_storage, study_key
+        from atorch.strategy_search.search.space import SearchSpace
 
         per_rank = self.global_batch // self.env.world_size
         batch = sample_batch(self.setup, self.env, per_rank)  # a dataset that yields no batch is refused here
@@ -284,7 +285,7 @@ class _Leader:
         traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
 
         def analytical(cand: Any) -> Any:
-            from atorch.strategy_search.cost_model import predict as cost_model
+            from atorch.strategy_search.costing.cost_model import predict as cost_model
 
             return cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
@@ -359,7 +360,7 @@ class _Leader:
                         prepare=self._prepare)
             if not remote:
                 return Planner(space, **args)
-            from atorch.server.client import RemotePlanner
+            from atorch.strategy_search.search.remote import RemotePlanner
 
             return RemotePlanner(space, **args, server_url=self.strategy_server)
 
@@ -394,7 +395,7 @@ class _Leader:
 
     def _identity(self, space: Any, batch: Any) -> Any:
         """What this search is for, all but the memory budget: the study's key (planner.StudyIdentity)."""
-        from atorch.strategy_search.planner import StudyIdentity
+        from atorch.strategy_search.search.planner import StudyIdentity
 
         setup = self.setup
         return StudyIdentity.of(
@@ -436,8 +437,8 @@ class _Leader:
         rest (deduplicated by what they do): a DeepSpeed op build (30-70 s the first time) would otherwise land
         inside whichever dry-run first used it, and on a time limit, stop the search in the middle of it."""
         from atorch.dryrun.runner import preparations, prepare_once
-        from atorch.strategy_search.buildable import CHECK_TIME_S, BuildCheck, check_families
-        from atorch.strategy_search.candidates import layout_key
+        from atorch.strategy_search.search.buildable import CHECK_TIME_S, BuildCheck, check_families
+        from atorch.strategy_search.search.candidates import layout_key
 
         limit = CHECK_TIME_S
         if self.time_limit is not None:

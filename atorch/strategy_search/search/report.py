@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from atorch.errors import SetupError
-from atorch.strategy_search.describe import describe_record
-from atorch.strategy_search.progress import MiB
+from atorch.strategy_search.search.describe import describe_record
+from atorch.strategy_search.search.progress import MiB
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>atorch search report: {study}</title>

@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict
 from atorch.distributed import all_gather_json
 from atorch.log import get_logger
 from atorch.settings import cache_dir
-from atorch.strategy_search.parallel_costs import measure_parallel_costs
+from atorch.strategy_search.costing.parallel_costs import measure_parallel_costs
 from atorch.units import parse_bytes
 
 logger = get_logger(__name__)

@@ -3,7 +3,7 @@
 On a terminal the table is redrawn in place (rich ``Live``); elsewhere (a log file, CI) each finished
 dry-run is one log line. Either way the search ends with a summary table of every trial of the study:
 what the cost model predicted, what the dry-run measured, and why a trial was left out (the whole reason,
-wrapped). Each candidate is named by its one description (``atorch.strategy_search.describe``), and a measured
+wrapped). Each candidate is named by its one description (``atorch.strategy_search.search.describe``), and a measured
 outcome is judged again under this search's memory limit: the study may hold trials told under another.
 """
 
@@ -17,9 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from atorch.log import get_logger
-from atorch.strategy_search.ask_tell import judge
-from atorch.strategy_search.describe import describe_candidate, describe_record
-from atorch.strategy_search.outcome import Measured, Predicted
+from atorch.strategy_search.search.ask_tell import judge
+from atorch.strategy_search.search.describe import describe_candidate, describe_record
+from atorch.strategy_search.search.outcome import Measured, Predicted
 
 logger = get_logger(__name__)
 

@@ -25,17 +25,27 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.opt_lib import registry
+from atorch.opt_lib.activation_checkpoint import ActivationCheckpoint
 from atorch.opt_lib.context_parallel import ContextParallel
+from atorch.opt_lib.expert_parallel import ExpertParallel
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.mixed_parallel import MixedParallel
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.pipeline_parallel import PipelineParallel
+from atorch.opt_lib.precision import AmpNative
+from atorch.opt_lib.sharding import FSDP, Zero2
+from atorch.opt_lib.tensor_parallel import TensorParallel
+from atorch.opt_lib.zero1 import Zero1
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy, StrategyItem
-from atorch.strategy_search.analyser import ModelStats
-from atorch.strategy_search.cost_model import Prediction, predict
-from atorch.strategy_search.hardware import HardwareProfile
-from atorch.strategy_search.model_shapes import stats_of
-from atorch.strategy_search.plan_terms import TransformerShape, predict_transformer
-from atorch.strategy_search.precision import REGIMES, default_regime
+from atorch.strategy_search.cluster.model_shapes import stats_of
+from atorch.strategy_search.cluster.plan_terms import TransformerShape, predict_transformer
+from atorch.strategy_search.cluster.precision import REGIMES, default_regime
+from atorch.strategy_search.costing.analyser import ModelStats
+from atorch.strategy_search.costing.cost_model import Prediction, predict
+from atorch.strategy_search.costing.hardware import HardwareProfile
 
-SHARDINGS = ("none", "zero1", "zero2", "fsdp")
+SHARDINGS = ("none", Zero1.name, Zero2.name, FSDP.name)  # a layout's sharding: none or the method's name
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 # published schedules atorch does not run: evaluated for --layout only, their strategies written with the nearest one
@@ -45,10 +55,10 @@ MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
                "sequence_parallel", "micro_batch_size", "expert", "fp8", "context")
 # The memory figure's error band: the analytical cost model's measured error (the same band the automatic search
-# allows its analytical predictions, strategy_search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
+# allows its analytical predictions, strategy_search.search.automatic.ANALYTICAL_MEMORY_BAND; the transformer terms came
 # within 1-6% of one H100's peak, bench/plan.py --gpu-check)
 MEMORY_BAND = 0.15
-EXPERT_METHOD = "expert_parallel"  # the registry's method that splits experts over an 'expert' dimension
+EXPERT_METHOD = ExpertParallel.name  # the registry's method that splits experts over an 'expert' dimension
 # Context parallel is enumerated for long sequences only (Llama 3 used it from 131k tokens; below this the
 # activations of a sequence fit with tensor parallel and recompute), in powers of two up to MAX_CONTEXT.
 CONTEXT_MIN_SEQ = 32768
@@ -180,7 +190,7 @@ def _item(name: str, config: dict[str, Any] | None = None) -> StrategyItem:
 
 def strategy_for(lay: Layout) -> Strategy:
     """The Strategy a layout stands for (what ``--emit-strategy`` writes)."""
-    names: dict[str, dict[str, Any]] = {"amp_native": {"dtype": "bf16"}}
+    names: dict[str, dict[str, Any]] = {AmpNative.name: {"dtype": "bf16"}}
     # expert ranks next to the tensor ranks (inside a node where they fit), then the pipeline
     expert = lay.expert > 1 and EXPERT_METHOD in registry.method_names()
     # context ranks next to the tensor ranks (Llama 3's order: tensor, context, pipeline, data)
@@ -192,22 +202,22 @@ def strategy_for(lay: Layout) -> Strategy:
     if lay.context > 1:
         names[ContextParallel.name] = {}
     if lay.fp8:
-        names["fp8"] = {}
+        names[FP8.name] = {}
     if dims:
-        names["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
+        names[ParallelMode.name] = {"dims": [*dims, ("data", -1)]}
     tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
     pipe: dict[str, Any] = {"schedule": FOREIGN_SCHEDULES.get(lay.schedule, lay.schedule),
                             "micro_batches": lay.micro_batches}
     if lay.schedule == "interleaved_1f1b":
         pipe["virtual_stages"] = lay.virtual_stages
     if lay.tensor > 1 and lay.pipeline > 1:
-        names["mixed_parallel"] = {"tensor": tensor, "pipeline": pipe}
+        names[MixedParallel.name] = {"tensor": tensor, "pipeline": pipe}
     elif lay.tensor > 1:
-        names["tensor_parallel"] = tensor
+        names[TensorParallel.name] = tensor
     elif lay.pipeline > 1:
-        names["pipeline_parallel"] = pipe
+        names[PipelineParallel.name] = pipe
     if lay.recompute == "full":
-        names["checkpoint"] = {}
+        names[ActivationCheckpoint.name] = {}
     if lay.sharding != "none":
         names[lay.sharding] = {}
     return Strategy(methods=tuple(_item(n, names[n]) for n in registry.apply_order() if n in names))
@@ -283,8 +293,8 @@ def regime_of(shape: TransformerShape, lay: Layout, precision: str | None, runna
 def _regime_notes(lay: Layout, regime: str) -> tuple[str, ...]:
     """Where the emitted strategy's precision is not the regime the plan was predicted in (atorch runs amp_native:
     autocast over fp32 weights, with FSDP2's mixed-precision policy under zero2/fsdp)."""
-    as_zero2 = lay.sharding == "zero1" and lay.tensor > 1
-    atorch_runs = "fsdp_mixed" if lay.sharding in ("zero2", "fsdp") or as_zero2 else "amp_native"
+    as_zero2 = lay.sharding == Zero1.name and lay.tensor > 1
+    atorch_runs = "fsdp_mixed" if lay.sharding in (Zero2.name, FSDP.name) or as_zero2 else "amp_native"
     notes = (("zero1 across the tensor dimension runs as zero2 in atorch (FSDP2 over the data dimension: the "
               "gradients are sharded too, ZeroRedundancyOptimizer cannot partition tensor-parallel parameters)"
               + ("; predicted as Megatron-LM's distributed optimizer" if regime == "megatron" else
@@ -423,7 +433,7 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
         wanted = given is not None and _matches(lay, given)
         if wanted and given and (given.get("fp8") or given.get("schedule") in FOREIGN_SCHEDULES):
             lay = replace(lay, fp8=bool(given.get("fp8")), schedule=given.get("schedule", lay.schedule))
-        if lay.sharding == "zero1" and lay.tensor > 1 and not wanted:
+        if lay.sharding == Zero1.name and lay.tensor > 1 and not wanted:
             continue  # atorch runs it as zero2 (zero1.runs_on_fsdp2): ranked once, as zero2
         problems = _problems(lay.structure(), gpus)
         if problems and not wanted:
@@ -467,7 +477,7 @@ def smallest_fitting_cluster(shape: TransformerShape, global_batch: int, profile
         gpus = nodes * gpus_per_node
         for lay in layouts(shape, gpus, gpus_per_node, global_batch):
             if (lay.recompute != "full" or lay.micro_batch_size != 1 or lay.schedule == "gpipe"
-                    or (lay.data > 1 and lay.sharding != "fsdp") or (lay.tensor > 1 and not lay.sequence_parallel)):
+                    or (lay.data > 1 and lay.sharding != FSDP.name) or (lay.tensor > 1 and not lay.sequence_parallel)):
                 continue
             if _problems(lay.structure(), gpus):
                 continue

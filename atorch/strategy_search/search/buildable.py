@@ -62,8 +62,8 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
     from atorch.build import preflight
     from atorch.distributed import DistEnv
     from atorch.model_context import ModelContext
-    from atorch.strategy_search.fake_kernels import FakeKernelGaps
-    from atorch.strategy_search.tracing import MemoryTracer, memory_twin
+    from atorch.strategy_search.costing.fake_kernels import FakeKernelGaps
+    from atorch.strategy_search.costing.tracing import MemoryTracer, memory_twin
 
     strategy = memory_twin(cand.strategy)
     env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=device, backend="fake")
@@ -97,8 +97,8 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
 
 def _plan(cands: Sequence[Any], world_size: int) -> dict[str, list[Any]]:
     """Per layout, the candidates to build, the simplest first: each method of the layout in one of them."""
-    from atorch.strategy_search.candidates import layout_key
-    from atorch.strategy_search.tracing import untraced_reason
+    from atorch.strategy_search.costing.tracing import untraced_reason
+    from atorch.strategy_search.search.candidates import layout_key
 
     by_layout: dict[str, list[Any]] = {}
     for cand in cands:
@@ -112,7 +112,7 @@ def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.
                    time_limit_s: float = CHECK_TIME_S) -> BuildCheck:
     """Build one candidate per method and layout of ``cands`` (fewest builds, simplest first) on fake tensors;
     a method whose build step raises is unbuildable at that layout."""
-    from atorch.strategy_search.tracing import fake_world
+    from atorch.strategy_search.costing.tracing import fake_world
 
     begin = time.monotonic()
     plan = _plan(cands, world_size)

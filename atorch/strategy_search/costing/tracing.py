@@ -198,7 +198,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _map_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    from atorch.strategy_search.analyser import map_tensors
+    from atorch.strategy_search.costing.fake_step import map_tensors
 
     return map_tensors(data, fn)
 
@@ -208,7 +208,7 @@ class MemoryTracer:
 
     def __init__(self, setup: UserSetup, sample_batch: Any, world_size: int,
                  device: torch.device | None = None) -> None:
-        from atorch.strategy_search.analyser import batch_shape
+        from atorch.strategy_search.costing.analyser import batch_shape
 
         self.world_size = world_size
         self.device = device or torch.device("cpu")
@@ -226,7 +226,7 @@ class MemoryTracer:
         with recompute and autocast crashed torch (segfault) after another candidate had run in the same mode."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from atorch.strategy_search.analyser import fake_copy
+        from atorch.strategy_search.costing.fake_step import fake_copy
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         model = fake_copy(self.user_setup.model, self.mode, self.device)
@@ -260,7 +260,7 @@ class MemoryTracer:
         from atorch.build import build_result, preflight
         from atorch.distributed import DistEnv
         from atorch.model_context import ModelContext
-        from atorch.strategy_search.fake_kernels import FakeKernelGaps
+        from atorch.strategy_search.costing.fake_kernels import FakeKernelGaps
         from atorch.training import train_step
 
         start = time.perf_counter()
@@ -548,7 +548,7 @@ def _interpolate(size: int, low: int, at_low: TracedMemory | str, high: int,
 
 def _ddp_buckets(ctx: Any, strategy: Strategy, layout: ParallelLayout) -> int:
     """DDP's reducer buckets, which the trace cannot see (see the module's docstring); 0 where DDP is not used."""
-    from atorch.strategy_search.cost_model import DDP_PERSISTENT
+    from atorch.strategy_search.costing.cost_model import DDP_PERSISTENT
 
     if _shards_data(strategy) or layout.data_size <= 1 or layout.size("tensor") > 1 or layout.size("pipeline") > 1:
         return 0

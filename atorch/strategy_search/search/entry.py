@@ -12,8 +12,8 @@ from atorch.errors import StrategyError
 from atorch.log import progress_console
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
-from atorch.strategy_search.automatic import SearchOptions, search_strategy
-from atorch.strategy_search.describe import search_json
+from atorch.strategy_search.search.automatic import SearchOptions, search_strategy
+from atorch.strategy_search.search.describe import search_json
 
 
 def search_and_check(

@@ -15,13 +15,13 @@ from typing import Any
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.server.retry import LOG_EVERY_S, RETRIED_STATUS, RETRY_ENV, Backoff, retry_after, transient
 from atorch.settings import settings
-from atorch.strategy_search.ask_tell import Proposal
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.outcome import Measured
-from atorch.strategy_search.planner import Planner, PlanResult, SearchStudy
-from atorch.strategy_search.space import SearchSpace
+from atorch.strategy_search.search.ask_tell import Proposal
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.outcome import Measured
+from atorch.strategy_search.search.planner import Planner, PlanResult, SearchStudy
+from atorch.strategy_search.search.retry import LOG_EVERY_S, RETRIED_STATUS, RETRY_ENV, Backoff, retry_after, transient
+from atorch.strategy_search.search.space import SearchSpace
 
 logger = get_logger(__name__)
 SERVER_ENV, TOKEN_ENV = "ATORCH_STRATEGY_SERVER", "ATORCH_SERVER_TOKEN"
@@ -40,7 +40,7 @@ class StrategyClient:
 
     A server that is restarting or briefly failing (refused or dropped connections, time-outs, 429/502/503/504)
     is retried with growing waits for up to ``retry_s`` seconds (default $ATORCH_SERVER_RETRY_S, else 120 s;
-    0: no retry); see ``atorch.server.retry``."""
+    0: no retry); see ``atorch.strategy_search.search.retry``."""
 
     def __init__(self, server_url: str, token: str | None = None, timeout_s: float = 30.0,
                  retry_s: float | None = None) -> None:
@@ -72,7 +72,7 @@ class StrategyClient:
         return response.json() if response.content else None
 
     def _send(self, method: str, path: str, body: Any, params: dict | None) -> tuple[Any, bool]:
-        """The server's answer, retried through restarts and overloads (``atorch.server.retry``) until
+        """The server's answer, retried through restarts and overloads (``atorch.strategy_search.search.retry``) until
         ``retry_s`` after the first failure; and whether it took a retry."""
         import httpx
 

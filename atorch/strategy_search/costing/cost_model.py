@@ -185,8 +185,8 @@ from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS
 from atorch.opt_lib.registry import get_method
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
-from atorch.strategy_search.analyser import ModelStats
-from atorch.strategy_search.hardware import HardwareProfile
+from atorch.strategy_search.costing.analyser import ModelStats
+from atorch.strategy_search.costing.hardware import HardwareProfile
 
 # Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
 # "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.

@@ -13,8 +13,9 @@ import math
 
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
-from atorch.strategy_search.analyser import ModelStats
-from atorch.strategy_search.cost_model import (
+from atorch.strategy_search.cluster.precision import REGIMES, PrecisionRegime, default_regime, rank_bytes
+from atorch.strategy_search.costing.analyser import ModelStats
+from atorch.strategy_search.costing.cost_model import (
     DDP_BUCKET_BYTES,
     DEFAULT_MEMORY_BYTES_PER_S,
     OPTIMIZER_PASSES,
@@ -28,8 +29,7 @@ from atorch.strategy_search.cost_model import (
     _Frozen,
     _pipeline_config,
 )
-from atorch.strategy_search.hardware import HardwareProfile
-from atorch.strategy_search.precision import REGIMES, PrecisionRegime, default_regime, rank_bytes
+from atorch.strategy_search.costing.hardware import HardwareProfile
 
 
 def predict_transformer(shape: TransformerShape, stats: ModelStats, strategy: Strategy, layout: ParallelLayout,

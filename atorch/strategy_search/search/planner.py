@@ -21,8 +21,8 @@
    rounds run only while undecided, from what exploration left of ``max_trials`` (the budget of dry-runs holds).
 
 The loop (``Planner.search``: stop rules, dry-runs, confirmation) is one for every study: it drives a
-``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (atorch.server.client.RemoteStudy, over
-HTTP; the server runs the same ``SearchState``).
+``SearchStudy``, either ``LocalStudy`` (below) or a strategy server's (``remote.RemoteStudy``, over HTTP; the
+server runs the same ``SearchState``).
 
 Constraints (Trial.set_constraint, feasible when <= 0): ``memory_over`` = (peak - budget) / budget,
 predicted or measured; ``failed`` = 1 for a failed or timed-out run, else 0.
@@ -57,8 +57,9 @@ from atorch.class_ref import class_path
 from atorch.errors import RankLost
 from atorch.log import RepeatedWarnings, get_logger
 from atorch.settings import cache_dir
-from atorch.strategy_search.analyser import StepError, identity_json
-from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
+from atorch.strategy_search.costing.analyser import identity_json
+from atorch.strategy_search.costing.diagnosis import StepError
+from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAULT_TOP_K: re-exported)
     CONFIRM_ROUNDS,
     CONFIRM_RUNS,
     CONFIRM_TIE,
@@ -78,10 +79,10 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     merge_runs,
     trial_record,
 )
-from atorch.strategy_search.candidates import CandidateTable
-from atorch.strategy_search.describe import describe_candidate
-from atorch.strategy_search.outcome import Measured, Predicted
-from atorch.strategy_search.space import Candidate, SearchSpace
+from atorch.strategy_search.search.candidates import CandidateTable
+from atorch.strategy_search.search.describe import describe_candidate
+from atorch.strategy_search.search.outcome import Measured, Predicted
+from atorch.strategy_search.search.space import Candidate, SearchSpace
 
 logger = get_logger(__name__)
 COST_MODEL_ONLY_MARGIN = 0.05  # a pick that no dry-run checks stays this far under the memory budget
@@ -182,7 +183,7 @@ class Planner:
     """Plans a strategy for one job. ``predict(candidate)`` returns a ``Predicted`` or something with
     ``.peak_memory_bytes`` and ``.step_time_s`` (one optimizer step over the global batch);
     ``measure(candidate)`` returns a ``Measured`` or something with ``.status``, ``.samples_per_s``,
-    ``.peak_memory_bytes`` and ``.reason`` (atorch.strategy_search.outcome)."""
+    ``.peak_memory_bytes`` and ``.reason`` (atorch.strategy_search.search.outcome)."""
 
     def __init__(
         self,
@@ -237,7 +238,7 @@ class Planner:
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
         self.check = check or (lambda: None)
         # What a search does once before its first dry-run (never for a cached answer), in the search's wall time:
-        # the build check of the space's method families (atorch.strategy_search.buildable: it returns the
+        # the build check of the space's method families (atorch.strategy_search.search.buildable: it returns the
         # (method, layout) pairs that do not build, and why) and the methods' one-time preparations
         # (``MethodConfig.preparation``: DeepSpeed's op build), so no trial's time holds them.
         self.prepare = prepare
@@ -271,7 +272,7 @@ class Planner:
         return self._table
 
     def describe(self, cand: Candidate) -> str:
-        """The one description of a candidate (atorch.strategy_search.describe), at this space's world size."""
+        """The one description of a candidate (atorch.strategy_search.search.describe), at this space's world size."""
         return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.space.world_size)
 
     def _candidate(self, key: str) -> Candidate:
@@ -507,8 +508,8 @@ class SameFailure:
 
 class SearchStudy(ABC):
     """A study as ``Planner.search`` drives it: where the trials are kept and the next candidate is decided.
-    ``LocalStudy``: an Optuna study in this process (``SearchState``); ``atorch.server.client.RemoteStudy``: a
-    strategy server's, over HTTP. The loop (stop rules, dry-runs, confirmation) is the planner's, the same for
+    ``LocalStudy``: an Optuna study in this process (``SearchState``); ``remote.RemoteStudy``: a strategy
+    server's, over HTTP. The loop (stop rules, dry-runs, confirmation) is the planner's, the same for
     both."""
 
     @abstractmethod

@@ -101,7 +101,7 @@ def family_key(point: Point) -> str:
 @dataclass
 class CandidateTable:
     points: list[Point]  # valid points, in the space's walk order
-    predictions: list[dict[str, Any]]  # one per point: Predicted.to_json() (atorch.strategy_search.outcome)
+    predictions: list[dict[str, Any]]  # one per point: Predicted.to_json() (atorch.strategy_search.search.outcome)
     global_batch: int
     # optional, per point: what a person reads (the strategy, micro-batching and their one-line description)
     details: list[dict[str, Any]] | None = None
@@ -123,7 +123,7 @@ class CandidateTable:
     @classmethod
     def from_space(cls, space: Any, predict: Callable[[Any], dict[str, Any]]) -> CandidateTable:
         """The table of a SearchSpace: ``predict(candidate)`` gives a ``Predicted``'s JSON."""
-        from atorch.strategy_search.describe import describe_candidate
+        from atorch.strategy_search.search.describe import describe_candidate
 
         cands, points = space.enumerate(), space.valid_points()  # the same order
         details = [{**{k: v for k, v in c.to_json().items() if k != "point"},

@@ -44,9 +44,16 @@ from torch import nn
 from atorch.errors import SetupError
 from atorch.opt_lib import registry
 from atorch.opt_lib.base import NUMERICS_ORDER, Method, Numerics, SearchRole
+from atorch.opt_lib.mixed_parallel import MixedParallel
+from atorch.opt_lib.module_replace import ModuleReplace
+from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.pipeline_parallel import PipelineParallel
 from atorch.opt_lib.registry import SearchDimension, search_dimensions
+from atorch.opt_lib.sharding import Zero2
+from atorch.opt_lib.tensor_parallel import TensorParallel
+from atorch.opt_lib.zero1 import Zero1
 from atorch.strategy import Strategy, StrategyItem
-from atorch.strategy_search.analyser import fingerprint
+from atorch.strategy_search.costing.analyser import fingerprint
 
 Point = dict[str, Any]
 
@@ -93,9 +100,9 @@ class Candidate:
                    micro_batches=int(data["micro_batches"]), point=tuple(data["point"].items()))
 
     def __str__(self) -> str:
-        """The one description (atorch.strategy_search.describe); the data size is ``*`` here, where the world
+        """The one description (atorch.strategy_search.search.describe); the data size is ``*`` here, where the world
         size is not known: callers that know it use ``describe_candidate`` with it."""
-        from atorch.strategy_search.describe import describe_candidate
+        from atorch.strategy_search.search.describe import describe_candidate
 
         return describe_candidate(self.strategy, self.micro_batch_size, self.micro_batches, None)
 
@@ -193,15 +200,15 @@ class SearchSpace:
             return (1,), (1,)
         sizes = [d for d in _divisors(self.world_size) if d > 1 and self.global_batch % (self.world_size // d) == 0]
         tensor: list[int] = [1]
-        if self._allowed("tensor_parallel") and self.included.isdisjoint({"pipeline_parallel"}):
+        if self._allowed(TensorParallel.name) and self.included.isdisjoint({PipelineParallel.name}):
             from atorch.opt_lib.tensor_parallel import TensorParallelConfig, derive_plan, has_conv1d
 
             self.conv1d = has_conv1d(model)
-            if not self.conv1d or self._allowed("module_replace"):
+            if not self.conv1d or self._allowed(ModuleReplace.name):
                 tensor += [t for t in sizes if self.ranks_per_node % t == 0
                            and not derive_plan(model, TensorParallelConfig(), t).problems]
         pipeline: list[int] = [1]
-        if self._allowed("pipeline_parallel") and self.included.isdisjoint({"tensor_parallel"}):
+        if self._allowed(PipelineParallel.name) and self.included.isdisjoint({TensorParallel.name}):
             from atorch.opt_lib.pipeline_split import find_blocks
 
             blocks, _ = find_blocks(model)
@@ -353,24 +360,24 @@ class SearchSpace:
                 for item in self.finetune.methods
             ]
             return Strategy(methods=tuple(items))
-        names = {"parallel_mode"}
+        names = {ParallelMode.name}
         tensor, pipeline = int(point.get("tensor", 1)), int(point.get("pipeline", 1))
         if tensor > 1 or pipeline > 1:
             dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline)) if size > 1]
-            configs["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
+            configs[ParallelMode.name] = {"dims": [*dims, ("data", -1)]}
             schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
             if pipeline > 1:
-                schedule.update(configs.pop("pipeline_parallel", {}))
+                schedule.update(configs.pop(PipelineParallel.name, {}))
             if tensor > 1 and pipeline > 1:
-                names.add("mixed_parallel")
-                configs["mixed_parallel"] = {"pipeline": schedule}
+                names.add(MixedParallel.name)
+                configs[MixedParallel.name] = {"pipeline": schedule}
             elif tensor > 1:
-                names.add("tensor_parallel")
+                names.add(TensorParallel.name)
             else:
-                names.add("pipeline_parallel")
-                configs["pipeline_parallel"] = schedule
+                names.add(PipelineParallel.name)
+                configs[PipelineParallel.name] = schedule
             if tensor > 1 and self.conv1d:
-                names.add("module_replace")  # DTensor cannot split transformers' Conv1D: swapped for nn.Linear
+                names.add(ModuleReplace.name)  # DTensor cannot split transformers' Conv1D: swapped for nn.Linear
         for dim in self.dimensions:
             value = point.get(dim.name, dim.off)
             if dim.kind == "switch":
@@ -508,6 +515,6 @@ def _program_key(cand: Candidate) -> str:
 
     # zero1 across a tensor dimension runs as zero2 with its defaults (zero1.py): one program
     as_zero2 = runs_on_fsdp2(cand.strategy)
-    items = [same_program("zero2", Zero2Config()) if as_zero2 and item.name == "zero1"
+    items = [same_program(Zero2.name, Zero2Config()) if as_zero2 and item.name == Zero1.name
              else same_program(item.name, item.config) for item in cand.strategy.methods]
     return json.dumps([items, cand.micro_batch_size, cand.micro_batches], sort_keys=True, default=str)

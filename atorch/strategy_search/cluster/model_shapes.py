@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from atorch.errors import SetupError
-from atorch.strategy_search.analyser import BlockStats, ModelStats
-from atorch.strategy_search.plan_terms import TransformerShape
+from atorch.strategy_search.cluster.plan_terms import TransformerShape
+from atorch.strategy_search.costing.analyser import BlockStats, ModelStats
 
 # Published sizes: GPT-3 (Brown et al. 2020, Table 2.1), Llama 2 (Touvron et al. 2023, and the released
 # config.json files), Llama 3 / 3.1 (Meta's model cards and config.json files).
@@ -216,7 +216,7 @@ def analysed_stats(spec: str, seq: int) -> ModelStats | None:
     None where there is no transformers model to build (a built-in architecture, a plain module)."""
     import torch
 
-    from atorch.strategy_search.analyser import analyse
+    from atorch.strategy_search.costing.analyser import analyse
 
     model = _transformers_model(spec)
     if model is None:

@@ -28,8 +28,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from atorch.errors import RankLost
-from atorch.strategy_search.candidates import CandidateTable, Point, complexity, point_key
-from atorch.strategy_search.outcome import Measured
+from atorch.strategy_search.search.candidates import CandidateTable, Point, complexity, point_key
+from atorch.strategy_search.search.outcome import Measured
 
 OK_STATUSES = frozenset({"ok", "success", "succeeded", "complete", "completed"})
 DEFAULT_TOP_K = 3
@@ -290,7 +290,7 @@ class SearchState:
         self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
         self.promotes = False  # set by ``seed``: a search that enqueues the cost model's favourites promotes too
         # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
-        # ``unbuildable``: the families the build check before the search ruled out (atorch.strategy_search.buildable)
+        # ``unbuildable``: the families the build check before the search ruled out (search.buildable)
         self.unbuildable_at: dict[tuple[str, str], str] = dict(unbuildable or {})
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))

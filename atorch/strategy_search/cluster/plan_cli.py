@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from atorch.errors import SetupError
-from atorch.strategy_search.cluster_plan import (
+from atorch.strategy_search.cluster.cluster_plan import (
     MEMORY_BAND,
     Plan,
     PlanResult,
@@ -23,7 +23,7 @@ from atorch.strategy_search.cluster_plan import (
     plan_job,
     smallest_fitting_cluster,
 )
-from atorch.strategy_search.precision import REGIME_NAMES
+from atorch.strategy_search.cluster.precision import REGIME_NAMES
 from atorch.units import parse_bytes
 
 GIB = 2**30
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from atorch.strategy_search.hardware import load_profile
-    from atorch.strategy_search.model_shapes import analysed_stats, resolve_model
+    from atorch.strategy_search.cluster.model_shapes import analysed_stats, resolve_model
+    from atorch.strategy_search.costing.hardware import load_profile
 
     profile = load_profile(args.hardware)
     name, shape = resolve_model(args.model, args.seq)
