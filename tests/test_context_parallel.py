@@ -102,7 +102,7 @@ def _matches_one_process(entry: dict[str, Any], context: int, dp_size: int) -> N
 
 
 @pytest.mark.parametrize("scenario", ["llama_c2", "qwen2_c2", "gpt_neox_c2", "llama_c2_fsdp", "llama_c2_accumulated",
-                                      "mistral_window_c2"])
+                                      "mistral_window_c2", "gemma2_softcap_c2"])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str) -> None:
     _matches_one_process(two[scenario], context=2, dp_size=1)
 
@@ -132,8 +132,8 @@ def test_refusals_name_the_problem_and_the_fix(two: dict[str, Any]) -> None:
 # ----- the cluster planner ----------------------------------------------------------------------
 def _planned(layout: str, seq: int = 131072, gpus: int = 16384, batch: int = 2048) -> Any:
     from atorch.strategy_search.cluster.cluster_plan import parse_layout, plan_job
-    from atorch.strategy_search.costing.hardware import load_profile
     from atorch.strategy_search.cluster.model_shapes import resolve_model
+    from atorch.strategy_search.costing.hardware import load_profile
 
     shape = resolve_model("llama3-405b", seq)[1]
     return plan_job(shape, gpus, batch, load_profile("h100-80gb"), given=parse_layout(layout))

@@ -130,7 +130,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if shard is None:
         raise RuntimeError(f"{type(module).__name__} runs the '{ATTENTION_NAME}' attention but was not set up by "
                            "context_parallel (atorch sets it on every attention module of the model it applies to)")
-    for unsupported in ("softcap", "s_aux", "position_bias"):
+    for unsupported in ("s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"context_parallel's attention does not support '{unsupported}' "
                                       f"({type(module).__name__}); drop context_parallel for this model")
@@ -145,8 +145,17 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     allowed = k_pos <= q_pos
     if sliding_window is not None:  # transformers' convention: a query sees the last ``sliding_window`` keys
         allowed &= q_pos - k_pos < sliding_window
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout,
-                                                           scale=scaling)
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                                               dropout_p=dropout, scale=scaling)
+    else:  # Gemma 2's capped scores (sdpa has no cap): transformers' eager attention, over the gathered keys
+        scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+        out = weights @ value
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -59,8 +59,18 @@ def mistral_window() -> nn.Module:
         num_key_value_heads=2, head_dim=8, max_position_embeddings=sm.SEQ_LEN, sliding_window=6, use_cache=False))
 
 
+def gemma2_softcap() -> nn.Module:
+    """Gemma 2: capped attention scores (sdpa has no cap) and a sliding window on every other layer."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=sm.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=sm.SEQ_LEN, sliding_window=6,
+        attn_logit_softcapping=5.0, use_cache=False, attn_implementation="eager"))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": sm.tiny_llama, "qwen2": qwen2, "gpt_neox": gpt_neox,
-                                             "mistral_window": mistral_window,
+                                             "mistral_window": mistral_window, "gemma2_softcap": gemma2_softcap,
                                              "mlp": sm.FlatMLP, "bart": sm.tiny_bart}
 
 
@@ -195,6 +205,7 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "gpt_neox_c2": lambda: train_and_compare("gpt_neox", _cp(2)),
         "llama_c2_fsdp": lambda: train_and_compare("llama", _cp(2, extra=("fsdp",))),
         "mistral_window_c2": lambda: train_and_compare("mistral_window", _cp(2)),
+        "gemma2_softcap_c2": lambda: train_and_compare("gemma2_softcap", _cp(2)),
         "llama_c2_accumulated": lambda: train_and_compare("llama", _cp(2), accumulate=2),
         "llama_whole_logits": lambda: whole_logits("llama", _cp(2)),
         "mlp_refused": lambda: train_and_compare("mlp", _cp(2)),
