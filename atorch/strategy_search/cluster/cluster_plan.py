@@ -115,7 +115,7 @@ class Plan:
     problems: tuple[str, ...] = ()  # the rules' reasons where atorch cannot run it (only a given layout)
     given: bool = False
     strategy: Strategy | None = field(default=None, repr=False)
-    precision: str = "amp_native"  # the precision regime its memory is counted in (precision.REGIMES)
+    precision: str = AmpNative.name  # the precision regime its memory is counted in (precision.REGIMES)
     peak_tflops: float = 0.0  # the profile's datasheet peak per GPU
     mfu_ceiling: float = 1.0  # the profile's measured matmul rate over that peak: no real run computes faster
     memory_limit: int = 0
@@ -294,7 +294,7 @@ def _regime_notes(lay: Layout, regime: str) -> tuple[str, ...]:
     """Where the emitted strategy's precision is not the regime the plan was predicted in (atorch runs amp_native:
     autocast over fp32 weights, with FSDP2's mixed-precision policy under zero2/fsdp)."""
     as_zero2 = lay.sharding == Zero1.name and lay.tensor > 1
-    atorch_runs = "fsdp_mixed" if lay.sharding in (Zero2.name, FSDP.name) or as_zero2 else "amp_native"
+    atorch_runs = "fsdp_mixed" if lay.sharding in (Zero2.name, FSDP.name) or as_zero2 else AmpNative.name
     notes = (("zero1 across the tensor dimension runs as zero2 in atorch (FSDP2 over the data dimension: the "
               "gradients are sharded too, ZeroRedundancyOptimizer cannot partition tensor-parallel parameters)"
               + ("; predicted as Megatron-LM's distributed optimizer" if regime == "megatron" else

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import math
 
+from atorch.opt_lib.fp8 import FP8
+from atorch.opt_lib.mixed_parallel import MixedParallel
+from atorch.opt_lib.precision import Half
+from atorch.opt_lib.sharding import Zero2
+from atorch.opt_lib.tensor_parallel import TensorParallel
+from atorch.opt_lib.zero1 import Zero1
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.cluster.precision import REGIMES, PrecisionRegime, default_regime, rank_bytes
@@ -384,7 +390,7 @@ def context_kv_s(shape: TransformerShape, profile: HardwareProfile, micro: float
 def _regime(shape: TransformerShape, sharding: str, half: bool) -> PrecisionRegime:
     """The precision regime the transformer terms count bytes with (``precision``; see TransformerShape)."""
     if half:  # everything in 16 bits, no master weights
-        return PrecisionRegime("half", 2.0, 2.0, 2.0, 0.0, 2.0, autocast=False, fsdp2=True, summary="16 bits only")
+        return PrecisionRegime(Half.name, 2.0, 2.0, 2.0, 0.0, 2.0, autocast=False, fsdp2=True, summary="16 bits only")
     if shape.precision is not None:
         if shape.precision not in REGIMES:
             raise ValueError(f"unknown precision regime {shape.precision!r}: one of {list(REGIMES)}")
@@ -396,18 +402,18 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
                             dtype: str, optimizer_state_factor: float, selective_recompute: bool) -> Prediction:
     """Memory and step time of a transformer on its busiest rank (see the transformer terms above)."""
     tp, pp, dp = f.tp, f.pp, f.dp
-    tensor = strategy.get("tensor_parallel") or getattr(strategy.get("mixed_parallel"), "tensor", None)
+    tensor = strategy.get(TensorParallel.name) or getattr(strategy.get(MixedParallel.name), "tensor", None)
     sp = bool(getattr(tensor, "sequence_parallel", False)) and tp > 1
     vocab_split = tp if getattr(tensor, "loss_parallel", False) else 1  # atorch's loss_parallel splits it
     pipe = _pipeline_config(strategy)
     v = pipe.stages_per_rank() if pipe is not None and pp > 1 else 1
     recompute = "full" if f.checkpoint else "selective" if selective_recompute else "none"
-    sharding = f.sharding or ("zero1" if f.zero1 else "none")
+    sharding = f.sharding or (Zero1.name if f.zero1 else "none")
     regime = _regime(shape, sharding, f.half)
-    if regime.name == "megatron" and "zero1" in strategy:
+    if regime.name == "megatron" and Zero1.name in strategy:
         # Megatron-LM's distributed optimizer keeps whole gradients (atorch runs zero1 across a tensor dimension as
         # zero2, cost_model._facts: counted so in atorch's own regimes)
-        sharding = "zero1"
+        sharding = Zero1.name
     if regime.autocast != shape.autocast:
         shape = shape.model_copy(update={"autocast": regime.autocast})
     b, s, h, m = f.micro, shape.seq, shape.hidden, f.micro_batches
@@ -498,7 +504,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     # fp8 (Transformer Engine's linears): the layers' matmuls at the profile's fp8 rate; attention and the vocabulary
     # layer stay in 16 bits
     layer_rate = flops_s
-    if "fp8" in strategy and profile.matmul_tflops.get("float8"):
+    if FP8.name in strategy and profile.matmul_tflops.get("float8"):
         layer_rate = profile.matmul_tflops["float8"] * 1e12 * profile.matmul_efficiency.get("float8", 1.0)
     mb_flops = tokens * (stage_layers * layer_flops * flops_s / layer_rate + 3 * shape.vocab_fwd_flops()) / tp
     score_s = score_flops / tp / flops_s
@@ -553,7 +559,7 @@ def _transformer_prediction(shape: TransformerShape, strategy: Strategy, f: _Fac
     if dp > 1:
         last_backward = mb_compute * 2 / 3
         if f.sharding:
-            gathers = (1 if f.sharding == "zero2" else m) if pp > 1 else m * (1 if f.sharding == "zero2" else 2)
+            gathers = (1 if f.sharding == Zero2.name else m) if pp > 1 else m * (1 if f.sharding == Zero2.name else 2)
             gather = _group_collective_s(profile, "all_gather", gather_bytes * gathers, dp, stride,
                                          gathers * stage_layers)
             reduce = _group_collective_s(profile, "reduce_scatter", grad_bytes, dp, stride, stage_layers)

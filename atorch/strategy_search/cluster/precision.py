@@ -24,6 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atorch.opt_lib.precision import AmpNative
+from atorch.opt_lib.sharding import FSDP, Zero2
+from atorch.opt_lib.zero1 import Zero1
+
 ADAM_STATES = 2
 
 
@@ -41,8 +45,8 @@ class PrecisionRegime:
 
 
 REGIMES: dict[str, PrecisionRegime] = {
-    "amp_native": PrecisionRegime(
-        "amp_native", weights=4.0, gathered=4.0, grads=4.0, master=0.0, state=4.0, autocast=True, fsdp2=True,
+    AmpNative.name: PrecisionRegime(
+        AmpNative.name, weights=4.0, gathered=4.0, grads=4.0, master=0.0, state=4.0, autocast=True, fsdp2=True,
         summary="fp32 weights and gradients, autocast to bf16 in every forward (atorch's amp_native)"),
     "fsdp_mixed": PrecisionRegime(
         "fsdp_mixed", weights=4.0, gathered=2.0, grads=4.0, master=0.0, state=4.0, autocast=False, fsdp2=True,
@@ -66,11 +70,11 @@ def default_regime(sharding: str, tensor: int, runnable: bool = True) -> str:
     ``amp_native`` apply FSDP2's mixed-precision policy); Megatron-LM's where only Megatron-style stacks run it
     (DDP across a tensor dimension). atorch runs ``zero1`` across a tensor dimension as ``zero2`` (FSDP2:
     ZeroRedundancyOptimizer cannot partition DTensors), so under FSDP2's policy too."""
-    if sharding in ("zero2", "fsdp") or (sharding == "zero1" and tensor > 1 and runnable):
+    if sharding in (Zero2.name, FSDP.name) or (sharding == Zero1.name and tensor > 1 and runnable):
         return "fsdp_mixed"
     if tensor > 1 and not runnable:
         return "megatron"
-    return "amp_native"
+    return AmpNative.name
 
 
 @dataclass(frozen=True)
@@ -88,13 +92,13 @@ def rank_bytes(regime: PrecisionRegime, sharding: str, n: float, layer_n: float,
     g = regime.grads if grads is None else grads
     optimizer = (regime.master + states * regime.state) * n
     cast = 2.0 * n if regime.autocast else 0.0  # autocast's cache of 16-bit weights
-    if sharding in ("none", "zero1"):
-        return RankBytes(regime.weights * n, g * n, optimizer / (dp if sharding == "zero1" else 1), cast)
-    if sharding == "zero2":
+    if sharding in ("none", Zero1.name):
+        return RankBytes(regime.weights * n, g * n, optimizer / (dp if sharding == Zero1.name else 1), cast)
+    if sharding == Zero2.name:
         # FSDP2: sharded storage + the whole stage gathered from its forward to its backward; else one 16-bit copy
         params = regime.weights * n / dp + regime.gathered * n if regime.fsdp2 else regime.weights * n
         return RankBytes(params, g * n / dp, optimizer / dp, cast)
-    if sharding == "fsdp":
+    if sharding == FSDP.name:
         gathered = 2 * layer_n * regime.gathered  # one layer running, the next prefetched
         cast_layers = 2 * layer_n * 2.0 if regime.autocast else 0.0
         return RankBytes(regime.weights * n / dp, g * n / dp, optimizer / dp, gathered + cast_layers)

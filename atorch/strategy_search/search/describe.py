@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.strategy import Strategy
 
 ALWAYS_SHOWN = frozenset({"dtype", "schedule"})  # shown even at their default: the numerics, the pipeline
@@ -31,7 +32,7 @@ def describe_candidate(strategy: Any, micro_batch_size: int, micro_batches: int,
     ``micro_batch_size`` per rank (a Candidate's fields). Without ``world_size`` the data size is ``*``."""
     strategy = Strategy.load(strategy) if not isinstance(strategy, Strategy) else strategy
     # The model-parallel methods first (they go with the layout), the rest in the strategy's order.
-    items = sorted((i for i in strategy.methods if i.name != "parallel_mode"),
+    items = sorted((i for i in strategy.methods if i.name != ParallelMode.name),
                    key=lambda i: not _model_parallel(i.name))
     methods = [_method(item.name, item.config) for item in items]
     return " | ".join((_layout(strategy, world_size), ", ".join(methods) or "ddp",
@@ -53,7 +54,7 @@ def describe_record(candidate: dict[str, Any], world_size: int | None = None) ->
 
 
 def _layout(strategy: Strategy, world_size: int | None) -> str:
-    mode = strategy.get("parallel_mode")
+    mode = strategy.get(ParallelMode.name)
     if world_size is not None:
         try:
             return str(strategy.layout(world_size))

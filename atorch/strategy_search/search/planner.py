@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from atorch.class_ref import class_path
 from atorch.errors import RankLost
 from atorch.log import RepeatedWarnings, get_logger
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.settings import cache_dir
 from atorch.strategy_search.costing.analyser import identity_json
 from atorch.strategy_search.costing.diagnosis import StepError
@@ -492,7 +493,7 @@ class SameFailure:
         if record.get("status") != "failed":
             self.other = self.other or record.get("status") in ("ok", "oom", "timeout")
             return
-        methods = frozenset(cand.strategy.names()) - {"parallel_mode"}
+        methods = frozenset(cand.strategy.names()) - {ParallelMode.name}
         reason = str(record.get("reason") or "")
         self.failures.append((failure_signature(reason), methods, reason))
         if self.other or len(self.failures) < self.RUNS or len({f[0] for f in self.failures}) > 1:
