@@ -33,6 +33,7 @@ from torch import nn
 from atorch.grad_sync import PendingGradientSync
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
 
@@ -206,6 +207,25 @@ def reduce_expert_gradients(ctx: Any) -> None:
     ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.data_size)
 
 
+# ----- cost facts ---------------------------------------------------------------------------------
+# Each MoE layer's dispatch and combine in forward, and their backward (the transposed all-to-alls), at every
+# micro-batch: the routed tokens' hidden states in the compute dtype; a rank keeps 1/expert of them (the cost
+# model's (n-1)/n all-to-all factor). The split sizes exchanged before each dispatch are a few integers: left out.
+ROUTED_ALL_TO_ALL = Collective("all_to_all", of="routed_tokens", dtype="compute", per="micro_batch",
+                               split="moe_layer", over=EXPERT)
+# ExpertGradientSync: the expert gradients summed over the ranks that hold the same experts, once per step.
+EXPERT_GRADIENT_SYNC = Collective("all_reduce", of="experts", over="replicas")
+
+
+def expert_cost_facts(layout: Any) -> CostFacts:
+    """The experts split over the layout's 'expert' dimension (with their gradients and optimizer state), four
+    all-to-alls per MoE layer and micro-batch, and the expert gradients' all-reduce over their replicas."""
+    size = layout.size(EXPERT)
+    if size <= 1:
+        return CostFacts()
+    return CostFacts(expert_split=size, collectives=(ROUTED_ALL_TO_ALL,) * 4 + (EXPERT_GRADIENT_SYNC,))
+
+
 # ----- the method ---------------------------------------------------------------------------------
 @register
 class ExpertParallel(Method):
@@ -215,6 +235,9 @@ class ExpertParallel(Method):
                "combined with all-to-all (dropless); expert ranks are data ranks too.")
     mesh_dims = (EXPERT,)
     Config = ExpertParallelConfig
+
+    def cost_facts(self, config: ExpertParallelConfig, layout: Any) -> CostFacts:  # type: ignore[override]
+        return expert_cost_facts(layout)
 
     def check(self, config: Any, check: StrategyCheck) -> list[str]:
         if "parallel_mode" not in check.configs:  # with one: the compatibility table's rule
