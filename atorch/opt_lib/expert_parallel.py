@@ -32,7 +32,7 @@ from torch import nn
 
 from atorch.grad_sync import PendingGradientSync
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
@@ -226,6 +226,15 @@ def expert_cost_facts(layout: Any) -> CostFacts:
     return CostFacts(expert_split=size, collectives=(ROUTED_ALL_TO_ALL,) * 4 + (EXPERT_GRADIENT_SYNC,))
 
 
+def expert_sizes(model: nn.Module, world_size: int) -> tuple[int, ...]:
+    """The 'expert' sizes above 1 the automatic search offers for ``model`` at ``world_size`` ranks: those dividing
+    the world and every experts module's count (none for a model without experts modules atorch can split)."""
+    counts = {int(module.num_experts) for module in experts_modules(model).values()}
+    if not counts:
+        return ()
+    return tuple(e for e in range(2, world_size + 1) if world_size % e == 0 and all(c % e == 0 for c in counts))
+
+
 # ----- the method ---------------------------------------------------------------------------------
 @register
 class ExpertParallel(Method):
@@ -235,6 +244,16 @@ class ExpertParallel(Method):
                "combined with all-to-all (dropless); expert ranks are data ranks too.")
     mesh_dims = (EXPERT,)
     Config = ExpertParallelConfig
+    # the search offers an 'expert' size (expert_sizes) on an all-data-parallel layout: the rules refuse it next to
+    # tensor or pipeline stages
+    search_role = SearchRole("layout", EXPERT, off=1)
+
+    def searchable(self, model: Any) -> bool:
+        return bool(experts_modules(model))
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        # the dispatch reads its all-to-alls' split sizes off the routing (.tolist()), which fake tensors lack
+        return "expert parallel's token dispatch sizes its all-to-alls by the routing (data, not shapes)"
 
     def cost_facts(self, config: ExpertParallelConfig, layout: Any) -> CostFacts:  # type: ignore[override]
         return expert_cost_facts(layout)
