@@ -398,6 +398,9 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     block_params = sum(b.param_bytes_total for b in stats.blocks) * scale
     biggest_block = max((b.param_bytes for b in stats.blocks), default=0) * scale
     root_params = (stats.param_bytes * scale) - block_params
+    if expert_bytes and block_params:  # split experts stay out of FSDP's units: a MoE block gathers the rest
+        block_params -= expert_bytes * scale
+        biggest_block -= expert_bytes / max(1, stats.moe_layers) * scale
     # Tensor and pipeline parallel split the repeated blocks (tensor: each block's matmuls; pipeline: the blocks
     # over the stages); what is outside them (embeddings, head: the vocabulary is kept whole) stays whole, on
     # the first / last stage under pipeline parallel: the stage holding it is the one counted.
