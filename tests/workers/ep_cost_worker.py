@@ -1,9 +1,11 @@
 """Expert parallel's measured cost on 2 real ranks (gloo), for tests/test_expert_parallel_costs.py.
 
-Usage: ``torchrun --nproc_per_node=2 ep_cost_worker.py``. Dry-runs (``atorch.dryrun``: the search's own
-measurement, peak increase of live tensor bytes over build and warm-up, max over ranks; median step time) the
-tiny Mixtral of ``toy_models.moe`` under plain data parallel and expert parallel at expert 2, each alone and with
-fsdp. Rank 0 prints ``RESULT {name: TrialResult}``.
+Usage: ``torchrun --nproc_per_node=2 ep_cost_worker.py GROUP [DIR]``. ``measure``: dry-runs (``atorch.dryrun``:
+the search's own measurement, peak increase of live tensor bytes over build and warm-up, max over ranks; median
+step time) the tiny Mixtral of ``toy_models.moe`` under plain data parallel and expert parallel at expert 2, each
+alone and with fsdp; rank 0 prints ``RESULT {name: TrialResult}``. ``search``: ``auto_accelerate``'s automatic
+search on the same model with ``expert_parallel`` included (so every candidate splits the experts), a few trials;
+rank 0 prints ``RESULT {"strategy", "trials", "losses"}``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ if __name__ == "__main__":  # a worker process: CPU and gloo on every machine, l
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import json
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import toy_models
 
+import atorch
 from atorch.distributed import init_distributed
 from atorch.dryrun import dry_run_many
 from atorch.model_context import UserSetup
@@ -37,12 +41,41 @@ def setup() -> UserSetup:
                      dataloader_args={"batch_size": MICRO_BATCH * 2})
 
 
-def main() -> None:
+def measure(directory: str) -> dict[str, Any]:
     env = init_distributed()
     results = dry_run_many(setup(), env, [Strategy.load(s) for s in STRATEGIES.values()], warmup=2, steps=5,
                            timeout_s=120)
+    return {name: r.model_dump() for name, r in zip(STRATEGIES, results, strict=True)}
+
+
+def search(directory: str) -> dict[str, Any]:
+    import optuna
+
+    from atorch.training import train_step
+
+    storage = f"sqlite:///{directory}/search.db"
+    user = setup()
+    _, result, strategy = atorch.auto_accelerate(
+        model=user.model, optim_func=user.optim_func, dataset=user.dataset, loss_func=user.loss_func,
+        model_input_format=user.model_input_format, optim_args=user.optim_args,
+        dataloader_args=user.dataloader_args, included=[EP[1]], time_limit=240,
+        search={"warmup_steps": 1, "measure_steps": 2, "min_measure_s": 0, "max_trials": 3, "storage": storage})
+    batches = iter(result.dataloader)
+    losses = [float(train_step(result, [next(batches)])) for _ in range(2)]
+    study = optuna.load_study(study_name=result.args.search["study_name"], storage=storage)
+    trials = [{k: t.user_attrs.get(k) for k in ("status", "reason", "candidate")} for t in study.get_trials()]
+    result.close()
+    return {"strategy": strategy.to_list(), "trials": trials, "losses": losses}
+
+
+GROUPS = {"measure": measure, "search": search}
+
+
+def main() -> None:
+    group, directory = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "/tmp"
+    report = GROUPS[group](directory)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({name: r.model_dump() for name, r in zip(STRATEGIES, results, strict=True)}))
+        print("RESULT " + json.dumps(report, default=str))
     dist.destroy_process_group()
 
 
