@@ -373,11 +373,17 @@ class SearchSpace:
                 for item in self.finetune.methods
             ]
             return Strategy(methods=tuple(items))
-        names = {"parallel_mode"}
+        layout = "parallel_mode"
+        names = {layout}
         tensor, pipeline = int(point.get("tensor", 1)), int(point.get("pipeline", 1))
+        expert = int(point.get(EXPERT, 1)) if self.expert_method is not None else 1
+        dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline), (EXPERT, expert))
+                if size > 1]
+        if dims:  # expert ranks are data ranks too: the data size is what is left either way
+            configs[layout] = {"dims": [*dims, ("data", -1)]}
+        if expert > 1:
+            names.add(self.expert_method)  # type: ignore[arg-type]
         if tensor > 1 or pipeline > 1:
-            dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline)) if size > 1]
-            configs["parallel_mode"] = {"dims": [*dims, ("data", -1)]}
             schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
             if pipeline > 1:
                 schedule.update(configs.pop("pipeline_parallel", {}))
@@ -391,10 +397,6 @@ class SearchSpace:
                 configs["pipeline_parallel"] = schedule
             if tensor > 1 and self.conv1d:
                 names.add("module_replace")  # DTensor cannot split transformers' Conv1D: swapped for nn.Linear
-        expert = int(point.get(EXPERT, 1))
-        if expert > 1 and self.expert_method is not None:  # expert ranks are data ranks too
-            configs["parallel_mode"] = {"dims": [(EXPERT, expert), ("data", -1)]}
-            names.add(self.expert_method)
         for dim in self.dimensions:
             value = point.get(dim.name, dim.off)
             if dim.kind == "switch":
