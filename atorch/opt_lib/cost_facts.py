@@ -59,6 +59,10 @@ class CostFacts:
     backward, keeping only their inputs (more compute, fewer activation bytes).
     Communication: ``collectives``; ``syncs_gradients``: the method reduces the gradients itself, so the data
     parallel all-reduce of the whole gradients (DDP) is not run.
+    ``moe_layer_ops``: operations the method adds per mixture-of-experts layer and micro-batch (forward and
+    backward: a token dispatch's sorting, indexing and split-size exchange).
+    ``routed_saved``: copies of the routed hidden states (tokens × top-k × hidden per MoE layer) the method keeps for
+    backward beyond what the model itself saves.
     ``expert_split``: a mixture-of-experts model's expert parameters (``ModelStats.expert_param_count``) are split
     this many ways: a rank keeps 1/n of them whole, with their gradients and optimizer state, outside the data
     parallel sharding and sync (which then handle the other parameters only)."""
@@ -75,6 +79,8 @@ class CostFacts:
     collectives: tuple[Collective, ...] = ()
     syncs_gradients: bool = False
     expert_split: int = 1
+    moe_layer_ops: int = 0
+    routed_saved: float = 0.0
     runs_as: str | None = None  # the method whose program this config runs (zero1 next to a tensor dimension: zero2)
 
 
@@ -103,6 +109,8 @@ class StrategyFacts:
     collectives: tuple[Collective, ...]
     sharded_by: str | None
     expert_split: int = 1
+    moe_layer_ops: int = 0
+    routed_saved: float = 0.0
 
 
 def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float32") -> StrategyFacts:
@@ -129,4 +137,6 @@ def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float3
         recompute=float(first("recompute", 0.0)), collectives=collectives,  # type: ignore[arg-type]
         sharded_by=next((f.runs_as or name for name, f in pairs if f.gradients is not None), None),
         expert_split=int(first("expert_split", 1)),  # type: ignore[call-overload]
+        moe_layer_ops=int(first("moe_layer_ops", 0)),  # type: ignore[call-overload]
+        routed_saved=float(first("routed_saved", 0.0)),  # type: ignore[arg-type]
     )

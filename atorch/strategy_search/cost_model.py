@@ -103,6 +103,13 @@ activations; in steady state (the second step on) the optimizer state exists dur
   are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
   under 1f1b and the interleaved schedules, all under gpipe. The schedule's micro-batches accumulate
   into the stage's gradients like gradient accumulation.
+* expert_parallel (``expert_split`` ``e``; a mixture-of-experts model: ``E`` = the experts' parameter bytes,
+  ``ModelStats.expert_param_count`` at the model's bytes per parameter): a rank keeps ``E / e`` whole, with their
+  gradients and optimizer state, outside the data-parallel sharding, DDP's buckets and FSDP's gathered units; the
+  rest of the terms read ``P − E`` as the trainable bytes. Activations as without it (a rank's experts see its share
+  of the routed rows in expectation) plus the copies of the routed rows its dispatch keeps (``routed_saved``: the
+  combine's weighting, one copy of tokens × top-k × hidden per MoE layer). Fake-tensor tracing cannot run its
+  dispatch: this figure stands for it.
 * cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
   a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
   memory is the device's, and nothing changes.
@@ -154,6 +161,12 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   (``tensor_parallel_linear_s`` per layer and micro-batch, its forward's part again under checkpoint,
   ``dtensor_param_step_s`` per DTensor parameter and optimizer step, scaled by the optimizer's foreach
   operations against AdamW's): on a CPU it is milliseconds per layer, most of a small model's step.
+* expert parallel: per MoE layer and micro-batch four all-to-alls (dispatch and combine, forward and backward) of
+  the routed hidden states, tokens per rank × top-k × hidden (a block's input per token, in the compute dtype),
+  each rank keeping 1/e (the all-to-all factor (e−1)/e), at the profile's all-to-all figures (all-gather's where it
+  has none); the dispatch's operations (``CostFacts.moe_layer_ops``); the expert gradients' all-reduce over the
+  ranks holding the same experts once per step. The compute is the analyser's FLOPs, which count each routed
+  token's rows through its experts (top-k, ``fake_kernels.EXTRA_FLOPS``), so it is unchanged by the split.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
@@ -360,6 +373,8 @@ class _Facts:
     routed_bytes: float  # hidden states a rank's tokens send to their top-k experts, all MoE layers, per micro-batch
     moe_layers: int
     ep: int  # the experts' split (expert parallel's 'expert' dimension)
+    moe_layer_ops: int  # operations added per MoE layer and micro-batch (the token dispatch)
+    routed_saved: float  # copies of the routed rows the dispatch keeps for backward
     gather: float  # FSDP mixed precision gathers 16-bit copies
     schedule: str  # the pipeline schedule
 
@@ -434,6 +449,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
                   tp=tp, pp=pp, split=split, share=share, rank_param_bytes=rank_param_bytes,
                   rank_trainable_bytes=rank_trainable_bytes, owned=owned, experts=experts,
                   rank_expert_bytes=rank_expert_bytes, routed_bytes=routed, moe_layers=stats.moe_layers, ep=ep,
+                  moe_layer_ops=facts.moe_layer_ops if ep > 1 else 0,
+                  routed_saved=facts.routed_saved if ep > 1 else 0.0,
                   gather=gather,
                   schedule=_schedule(strategy))
 
@@ -526,6 +543,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         kept = stats.activation_bytes_outside_blocks + in_blocks / f.pp * in_flight
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[f.checkpoint and bool(stats.blocks)] * largest) * act_scale
+    activations += f.routed_saved * f.routed_bytes * f.scale * f.gather  # expert parallel's combine (at micro already)
     host = 0.0
     # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
     offloaded = f.offload and f.sharding and profile.device_type != "cpu" and not f.deepspeed
@@ -631,6 +649,7 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
         ops = ops * ((1 - inside) + inside / f.pp) * bubble
     if f.tp > 1:
         ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / f.pp
+    ops += f.moe_layer_ops * f.moe_layers  # expert parallel's token dispatch in every MoE layer
     ops *= f.micro_batches
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
     if f.sharding and not f.deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
