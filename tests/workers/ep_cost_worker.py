@@ -3,7 +3,8 @@
 Usage: ``torchrun --nproc_per_node=2 ep_cost_worker.py GROUP [DIR]``. ``measure``: dry-runs (``atorch.dryrun``:
 the search's own measurement, peak increase of live tensor bytes over build and warm-up, max over ranks; median
 step time) the tiny Mixtral of ``toy_models.moe`` under plain data parallel and expert parallel at expert 2, each
-alone and with fsdp; rank 0 prints ``RESULT {name: TrialResult}``. ``search``: ``auto_accelerate``'s automatic
+alone and with fsdp, and counts the aten operations of one step under data and expert parallel; rank 0 prints
+``RESULT {name: TrialResult, "ops": {name: count}}``. ``search``: ``auto_accelerate``'s automatic
 search on the same model with ``expert_parallel`` included (so every candidate splits the experts), a few trials;
 rank 0 prints ``RESULT {"strategy", "trials", "losses"}``.
 """
@@ -41,11 +42,40 @@ def setup() -> UserSetup:
                      dataloader_args={"batch_size": MICRO_BATCH * 2})
 
 
+def _ops_per_step(items: list[Any]) -> int:
+    """Aten operations rank 0 dispatches in one training step (after two warm-up steps) under ``items``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from atorch.training import train_step
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    user = setup()
+    _, result, _ = atorch.auto_accelerate(
+        model=user.model, optim_func=user.optim_func, dataset=user.dataset, loss_func=user.loss_func,
+        model_input_format=user.model_input_format, optim_args=user.optim_args,
+        dataloader_args=user.dataloader_args, load_strategy=items)
+    batches = iter(result.dataloader)
+    for _ in range(2):
+        train_step(result, [next(batches)])
+    with Count():
+        train_step(result, [next(batches)])
+    result.close()
+    return Count.ops
+
+
 def measure(directory: str) -> dict[str, Any]:
     env = init_distributed()
     results = dry_run_many(setup(), env, [Strategy.load(s) for s in STRATEGIES.values()], warmup=2, steps=5,
                            timeout_s=120)
-    return {name: r.model_dump() for name, r in zip(STRATEGIES, results, strict=True)}
+    report: dict[str, Any] = {name: r.model_dump() for name, r in zip(STRATEGIES, results, strict=True)}
+    report["ops"] = {name: _ops_per_step(STRATEGIES[name]) for name in ("ddp", "ep")}
+    return report
 
 
 def search(directory: str) -> dict[str, Any]:
