@@ -7,7 +7,9 @@ analytical peak memory per rank is within ``BAND`` of the traced peak of the rea
 ranks (torch's fake process group: no processes). And each method's on/off pair moves the analytical step time and
 the traced memory the way its cost facts say (recompute: more compute, less memory; sharding: less memory; 16-bit
 compute: faster matmuls where the profile says so). A method changed in its own module without its facts (say,
-checkpoint recomputing every other block while its facts still say all) fails here.
+checkpoint recomputing every other block while its facts still say all) fails here. expert_parallel, which tracing
+cannot run (its dispatch sizes the all-to-alls by the routing), is held to the same band and effect band against the
+dry-run's measurement on real processes in tests/test_expert_parallel_costs.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from launcher import HERE, run_json
 
 from atorch.strategy_search.costing import hardware
 from atorch.strategy_search.costing.hardware import (
+    ALL_TO_ALL,
+    ALL_TO_ALL_FALLBACK,
     COLLECTIVES,
     PROFILES_DIR,
     HardwareProfile,
@@ -41,6 +43,8 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
         assert 128 in sizes and max(sizes.values()) == best
     # Loopback gloo: between 1 MB/s and 1 TB/s bus bandwidth, latency between 100 ns and 1 s.
     assert set(first.collectives) == set(COLLECTIVES)
+    assert first.collective(ALL_TO_ALL) == first.collectives[ALL_TO_ALL]  # measured: its own figures
+    print(f"all_to_all at 2 gloo ranks: {first.collectives[ALL_TO_ALL]}")
     for stats in first.collectives.values():
         assert 1e6 < stats.bus_bandwidth < 1e12 and 1e-7 < stats.latency_s < 1 and stats.size_bytes > 0
     assert first.memory_per_rank > 0
@@ -69,7 +73,10 @@ def test_profile_on_two_ranks(tmp_path: Path) -> None:
 def test_table_profile_round_trips(tmp_path: Path) -> None:
     table = load_profile("a100_80gb_8x_nvlink")
     assert table == load_profile(PROFILES_DIR / "a100_80gb_8x_nvlink.json")
-    assert table.source == "table" and table.world_size == 8 and set(table.collectives) == set(COLLECTIVES)
+    # the shipped tables have no sourced all-to-all figure: all-gather's stands in for it
+    assert table.source == "table" and table.world_size == 8 and set(table.collectives) == set(COLLECTIVES) - {
+        ALL_TO_ALL}
+    assert table.collective(ALL_TO_ALL) == table.collectives[ALL_TO_ALL_FALLBACK]
     assert table.matmul_tflops["bfloat16"] > table.matmul_tflops["float32"]
     path = tmp_path / "copy.json"
     table.save(path)
@@ -126,3 +133,26 @@ def test_matmul_rate_is_read_at_the_model_s_own_matmul_size() -> None:
     assert profile.matmul_tflops_at("bfloat16") == 0.2  # no size given: the best size's
     assert profile.matmul_tflops_at("float32", 64) == 0.1  # no sizes for the dtype: its one figure
     assert profile.matmul_tflops_at("float16", 64) == 0.1  # no such dtype: float32's
+
+
+def test_a_profile_saved_without_all_to_all_loads_and_reads_all_gather_for_it(tmp_path: Path) -> None:
+    """A profile measured before all-to-all was (format 5) still loads; the cost model times all-to-all at
+    all-gather's figures for it, and says so."""
+    from test_cost_model import _stats
+
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.costing.analyser import ModelStats
+    from atorch.strategy_search.costing.cost_model import predict
+
+    table = load_profile("a100_80gb_8x_nvlink").model_dump(mode="json")
+    assert ALL_TO_ALL not in table["collectives"]
+    path = tmp_path / "old.json"
+    HardwareProfile.from_table(table).save(path)
+    old = load_profile(path)
+    assert old.collective(ALL_TO_ALL) == old.collectives[ALL_TO_ALL_FALLBACK]
+    stats = ModelStats.model_validate({**_stats().model_dump(), "experts": 4, "experts_per_token": 2,
+                                       "expert_param_count": 1000, "moe_layers": 2})
+    strategy = Strategy.load([("parallel_mode", {"dims": [["expert", 2], ["data", -1]]}), "expert_parallel"])
+    notes = predict(stats, strategy, strategy.layout(8), old, 8).notes
+    assert any("no all-to-all figures" in n for n in notes), notes
+

@@ -111,3 +111,14 @@ class ConvClassifier(nn.Module):
 
     def get_input_embeddings(self) -> nn.Module:
         raise TypeError("a convolutional classifier has no token embedding")
+
+
+def moe(experts: int = 4, top_k: int = 2, expert_width: int = 128) -> nn.Module:
+    """A tiny Mixtral (2 MoE layers of ``experts`` experts, ``top_k`` per token): its experts hold most of its
+    parameters, so splitting them shows in memory. Trained on TokenDataset with gpt2_loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=expert_width, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=experts, num_experts_per_tok=top_k,
+        max_position_embeddings=SEQ_LEN, use_cache=False))

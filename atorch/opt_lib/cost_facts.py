@@ -23,18 +23,24 @@ Gathering = Literal["whole", "per_use", "forward_to_backward"]
 class Collective:
     """Collectives a method runs, with their volume as a multiple of parameter bytes.
 
-    ``volume`` × the bytes of ``of`` ("trainable" parameters or all "parameters" on the rank) in ``dtype``
-    ("storage": as the parameters are kept; "compute": as the forward computes them) moves per ``per`` ("step",
-    "micro_batch", or "gather": each time sharded parameters are gathered, see ``CostFacts.gathering``), carried by
-    one collective per ``split`` ("whole": one; "unit": per sharding unit; "bucket": per 25 MB bucket; "tensor":
-    per parameter tensor), over the mesh dimension ``over``."""
+    ``volume`` × the bytes of ``of`` in ``dtype`` ("storage": as the parameters are kept; "compute": as the forward
+    computes them) moves per ``per`` ("step", "micro_batch", or "gather": each time sharded parameters are gathered,
+    see ``CostFacts.gathering``), carried by one collective per ``split`` ("whole": one; "unit": per sharding unit;
+    "bucket": per 25 MB bucket; "tensor": per parameter tensor; "moe_layer": per mixture-of-experts layer), over the
+    mesh dimension ``over`` ("data": the ranks the batch is split over, data × expert; "replicas": the 'data'
+    dimension alone, the ranks holding the same experts; "expert", "tensor", "pipeline").
+
+    ``of``: "trainable" parameters the data-parallel sync handles (not the experts split over an expert dimension),
+    all "parameters" on the rank besides those experts, the rank's "experts", or "routed_tokens": the hidden states
+    a rank's tokens send to their top-k experts in one MoE layer's dispatch at one micro-batch (tokens × top-k ×
+    hidden; the combine returns as many), summed over the MoE layers."""
 
     kind: CollectiveKind
     volume: float = 1.0
-    of: Literal["trainable", "parameters"] = "trainable"
+    of: Literal["trainable", "parameters", "experts", "routed_tokens"] = "trainable"
     dtype: Literal["storage", "compute"] = "storage"
     per: Literal["step", "micro_batch", "gather"] = "step"
-    split: Literal["whole", "unit", "bucket", "tensor"] = "whole"
+    split: Literal["whole", "unit", "bucket", "tensor", "moe_layer"] = "whole"
     over: str = "data"
 
 
@@ -52,7 +58,14 @@ class CostFacts:
     16 bits; cast operations); ``recompute``: the fraction of the repeated blocks whose forward runs again in
     backward, keeping only their inputs (more compute, fewer activation bytes).
     Communication: ``collectives``; ``syncs_gradients``: the method reduces the gradients itself, so the data
-    parallel all-reduce of the whole gradients (DDP) is not run."""
+    parallel all-reduce of the whole gradients (DDP) is not run.
+    ``moe_layer_ops``: operations the method adds per mixture-of-experts layer and micro-batch (forward and
+    backward: a token dispatch's sorting, indexing and split-size exchange).
+    ``routed_saved``: copies of the routed hidden states (tokens × top-k × hidden per MoE layer) the method keeps for
+    backward beyond what the model itself saves.
+    ``expert_split``: a mixture-of-experts model's expert parameters (``ModelStats.expert_param_count``) are split
+    this many ways: a rank keeps 1/n of them whole, with their gradients and optimizer state, outside the data
+    parallel sharding and sync (which then handle the other parameters only)."""
 
     parameters: str | None = None
     gradients: str | None = None
@@ -65,6 +78,9 @@ class CostFacts:
     recompute: float = 0.0
     collectives: tuple[Collective, ...] = ()
     syncs_gradients: bool = False
+    expert_split: int = 1
+    moe_layer_ops: int = 0
+    routed_saved: float = 0.0
     runs_as: str | None = None  # the method whose program this config runs (zero1 next to a tensor dimension: zero2)
     # the mesh dimension each sequence (and so every activation) is split over (context_parallel: 'context')
     activations: str | None = None
@@ -95,6 +111,9 @@ class StrategyFacts:
     collectives: tuple[Collective, ...]
     sharded_by: str | None
     activations: str | None = None  # the mesh dimension sequences are split over (CostFacts.activations)
+    expert_split: int = 1
+    moe_layer_ops: int = 0
+    routed_saved: float = 0.0
 
 
 def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float32") -> StrategyFacts:
@@ -121,4 +140,7 @@ def combine(facts: Iterable[tuple[str, CostFacts]], compute_dtype: str = "float3
         recompute=float(first("recompute", 0.0)), collectives=collectives,  # type: ignore[arg-type]
         sharded_by=next((f.runs_as or name for name, f in pairs if f.gradients is not None), None),
         activations=first("activations", None),  # type: ignore[arg-type]
+        expert_split=int(first("expert_split", 1)),  # type: ignore[call-overload]
+        moe_layer_ops=int(first("moe_layer_ops", 0)),  # type: ignore[call-overload]
+        routed_saved=float(first("routed_saved", 0.0)),  # type: ignore[arg-type]
     )

@@ -35,7 +35,7 @@ from atorch.strategy_search.costing.cost_model import (
     _Frozen,
     _pipeline_config,
 )
-from atorch.strategy_search.costing.hardware import HardwareProfile
+from atorch.strategy_search.costing.hardware import ALL_TO_ALL, HardwareProfile
 
 
 def predict_transformer(shape: TransformerShape, stats: ModelStats, strategy: Strategy, layout: ParallelLayout,
@@ -357,8 +357,8 @@ def _all_to_all_s(shape: TransformerShape, profile: HardwareProfile, tokens: flo
     sent = tokens * shape.all_to_all_bytes_per_token()
     per_node = profile.gpus_per_node or ep * tp
     local = max(1, min(ep, per_node // tp))
-    intra = profile.collectives.get("all_gather")
-    inter = profile.inter_node.get("all_gather") or intra
+    intra = profile.collective(ALL_TO_ALL)  # all-gather's figures where the profile has no all-to-all ones
+    inter = profile.collective(ALL_TO_ALL, inter_node=True) or intra
     intra_bw, latency = (intra.bus_bandwidth, intra.latency_s) if intra else (float("inf"), 0.0)
     inter_bw = inter.bus_bandwidth if inter else float("inf")
     off_node = sent * (ep - local) / ep

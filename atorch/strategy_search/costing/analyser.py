@@ -145,6 +145,7 @@ class ModelStats(_Frozen):
     experts: int = 0  # experts per MoE layer (0: no MoE layer)
     experts_per_token: int = 0
     expert_param_count: int = 0  # parameters of all experts of all MoE layers
+    moe_layers: int = 0  # MoE layers (expert banks): each dispatches its tokens with all-to-alls under expert parallel
     # how the step was measured: "fake" tensors, or "real" tensors on the sample batch where the fake run failed
     measured_on: str = "fake"
 
@@ -448,6 +449,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     work.zero_grad(set_to_none=True)
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
     experts, per_token, expert_params = moe_structure(model)
+    moe_layers = len(_expert_banks(model)) if experts else 0
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
@@ -505,6 +507,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         experts=experts,
         experts_per_token=per_token,
         expert_param_count=expert_params,
+        moe_layers=moe_layers,
         measured_on=measured_on,
     )
 
@@ -528,11 +531,15 @@ _EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_nu
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "router_top_k")
 
 
+def _expert_banks(model: nn.Module) -> list[nn.Module]:
+    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+
+
 def moe_structure(model: nn.Module) -> tuple[int, int, int]:
     """(experts per MoE layer, experts each token visits, parameters of all experts): the modules named
     ``experts`` (transformers' convention for a layer's expert bank, stacked or a ModuleList), the counts from
     the model's config where it has one, else from the bank's shape (top-k then unknown: 0). (0, 0, 0): no MoE."""
-    banks = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    banks = _expert_banks(model)
     if not banks:
         return 0, 0, 0
     params = sum(p.numel() for bank in banks for p in bank.parameters())

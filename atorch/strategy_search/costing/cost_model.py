@@ -103,6 +103,13 @@ activations; in steady state (the second step on) the optimizer state exists dur
   are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
   under 1f1b and the interleaved schedules, all under gpipe. The schedule's micro-batches accumulate
   into the stage's gradients like gradient accumulation.
+* expert_parallel (``expert_split`` ``e``; a mixture-of-experts model: ``E`` = the experts' parameter bytes,
+  ``ModelStats.expert_param_count`` at the model's bytes per parameter): a rank keeps ``E / e`` whole, with their
+  gradients and optimizer state, outside the data-parallel sharding, DDP's buckets and FSDP's gathered units; the
+  rest of the terms read ``P − E`` as the trainable bytes. Activations as without it (a rank's experts see its share
+  of the routed rows in expectation) plus the copies of the routed rows its dispatch keeps (``routed_saved``: the
+  combine's weighting, one copy of tokens × top-k × hidden per MoE layer). Fake-tensor tracing cannot run its
+  dispatch: this figure stands for it.
 * cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
   a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
   memory is the device's, and nothing changes.
@@ -154,6 +161,12 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   (``tensor_parallel_linear_s`` per layer and micro-batch, its forward's part again under checkpoint,
   ``dtensor_param_step_s`` per DTensor parameter and optimizer step, scaled by the optimizer's foreach
   operations against AdamW's): on a CPU it is milliseconds per layer, most of a small model's step.
+* expert parallel: per MoE layer and micro-batch four all-to-alls (dispatch and combine, forward and backward) of
+  the routed hidden states, tokens per rank × top-k × hidden (a block's input per token, in the compute dtype),
+  each rank keeping 1/e (the all-to-all factor (e−1)/e), at the profile's all-to-all figures (all-gather's where it
+  has none); the dispatch's operations (``CostFacts.moe_layer_ops``); the expert gradients' all-reduce over the
+  ranks holding the same experts once per step. The compute is the analyser's FLOPs, which count each routed
+  token's rows through its experts (top-k, ``fake_kernels.EXTRA_FLOPS``), so it is unchanged by the split.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
@@ -186,7 +199,7 @@ from atorch.opt_lib.registry import get_method
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
 from atorch.strategy_search.costing.analyser import ModelStats
-from atorch.strategy_search.costing.hardware import HardwareProfile
+from atorch.strategy_search.costing.hardware import ALL_TO_ALL, HardwareProfile
 
 # Where each constant comes from: "calibrated" = fitted on bench/cost_model.py's gpt2 / mlp / cnn (bench/README.md
 # "Cost model"); "measured" = read off one dry-run or a kernel's code; the rest are counts from torch's code.
@@ -256,7 +269,7 @@ def _collective_s(profile: HardwareProfile, name: str, nbytes: float, dp: int, c
     """Time of ``count`` collectives moving ``nbytes`` in all (nccl-tests bus-bandwidth convention)."""
     if dp <= 1 or nbytes <= 0:
         return 0.0
-    stats = profile.collectives.get(name)
+    stats = profile.collective(name)
     if stats is None:
         return 0.0
     factor = 2 * (dp - 1) / dp if name == "all_reduce" else (dp - 1) / dp
@@ -355,6 +368,13 @@ class _Facts:
     rank_param_bytes: float
     rank_trainable_bytes: float
     owned: float  # the parameters whose optimizer state this rank keeps
+    experts: float  # expert parameter bytes kept whole on this rank (expert parallel), outside ``trainable``
+    rank_expert_bytes: float  # the same before the storage scale (what the expert collectives move)
+    routed_bytes: float  # hidden states a rank's tokens send to their top-k experts, all MoE layers, per micro-batch
+    moe_layers: int
+    ep: int  # the experts' split (expert parallel's 'expert' dimension)
+    moe_layer_ops: int  # operations added per MoE layer and micro-batch (the token dispatch)
+    routed_saved: float  # copies of the routed rows the dispatch keeps for backward
     gather: float  # FSDP mixed precision gathers 16-bit copies
     schedule: str  # the pipeline schedule
     context: int = 1  # each sequence split over this many ranks (context_parallel): activations / context
@@ -381,13 +401,22 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     recompute = facts.recompute
     scale = facts.storage_bytes  # 0.5 under 16-bit storage: everything in 16 bits
     shard = dp if sharding else 1
+    # [expert_parallel] the experts split ep ways: a rank keeps 1/ep of them whole, with their gradients and state,
+    # outside the data-parallel sharding and sync (the trainable bytes below are the rest); bytes per parameter as
+    # the model's average
+    ep = facts.expert_split if stats.experts > 1 else 1
+    expert_bytes = stats.expert_param_count * stats.param_bytes / stats.param_count if ep > 1 and stats.param_count \
+        else 0.0
 
-    trainable = stats.trainable_param_bytes * scale
+    trainable = (stats.trainable_param_bytes - expert_bytes) * scale
     frozen = stats.frozen_param_bytes * scale
     buffers = stats.buffer_bytes * scale
     block_params = sum(b.param_bytes_total for b in stats.blocks) * scale
     biggest_block = max((b.param_bytes for b in stats.blocks), default=0) * scale
     root_params = (stats.param_bytes * scale) - block_params
+    if expert_bytes and block_params:  # split experts stay out of FSDP's units: a MoE block gathers the rest
+        block_params -= expert_bytes * scale
+        biggest_block -= expert_bytes / max(1, stats.moe_layers) * scale
     # Tensor and pipeline parallel split the repeated blocks (tensor: each block's matmuls; pipeline: the blocks
     # over the stages); what is outside them (embeddings, head: the vocabulary is kept whole) stays whole, on
     # the first / last stage under pipeline parallel: the stage holding it is the one counted.
@@ -402,10 +431,16 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
         trainable, frozen = trainable * share, frozen * share
         block_params = (block_params - whole) / split + whole / pp
         biggest_block = (biggest_block - per_block) / tp + per_block
-    rank_param_bytes = stats.param_bytes * share
-    rank_trainable_bytes = stats.trainable_param_bytes * share
+    rank_expert_bytes = expert_bytes / ep
+    rank_param_bytes = (stats.param_bytes - expert_bytes) * share + rank_expert_bytes
+    rank_trainable_bytes = (stats.trainable_param_bytes - expert_bytes) * share
+    experts = rank_expert_bytes * scale
+    # a MoE layer's dispatch: each token's hidden state (a block's input per sample and layer) to each of its top-k
+    hidden = sum(b.input_bytes_total for b in stats.blocks) / max(1, sum(b.count for b in stats.blocks)) \
+        / stats.batch_size
+    routed = hidden * micro * stats.experts_per_token * stats.moe_layers
 
-    owned = trainable / (dp if (sharding or zero1) else 1)  # the parameters whose state this rank keeps
+    owned = trainable / (dp if (sharding or zero1) else 1) + experts  # the parameters whose state this rank keeps
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
     return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding,
                   deepspeed=deepspeed, reshard=reshard, offload=offload, zero1=zero1, half=half, amp=amp,
@@ -413,7 +448,11 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
                   shard=shard, trainable=trainable, frozen=frozen,
                   buffers=buffers, block_params=block_params, biggest_block=biggest_block, root_params=root_params,
                   tp=tp, pp=pp, split=split, share=share, rank_param_bytes=rank_param_bytes,
-                  rank_trainable_bytes=rank_trainable_bytes, owned=owned, gather=gather,
+                  rank_trainable_bytes=rank_trainable_bytes, owned=owned, experts=experts,
+                  rank_expert_bytes=rank_expert_bytes, routed_bytes=routed, moe_layers=stats.moe_layers, ep=ep,
+                  moe_layer_ops=facts.moe_layer_ops if ep > 1 else 0,
+                  routed_saved=facts.routed_saved if ep > 1 else 0.0,
+                  gather=gather,
                   schedule=_schedule(strategy),
                   context=layout.size(facts.activations) if facts.activations else 1)
 
@@ -422,8 +461,8 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
             optimizer_state_factor: float) -> tuple[MemoryPrediction, list[str]]:
     """Peak bytes per rank: the terms of each phase (forward, backward, optimizer step, DeepSpeed's epilogue)."""
     notes: list[str] = []
-    params = (f.trainable + f.frozen) / f.shard + f.buffers
-    grads = f.trainable / f.shard
+    params = (f.trainable + f.frozen) / f.shard + f.experts + f.buffers
+    grads = f.trainable / f.shard + f.experts
     state = optimizer_state_factor * f.owned
     unit = f.biggest_block if stats.blocks else f.rank_param_bytes * f.scale  # FSDP's largest unit
     persistent = 0.0  # buffers that live across steps
@@ -506,6 +545,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         kept = stats.activation_bytes_outside_blocks + in_blocks / f.pp * in_flight
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[f.checkpoint and bool(stats.blocks)] * largest) * act_scale
+    activations += f.routed_saved * f.routed_bytes * f.scale * f.gather  # expert parallel's combine (at micro already)
     host = 0.0
     # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
     offloaded = f.offload and f.sharding and profile.device_type != "cpu" and not f.deepspeed
@@ -568,10 +608,11 @@ def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Co
                    units: int) -> list[float]:
     """Seconds of one kind of collective a method states (``Collective``: its volume as a multiple of parameter
     bytes) over one step, term by term; none where its mesh dimension has one rank."""
-    ranks = f.dp if c.over == "data" else f.tp if c.over == "tensor" else f.pp if c.over == "pipeline" else 1
+    ranks = {"data": f.dp, "replicas": f.dp // f.ep, "expert": f.ep, "tensor": f.tp, "pipeline": f.pp}.get(c.over, 1)
     if ranks <= 1:
         return []
-    base = f.rank_trainable_bytes if c.of == "trainable" else f.rank_param_bytes
+    base = {"trainable": f.rank_trainable_bytes, "parameters": f.rank_param_bytes - f.rank_expert_bytes,
+            "experts": f.rank_expert_bytes, "routed_tokens": f.routed_bytes}[c.of]
     nbytes = base * f.scale * (f.gather if c.dtype == "compute" else 1.0) * c.volume  # once
     times = {"step": 1, "micro_batch": f.micro_batches, "gather": gathers}[c.per]
     if c.kind == "broadcast":  # moves what an all-gather does; its latency is an all-reduce's (one round) per tensor
@@ -579,7 +620,7 @@ def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Co
         count = stats.param_tensors if c.split == "tensor" else 1
         return [_collective_s(profile, "all_gather", nbytes * times, ranks, times),
                 (one.latency_s if one else 0.0) * max(0, count - 1) * times]
-    count = {"whole": 1, "unit": units, "tensor": stats.param_tensors,
+    count = {"whole": 1, "unit": units, "tensor": stats.param_tensors, "moe_layer": f.moe_layers,
              "bucket": max(1, math.ceil(nbytes / DDP_BUCKET_BYTES))}[c.split]
     return [_collective_s(profile, c.kind, nbytes * times, ranks, count * times)]
 
@@ -610,6 +651,7 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
         ops = ops * ((1 - inside) + inside / f.pp) * bubble
     if f.tp > 1:
         ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / f.pp
+    ops += f.moe_layer_ops * f.moe_layers  # expert parallel's token dispatch in every MoE layer
     ops *= f.micro_batches
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
     if f.sharding and not f.deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
@@ -668,4 +710,6 @@ def predict(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, profi
     memory, notes = _memory(stats, facts, profile, optimizer_state_factor)
     time = _time(stats, facts, _compute_dtype(strategy), profile, optimizer_state_factor, overlap,
                  optimizer_bytes_per_s)
+    if facts.ep > 1 and ALL_TO_ALL not in profile.collectives:
+        notes.append("the profile has no all-to-all figures: the experts' all-to-alls are timed at all-gather's")
     return Prediction(memory=memory, time=time, samples_per_rank=facts.micro, notes=tuple(notes))

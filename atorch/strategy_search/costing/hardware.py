@@ -19,11 +19,13 @@
 * memory bandwidth (``memory_bytes_per_s``): bytes read and written per second by a large elementwise
   operation (``torch.add(a, b, out=c)`` on 16 MiB tensors: 3 x 16 MiB moved), the best of a few: what
   elementwise work (the optimizer's update, casts, gradient copies) runs at;
-* all-reduce / all-gather / reduce-scatter on the group: latency = median time of a one-element
+* all-reduce / all-gather / reduce-scatter / all-to-all on the group: latency = median time of a one-element
   operation, bandwidth = the best bus bandwidth over a few message sizes, as nccl-tests define it
-  (algbw = bytes / time, where bytes is the full tensor for all-reduce and the gathered output for the
-  other two; busbw = algbw × 2(n−1)/n for all-reduce and × (n−1)/n for all-gather and reduce-scatter),
-  each repeat started after a barrier;
+  (algbw = bytes / time, where bytes is the full tensor for all-reduce, the gathered output for all-gather and
+  reduce-scatter, and a rank's send buffer for all-to-all (``all_to_all_single``, which gloo runs); busbw = algbw ×
+  2(n−1)/n for all-reduce and × (n−1)/n for the other three), each repeat started after a barrier. A profile
+  without all-to-all figures (a cluster table, an older saved profile) reads all-gather's for it
+  (``HardwareProfile.collective``; the cost model notes it);
 * DTensor's dispatch under tensor parallel (``parallel_costs.py``, two or more ranks): what a split linear adds
   to a micro-batch's forward and backward, and a DTensor parameter to an optimizer step, beyond plain tensors;
 * the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
@@ -67,7 +69,11 @@ from atorch.units import parse_bytes
 logger = get_logger(__name__)
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # tables shipped with atorch
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+ALL_TO_ALL = "all_to_all"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", ALL_TO_ALL)
+# A profile without all-to-all figures (a cluster table without a sourced figure, a profile saved before format 6)
+# reads all-gather's for it: in both, (n-1)/n of a rank's bytes leave it for the other ranks at once.
+ALL_TO_ALL_FALLBACK = "all_gather"
 _MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)
 _MATMUL_BUDGET_S = 1.0  # per dtype: stop growing the matmul once this much time is spent
 _MATMUL_REPEATS = 5
@@ -76,8 +82,9 @@ _OP_REPEATS = 2000  # small operations per timed round (~10-20 ms on a CPU)
 _OP_ROUNDS = 5
 _BANDWIDTH_ELEMENTS = 1 << 22  # fp32 elements per operand of the memory-bandwidth benchmark
 _BANDWIDTH_ROUNDS = 5
-# 2: op_latency_s and memory_bytes_per_s; 3: matmul in a linear layer's three layouts; 4: by size; 5: DTensor's costs
-PROFILE_FORMAT = 5
+# 2: op_latency_s and memory_bytes_per_s; 3: matmul in a linear layer's three layouts; 4: by size; 5: DTensor's costs;
+# 6: all-to-all
+PROFILE_FORMAT = 6
 _BANDWIDTH_BYTES = (1 << 20, 4 << 20, 16 << 20)  # full tensor sizes (the gathered output for all-gather)
 _BANDWIDTH_REPEATS = 5
 _COLLECTIVE_BUDGET_S = 1.5  # per collective: stop growing the message once this much time is spent
@@ -157,6 +164,13 @@ class HardwareProfile(_Frozen):
                 w = math.log(size / n0) / math.log(n1 / n0)
                 return t0 + w * (t1 - t0)
         return by_size[-1][1]  # beyond the largest size measured (the budget stopped there): its rate
+
+    def collective(self, name: str, inter_node: bool = False) -> CollectiveStats | None:
+        """The figures of collective ``name`` (within a node, or across nodes); all-to-all falls back to
+        ``ALL_TO_ALL_FALLBACK``'s where the profile has none of its own."""
+        table = self.inter_node if inter_node else self.collectives
+        found = table.get(name)
+        return table.get(ALL_TO_ALL_FALLBACK) if found is None and name == ALL_TO_ALL else found
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -322,7 +336,8 @@ def _memory_bandwidth(device: torch.device) -> float:
 
 
 def _collective(name: str, numel: int, world: int, group: Any, device: torch.device) -> Callable[[], Any]:
-    """The operation on ``numel`` elements in all (the gathered output for all-gather and reduce-scatter)."""
+    """The operation on ``numel`` elements in all (the gathered output for all-gather and reduce-scatter, a rank's
+    send buffer for all-to-all)."""
     chunk = max(1, numel // world)
     if name == "all_reduce":
         full = torch.ones(max(1, numel), device=device)
@@ -330,6 +345,9 @@ def _collective(name: str, numel: int, world: int, group: Any, device: torch.dev
     if name == "all_gather":
         mine, out = torch.ones(chunk, device=device), torch.empty(chunk * world, device=device)
         return lambda: _ALL_GATHER(out, mine, group=group)
+    if name == ALL_TO_ALL:  # every rank sends a chunk to each rank (its own included) and receives one from each
+        send, recv = torch.ones(chunk * world, device=device), torch.empty(chunk * world, device=device)
+        return lambda: dist.all_to_all_single(recv, send, group=group)
     full, mine = torch.ones(chunk * world, device=device), torch.empty(chunk, device=device)
     return lambda: _REDUCE_SCATTER(mine, full, group=group)
 

@@ -16,7 +16,10 @@ extends, so an invalid combination is never proposed to a trial.
 The tree starts with the model-parallel layout: ``tensor`` and ``pipeline`` sizes (products dividing the
 world size; the data size is what is left). A size above 1 is offered only where its method is allowed
 and fits the model (tensor_parallel: a plan derives from it, and GPT-2's Conv1D is swapped by
-module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). Under
+module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). A
+mixture-of-experts model whose experts the registry's 'expert' layout method can split (expert_parallel) also
+gets an ``expert`` size on the all-data-parallel layout: sizes dividing the world and the expert count; expert
+ranks are data ranks too, so the data size (and micro-batching) is unchanged. Under
 pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b where there are two
 blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
 at least one per stage.
@@ -52,6 +55,7 @@ from atorch.opt_lib.registry import SearchDimension, search_dimensions
 from atorch.opt_lib.sharding import Zero2
 from atorch.opt_lib.tensor_parallel import TensorParallel
 from atorch.opt_lib.zero1 import Zero1
+from atorch.parallel_layout import EXPERT
 from atorch.strategy import Strategy, StrategyItem
 from atorch.strategy_search.costing.analyser import fingerprint
 
@@ -186,6 +190,7 @@ class SearchSpace:
         self.conv1d = False
         self.pipeline_blocks = 0
         self.tensor_sizes, self.pipeline_sizes = self._model_parallel_sizes(model)
+        self.expert_method, self.expert_sizes = self._expert_sizes(model)
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
         self._degenerates: list[tuple[Point, list[str]]] = []  # choices that change nothing at their layout
@@ -216,6 +221,18 @@ class SearchSpace:
             pipeline += [p for p in sizes if self.pipeline_blocks >= p]
         return tuple(tensor), tuple(pipeline)
 
+    def _expert_sizes(self, model: nn.Module) -> tuple[str | None, tuple[int, ...]]:
+        """The registry's method for an 'expert' layout dimension (a mixture-of-experts model's experts split over
+        it) and the sizes it offers for the model (1 always; more only where the model has experts it can split)."""
+        method = next((m for d in search_dimensions() if d.kind == "layout" and d.name == EXPERT for m in d.methods),
+                      None)
+        if method is None or self.finetune is not None or not self._allowed(method.name) \
+                or not method.searchable(model):
+            return None, (1,)
+        from atorch.opt_lib.expert_parallel import expert_sizes
+
+        return method.name, (1, *expert_sizes(model, self.world_size))
+
     def _micro_batch_sizes(self, tensor: int, pipeline: int) -> tuple[int, ...]:
         dp = self.world_size // (tensor * pipeline)
         if self.global_batch % dp:
@@ -229,7 +246,8 @@ class SearchSpace:
         return self.world_size // (int(point.get("tensor", 1)) * int(point.get("pipeline", 1)))
 
     def mesh_size(self, point: Point, dim: str) -> int:
-        """The size of a parallel_mode dimension in a (partial) point: the layout's sizes, data what is left."""
+        """The size of a parallel_mode dimension in a (partial) point: the layout's sizes, data what is left (the
+        ranks the batch is split over, expert ranks included: data parallelism runs over data × expert)."""
         return self.data_size(point) if dim == "data" else int(point.get(dim, 1))
 
     def _layout_dims(self, partial: Point) -> Iterator[Dim]:
@@ -244,6 +262,8 @@ class SearchSpace:
             schedules = tuple(name for name in PIPELINE_SCHEDULES
                               if name != "interleaved_1f1b" or self.pipeline_blocks >= 2 * p)
             yield Dim("pipeline_parallel.schedule", schedules)
+        if len(self.expert_sizes) > 1 and t == p == 1:  # the rules refuse experts next to tensor or pipeline stages
+            yield Dim(EXPERT, self.expert_sizes)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
@@ -360,11 +380,17 @@ class SearchSpace:
                 for item in self.finetune.methods
             ]
             return Strategy(methods=tuple(items))
-        names = {ParallelMode.name}
+        layout = ParallelMode.name
+        names = {layout}
         tensor, pipeline = int(point.get("tensor", 1)), int(point.get("pipeline", 1))
+        expert = int(point.get(EXPERT, 1)) if self.expert_method is not None else 1
+        dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline), (EXPERT, expert))
+                if size > 1]
+        if dims:  # expert ranks are data ranks too: the data size is what is left either way
+            configs[layout] = {"dims": [*dims, ("data", -1)]}
+        if expert > 1:
+            names.add(self.expert_method)  # type: ignore[arg-type]
         if tensor > 1 or pipeline > 1:
-            dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline)) if size > 1]
-            configs[ParallelMode.name] = {"dims": [*dims, ("data", -1)]}
             schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
             if pipeline > 1:
                 schedule.update(configs.pop(PipelineParallel.name, {}))
