@@ -83,6 +83,13 @@ class Strategy(BaseModel):
     def __contains__(self, name: object) -> bool:
         return name in self.names()
 
+    def applied_names(self) -> set[str]:
+        """The methods the strategy is applied as (``Method.stands_for``: mixed_parallel is applied as
+        tensor_parallel and pipeline_parallel), with the names given."""
+        configs = self.configs()
+        return set(configs).union(*(registry.get_method(name).stands_for(config, configs) for name, config in
+                                    configs.items()))
+
     def in_apply_order(self) -> list[StrategyItem]:
         rank = {name: i for i, name in enumerate(registry.apply_order())}
         return sorted(self.methods, key=lambda item: rank[item.name])

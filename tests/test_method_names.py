@@ -30,7 +30,6 @@ MOST: dict[str, int] = {
     "opt_lib/tensor_parallel.py": 1,
     "strategy_search/cluster/cluster_plan.py": 6,  # the --layout field fp8= (the CLI's vocabulary)
     "strategy_search/costing/cost_model.py": 4,
-    "strategy_search/search/ask_tell.py": 3,
 }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from atorch.errors import RankLost
+from atorch.strategy import Strategy
 from atorch.strategy_search.search.candidates import CandidateTable, Point, complexity, point_key
 from atorch.strategy_search.search.outcome import Measured
 
@@ -499,9 +500,7 @@ class SearchState:
         micro-batch, precision or other methods (the conv model's 72 tensor-parallel candidates failed alike)."""
         if not self.unbuildable_at or self.table.details is None or key not in self.table.by_key:
             return ""
-        names = {m["name"] for m in self.table.details[self.table.by_key[key]]["strategy"]["methods"]}
-        if "mixed_parallel" in names:  # expanded at build into its two methods
-            names |= {"tensor_parallel", "pipeline_parallel"}
+        names = Strategy.load(self.table.details[self.table.by_key[key]]["strategy"]).applied_names()
         layout = self.table.layout(key)
         return next((why for (method, at), why in self.unbuildable_at.items() if method in names and at == layout), "")
 
