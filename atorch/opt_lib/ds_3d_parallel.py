@@ -26,6 +26,7 @@ from pydantic import Field
 from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
 
 if TYPE_CHECKING:
@@ -266,7 +267,7 @@ class Ds3dParallel(Method):
 
     def check(self, config: Ds3dParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []
-        mode = check.configs.get("parallel_mode")
+        mode = check.configs.get(ParallelMode.name)
         dims = dict(mode.dims) if mode is not None else {}
         if PIPELINE not in dims:
             problems.append("needs a 'pipeline' dimension: add ('parallel_mode', ([('pipeline', 2), ('data', -1)], "

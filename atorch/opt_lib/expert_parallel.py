@@ -34,6 +34,7 @@ from atorch.grad_sync import PendingGradientSync
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import Collective, CostFacts
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
 from atorch.parallel_layout import DATA, EXPERT
 
@@ -269,7 +270,7 @@ class ExpertParallel(Method):
         return expert_cost_facts(layout)
 
     def check(self, config: Any, check: StrategyCheck) -> list[str]:
-        if "parallel_mode" not in check.configs:  # with one: the compatibility table's rule
+        if ParallelMode.name not in check.configs:  # with one: the compatibility table's rule
             return ["expert_parallel splits the experts over parallel_mode's 'expert' dimension; add one, e.g. "
                     "('parallel_mode', {'dims': [['expert', 2], ['data', -1]]})"]
         return []

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.pipeline_parallel import PIPELINE, PipelineParallel, PipelineParallelConfig
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tensor_parallel import TENSOR, TensorParallel, TensorParallelConfig
@@ -52,7 +53,7 @@ class MixedParallelConfig(MethodConfig):
 
 
 def _dims(configs: dict[str, Any]) -> dict[str, int]:
-    mode = configs.get("parallel_mode")
+    mode = configs.get(ParallelMode.name)
     return dict(mode.dims) if mode is not None else {}
 
 
@@ -66,7 +67,7 @@ def expand_mixed(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _stood_for(mixed: MixedParallelConfig, cfg: dict[str, Any]) -> dict[str, Any]:
     dims = _dims(cfg)
-    parts = (("tensor_parallel", mixed.tensor, TENSOR), ("pipeline_parallel", mixed.pipeline, PIPELINE))
+    parts = ((TensorParallel.name, mixed.tensor, TENSOR), (PipelineParallel.name, mixed.pipeline, PIPELINE))
     return {name: config for name, config, dim in parts if dim in dims}
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from atorch.class_ref import class_path, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole
+from atorch.opt_lib.precision import Half
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.replace_builtins import (
     Replaced,
@@ -297,7 +298,7 @@ class ModuleReplace(Method):
         from atorch.opt_lib.precision import TORCH_DTYPES
 
         # the replacements are made in the dtype the model will run in: 'half' casts it right after
-        half = build.configs.get("half")
+        half = build.configs.get(Half.name)
         dtype = TORCH_DTYPES[half.dtype] if half is not None else next(build.ctx.model.parameters()).dtype
         replace_registered(build.ctx, config, dtype)
 

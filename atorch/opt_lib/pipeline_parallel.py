@@ -39,6 +39,7 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.pipeline_split import (
     StageModule,
     build_stage,
@@ -548,7 +549,7 @@ class PipelineParallel(Method):
 
     def check(self, config: PipelineParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []
-        mode = check.configs.get("parallel_mode")
+        mode = check.configs.get(ParallelMode.name)
         if mode is None or PIPELINE not in dict(mode.dims):
             problems.append("needs a 'pipeline' dimension: add ('parallel_mode', ([('pipeline', 2), ('data', -1)], "
                             "None))")

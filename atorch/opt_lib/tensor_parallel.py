@@ -32,6 +32,7 @@ from torch import nn
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
 from atorch.opt_lib.tp_families import local_widths, match_family, split_dims
 from atorch.opt_lib.tp_layouts import (
@@ -569,7 +570,7 @@ class TensorParallel(Method):
 
     def check(self, config: TensorParallelConfig, check: StrategyCheck) -> list[str]:  # type: ignore[override]
         problems = []
-        mode = check.configs.get("parallel_mode")
+        mode = check.configs.get(ParallelMode.name)
         if mode is None or TENSOR not in dict(mode.dims):
             problems.append("needs a 'tensor' dimension: add ('parallel_mode', ([('tensor', 2), ('data', -1)], None))")
         # (sequence_parallel runs there: the stages exchange sequence shards, tp_sequence_vocab.py)
