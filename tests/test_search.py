@@ -184,6 +184,27 @@ def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
     assert not SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_dry_run_that_cannot_win_stops_early_and_the_fast_one_is_picked(tmp_path) -> None:
+    """Real dry-runs on 2 gloo ranks: a candidate whose steps are clearly slower than the best measured one (a sleep
+    under autocast) stops timing after EARLY_STOP_MIN_STEPS steps, on both ranks alike, and is recorded as measured
+    slower; a fast one times all its steps; the pick is fp32."""
+    from atorch.dryrun.runner import EARLY_STOP_MIN_STEPS
+
+    out = run_json(WORKER, "slow", str(tmp_path), timeout=600)
+    assert not any(m[0] == "amp_native" for m in out["strategy"]), out
+    ran = [t for t in out["trials"] if t["status"] == "ok"]
+    early = [t for t in ran if t["measured"].get("stopped_early")]
+    assert early, out["trials"]
+    # the autocast ones (an fp32 one at a slow micro-batching may stop too: the rule is the speed, not the dtype)
+    assert any(t["point"]["precision"].startswith("amp") for t in early), early
+    assert all(len(t["measured"]["step_times_s"]) == EARLY_STOP_MIN_STEPS for t in early)
+    best = min(t["measured"]["step_time_s"] for t in ran)
+    assert all(t["measured"]["step_time_s"] > 1.5 * best for t in early)
+    assert any(len(t["measured"]["step_times_s"]) == 5 for t in ran if t not in early)
+
+
 def test_a_family_that_does_not_build_on_the_model_is_ruled_out_before_the_first_dry_run(tmp_path) -> None:
     out = run_json(WORKER, "unbuildable", str(tmp_path), timeout=600)
     (ruled,) = out["unbuildable"]

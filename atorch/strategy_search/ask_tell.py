@@ -120,6 +120,11 @@ _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
 # other (run-to-run noise here: 11-37%; interleaved, the same load falls on both): the simpler one is kept.
 CONFIRM_TIE = 0.05
+# A dry-run whose timed steps already show it this many times slower than the best measured median step stops timing
+# (atorch.dryrun.runner: ``stop_above_s``): its slowest rank's fastest step above it. Past the machine's
+# run-to-run noise (11-37% here, what the confirmation's rules read), so a candidate stopped so could not have won
+# its confirmation either; it is recorded as measured, its median over the steps it ran.
+EARLY_STOP_FACTOR = 1.5
 
 
 def merge_runs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

@@ -164,7 +164,8 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
                 prepare_once(Strategy.load(strategy), log=False)
         elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
-                        micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"))
+                        micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"),
+                        stop_above_s=word.get("stop_above_s"))
         elif word["kind"] == "rejoin":
             session.rejoin()
         elif word["kind"] == "done":
@@ -480,13 +481,16 @@ class _Leader:
             timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
         batch_size = cand.micro_batch_size * cand.strategy.layout(self.env.world_size).data_size
         label = self.progress.describe(cand)
+        # the early-stop bar: a candidate already slower than the best by EARLY_STOP_FACTOR stops timing (planner)
+        stop_above = self.planner.early_stop_above_s() if hasattr(self.planner, "early_stop_above_s") else None
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
-                "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label}
+                "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label,
+                "stop_above_s": stop_above}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
         self.progress.started(cand, prediction)
         self.session.announce_next(word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
-                                 batch_size=batch_size, label=label)
+                                 batch_size=batch_size, label=label, stop_above_s=stop_above)
         measured = self._check_numerics(cand, trial, batch_size)
         self.progress.finished(cand, prediction, measured)
         return measured

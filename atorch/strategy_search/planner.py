@@ -63,6 +63,7 @@ from atorch.strategy_search.ask_tell import (  # noqa: F401  (OK_STATUSES, DEFAU
     CONFIRM_RUNS,
     CONFIRM_TIE,
     DEFAULT_TOP_K,
+    EARLY_STOP_FACTOR,
     FINISHING_STOPS,
     HOPELESS_FACTOR,
     MAX_MEMORY_CORRECTION,
@@ -244,6 +245,8 @@ class Planner:
         self.unbuildable: dict[tuple[str, str], str] | None = None  # set by ``before_dry_runs``
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
+        self.best_step_s: float | None = None  # the best measured candidate's median step in this search (seconds)
+        self.confirming = False  # confirmation runs are timed in full (they decide between two close candidates)
 
     # ----- the cost model ----------------------------------------------------------------------
     def _predict(self, cand: Candidate, warn: RepeatedWarnings) -> Predicted:
@@ -273,6 +276,14 @@ class Planner:
     def describe(self, cand: Candidate) -> str:
         """The one description of a candidate (atorch.strategy_search.describe), at this space's world size."""
         return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.space.world_size)
+
+    def early_stop_above_s(self) -> float | None:
+        """The bar a dry-run's timed steps stop at (EARLY_STOP_FACTOR x the best measured median step of this
+        search), for ``measure`` to pass to the dry-run (atorch.dryrun.runner: ``stop_above_s``); None before a
+        candidate ran and during the confirmation."""
+        if self.confirming or self.best_step_s is None:
+            return None
+        return EARLY_STOP_FACTOR * self.best_step_s
 
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
@@ -346,6 +357,7 @@ class Planner:
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve,
                           spent=self.time_spent_s)
         study = self.search_study()
+        self.best_step_s, self.confirming = None, False
         if (hit := study.start(force)) is not None:
             return hit
         try:
@@ -398,6 +410,10 @@ class Planner:
             logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record.get("status"),
                         record.get("reason", ""))
             rules.record(record["improved"])
+            measured = record.get("measured") or {}
+            if record.get("status") == "ok" and measured.get("step_time_s") and not measured.get("stopped_early"):
+                step = float(measured["step_time_s"])
+                self.best_step_s = step if self.best_step_s is None else min(self.best_step_s, step)
             same.check(record, cand)  # raises where every dry-run failed the same way: the user's setup
 
     def _timed(self, cand: Candidate, rules: StopRules) -> Measured:
@@ -413,6 +429,7 @@ class Planner:
         while their runs stay within the noise of each other (``decided``; at most ``confirm_rounds``), then choose
         again (``best_of``: the faster where the runs tell them apart, else the simpler); says what it did and
         which rule decided (for the stop message, and the study's ``confirmation_verdict``)."""
+        self.confirming = True
         contenders, measured = study.contenders(self.confirm_within or 0.0)
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
