@@ -210,6 +210,7 @@ class Planner:
         prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
         confirm_rounds: int = CONFIRM_ROUNDS,
         time_spent_s: float = 0.0,
+        stop_when_nothing_left: bool = True,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -233,6 +234,9 @@ class Planner:
         self.confirm_within = confirm_within
         self.confirm_rounds = confirm_rounds  # interleaved rounds at most, while the two stay within noise
         self.skip_slower_than = skip_slower_than
+        # exploration stops once no candidate left is predicted within NOTHING_LEFT_MARGIN of the best measured one
+        # (SearchState.nothing_left; off with skip_slower_than=None: the sampler's proposals are all dry-run)
+        self.stop_when_nothing_left = stop_when_nothing_left
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
@@ -598,7 +602,8 @@ class LocalStudy(SearchStudy):
                                                 for (m, at), why in unbuildable.items()])
         self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
                                  max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than,
-                                 correct_time=p.correct_time, unbuildable=unbuildable)
+                                 correct_time=p.correct_time, unbuildable=unbuildable,
+                                 stop_when_nothing_left=p.stop_when_nothing_left)
         self.state.seed(p.top_k)
         return None
 
