@@ -310,6 +310,12 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     out = tmp_path / "report.html"
     assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
     assert html.escape(verdict["rule"]) in out.read_text()
+    # where the time went, by phase: in the outcome and the report (a one-process search traces no memory here)
+    phases = search["phases"]
+    assert {"profile_s", "analysis_s", "build_check_s", "dry_runs_s", "confirmation_s", "total_s"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and phases["confirmation_s"] > 0
+    assert phases["dry_runs_s"] + phases["confirmation_s"] < phases["total_s"]
+    assert "Where the time went" in out.read_text() and "confirmation" in out.read_text()
 
 
 def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> None:
@@ -321,7 +327,7 @@ def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> 
     _, result, _ = atorch.auto_accelerate(
         mlp(), torch.optim.SGD, **_mlp_args(), time_limit=limit,
         search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 50, "warmup_steps": 1, "measure_steps": 2,
-                "min_measure_s": 0.5})
+                "min_measure_s": 0.5, "skip_slower_than": None})  # every proposal is dry-run: the limit stops it
     elapsed = time.monotonic() - start
     search = result.args.search
     result.close()

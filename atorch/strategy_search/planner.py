@@ -211,6 +211,7 @@ class Planner:
         confirm_rounds: int = CONFIRM_ROUNDS,
         time_spent_s: float = 0.0,
         stop_when_nothing_left: bool = True,
+        phases: dict[str, float] | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -237,6 +238,9 @@ class Planner:
         # exploration stops once no candidate left is predicted within NOTHING_LEFT_MARGIN of the best measured one
         # (SearchState.nothing_left; off with skip_slower_than=None: the sampler's proposals are all dry-run)
         self.stop_when_nothing_left = stop_when_nothing_left
+        # seconds by phase, added to ``phases`` (a caller's dict: automatic.py adds the analysis and the trace):
+        # build_check_s (``prepare``), dry_runs_s (exploration's), confirmation_s; stored in the study (the report)
+        self.phases: dict[str, float] = phases if phases is not None else {}
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
@@ -367,7 +371,9 @@ class Planner:
         try:
             self.before_dry_runs()  # a strategy server's study: here (a local one did it before seeding)
             stop, kind = self._explore(study, rules)
+            self.phases["dry_runs_s"] = sum(rules.walls)
             confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
+            self.phases["confirmation_s"] = sum(rules.walls) - self.phases["dry_runs_s"]
             if confirmation.startswith("confirmation cut short"):
                 kind = "time_limit"
             stop = rules.ended(stop, confirmation)
@@ -386,7 +392,9 @@ class Planner:
     def before_dry_runs(self) -> dict[tuple[str, str], str]:
         """Run ``prepare`` once: the (method, layout) pairs that do not build, and why."""
         if self.unbuildable is None:
+            begin = self.clock()
             self.unbuildable = dict((self.prepare(self.space.enumerate()) if self.prepare is not None else None) or {})
+            self.phases["build_check_s"] = self.clock() - begin
         return self.unbuildable
 
     def search_study(self) -> SearchStudy:
@@ -636,6 +644,7 @@ class LocalStudy(SearchStudy):
         state = self._state()
         if (best := state.best()) is not None:
             state.store_best({"strategy": strategy_of(best["point"])})
+        self.study.set_user_attr("phases", {k: round(v, 3) for k, v in self.planner.phases.items()})
         finished = kind in FINISHING_STOPS and best is not None and not (kind == "patience" and _untried(self.study))
         self._record(finished, kind, stop)
         ended = "finished" if finished else "not finished: the next search resumes it"
