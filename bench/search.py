@@ -538,10 +538,15 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"pick {r['pick']}; top_k=0 pick {r['top0_pick']}; cost model {r['cost_model_pick']}; "
                      f"{r.get('sweep', 'exhaustive')} best {r['best']} (of {r.get('swept', r['candidates'])} swept); "
                      f"sweep {r['sweep_s']:.0f} s, search {r['search_s']:.0f} s, "
-                     f"top_k=0 {r['top0_s']:.0f} s, cached {r['cached_s']:.1f} s"
-                     + ("; search phases: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in
-                                                        r["search_phases_s"].items()) if r.get("search_phases_s") else ""))
+                     f"top_k=0 {r['top0_s']:.0f} s, cached {r['cached_s']:.1f} s" + _phases(r))
     return "\n".join(lines)
+
+
+def _phases(row: dict[str, Any]) -> str:
+    """Where the search's wall time went, as the scenario's line says it ("" for a row without phases)."""
+    phases = row.get("search_phases_s") or {}
+    return "; search phases: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in phases.items()) \
+        if phases else ""
 
 
 def main() -> None:

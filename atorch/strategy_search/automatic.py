@@ -43,8 +43,9 @@ FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word,
 # a follower that hears nothing for rejoin_timeout_s plus this takes rank 0 for stuck in that trial.
 LEADER_SILENT_S = 30.0
 # Memory tracing before the first dry-run, fastest predicted first: 20 rank-seconds, split over the ranks (each
-# traces its share at once), so more ranks trace as much in less wall time, but never under 10 s (at 2 ranks about
-# 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30).
+# traces its share at once), so more ranks trace as much in less wall time, at least 10 s (at 2 ranks about
+# 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30)
+# unless two dry-runs are predicted shorter (TRACE_DRY_RUNS below).
 TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
 # ... and never over TRACE_DRY_RUNS dry-runs' worth of the fastest sure fit (its predicted step times the warm-up and
 # the timed steps, plus DRY_RUN_BUILD_S to build it), at least TRACE_FLOOR_S: on the held-out bench a dry-run took
@@ -314,8 +315,8 @@ class _Leader:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
             # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
             # predicted first, shared by every rank, for TRACE_RANK_S rank-seconds (at least TRACE_MIN_S, at most
-            # a fifth of what time_limit leaves): the rest stay analytical, as do the candidates whose fit the
-            # analytical figure decides by a wide margin (TRACE_BAND).
+            # TRACE_DRY_RUNS predicted dry-runs and a fifth of what time_limit leaves): the rest stay analytical, as
+            # do the candidates whose fit the analytical figure decides by a wide margin (TRACE_BAND).
             if not traced:
                 begin = time.monotonic()
                 limit = max(TRACE_MIN_S, TRACE_RANK_S / self.env.world_size)

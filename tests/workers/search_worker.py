@@ -342,8 +342,8 @@ def slow() -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"slow": slow, "auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit, "hang": hang,
-             "resume": resume, "unbuildable": unbuildable}
+SCENARIOS = {"slow": slow, "auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit,
+             "hang": hang, "resume": resume, "unbuildable": unbuildable}
 
 if __name__ == "__main__":
     logging.getLogger("atorch").addHandler(_Events())  # in the worker only: an import (test_search) adds nothing
