@@ -459,6 +459,9 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
         "cost_model_is_best": cost_key == best_key,
         "dry_runs": dry_runs, "bad_dry_runs": bad, "top0_dry_runs": top0_runs, "top0_bad_dry_runs": top0_bad,
         "held_out": spec["model"] in HELD_OUT, "sweep": sweep_mode, "swept": len(keys),
+        # where the search's wall time went (result.args.search["phases"]: profile, analysis, build check, trace,
+        # dry-runs, confirmation)
+        "search_phases_s": picks["search"].get("phases", {}),
         "search_s": timings["search"], "sweep_s": sweep_s, "search_over_sweep": timings["search"] / sweep_s,
         "top_s": top_s, "search_over_top": timings["search"] / top_s if top_s else None,
         "top0_s": timings["top0"], "top0_over_sweep": timings["top0"] / sweep_s,
@@ -535,8 +538,15 @@ def table(rows: list[dict[str, Any]]) -> str:
                      f"pick {r['pick']}; top_k=0 pick {r['top0_pick']}; cost model {r['cost_model_pick']}; "
                      f"{r.get('sweep', 'exhaustive')} best {r['best']} (of {r.get('swept', r['candidates'])} swept); "
                      f"sweep {r['sweep_s']:.0f} s, search {r['search_s']:.0f} s, "
-                     f"top_k=0 {r['top0_s']:.0f} s, cached {r['cached_s']:.1f} s")
+                     f"top_k=0 {r['top0_s']:.0f} s, cached {r['cached_s']:.1f} s" + _phases(r))
     return "\n".join(lines)
+
+
+def _phases(row: dict[str, Any]) -> str:
+    """Where the search's wall time went, as the scenario's line says it ("" for a row without phases)."""
+    phases = row.get("search_phases_s") or {}
+    return "; search phases: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in phases.items()) \
+        if phases else ""
 
 
 def main() -> None:

@@ -303,3 +303,27 @@ def test_zero1_across_a_tensor_dimension_is_predicted_as_zero2() -> None:
 
     assert memory("zero1") == memory("zero2")
     assert memory("zero1").gradients < memory().gradients
+
+
+def test_a_16_bit_step_measured_against_fp32_moves_the_prediction_by_that_ratio() -> None:
+    """A profile that measured bf16's step against fp32's (``dtype_step_ratio``, at the model's matmul size: 58 here,
+    below the one size given): a bf16 candidate's matmuls and forward/backward operations cost fp32's times the
+    ratio, in place of the bf16 matmul rate and the cast operations; memory, communication and the update are
+    unchanged. A profile without it (a table, an older cache) predicts as before."""
+    from atorch.strategy_search.costing import cost_model as cm
+
+    measured = _profile(2).model_copy(update={"dtype_step_ratio": {"bfloat16": {64: 3.0}, "bfloat16:half": {64: 2.0}}})
+    fp32, amp_items = ["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})]
+    before = _predict(amp_items)
+    after = predict(_stats(), Strategy.load(amp_items), ParallelLayout.data_parallel(2), measured, 8)
+    plain = _predict(fp32)
+    assert after.time.compute == pytest.approx(3.0 * plain.time.compute)
+    optimizer_ops = cm.OPTIMIZER_OPS[0] + cm.OPTIMIZER_OPS[1] * 2
+    assert after.time.ops == 3 * (100 + 200) + optimizer_ops  # no cast operations: the ratio holds them
+    assert after.time.communication == before.time.communication and after.memory == before.memory
+    assert after.time.step > plain.time.step  # bf16 predicted slower than fp32, as measured
+    half = predict(_stats(), Strategy.load(["parallel_mode", ("half", {"dtype": "bf16"})]),
+                   ParallelLayout.data_parallel(2), measured, 8)
+    assert half.time.compute == pytest.approx(2.0 * plain.time.compute)  # cast to the dtype: its own ratio
+    assert predict(_stats(), Strategy.load(fp32), ParallelLayout.data_parallel(2), measured, 8) == plain
+    assert measured.dtype_ratio_at("bfloat16", False, 30) == 3.0 and measured.dtype_ratio_at("float16", False) is None

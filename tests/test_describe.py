@@ -176,9 +176,11 @@ def test_search_json_carries_the_pick_and_every_trial_described() -> None:
 
 
 # ----- the stop message ------------------------------------------------------------------------------------
-def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[PlanResult, list]:
+def _search(tmp_path, runner_up: float, confirm_within: float | None,
+            nothing_left: bool = False, unpredictable: bool = False) -> tuple[PlanResult, list]:
     """A search whose cost model ranks two candidates first; the first measures 100 samples/s, the second
-    ``runner_up``, everything else 10."""
+    ``runner_up``, everything else 10 (``nothing_left``: the rule that stops exploring once nothing left can win,
+    off so the other rules are seen)."""
     space = SearchSpace(toy_models.mlp(), 2, 8, excluded=["tensor_parallel", "pipeline_parallel"])
     cands = space.enumerate()
     first, second = cands[0].key, cands[1].key
@@ -186,6 +188,8 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[P
 
     def predict(cand) -> Pred:
         # the rest within skip_slower_than of the best also once corrected by the first two runs (x0.4-0.5)
+        if unpredictable and cand.key == cands[-1].key:  # a cost model gap: that candidate is measured, it may win
+            raise ValueError("no figure for this one")
         return Pred(MiB, 8 / {first: 200.0, second: 190.0}.get(cand.key, 120.0))
 
     calls: list = []
@@ -196,7 +200,7 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None) -> tuple[P
 
     result = Planner(space, storage=f"sqlite:///{tmp_path / 's.db'}", study_key=f"k{runner_up}{confirm_within}",
                      predict=predict, measure=measure, memory_budget=100 * MiB, max_trials=8, top_k=2,
-                     confirm_within=confirm_within).search()
+                     confirm_within=confirm_within, stop_when_nothing_left=nothing_left).search()
     return result, calls
 
 
@@ -220,6 +224,21 @@ def test_stop_message_without_a_confirmation(tmp_path) -> None:
     off, calls = _search(tmp_path, runner_up=95.0, confirm_within=None)
     assert len(calls) == 8 and off.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached; "
                                                    "no confirmation (off)")
+
+
+def test_stop_message_when_nothing_left_can_win(tmp_path) -> None:
+    """The rest measure at a tenth of the best, so once corrected by those runs every unmeasured candidate is predicted
+    far slower: exploration stops after NOTHING_LEFT_AFTER dry-runs, and says so."""
+    from atorch.strategy_search.search.ask_tell import NOTHING_LEFT_AFTER
+
+    result, calls = _search(tmp_path, runner_up=50.0, confirm_within=0.1, nothing_left=True)
+    assert len(calls) == NOTHING_LEFT_AFTER == result.dry_runs
+    assert result.stop_reason.startswith(f"{NOTHING_LEFT_AFTER} dry-runs; exploration stopped: nothing left can win: "
+                                         "every candidate not yet measured that is predicted to fit (")
+    assert "more than 50% slower than the best measured one once corrected by the measurements" in result.stop_reason
+    # a candidate the cost model could not predict can always win: exploration goes on to max_trials
+    result, calls = _search(tmp_path, runner_up=49.0, confirm_within=0.1, nothing_left=True, unpredictable=True)
+    assert "nothing left can win" not in result.stop_reason and len(calls) > NOTHING_LEFT_AFTER
 
 
 def test_stop_rules_name_the_rule() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,29 @@ def test_one_process_without_a_process_group(tmp_path: Path, monkeypatch: pytest
     assert measure_profile(memory_limit=12345) == profile  # from the cache
     assert measure_profile().memory_source == "ram"
     assert profile.op_latency_s > 0 and profile.memory_bytes_per_s > 0
+    # Each 16-bit dtype's block step over fp32's, by matmul size: measured on a CPU, positive
+    assert {"bfloat16", "bfloat16:half"} <= set(profile.dtype_step_ratio)
+    assert all(r > 0 for sizes in profile.dtype_step_ratio.values() for r in sizes.values())
+
+
+def test_a_cached_profile_from_before_the_dtype_ratio_loads_and_gains_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache written before ``dtype_step_ratio`` (the field absent: same format) still loads; on a CPU the ratio is
+    measured then and the cache rewritten with it; a table has none (no effect on its predictions)."""
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    path = cache_path(hardware._device_name(hardware._device()), 1, backend)
+    old = load_profile("a100_80gb_8x_nvlink").model_copy(update={
+        "source": "measured", "world_size": 1, "backend": backend, "collectives": {}, "op_latency_s": 1.5e-6})
+    data = old.model_dump(mode="json")
+    del data["dtype_step_ratio"]
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(data))
+    profile = measure_profile(memory_limit=1)
+    assert profile.op_latency_s == 1.5e-6  # the cache, not a new measurement
+    assert profile.dtype_step_ratio["bfloat16"] and load_profile(path).dtype_step_ratio == profile.dtype_step_ratio
+    assert load_profile("a100_80gb_8x_nvlink").dtype_step_ratio == {}
 
 
 def test_a_new_profile_format_measures_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

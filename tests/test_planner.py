@@ -507,7 +507,7 @@ def test_a_close_call_on_memory_is_measured_not_dropped(space, tmp_path) -> None
 
 
 def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]], max_trials: int = 8,
-                    patience: int | None = None) -> tuple[Planner, list, list]:
+                    patience: int | None = None, stop_when_nothing_left: bool = True) -> tuple[Planner, list, list]:
     """A search whose cost model ranks two candidates first (the first, then the second); ``runs[i]``: the
     samples/s of candidate i's successive dry-runs; everything else runs at 10."""
     mlp_space = SearchSpace(toy_models.mlp(), WORLD, GLOBAL_BATCH, excluded=["tensor_parallel", "pipeline_parallel"])
@@ -532,7 +532,8 @@ def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]], max_trials
         return Run("ok", runs[index][min(seen, len(runs[index]) - 1)], MiB)
 
     planner = Planner(mlp_space, storage=storage(tmp_path), study_key=key, predict=predict, measure=measure,
-                      memory_budget=100 * MiB, max_trials=max_trials, patience=patience, top_k=2, confirm_within=0.3)
+                      memory_budget=100 * MiB, max_trials=max_trials, patience=patience, top_k=2, confirm_within=0.3,
+                      stop_when_nothing_left=stop_when_nothing_left)
     return planner, calls, order
 
 
@@ -560,9 +561,12 @@ def test_within_noise_side_by_side_the_simpler_strategy_is_kept(tmp_path) -> Non
     planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "apart", {0: [100.0, 100.0], 1: [90.0, 90.0]})
     result = planner.search()
     assert result.candidate == fsdp and "simpler" not in result.stop_reason
-    assert "measured faster over 1 round" in result.stop_reason and len(calls) == 8  # clear at once: one round
+    # clear at once: one round; exploration stopped when the rest (predicted at 10, corrected) could not win
+    assert "measured faster over 1 round" in result.stop_reason and "nothing left can win" in result.stop_reason
+    assert len(calls) == 5
     # exploration used all of max_trials but the first round's two: no further round, the budget holds
-    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "capped", {0: [100.0, 100.0], 1: [97.0, 97.0]})
+    planner, calls, (fsdp, ddp) = _two_favourites(tmp_path, "capped", {0: [100.0, 100.0], 1: [97.0, 97.0]},
+                                                  stop_when_nothing_left=False)
     result = planner.search()
     assert len(calls) == 8 and "tie within noise over 1 round: the simpler strategy wins" in result.stop_reason
     assert result.candidate == ddp

@@ -184,6 +184,27 @@ def test_a_leader_that_hangs_for_good_ends_the_job(tmp_path) -> None:
     assert not SearchRecord.stored(optuna.load_study(study_name=summary.study_name, storage=storage))[-1].finished
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_dry_run_that_cannot_win_stops_early_and_the_fast_one_is_picked(tmp_path) -> None:
+    """Real dry-runs on 2 gloo ranks: a candidate whose steps are clearly slower than the best measured one (a sleep
+    under autocast) stops timing after EARLY_STOP_MIN_STEPS steps, on both ranks alike, and is recorded as measured
+    slower; a fast one times all its steps; the pick is fp32."""
+    from atorch.dryrun.runner import EARLY_STOP_MIN_STEPS
+
+    out = run_json(WORKER, "slow", str(tmp_path), timeout=600)
+    assert not any(m[0] == "amp_native" for m in out["strategy"]), out
+    ran = [t for t in out["trials"] if t["status"] == "ok"]
+    early = [t for t in ran if t["measured"].get("stopped_early")]
+    assert early, out["trials"]
+    # the autocast ones (an fp32 one at a slow micro-batching may stop too: the rule is the speed, not the dtype)
+    assert any(t["point"]["precision"].startswith("amp") for t in early), early
+    assert all(len(t["measured"]["step_times_s"]) == EARLY_STOP_MIN_STEPS for t in early)
+    best = min(t["measured"]["step_time_s"] for t in ran)
+    assert all(t["measured"]["step_time_s"] > 1.5 * best for t in early)
+    assert any(len(t["measured"]["step_times_s"]) == 5 for t in ran if t not in early)
+
+
 def test_a_family_that_does_not_build_on_the_model_is_ruled_out_before_the_first_dry_run(tmp_path) -> None:
     out = run_json(WORKER, "unbuildable", str(tmp_path), timeout=600)
     (ruled,) = out["unbuildable"]
@@ -289,6 +310,12 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     out = tmp_path / "report.html"
     assert cli.main(["search-report", "--storage", storage, "--out", str(out)]) == 0
     assert html.escape(verdict["rule"]) in out.read_text()
+    # where the time went, by phase: in the outcome and the report (a one-process search traces no memory here)
+    phases = search["phases"]
+    assert {"profile_s", "analysis_s", "build_check_s", "dry_runs_s", "confirmation_s", "total_s"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and phases["confirmation_s"] > 0
+    assert phases["dry_runs_s"] + phases["confirmation_s"] < phases["total_s"]
+    assert "Where the time went" in out.read_text() and "confirmation" in out.read_text()
 
 
 def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> None:
@@ -300,7 +327,7 @@ def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> 
     _, result, _ = atorch.auto_accelerate(
         mlp(), torch.optim.SGD, **_mlp_args(), time_limit=limit,
         search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 50, "warmup_steps": 1, "measure_steps": 2,
-                "min_measure_s": 0.5})
+                "min_measure_s": 0.5, "skip_slower_than": None})  # every proposal is dry-run: the limit stops it
     elapsed = time.monotonic() - start
     search = result.args.search
     result.close()

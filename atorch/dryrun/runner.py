@@ -72,6 +72,8 @@ GIVEN_UP_POLL_S = 0.5
 LOST_EXIT_CODE = 75  # os._exit status of a process that ended itself so (EX_TEMPFAIL: the job may be run again)
 MAX_EXTRA_WARMUP = 4  # warm-up steps added while fp16 loss scaling skips every step
 LOSS_SCALE_DROP = 2.0**6  # ... each with the scale divided by this: 2^16 reaches 2^-8 within them
+# Early stop (``stop_above_s``): timed steps judged after this many, so one disturbed step does not stop a trial
+EARLY_STOP_MIN_STEPS = 2
 
 
 class RankOutcome(BaseModel):
@@ -83,6 +85,7 @@ class RankOutcome(BaseModel):
     peak_bytes: int | None = None
     step_times_s: list[float] = []
     losses: list[float] = []
+    stopped_early: bool = False  # timed steps cut short: already slower than ``stop_above_s`` (the search's bar)
 
 
 class TrialResult(BaseModel):
@@ -98,6 +101,8 @@ class TrialResult(BaseModel):
     losses: list[float] = []  # global loss per step (warm-up included), as rank 0 saw it
     ranks: list[RankOutcome | None] = []  # None: the rank did not report in time
     wall_s: float = 0.0
+    # the timed steps stopped once every rank's fastest was above ``stop_above_s``: the median is of those steps
+    stopped_early: bool = False
 
 
 def dry_run(setup: UserSetup, env: DistEnv, strategy: Strategy, **kwargs: Any) -> TrialResult:
@@ -212,10 +217,14 @@ class DryRunSession:
         return json.loads(self.coordinator.store.get(key))
 
     def run(self, strategy: Strategy, *, timeout_s: float = 300.0, micro_batches: int = 1,
-            batch_size: int | None = None, label: str | None = None) -> TrialResult:
+            batch_size: int | None = None, label: str | None = None,
+            stop_above_s: float | None = None) -> TrialResult:
         """Dry-run one candidate on every rank. ``batch_size`` (the global batch of one micro-batch)
         replaces the dataloader's; ``micro_batches`` batches make one step; ``label``: how an error names
-        the candidate (default: the strategy). ``RankLost`` when a rank did not come back from the last one."""
+        the candidate (default: the strategy). ``stop_above_s`` (the same on every rank): once
+        EARLY_STOP_MIN_STEPS steps are timed, the timed steps stop when the slowest rank's fastest step is above it
+        (a candidate that cannot win: ``stopped_early``, the median of the steps run). ``RankLost`` when a rank did
+        not come back from the last one."""
         if micro_batches < 1 or timeout_s <= 0:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
         self._check_lost()
@@ -231,6 +240,7 @@ class DryRunSession:
                        micro_batches)
         trial.unprepared = unprepared
         trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
+        trial.stop_above_s = stop_above_s
         result = trial.run(self.memory_budget)
         # A trial that did not end well may still hold a rank (stuck past its deadline): the next meeting says.
         self.unsettled = None if result.status == "ok" else (index, label or str(strategy), timeout_s, result)
@@ -332,6 +342,7 @@ class _Trial:
         self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
         self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
         self.min_measure_s, self.max_steps = 0.0, steps
+        self.stop_above_s: float | None = None  # the early-stop bar (DryRunSession.run)
         self.unprepared: list[str] = []  # one-time preparations that failed: problems, as preflight's
         self.deadline = 0.0
         self.phase = "starting"
@@ -499,7 +510,7 @@ class _Trial:
                     measuring.close()  # CPU tracking costs time per operation: timed steps run without it
                 if self.warmup > 0 and (over := self._over_budget(peak.increase)) is not None:
                     return over
-                step, planned = 0, self.steps
+                step, planned, early = 0, self.steps, False
                 while step < planned:
                     self.phase = f"step {step}"
                     self._check_stopped()
@@ -509,6 +520,9 @@ class _Trial:
                     losses.append(self._step(result, batches))
                     times.append(time.perf_counter() - begin)
                     step += 1
+                    if step >= EARLY_STOP_MIN_STEPS and step < planned and self._cannot_win(min(times)):
+                        early = True
+                        break
                     if step == self.steps and self.min_measure_s > 0:
                         planned = self._steps_for(statistics.median(times))
         except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
@@ -518,7 +532,20 @@ class _Trial:
                 result.close()
             if self.env.device.type == "cuda":
                 torch.cuda.empty_cache()  # the next candidate starts from an empty cache, not this one's blocks
-        return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses)
+        return RankOutcome(status="ok", peak_bytes=peak.increase, step_times_s=times, losses=losses,
+                           stopped_early=early)
+
+    def _cannot_win(self, fastest_s: float) -> bool:
+        """Whether the slowest rank's fastest timed step is above ``stop_above_s``: one answer on every rank (an
+        all-reduce of the fastest steps), so every rank stops at the same step and none waits in the next barrier.
+        No bar, no collective."""
+        if self.stop_above_s is None:
+            return False
+        worst = torch.tensor([fastest_s], dtype=torch.float64)
+        if dist.is_initialized() and self.env.world_size > 1:
+            with collective_timeout(self._remaining()):
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return float(worst[0]) > self.stop_above_s
 
     def _steps_for(self, median_s: float) -> int:
         """Timed steps that add up to min_measure_s at the slowest rank's median, never past half of the
@@ -652,4 +679,5 @@ def _agree(strategy: Strategy, ranks: list[RankOutcome | None], global_batch: in
         worst = peaks.index(peak)
         status, reason = "oom", f"measured peak {peak} bytes on rank {worst} is above the budget of {memory_budget}"
     return TrialResult(status=status, reason=reason, step_time_s=step_time, samples_per_s=global_batch / step_time,
-                       peak_bytes=peak, losses=outcomes[0].losses, **base)
+                       peak_bytes=peak, losses=outcomes[0].losses, stopped_early=any(o.stopped_early for o in outcomes),
+                       **base)

@@ -102,6 +102,8 @@ class Measured(outcome.Measured):
     reference_loss: float | str | None = Field(None, description="the user's model on the same samples")
     step_times_s: list[float] = Field(default_factory=list, max_length=10_000,
                                       description="each measured step's time on the slowest rank")
+    stopped_early: bool = Field(False, description="timed steps stopped once slower than the best by the early-stop "
+                                                   "margin (measured slower)")
 
 
 class TellRequest(BaseModel):

@@ -316,8 +316,34 @@ def unbuildable() -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit, "hang": hang,
-             "resume": resume, "unbuildable": unbuildable}
+class SlowUnderAutocastMLP(toy_models.MLP):
+    """The toy MLP, made clearly slow (a real sleep in each forward) where it runs under autocast: a candidate that
+    cannot win, whose dry-run the search stops early once a faster one has run."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            time.sleep(0.2)
+        return super().forward(x, y)
+
+
+def slow() -> dict[str, Any]:
+    """Early stop on 2 ranks: every fp32 and autocast candidate of a DDP space is dry-run (no skip, no confirmation),
+    5 timed steps each; the autocast ones are several times slower than the fp32 best, so their timed steps stop
+    at the second."""
+    setup = {**mlp_setup(), "model": SlowUnderAutocastMLP(), "excluded": ["zero1", "zero2", "fsdp", "module_replace",
+                                                                         "checkpoint", "half"]}
+    _, result, strategy = atorch.auto_accelerate(
+        **setup, search={**QUICK, "measure_steps": 5, "max_trials": 8, "confirm_within": 0, "skip_slower_than": None,
+                         "top_k": 8})
+    out = {"strategy": strategy.to_list(), "stop": result.args.search["stop_reason"],
+           "trials": [{"status": t.get("status"), "point": t["candidate"]["point"],
+                       "measured": t.get("measured")} for t in trials_of(result) if t.get("measured")]}
+    result.close()
+    return out
+
+
+SCENARIOS = {"slow": slow, "auto": auto, "budget": budget, "faults": faults, "remote": remote, "nofit": nofit,
+             "hang": hang, "resume": resume, "unbuildable": unbuildable}
 
 if __name__ == "__main__":
     logging.getLogger("atorch").addHandler(_Events())  # in the worker only: an import (test_search) adds nothing

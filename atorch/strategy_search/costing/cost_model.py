@@ -139,6 +139,10 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   compute dtype (fp32; bf16/fp16 under amp_native or half) at the model's average matmul size (the side of a
   square matmul with the FLOPs of one of the analyser's forward matmuls at this micro-batch, split by tensor
   parallel; the profile's rate by size, interpolated); checkpoint adds one more forward of the blocks.
+* a 16-bit compute dtype whose step the profile measured against fp32's (``dtype_step_ratio``, a small
+  transformer-like block forward and backward, on a CPU; by matmul size, read at the model's): the matmuls at
+  fp32's rate and the forward and backward's operations at fp32's count (no cast operations), both × that ratio.
+  Without it (CUDA, tables, older profiles), the 16-bit matmul rate and the cast operations below.
 * overhead = operations × the profile's per-operation latency (``op_latency_s``: Python, the dispatcher,
   a kernel launch), which dominates small models. Operations per micro-batch are the analyser's counts
   of aten operations in forward and backward (independent of the batch size); checkpoint adds the
@@ -628,7 +632,13 @@ def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Co
 def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, optimizer_state_factor: float,
           overlap: float, optimizer_bytes_per_s: float | None) -> TimePrediction:
     """Seconds per step: compute, per-operation overhead, exposed communication, optimizer traffic."""
-    tflops = profile.matmul_tflops_at(dtype, _matmul_size(stats, f))
+    size = _matmul_size(stats, f)
+    # A 16-bit step the profile measured against fp32's (``dtype_step_ratio``: a small block under autocast or cast
+    # to the dtype, on a CPU): the matmuls at fp32's rate and the forward and backward's operations at fp32's cost,
+    # both times that ratio, in place of the 16-bit matmul rate and the autocast casts. The matmul rate alone said
+    # bf16 is faster on a CPU whose casts, norms and softmax in bf16 make the step slower at a small model's sizes.
+    ratio = profile.dtype_ratio_at(dtype, f.half, size) if dtype != "float32" else None
+    tflops = profile.matmul_tflops_at("float32" if ratio is not None else dtype, size)
     if not tflops:
         raise ValueError(f"hardware profile has no matmul throughput for {dtype} or float32")
     flops = stats.fwd_bwd_flops_per_sample * f.samples
@@ -636,15 +646,16 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
         flops += f.recompute * stats.fwd_flops_per_sample * f.samples
     flops *= f.share
     bubble = (f.micro_batches + f.pp - 1) / f.micro_batches if f.pp > 1 else 1.0  # stages idle while the pipe fills
-    compute = flops / (tflops * 1e12) * bubble
+    compute = flops / (tflops * 1e12) * bubble * (ratio or 1.0)
 
     units = sum(b.count for b in stats.blocks) + 1
     gathers = f.micro_batches * (2 if f.reshard else 1) if f.sharding else 0
     ops = stats.fwd_ops + stats.bwd_ops  # per micro-batch, whatever its size
     if f.checkpoint and stats.blocks:
         ops += f.recompute * stats.block_fwd_ops  # the recomputed blocks' forward runs again in backward
-    if f.amp and not f.half:
+    if f.amp and not f.half and ratio is None:
         ops += AMP_CAST_OPS * stats.fwd_lowp_ops
+    ops *= ratio or 1.0  # the forward and backward's operations, at the measured 16-bit cost
     if f.pp > 1:  # a stage runs its share of the blocks' operations; the busiest also those outside the blocks
         # (the embedding on the first stage, the head and the loss on the last: kept whole, as their parameters)
         inside = stats.block_fwd_ops / stats.fwd_ops if stats.fwd_ops and stats.blocks else 1.0

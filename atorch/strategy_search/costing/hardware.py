@@ -28,6 +28,13 @@
   (``HardwareProfile.collective``; the cost model notes it);
 * DTensor's dispatch under tensor parallel (``parallel_costs.py``, two or more ranks): what a split linear adds
   to a micro-batch's forward and backward, and a DTensor parameter to an optimizer step, beyond plain tensors;
+* each 16-bit dtype's step against fp32's (``dtype_step_ratio``, CPU devices): a small transformer-like block
+  (linear, softmax attention, layer norm, gelu) run forward and backward under autocast and cast to the dtype, the
+  time of each over fp32's, interleaved rounds (``_dtype_step_ratio``). The matmul micro-benchmark alone says bf16 is
+  faster on a CPU with bf16 matmul kernels, but the rest of a step (casts, norms, softmax, elementwise) runs slower
+  in 16 bits there: on this bench machine whole bf16 models run several times slower than fp32. Not measured on
+  CUDA, where the by-size matmul rates hold (tensor cores) and a block this small measures launch latency only;
+  absent (older caches, tables): no effect;
 * the per-rank memory budget: ``memory_limit`` if given, else the CUDA device's memory, else available
   RAM divided by the processes on the node (LOCAL_WORLD_SIZE); the smallest over the ranks;
 * the job's nodes: on a multi-node job (torchrun ``--nnodes``) ``gpus_per_node`` is the processes per node
@@ -43,6 +50,7 @@ for a cluster that is not here (see ``profiles/``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -133,6 +141,10 @@ class HardwareProfile(_Frozen):
     # achievable share of ``matmul_tflops`` for large matmuls, per dtype (a measured ceiling, from the sources)
     matmul_efficiency: dict[str, float] = {}
     sources: tuple[str, ...] = ()  # where each figure comes from
+    # 16-bit dtype -> {matmul size: a small block's step time over fp32's} (``_dtype_step_ratio``): "bfloat16" under
+    # autocast (amp_native), "bfloat16:half" with the block cast to it (half). Empty: not measured (CUDA, tables,
+    # older caches): no effect
+    dtype_step_ratio: dict[str, dict[int, float]] = {}
 
     @property
     def nodes(self) -> int:
@@ -171,6 +183,19 @@ class HardwareProfile(_Frozen):
         table = self.inter_node if inter_node else self.collectives
         found = table.get(name)
         return table.get(ALL_TO_ALL_FALLBACK) if found is None and name == ALL_TO_ALL else found
+
+    def dtype_ratio_at(self, dtype: str, half: bool, size: float | None = None) -> float | None:
+        """A 16-bit dtype's step time over fp32's at matmul ``size`` (``_dtype_step_ratio``: under autocast, or cast
+        to the dtype with ``half``), interpolated in log-size as ``matmul_tflops_at``; None where not measured."""
+        by_size = sorted(self.dtype_step_ratio.get(f"{dtype}:half" if half else dtype, {}).items())
+        if not by_size:
+            return None
+        if not size or size <= by_size[0][0]:
+            return by_size[0][1] if size else statistics.median(r for _, r in by_size)
+        for (n0, r0), (n1, r1) in itertools.pairwise(by_size):
+            if size <= n1:
+                return r0 + math.log(size / n0) / math.log(n1 / n0) * (r1 - r0)
+        return by_size[-1][1]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -335,6 +360,76 @@ def _memory_bandwidth(device: torch.device) -> float:
     return 3 * 4 * _BANDWIDTH_ELEMENTS / best
 
 
+_DTYPE_HIDDEN = (16, 32, 64, 128, 256)  # hidden sizes of the block _dtype_step_ratio times (batch hidden/8, 32 tokens)
+_DTYPE_ROUNDS = 5
+_DTYPE_BUDGET_S = 1.5  # all sizes together: stop growing the block once this much time is spent
+
+
+def _block(hidden: int, dtype: torch.dtype | None, autocast: bool) -> tuple[Callable[[], None], float]:
+    """A transformer-like block's forward and backward at ``hidden`` (fp32; under ``dtype``'s autocast; or cast to
+    ``dtype``), and the side of a square matmul with the FLOPs of its average matmul (``cost_model._matmul_size``'s
+    measure, so the cost model reads the ratio at its model's own size)."""
+    batch, tokens = max(1, hidden // 8), 32
+    gen = torch.Generator().manual_seed(0)
+    cast = dtype if dtype is not None and not autocast else torch.float32
+    ws = [(torch.randn(a, b, generator=gen) * b**-0.5).to(cast).requires_grad_() for a, b in
+          ((3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden))]
+    x = torch.randn(batch, tokens, hidden, generator=gen).to(cast)
+    linear, rows = torch.nn.functional.linear, batch * tokens
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype) if autocast and dtype is not None else contextlib.nullcontext():
+            q, k, v = linear(x, ws[0]).chunk(3, dim=-1)
+            att = torch.softmax(q @ k.transpose(-1, -2) * hidden**-0.5, dim=-1) @ v
+            h = torch.nn.functional.layer_norm(x + linear(att, ws[1]), (hidden,))
+            loss = (h + linear(torch.nn.functional.gelu(linear(h, ws[2])), ws[3])).float().square().mean()
+        loss.backward()
+
+    flops = 2 * rows * hidden * hidden * (3 + 1 + 4 + 4) + 2 * 2 * batch * tokens * tokens * hidden
+    return step, (flops / 6 / 2) ** (1 / 3)
+
+
+def _dtype_step_ratio(device: torch.device) -> dict[str, dict[int, float]]:
+    """Each 16-bit dtype's forward and backward of a small transformer-like block over fp32's, by the block's
+    matmul size: under autocast (key: the dtype's name) and cast to the dtype (key: ``name:half``). Rounds
+    interleave the variants, so a load that comes and goes on a shared machine falls on all of them; the fastest
+    round per variant. The ratio depends on the size (here, one thread, bf16 autocast ran 1.9x fp32's time at
+    hidden 16 and 0.8x at 64): sizes grow until the budget is spent. CPU only (see the module docstring)."""
+    if device.type != "cpu":
+        return {}
+    found: dict[str, dict[int, float]] = {}
+    begin = time.perf_counter()
+    for hidden in _DTYPE_HIDDEN:
+        start = time.perf_counter()
+        base, side = _block(hidden, None, False)
+        variants = {"float32": base}
+        for dtype in _matmul_dtypes(device):
+            if dtype != torch.float32:
+                name = str(dtype).removeprefix("torch.")
+                variants[name] = _block(hidden, dtype, True)[0]
+                variants[f"{name}:half"] = _block(hidden, dtype, False)[0]
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        try:
+            for step in variants.values():
+                step()  # warm-up (kernel selection, autograd's first graph)
+            for _ in range(_DTYPE_ROUNDS):
+                for name, step in variants.items():
+                    times[name].append(_timed(step, device))
+        except RuntimeError as exc:  # a dtype without CPU kernels for one of the ops: the sizes so far stand
+            logger.debug("dtype step ratio not measured at hidden %d: %s", hidden, exc)
+            break
+        # the fastest round of each (the least disturbed on a shared machine, as the matmul benchmark's): a median
+        # under load 8 on 2 cores once read 22x where quiet rounds read 1.9x
+        fp32 = min(times["float32"])
+        for name, ts in times.items():
+            if name != "float32" and fp32 > 0:
+                found.setdefault(name, {})[round(side)] = min(ts) / fp32
+        spent, one = time.perf_counter() - begin, time.perf_counter() - start
+        if spent + 8 * one > _DTYPE_BUDGET_S:  # the next size costs ~8x this one
+            break
+    return found
+
+
 def _collective(name: str, numel: int, world: int, group: Any, device: torch.device) -> Callable[[], Any]:
     """The operation on ``numel`` elements in all (the gathered output for all-gather and reduce-scatter, a rank's
     send buffer for all-to-all)."""
@@ -420,7 +515,8 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
     everyone = all_gather_json(mine, group=group) if distributed else [mine]
     memory = {"memory_per_rank": min(e["budget"] for e in everyone), "memory_source": everyone[0]["source"]}
     if everyone[0]["cached"] is not None:
-        return HardwareProfile.model_validate({**everyone[0]["cached"], **memory})
+        cached = HardwareProfile.model_validate({**everyone[0]["cached"], **memory})
+        return _with_dtype_ratio(cached, group, device, distributed, rank, path)
 
     start = time.perf_counter()
     matmul, matmul_by_size = _matmul_tflops(device)
@@ -432,6 +528,7 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
         "matmul_tflops": matmul, "matmul_tflops_by_size": matmul_by_size,
         "op_latency_s": _op_latency(device),
         "memory_bytes_per_s": _memory_bandwidth(device),
+        "dtype_step_ratio": _dtype_step_ratio(device),
         "collectives": _collective_stats(group, world, device),
     }
     # What the cost model charges for the all-reduce the tensor-parallel benchmark runs (cost_model._collective_s),
@@ -446,4 +543,21 @@ def measure_profile(group: Any = None, memory_limit: int | str | None = None, re
     if rank == 0:
         _write_cache(path, profile)
     logger.debug("hardware profile measured in %.1f s: %s", measured["measure_s"], profile)
+    return profile
+
+
+def _with_dtype_ratio(profile: HardwareProfile, group: Any, device: torch.device, distributed: bool, rank: int,
+                      path: Path) -> HardwareProfile:
+    """A cached profile from before ``dtype_step_ratio`` (its format unchanged): the ratio measured now, on every
+    rank at once (rank 0's sent to all), and the cache rewritten; a profile that has it, or a device that does not
+    measure it (CUDA), as it is."""
+    if profile.dtype_step_ratio or device.type != "cpu":
+        return profile
+    ratio = _dtype_step_ratio(device)
+    if distributed:
+        ratio = all_gather_json(ratio, group=group)[0]
+    # validated, not copied: JSON (all_gather_json) made the sizes strings
+    profile = HardwareProfile.model_validate({**profile.model_dump(), "dtype_step_ratio": ratio})
+    if rank == 0 and ratio:
+        _write_cache(path, profile)
     return profile

@@ -43,9 +43,14 @@ FOLLOWER_WAIT_S = 900.0  # how long a follower waits for the leader's next word,
 # a follower that hears nothing for rejoin_timeout_s plus this takes rank 0 for stuck in that trial.
 LEADER_SILENT_S = 30.0
 # Memory tracing before the first dry-run, fastest predicted first: 20 rank-seconds, split over the ranks (each
-# traces its share at once), so more ranks trace as much in less wall time, but never under 10 s (at 2 ranks about
-# 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30).
+# traces its share at once), so more ranks trace as much in less wall time, at least 10 s (at 2 ranks about
+# 14 traces, the favourites' families first: bench/search.py's budget searches spent half their time tracing at 30)
+# unless two dry-runs are predicted shorter (TRACE_DRY_RUNS below).
 TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
+# ... and never over TRACE_DRY_RUNS dry-runs' worth of the fastest sure fit (its predicted step times the warm-up and
+# the timed steps, plus DRY_RUN_BUILD_S to build it), at least TRACE_FLOOR_S: on the held-out bench a dry-run took
+# 1-3 s, and a 10 s trace weighed several of them (bench/README.md); the close calls are traced first.
+TRACE_DRY_RUNS, TRACE_FLOOR_S, DRY_RUN_BUILD_S = 2.0, 3.0, 1.0
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
 # worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
@@ -78,12 +83,16 @@ class SearchOutcome:
     dry_runs: int = 0
     stop_reason: str = ""
     trials: list[dict[str, Any]] = field(default_factory=list)  # rank 0 only
+    # seconds by phase: profile_s, analysis_s, build_check_s, trace_s, dry_runs_s, confirmation_s, total_s (the
+    # phases that ran; analysis and trace at the first prediction, inside the planner's start)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy.to_list(), "micro_batch_size": self.micro_batch_size,
             "micro_batches": self.micro_batches, "source": self.source, "study_name": self.study_name,
             "storage": self.storage, "dry_runs": self.dry_runs, "stop_reason": self.stop_reason,
+            "phases": self.phases,
         }
 
     @classmethod
@@ -164,7 +173,8 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
                 prepare_once(Strategy.load(strategy), log=False)
         elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
-                        micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"))
+                        micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"),
+                        stop_above_s=word.get("stop_above_s"))
         elif word["kind"] == "rejoin":
             session.rejoin()
         elif word["kind"] == "done":
@@ -241,6 +251,16 @@ class _Leader:
         self.progress = SearchProgress(profile.memory_per_rank, world_size=env.world_size,
                                        max_dry_runs=options.max_trials)
         self.references: dict[tuple[int, int, int], float | None] = {}  # the user's model's first-step losses
+        # where the search's wall time went, seconds by phase (the planner adds its own: build check, dry-runs,
+        # confirmation); in the outcome (result.args.search["phases"]) and the study (the report)
+        self.phases: dict[str, float] = {"profile_s": time.monotonic() - start}
+
+    def _dry_run_s(self, step_s: float) -> float:
+        """A dry-run's predicted wall time at a predicted step of ``step_s``: its build, warm-up and timed steps
+        (at least ``measure_steps``, or as many as add up to ``min_measure_s``)."""
+        timed = max(self.options.measure_steps * step_s, min(self.options.min_measure_s,
+                                                             self.options.max_measure_steps * step_s))
+        return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s + timed
 
     def plan(self) -> SearchOutcome:
         from atorch.strategy_search.costing.analyser import analyse
@@ -263,6 +283,7 @@ class _Leader:
                 try:
                     analysed.append(analyse(self.setup.model, batch, self.setup.model_input_format,
                                             self.setup.loss_func))
+                    self.phases["analysis_s"] = time.monotonic() - begin
                     logger.info("automatic search: %s analysed in %.1f s (one step on %s tensors)",
                                 type(self.setup.model).__name__, time.monotonic() - begin, analysed[0].measured_on)
                 except StepError:  # the user's mistake (loss order, batch vs model_input_format): stop with it
@@ -295,8 +316,8 @@ class _Leader:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
             # the real build and step on fake tensors; a family at its two end micro-batch sizes), fastest
             # predicted first, shared by every rank, for TRACE_RANK_S rank-seconds (at least TRACE_MIN_S, at most
-            # a fifth of what time_limit leaves): the rest stay analytical, as do the candidates whose fit the
-            # analytical figure decides by a wide margin (TRACE_BAND).
+            # TRACE_DRY_RUNS predicted dry-runs and a fifth of what time_limit leaves): the rest stay analytical, as
+            # do the candidates whose fit the analytical figure decides by a wide margin (TRACE_BAND).
             if not traced:
                 begin = time.monotonic()
                 limit = max(TRACE_MIN_S, TRACE_RANK_S / self.env.world_size)
@@ -323,11 +344,14 @@ class _Leader:
                     cands = sorted((c for c in doubtful
                                     if close(c) or analytical(c).time.step < TRACE_SLOWER_THAN_SURE * sure),
                                    key=lambda c: (not close(c), analytical(c).time.step))
+                    if sure < float("inf"):  # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's
+                        limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(sure)))
                     if cands:
                         traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
                 done = sum(not isinstance(t, str) for t in traced.values())
+                self.phases["trace_s"] = time.monotonic() - begin
                 logger.info("cost model: memory of %d of %d candidates traced in %.1f s (%d are under %.0f%% or over "
                             "%.0f%% of the budget by the analytical model and %d predicted slower than a sure fit: "
                             "the analytical model stands for them and for the untraced rest)", done, len(space),
@@ -357,7 +381,7 @@ class _Leader:
                         skip_slower_than=self.options.skip_slower_than, identity=identity,
                         confirm_within=self.options.confirm_within, confirm_rounds=self.options.confirm_rounds,
                         check=self._all_back,
-                        prepare=self._prepare)
+                        prepare=self._prepare, phases=self.phases)
             if not remote:
                 return Planner(space, **args)
             from atorch.strategy_search.search.remote import RemotePlanner
@@ -390,8 +414,10 @@ class _Leader:
                     result.study_name, "" if result.source == "cache" else f"; {result.stop_reason}")
         where = storage if self.local else str(self.strategy_server)
         trials = [rejudged(t, self.profile.memory_per_rank) for t in result.trials]  # under this search's limit
+        self.phases["total_s"] = time.monotonic() - self.start
         return SearchOutcome(cand.strategy, cand.micro_batch_size, cand.micro_batches, result.source,
-                             result.study_name, where, result.dry_runs, result.stop_reason, trials)
+                             result.study_name, where, result.dry_runs, result.stop_reason, trials,
+                             {k: round(v, 3) for k, v in self.phases.items()})
 
     def _identity(self, space: Any, batch: Any) -> Any:
         """What this search is for, all but the memory budget: the study's key (planner.StudyIdentity)."""
@@ -481,13 +507,16 @@ class _Leader:
             timeout = max(1.0, min(timeout, self.time_limit - (time.monotonic() - self.start)))
         batch_size = cand.micro_batch_size * cand.strategy.layout(self.env.world_size).data_size
         label = self.progress.describe(cand)
+        # the early-stop bar: a candidate already slower than the best by EARLY_STOP_FACTOR stops timing (planner)
+        stop_above = self.planner.early_stop_above_s() if hasattr(self.planner, "early_stop_above_s") else None
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
-                "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label}
+                "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label,
+                "stop_above_s": stop_above}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
         self.progress.started(cand, prediction)
         self.session.announce_next(word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
-                                 batch_size=batch_size, label=label)
+                                 batch_size=batch_size, label=label, stop_above_s=stop_above)
         measured = self._check_numerics(cand, trial, batch_size)
         self.progress.finished(cand, prediction, measured)
         return measured

@@ -80,6 +80,9 @@ class Measured(BaseModel):
     # every measured step's time on the slowest rank: their spread is the machine's noise, which tells whether
     # two candidates' confirmation runs differ (ask_tell.decided)
     step_times_s: list[float] = []
+    # its timed steps stopped once they showed it slower than the search's best by the early-stop margin: measured
+    # slower, its figure the median of the steps it ran (atorch.dryrun.runner: ``stop_above_s``)
+    stopped_early: bool = False
 
     @classmethod
     def of(cls, result: Any) -> Measured:
@@ -93,7 +96,8 @@ class Measured(BaseModel):
         return cls(status=str(result.status).lower(), samples_per_s=float(result.samples_per_s or 0.0),
                    peak_memory_bytes=float(peak or 0.0), step_time_s=float(getattr(result, "step_time_s", 0.0) or 0.0),
                    reason=str(getattr(result, "reason", "") or ""), loss=getattr(result, "loss", None),
-                   reference_loss=getattr(result, "reference_loss", None), step_times_s=_slowest_steps(result))
+                   reference_loss=getattr(result, "reference_loss", None), step_times_s=_slowest_steps(result),
+                   stopped_early=bool(getattr(result, "stopped_early", False)))
 
     @classmethod
     def failure(cls, exc: BaseException) -> Measured:

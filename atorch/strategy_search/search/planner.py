@@ -65,6 +65,7 @@ from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES
     CONFIRM_RUNS,
     CONFIRM_TIE,
     DEFAULT_TOP_K,
+    EARLY_STOP_FACTOR,
     FINISHING_STOPS,
     HOPELESS_FACTOR,
     MAX_MEMORY_CORRECTION,
@@ -211,6 +212,8 @@ class Planner:
         prepare: Callable[[list[Candidate]], dict[tuple[str, str], str] | None] | None = None,
         confirm_rounds: int = CONFIRM_ROUNDS,
         time_spent_s: float = 0.0,
+        stop_when_nothing_left: bool = True,
+        phases: dict[str, float] | None = None,
     ) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {memory_budget}")
@@ -234,6 +237,12 @@ class Planner:
         self.confirm_within = confirm_within
         self.confirm_rounds = confirm_rounds  # interleaved rounds at most, while the two stay within noise
         self.skip_slower_than = skip_slower_than
+        # exploration stops once no candidate left is predicted within NOTHING_LEFT_MARGIN of the best measured one
+        # (SearchState.nothing_left; off with skip_slower_than=None: the sampler's proposals are all dry-run)
+        self.stop_when_nothing_left = stop_when_nothing_left
+        # seconds by phase, added to ``phases`` (a caller's dict: automatic.py adds the analysis and the trace):
+        # build_check_s (``prepare``), dry_runs_s (exploration's), confirmation_s; stored in the study (the report)
+        self.phases: dict[str, float] = phases if phases is not None else {}
         self.correct_time = correct_time  # per-family time corrections (SearchState); False: bench/search_replay.py
         # Called before each ask, each confirmation run and before the search's end is stored; it raises to stop the
         # search unfinished (the automatic search: a rank that never came back from a trial it overran).
@@ -246,6 +255,8 @@ class Planner:
         self.unbuildable: dict[tuple[str, str], str] | None = None  # set by ``before_dry_runs``
         self._predictions: dict[str, Predicted] | None = None
         self._table: CandidateTable | None = None
+        self.best_step_s: float | None = None  # the best measured candidate's median step in this search (seconds)
+        self.confirming = False  # confirmation runs are timed in full (they decide between two close candidates)
 
     # ----- the cost model ----------------------------------------------------------------------
     def _predict(self, cand: Candidate, warn: RepeatedWarnings) -> Predicted:
@@ -275,6 +286,14 @@ class Planner:
     def describe(self, cand: Candidate) -> str:
         """The one description of a candidate (atorch.strategy_search.search.describe), at this space's world size."""
         return describe_candidate(cand.strategy, cand.micro_batch_size, cand.micro_batches, self.space.world_size)
+
+    def early_stop_above_s(self) -> float | None:
+        """The bar a dry-run's timed steps stop at (EARLY_STOP_FACTOR x the best measured median step of this
+        search), for ``measure`` to pass to the dry-run (atorch.dryrun.runner: ``stop_above_s``); None before a
+        candidate ran and during the confirmation."""
+        if self.confirming or self.best_step_s is None:
+            return None
+        return EARLY_STOP_FACTOR * self.best_step_s
 
     def _candidate(self, key: str) -> Candidate:
         return self.space.enumerate()[self.table().by_key[key]]
@@ -348,12 +367,15 @@ class Planner:
         rules = StopRules(self.time_limit_s, self.max_trials, self.patience, self.clock, reserved=reserve,
                           spent=self.time_spent_s)
         study = self.search_study()
+        self.best_step_s, self.confirming = None, False
         if (hit := study.start(force)) is not None:
             return hit
         try:
             self.before_dry_runs()  # a strategy server's study: here (a local one did it before seeding)
             stop, kind = self._explore(study, rules)
+            self.phases["dry_runs_s"] = sum(rules.walls)
             confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
+            self.phases["confirmation_s"] = sum(rules.walls) - self.phases["dry_runs_s"]
             if confirmation.startswith("confirmation cut short"):
                 kind = "time_limit"
             stop = rules.ended(stop, confirmation)
@@ -372,7 +394,9 @@ class Planner:
     def before_dry_runs(self) -> dict[tuple[str, str], str]:
         """Run ``prepare`` once: the (method, layout) pairs that do not build, and why."""
         if self.unbuildable is None:
+            begin = self.clock()
             self.unbuildable = dict((self.prepare(self.space.enumerate()) if self.prepare is not None else None) or {})
+            self.phases["build_check_s"] = self.clock() - begin
         return self.unbuildable
 
     def search_study(self) -> SearchStudy:
@@ -400,6 +424,10 @@ class Planner:
             logger.info("trial %d: %s -> %s %s", proposal.number, self.describe(cand), record.get("status"),
                         record.get("reason", ""))
             rules.record(record["improved"])
+            measured = record.get("measured") or {}
+            if record.get("status") == "ok" and measured.get("step_time_s") and not measured.get("stopped_early"):
+                step = float(measured["step_time_s"])
+                self.best_step_s = step if self.best_step_s is None else min(self.best_step_s, step)
             same.check(record, cand)  # raises where every dry-run failed the same way: the user's setup
 
     def _timed(self, cand: Candidate, rules: StopRules) -> Measured:
@@ -415,6 +443,7 @@ class Planner:
         while their runs stay within the noise of each other (``decided``; at most ``confirm_rounds``), then choose
         again (``best_of``: the faster where the runs tell them apart, else the simpler); says what it did and
         which rule decided (for the stop message, and the study's ``confirmation_verdict``)."""
+        self.confirming = True
         contenders, measured = study.contenders(self.confirm_within or 0.0)
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
@@ -583,7 +612,8 @@ class LocalStudy(SearchStudy):
                                                 for (m, at), why in unbuildable.items()])
         self.state = SearchState(study, p.table(), p.memory_budget, storage=self.storage, on_trial=p.on_trial,
                                  max_asks=max(50, 10 * p.max_trials), skip_slower_than=p.skip_slower_than,
-                                 correct_time=p.correct_time, unbuildable=unbuildable)
+                                 correct_time=p.correct_time, unbuildable=unbuildable,
+                                 stop_when_nothing_left=p.stop_when_nothing_left)
         self.state.seed(p.top_k)
         return None
 
@@ -616,6 +646,7 @@ class LocalStudy(SearchStudy):
         state = self._state()
         if (best := state.best()) is not None:
             state.store_best({"strategy": strategy_of(best["point"])})
+        self.study.set_user_attr("phases", {k: round(v, 3) for k, v in self.planner.phases.items()})
         finished = kind in FINISHING_STOPS and best is not None and not (kind == "patience" and _untried(self.study))
         self._record(finished, kind, stop)
         ended = "finished" if finished else "not finished: the next search resumes it"

@@ -146,7 +146,9 @@ class SearchProgress:
             len(self.rows), row["candidate"]["description"],
             measured.status, _secs(measured.step_time_s), _secs(pred.get("step_time_s")),
             _mib(measured.peak_memory_bytes), _mib(pred.get("peak_memory_bytes")),
-            f": {measured.reason}" if measured.reason else "",
+            f": {measured.reason}" if measured.reason else
+            f" (stopped after {len(measured.step_times_s)} timed steps: slower than the best by the early-stop margin)"
+            if measured.stopped_early else "",
         )
 
     def summary(self, result: Any) -> None:

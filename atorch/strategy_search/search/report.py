@@ -26,6 +26,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}td.l,th.l{{text-a
 <h1>Strategy search: {study}</h1>
 <p>{summary}</p>
 <h2>Pick</h2><p>{pick}</p><p>{decided}</p><pre>{best}</pre>
+<h2>Where the time went</h2>{phases}
 <h2>Ruled out before the search</h2>{ruled_out}
 <h2>Trials</h2>{table}
 <h2>Plots</h2>{plots}
@@ -118,6 +119,18 @@ def ruled_out_html(study: Any) -> str:
     return f"<table>{head}{body}</table>"
 
 
+PHASES = {"profile_s": "hardware profile", "analysis_s": "analysis", "build_check_s": "build check",
+          "trace_s": "memory trace", "dry_runs_s": "dry-runs", "confirmation_s": "confirmation", "total_s": "total"}
+
+
+def phases_html(study: Any) -> str:
+    """The last search's wall time by phase (``phases``: the planner's and the automatic search's), in seconds."""
+    phases = study.user_attrs.get("phases") or {}
+    if not phases:
+        return "<p>not recorded (a search by an older atorch)</p>"
+    return "<p>" + html.escape(", ".join(f"{PHASES.get(k, k)} {v:.1f} s" for k, v in phases.items())) + "</p>"
+
+
 def write_report(storage: str, out: str | Path, study_name: str | None = None) -> Path:
     """Write the HTML report of a study (the only atorch study in ``storage`` if none is named)."""
     study, records = load_trials(storage, study_name)
@@ -131,7 +144,7 @@ def write_report(storage: str, out: str | Path, study_name: str | None = None) -
     page = PAGE.format(
         study=html.escape(study.study_name), summary=html.escape(summary), pick=html.escape(pick),
         decided=html.escape(str((study.user_attrs.get("confirmation_verdict") or {}).get("rule", ""))),
-        ruled_out=ruled_out_html(study),
+        ruled_out=ruled_out_html(study), phases=phases_html(study),
         best=html.escape(json.dumps(best, indent=2) if best else "no finished search has stored a pick"),
         table=trials_html(records), plots=plots_html(study, records),
     )
