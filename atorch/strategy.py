@@ -83,12 +83,18 @@ class Strategy(BaseModel):
     def __contains__(self, name: object) -> bool:
         return name in self.names()
 
-    def applied_names(self) -> set[str]:
-        """The methods the strategy is applied as (``Method.stands_for``: mixed_parallel is applied as
-        tensor_parallel and pipeline_parallel), with the names given."""
+    def applied_configs(self) -> dict[str, MethodConfig]:
+        """The configs the strategy is applied as, by method (``Method.stands_for``: mixed_parallel is applied as
+        tensor_parallel and pipeline_parallel on the layout's dimensions)."""
         configs = self.configs()
-        return set(configs).union(*(registry.get_method(name).stands_for(config, configs) for name, config in
-                                    configs.items()))
+        applied: dict[str, MethodConfig] = {}
+        for name, config in configs.items():
+            applied.update(registry.get_method(name).stands_for(config, configs))
+        return applied
+
+    def applied_names(self) -> set[str]:
+        """The methods the strategy is applied as, with the names given."""
+        return set(self.names()) | set(self.applied_configs())
 
     def in_apply_order(self) -> list[StrategyItem]:
         rank = {name: i for i, name in enumerate(registry.apply_order())}

@@ -12,9 +12,10 @@ from atorch.opt_lib.registry import METHOD_MODULES, method_names
 PACKAGE = Path(__file__).resolve().parent.parent / "atorch"
 ALLOWED = {"opt_lib/registry.py", "opt_lib/compatibility.py"}  # the registry and the rules table name every method
 # String constants equal to a method's name, per file (outside the method's own module). Lower a figure when a file
-# stops naming a method; a file not listed may name none. apply.py, dryrun/numerics.py, lightning/engine.py and
-# strategy_search/costing/tracing.py name none since the methods own their apply step, compute dtype and traceability;
-# strategy_search/search/space.py none: it reads a method's name off its class (TensorParallel.name).
+# stops naming a method; a file not listed may name none. Elsewhere a method's behaviour is asked of the method (its
+# hooks: apply, cost_facts, compute_dtype, trace_problem, casts, optimizer_need, ...) and a name read off its class
+# (TensorParallel.name), so a renamed or changed method cannot leave a stale copy behind. What is left below is not
+# a method's behaviour decided outside it.
 MOST: dict[str, int] = {
     "booster/mixed_precision.py": 1,  # "fp8": Colossal-AI's precision flag, spelled like the method
     "booster/plugin/torch_ddp.py": 1,  # the precision flags it accepts
@@ -24,7 +25,6 @@ MOST: dict[str, int] = {
     "opt_lib/fsdp_keys.py": 3,  # zero2's and fsdp's FSDP2 keywords
     "opt_lib/zero1.py": 1,  # runs_as="zero2" next to a tensor dimension
     "strategy_search/cluster/cluster_plan.py": 6,  # the --layout field fp8= (the CLI's vocabulary)
-    "strategy_search/costing/cost_model.py": 4,
 }
 
 

@@ -199,6 +199,7 @@ from pydantic import BaseModel, ConfigDict
 
 from atorch.opt_lib.cost_facts import Collective, StrategyFacts, combine
 from atorch.opt_lib.deepspeed_zero import DEEPSPEED_BUCKET_ELEMENTS
+from atorch.opt_lib.pipeline_parallel import PipelineParallel
 from atorch.opt_lib.registry import get_method
 from atorch.parallel_layout import ParallelLayout
 from atorch.strategy import Strategy
@@ -289,9 +290,8 @@ def _p2p_s(profile: HardwareProfile, nbytes: float, count: int) -> float:
 
 
 def _pipeline_config(strategy: Strategy) -> Any:
-    config = strategy.get("pipeline_parallel")
-    mixed = strategy.get("mixed_parallel")
-    return mixed.pipeline if config is None and mixed is not None else config
+    """The pipeline schedule's config, whichever method runs it (mixed_parallel stands for pipeline_parallel)."""
+    return strategy.applied_configs().get(PipelineParallel.name)
 
 
 def _schedule(strategy: Strategy) -> str:
@@ -347,7 +347,9 @@ class _Facts:
     samples: float  # per rank per step
     micro_batches: int  # per step, the pipeline schedule's own included
     micro: float  # samples per micro-batch
-    sharding: str | None  # the method whose facts shard the gradients ("fsdp" / "zero2"), or None
+    # the method whose facts shard the gradients (FSDP2's fsdp / zero2; under DeepSpeed's engine only its ZeRO-2
+    # does: its ZeRO-1 shards the optimizer state alone), or None
+    sharding: str | None
     deepspeed: bool  # DeepSpeed's engine keeps the state in its own buffers
     reshard: bool  # sharded parameters gathered for forward and again for backward
     offload: bool  # the sharded state lives in host memory
@@ -491,7 +493,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # collector off: two, and with it run after every allocation: one; the bench's DeepSpeed ZeRO-2 rows
         # flip between the two from run to run). Predicted: the midpoint, so either outcome is within half a
         # partition. ZeRO-1 reduces once, at the boundary.
-        partitions = ZERO2_ACCUMULATED_PARTITIONS if f.sharding == "zero2" and f.micro_batches > 1 else 1
+        partitions = ZERO2_ACCUMULATED_PARTITIONS if f.sharding is not None and f.micro_batches > 1 else 1
         epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, f.dp)
     elif f.sharding and f.dp > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
@@ -572,7 +574,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).
     step_grads = grads
     if f.deepspeed:
-        step_grads = f.trainable / f.dp * (2 if f.sharding == "zero2" and f.micro_batches > 1 else 1)
+        step_grads = f.trainable / f.dp * (2 if f.sharding is not None and f.micro_batches > 1 else 1)
     # Backward at the start of the blocks' (every block still gathered without resharding, none recomputed yet)
     # and as it goes on (one block gathered and recomputed at a time).
     bwd_start = activations + held_grads + all_gathered
