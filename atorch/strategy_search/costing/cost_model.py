@@ -212,11 +212,6 @@ from atorch.strategy_search.costing.hardware import ALL_TO_ALL, HardwareProfile
 # memory terms have no constant of their own: its bucket size is atorch's (DEEPSPEED_BUCKET_ELEMENTS, imported).
 AMP_ACTIVATION_FACTOR = 0.6  # share of fp32 activation bytes kept under autocast (matmul outputs in 16 bits)
 CHECKPOINT_INPUT_FRACTION = 0.03  # without the analyser's block inputs: their share of the blocks' saved bytes
-# Under recompute an attention block's backward holds its recomputed activations and part of their gradients at
-# once: this share of the block's saved bytes (fitted on the zoo's GPT-2 traces, tests/test_cost_contract.py: 1.0,
-# "as many bytes again", over-predicted checkpoint by 23-32% there and 39-65% on the held-out Swin; 0.3 leaves the
-# GPT-2's -3% to +3%).
-RECOMPUTE_GRADIENT_SHARE = 0.3
 LOSS_TEMP_FACTOR = (2.5, 1.5)  # output, its gradient, the loss's temporaries x largest saved (without, with recompute)
 ZERO1_BROADCAST_FRACTION = 0.5  # share of the other ranks' updated parameters alive at zero1's step peak
 OPTIMIZER_TEMP_PER_STATE = 0.5  # foreach step's temporaries per state x owned bytes (AdamW: 1 x; H100: to 0.01%)
@@ -571,10 +566,10 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # turns it off for all micro-batches but the last), so those are held whole.
     held_grads = (f.trainable if f.sharding and not f.deepspeed else grads) if f.micro_batches > 1 else 0.0
     # Under recompute an attention block's backward holds its recomputed activations (in ``activations``) and,
-    # as it runs, part of their gradients (RECOMPUTE_GRADIENT_SHARE; the ResNet's convolution blocks free theirs as
-    # they go, within 4% without this term).
-    recompute = RECOMPUTE_GRADIENT_SHARE * max((b.activation_bytes for b in stats.blocks if b.attention), default=0) \
-        * act_scale if f.checkpoint else 0.0
+    # as it runs, their gradients: about as many bytes again (measured on GPT-2; the ResNet's convolution
+    # blocks free theirs as they go, within 4% without this term).
+    recompute = max((b.activation_bytes for b in stats.blocks if b.attention), default=0) * act_scale \
+        if f.checkpoint else 0.0
     # DeepSpeed steps with its gradient partition only (ZeRO-1 too: the full gradients are reduced into it and
     # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).
     step_grads = grads
