@@ -62,7 +62,8 @@ def test_a_nearly_exhausted_study_with_four_clients_never_stalls(tmp_path) -> No
     server = ProcessServer(sqlite(tmp_path)).start()
     try:
         client = StrategyClient(server.url)
-        name = client.create_study("x", grid(), 1e9, max_trials=64, top_k=0)["study_key"]
+        name = client.create_study("x", grid(), 1e9, max_trials=64, top_k=0,
+                                    stop_when_nothing_left=False)["study_key"]
         for _ in range(56):
             p = client.ask(name)
             client.tell(name, p["number"], ok(p["point"]))
@@ -405,7 +406,8 @@ def test_a_second_server_on_one_sqlite_file_refuses_to_start_and_the_first_loses
     storage = sqlite(tmp_path)
     first = ProcessServer(storage).start()
     try:
-        name = StrategyClient(first.url).create_study("one", grid(), 1e9, max_trials=64, top_k=0)["study_key"]
+        name = StrategyClient(first.url).create_study("one", grid(), 1e9, max_trials=64, top_k=0,
+                                    stop_when_nothing_left=False)["study_key"]
         load = _load(first.url, name, clients=4, pairs=8)
         second = subprocess.run(serve_command(storage, free_port()), cwd=ROOT, capture_output=True, text=True,
                                 timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -59,6 +59,9 @@ class CreateStudy(BaseModel):
     top_k: int = Field(3, ge=0, le=1000)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     lease_s: float = Field(600.0, gt=0, le=7 * 86400, description="how long an asked trial may go untold")
+    stop_when_nothing_left: bool = Field(True, description="end exploration once every candidate not yet measured "
+                                         "is predicted well slower than the best measured one (as a local search "
+                                         "does); false: ask until max_trials or the table runs out")
 
 
 class StudyInfo(BaseModel):

@@ -225,7 +225,8 @@ class _Open:
         self.study.sampler = studies.sampler(name, self.sid, cfg, len(self.trials))
         self.budget = float(budget if budget is not None else cfg["memory_budget"])
         self.state = SearchState(self.study, self.table, self.budget, storage=storage,
-                                 max_asks=10**9, trials=self.trials)  # bounded by time and by the table
+                                 max_asks=10**9, trials=self.trials,  # bounded by time and by the table
+                                 stop_when_nothing_left=bool(cfg.get("stop_when_nothing_left", True)))
         # Candidates ruled out without a dry-run stay ruled out while they still would be under this budget
         # (predicted too big, with the family corrections, which only grow; or hopelessly slow next to a best
         # that only improves): a proposal of one again is a duplicate, as it is within one search.

@@ -213,7 +213,8 @@ class RemotePlanner(Planner):
         space or hardware gets another study), and every later call uses that name, with this job's budget."""
         info = self.client.create_study(
             self.study_name, self.table().to_json(), self.memory_budget, sampler=self.sampler,
-            max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s)
+            max_trials=self.max_trials, top_k=self.top_k, seed=self.seed, lease_s=self.lease_s,
+            stop_when_nothing_left=self.stop_when_nothing_left)
         self.server_study = info["study_key"]
         return info
 
