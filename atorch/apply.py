@@ -26,7 +26,7 @@ from atorch.strategy import Strategy
 logger = get_logger(__name__)
 
 
-def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True) -> None:
+def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = True, runs_checks: bool = False) -> None:
     """Apply a checked strategy to ``ctx.model`` (a fresh copy) and build the optimizer for it: each method's
     transformation of the model in the registry's order (registry.METHOD_MODULES says why each comes where it
     does), then the optimizer and what wraps model and optimizer (DDP, or a method's own way), loss scaling and the
@@ -36,7 +36,7 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, communicate: bool = Tr
     for name, config in given.items():  # [mixed_parallel] its tensor_parallel and pipeline_parallel
         configs.update(get_method(name).stands_for(config, given))
     ctx.strategy = strategy
-    build = Build(ctx, configs, communicate)
+    build = Build(ctx, configs, communicate, runs_checks=runs_checks)
     steps = [(name, get_method(name)) for name in apply_order() if name in configs]
 
     # A model built on the meta device is materialised and initialised identically on every rank, here as a

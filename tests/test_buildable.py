@@ -63,3 +63,80 @@ def test_a_family_that_does_not_build_is_never_dry_run_and_the_report_says_why(t
 
     page = write_report(storage, tmp_path / "report.html").read_text()
     assert "Ruled out before the search" in page and "no token embedding" in page and "tensor_parallel" in page
+
+
+class HeadBiasAttention(torch.nn.Module):
+    """Self-attention with a learned bias per head (as Swin's relative-position table): the bias keeps every head,
+    so a split of the heads over ranks cannot add it. Only running a sample shows that, not the plan."""
+
+    def __init__(self, width: int = 32, heads: int = 4, length: int = 8, head_bias: bool = True) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, width // heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(width, width) for _ in range(4))
+        self.head_bias = torch.nn.Parameter(torch.zeros(heads if head_bias else 1, length, length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        scores = q @ k.transpose(-1, -2) / self.head_dim ** 0.5 + self.head_bias
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+class HeadBiasBlock(torch.nn.Module):
+    def __init__(self, head_bias: bool) -> None:
+        super().__init__()
+        self.attn = HeadBiasAttention(head_bias=head_bias)
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class HeadBiasModel(torch.nn.Module):
+    def __init__(self, head_bias: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)  # under autocast the blocks receive 16-bit hidden states
+        self.blocks = torch.nn.ModuleList(HeadBiasBlock(head_bias) for _ in range(2))
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def head_bias_setup(head_bias: bool) -> tuple[UserSetup, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 16), torch.tensor(i % 3)) for i in range(16)]
+    setup = UserSetup(model=HeadBiasModel(head_bias), optim_func=torch.optim.SGD, optim_args={"lr": 0.1},
+                      dataset=data, loss_func=lambda d, out: torch.nn.functional.cross_entropy(out, d[1]),
+                      model_input_format="input_target", dataloader_args={"batch_size": BATCH})
+    return setup, (torch.randn(BATCH // WORLD, 8, 16), torch.zeros(BATCH // WORLD, dtype=torch.long))
+
+
+def test_a_split_that_cannot_compute_a_sample_is_ruled_out_before_any_dry_run() -> None:
+    # The plan derives (q/k/v/o and the MLP pair split), the build succeeds, but the split attention's local heads
+    # meet a bias of all heads: the build check runs the split block on one sample, as the real build's check does.
+    setup, batch = head_bias_setup(head_bias=True)
+    space = SearchSpace(setup.model, WORLD, BATCH)
+    assert [c for c in space.enumerate() if dict(c.point).get("tensor", 1) > 1]
+    checked = check_families(setup, batch, WORLD, torch.device("cpu"), space.enumerate())
+    ((method, layout), why), = checked.unbuildable.items()
+    assert method == "tensor_parallel" and '"tensor": 2' in layout
+    # the reason a user reads names the module, the line and the error, not only StrategyError's header
+    assert "fails on one sample in blocks.0.attn (HeadBiasAttention) forward" in why, why
+    assert "head_bias" in why and "must match the size" in why, why
+
+
+def test_the_split_check_computes_under_the_autocast_the_block_ran_under() -> None:
+    # A bias of one head splits fine; under amp_native the blocks' input (the embedding's output) is bf16: the
+    # check's runs of the split and the unsplit block take it under the same autocast, not against fp32 weights.
+    setup, batch = head_bias_setup(head_bias=False)
+    space = SearchSpace(setup.model, WORLD, BATCH, supported_dtypes=["bf16"])
+    amp = [c for c in space.enumerate() if dict(c.point).get("tensor", 1) > 1
+           and set(c.strategy.names()) == {"parallel_mode", "tensor_parallel", "amp_native"}]
+    assert amp, [c.strategy.names() for c in space.enumerate()]
+    checked = check_families(setup, batch, WORLD, torch.device("cpu"), amp[:1])
+    assert checked.builds == 1 and not checked.unbuildable and not checked.unchecked, checked

@@ -21,6 +21,10 @@ class Build:
     ctx: ModelContext
     configs: dict[str, Any]  # every applied method's config by name (mixed_parallel as what it stands for)
     communicate: bool
+    # A build that only asks whether the strategy builds (search.buildable, without communication): the methods'
+    # one-sample checks still run the sample through what they changed (a split that cannot compute raises), but
+    # compare no numbers (the fake group's collectives return at once)
+    runs_checks: bool = False
     # Set by the step that replaced the model by its pipeline stages: ``per_stage(ctx, wrap, *args)`` runs a
     # wrapper once per stage, each its own root (the schedule calls the stages, never the whole).
     per_stage: Callable[..., None] | None = None

@@ -488,8 +488,10 @@ def _check_problems(ctx: Any, config: TensorParallelConfig) -> str | None:
     return None
 
 
-def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> None:
-    """Split ctx.model's planned layers over the 'tensor' dimension (DTensor parallelize_module)."""
+def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_check: bool = False) -> None:
+    """Split ctx.model's planned layers over the 'tensor' dimension (DTensor parallelize_module). Without
+    ``communicate``, ``runs_check``: the split block still runs the one sample (a split that cannot compute it
+    raises), its numbers not compared."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from atorch.errors import StrategyError
@@ -508,7 +510,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     plan = derive_plan(ctx.model, config, t)
     if plan.problems:  # checked before building; seen here only if the model changed in between
         raise StrategyError(plan.problems, what="tensor_parallel")
-    skip_check = _check_problems(ctx, config) if communicate else "no communication in this build"
+    skip_check = _check_problems(ctx, config) if communicate or runs_check else "no communication in this build"
     check = BlockCheck.prepare(ctx, list(plan.styles)) if skip_check is None else None
     if skip_check is not None:
         logger.info("tensor_parallel: build not checked against the unsplit model (%s)", skip_check)
@@ -537,7 +539,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool) -> No
     if check is not None:
         prefix = check.name + "." if check.name else ""
         fused = tuple(_join(n, "c_attn").removeprefix(prefix) for n in plan.fused_qkv if n.startswith(prefix))
-        problems = check.run(ctx.model, mesh.get_group(), skip=fused)
+        problems = check.run(ctx.model, mesh.get_group(), skip=fused) if communicate else check.runs(ctx.model)
         if problems:
             raise StrategyError(problems, what="tensor_parallel")
 
@@ -592,7 +594,7 @@ class TensorParallel(Method):
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
     def apply(self, build: Build, config: TensorParallelConfig) -> None:  # type: ignore[override]
-        parallelize(build.ctx, config, build.communicate)
+        parallelize(build.ctx, config, build.communicate, build.runs_checks)
 
     def replicate(self, build: Build, config: TensorParallelConfig) -> bool:  # type: ignore[override]
         # replicas of DTensor shards, which DDP refuses (tensor_data_parallel.py); pipeline stages replicate their way

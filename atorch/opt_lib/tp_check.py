@@ -107,8 +107,20 @@ def _stage_run(ctx: Any, name: str) -> Callable[[Any], Any] | str:
 class BlockCheck:
     """Made before the split (the block's input and an unsplit copy), run after it."""
 
-    def __init__(self, name: str, reference: nn.Module, inputs: tuple[tuple, dict]) -> None:
+    def __init__(self, name: str, reference: nn.Module, inputs: tuple[tuple, dict],
+                 autocast: tuple[str, torch.dtype] | None = None) -> None:
         self.name, self.reference, self.inputs = name, reference, inputs
+        # (device type, dtype) of the autocast the block ran under when its input was captured (a precision
+        # method applied before the split wraps the forward): both runs of the check compute under it too, else
+        # a 16-bit input meets fp32 weights (seen on Swin under amp_native(bf16))
+        self.autocast = autocast
+
+    def _computing(self) -> Any:
+        import contextlib
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast[0], dtype=self.autocast[1])
 
     @classmethod
     def prepare(cls, ctx: Any, split: list[str]) -> BlockCheck | None:
@@ -121,9 +133,13 @@ class BlockCheck:
         name = block_to_check(ctx.model, split)
         block = ctx.model.get_submodule(name)
         held: list[tuple[tuple, dict]] = []
+        device_type = ctx.env.device.type
+        autocast: list[tuple[str, torch.dtype] | None] = []
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             held.append((_detached(args), _detached(kwargs)))
+            autocast.append((device_type, torch.get_autocast_dtype(device_type))
+                            if torch.is_autocast_enabled(device_type) else None)
             raise _Captured
 
         run = _stage_run(ctx, name) if isinstance(ctx.model, StagedModel) else \
@@ -146,7 +162,29 @@ class BlockCheck:
         if not held:
             logger.info("tensor_parallel: build not checked against the unsplit model (%s was not called)", name)
             return None
-        return cls(name, copy.deepcopy(block), held[0])
+        return cls(name, copy.deepcopy(block), held[0], autocast[0])
+
+    def _fails(self, exc: Exception, trace: _Trace) -> list[str]:
+        label = self.name or "the model"
+        return [f"the split {label} fails on one sample in {trace.where(exc, self.name)}: {type(exc).__name__}: "
+                f"{_first_line(exc)}; the plan does not fit this model's computation: give fused layers the "
+                "gather-output styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
+
+    def runs(self, model: nn.Module) -> list[str]:
+        """Whether the split block computes the sample's forward at all (a build without communication: its
+        numbers mean nothing there); problems, empty when it runs."""
+        block = model.get_submodule(self.name)
+        trace = _Trace(block)
+        training = block.training
+        block.eval()
+        try:
+            with trace, self._computing(), torch.no_grad():
+                block(*self.inputs[0], **self.inputs[1])
+        except Exception as exc:  # noqa: BLE001  (a plan that does not fit the layer's computation)
+            return self._fails(exc, trace)
+        finally:
+            block.train(training)
+        return []
 
     def run(self, model: nn.Module, group: Any, skip: tuple[str, ...] = ()) -> list[str]:
         """Compare the split block with the unsplit copy; problems (empty when they agree). ``skip``: parameter
@@ -157,15 +195,13 @@ class BlockCheck:
         label = self.name or "the model"
         trace = _Trace(block)
         try:
-            with trace:
+            with trace, self._computing():
                 split = _output_and_grads(block, self.inputs)
         except Exception as exc:  # a plan that does not fit the layer's computation fails here, not in training
-            return [f"the split {label} fails on one sample in {trace.where(exc, self.name)}: {type(exc).__name__}: "
-                    f"{_first_line(exc)}; the plan does not fit this model's computation: give fused layers the "
-                    "gather-output styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the "
-                    "plan"]
-        reference = _output_and_grads(self.reference, self.inputs)
-        dtype = next(self.reference.parameters()).dtype
+            return self._fails(exc, trace)
+        with self._computing():
+            reference = _output_and_grads(self.reference, self.inputs)
+        dtype = self.autocast[1] if self.autocast is not None else next(self.reference.parameters()).dtype
         errors = {"output": _relative(split[0], reference[0])}
         grads = {n: g for n, g in reference[1].items() if n in split[1] and not n.startswith(skip)}
         # A gradient that is zero in exact arithmetic (a key bias: softmax ignores a shift shared by all keys)
@@ -183,7 +219,8 @@ class BlockCheck:
             return []
         what, error = max(errors.items(), key=lambda item: item[1])
         try:  # collective: every rank is here (they agreed on the failure)
-            first = _first_difference(block, self.reference, self.inputs, limit, self.name)
+            with self._computing():
+                first = _first_difference(block, self.reference, self.inputs, limit, self.name)
         except Exception as exc:  # noqa: BLE001 - the figures above are the finding; locating it is a help
             logger.info("tensor_parallel: the first differing module was not found (%s: %s)", type(exc).__name__, exc)
             first = ""

@@ -74,9 +74,10 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
         base = tracer.setup
         modes = [tracer.mode, FakeKernelGaps()]
     else:
-        base = replace(setup, dataset=None)
-    built_setup = replace(base, dataloader_args={**base.dataloader_args,
-                                                 "batch_size": cand.micro_batch_size * layout.data_size})
+        base = setup
+    # the user's dataset kept: a method's one-sample check (tensor parallel's split block) takes its sample there
+    built_setup = replace(base, dataset=setup.dataset, dataloader_args={
+        **base.dataloader_args, "batch_size": cand.micro_batch_size * layout.data_size})
     skipped, problems = preflight(built_setup, env, strategy, layout)
     if problems:
         return "preflight\t" + "; ".join(problems)
@@ -88,9 +89,12 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
                 stack.enter_context(mode)
             ctx = ModelContext(built_setup, env, layout).fresh()
             ctx.skipped = dict(skipped)
-            apply_strategy(ctx, strategy, communicate=False)
+            apply_strategy(ctx, strategy, communicate=False, runs_checks=True)
     except Exception as exc:  # noqa: BLE001  (the method that raised is named by apply_strategy)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        lines = str(exc).strip().splitlines()
+        # a header ending in ':' (StrategyError's "<what> (n problem(s)):") says nothing without its first problem
+        first = " ".join(line.strip() for line in lines[:2]) if lines and lines[0].endswith(":") else \
+            (lines[0] if lines else "")
         return f"{getattr(exc, 'atorch_method', 'build')}\t{type(exc).__name__}: {first}"[:600]
     return None
 
