@@ -122,7 +122,13 @@ def test_a_split_that_cannot_compute_a_sample_is_ruled_out_before_any_dry_run() 
     setup, batch = head_bias_setup(head_bias=True)
     space = SearchSpace(setup.model, WORLD, BATCH)
     assert [c for c in space.enumerate() if dict(c.point).get("tensor", 1) > 1]
+    # as in a job, this process has used torch's intra-op threads before the check forks (a forked child's
+    # parallel kernel hung on the pool it did not inherit)
+    square = torch.randn(1024, 1024)
+    for _ in range(3):
+        square @ square
     checked = check_families(setup, batch, WORLD, torch.device("cpu"), space.enumerate())
+    assert len(checked.unbuildable) == 1, checked
     ((method, layout), why), = checked.unbuildable.items()
     assert method == "tensor_parallel" and '"tensor": 2' in layout
     # the reason a user reads names the module, the line and the error, not only StrategyError's header

@@ -370,6 +370,7 @@ def _in_children(tracer: MemoryTracer, families: dict[str, list[Any]], plans: di
         if pid == 0:  # the child: trace, report, leave without running the parent's exit handlers
             os.close(read)
             gc.disable()  # the child frees nothing: it exits with os._exit when done
+            torch.set_num_threads(1)  # OpenMP's pool does not survive a fork: a parallel kernel would hang
             tracer._keep = []
             code = 0
             try:

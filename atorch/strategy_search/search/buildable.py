@@ -184,6 +184,9 @@ def _in_child(run_all: Any, take: Any, limit_s: float) -> None:
     pid = os.fork()
     if pid == 0:  # the child: check, report, leave without the parent's exit handlers
         os.close(read)
+        # one intra-op thread: OpenMP's pool does not survive a fork, and a parallel kernel in the child of a parent
+        # that had used it hangs (seen: the one-sample check's first Linear, after the job's own matmuls)
+        torch.set_num_threads(1)
         code = 0
         try:
             with os.fdopen(write, "w") as out:

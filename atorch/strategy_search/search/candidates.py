@@ -92,6 +92,27 @@ def layout_key(point: Point) -> str:
                       sort_keys=True)
 
 
+@functools.cache
+def _placement_keys(_names: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The choice dimensions that only place the model's state over the data ranks (every method of them a
+    "parallel" one: the sharding choice) and their methods' option prefixes ("zero1.", "fsdp.")."""
+    from atorch.opt_lib.registry import search_dimensions
+
+    dims = [d for d in search_dimensions() if d.kind == "choice" and all(m.group == "parallel" for m in d.methods)]
+    return frozenset(d.name for d in dims), tuple(f"{m.name}." for d in dims for m in d.methods)
+
+
+def sibling_key(point: Point) -> str:
+    """A point without its sharding (the choice, with its options): candidates sharing it compute the same step on
+    the same activations, so the analytical memory model's error on the activations, measured on one of them by a
+    trace, is its error on the others, DeepSpeed's engine among them (which the trace cannot build)."""
+    from atorch.opt_lib import registry
+
+    names, prefixes = _placement_keys(tuple(registry.method_names()))
+    return json.dumps({k: v for k, v in point.items() if k not in names and not k.startswith(prefixes)},
+                      sort_keys=True)
+
+
 def family_key(point: Point) -> str:
     """The memory family of a point: its layout, sharding (with its options) and recompute."""
     excluded = not_family_keys()
