@@ -244,3 +244,46 @@ def test_selective_checkpoint_wraps_every_kth_block_and_the_cost_model_follows(f
     assert traced[0] > traced[1] > traced[2]
     # conservative as full recompute is, and no further off (measured: GPT-2 +23%, Llama +16%; KNOWN_ERRORS)
     assert 0 <= predicted[1].memory.peak / traced[1] - 1 <= KNOWN_ERRORS[figures.name, "checkpoint"] + BAND
+
+
+def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_sharding(figures: Figures) -> None:
+    # The search corrects an untraced candidate (DeepSpeed's engine cannot be traced) by the error the trace found on
+    # a sibling: the same step under another sharding. Here every sibling is traced, so each correction is checked
+    # against the sibling's own trace. Under checkpoint (an error the shardings share, on the activations: +23% to
+    # +51% on the GPT-2 and the Llama) the corrected figure lands within 5% of the trace (measured: -4.3% to +4.0%);
+    # without it, the errors are within the band and nothing is corrected, but for the MLP's FSDP.
+    from atorch.strategy_search.search.candidates import SiblingErrors
+
+    corrected_band = 0.05
+    for recompute in (True, False):
+        group = {sharding: ["parallel_mode", *(["checkpoint"] if recompute else []), *[sharding][:sharding != "ddp"]]
+                 for sharding in ("ddp", "zero1", "zero2", "fsdp")}
+        if figures.name == "mlp" and recompute:
+            continue  # no repeated block to recompute
+        rows = []
+        for source, items in group.items():
+            errors = SiblingErrors(BAND)
+            errors.add({"checkpoint": recompute, "sharding": source}, figures.peak(items),
+                       figures.predicted(items).memory.peak)
+            seen = figures.predicted(items).memory.peak / figures.peak(items) - 1
+            for target, other in group.items():
+                if target == source:
+                    continue
+                memory = figures.predicted(other).memory
+                fixed = errors.corrected({"checkpoint": recompute, "sharding": target}, memory.peak,
+                                         memory.activations)
+                truth = figures.peak(other)
+                rows.append((source, seen, target, memory.peak / truth - 1,
+                             None if fixed is None else fixed / truth - 1))
+        if figures.name == "gpt2" and recompute:  # the known over-prediction under checkpoint (KNOWN_ERRORS)
+            assert all(analytical > 0.2 and fixed is not None for *_, analytical, fixed in rows), rows
+        for row in rows:
+            source_error, fixed = row[1], row[-1]
+            # a source within the band of its figure corrects nothing
+            assert (fixed is None) == (abs(source_error / (1 + source_error)) <= BAND), (figures.name, recompute, row)
+            # a correction never puts a sibling under its peak by more than the corrected band (the side a dry-run
+            # pays for with an out-of-memory run); a sharding's own error (FSDP's root unit on the MLP, -17%)
+            # carried to the others over-predicts them, the safe side
+            assert fixed is None or fixed >= -corrected_band, (figures.name, recompute, row)
+            if recompute:  # the error the shardings share: corrected to within the band either way
+                assert fixed is not None and abs(fixed) <= corrected_band, (figures.name, recompute, row)

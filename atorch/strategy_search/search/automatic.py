@@ -309,12 +309,11 @@ class _Leader:
                             host_offload=self.profile.device_type != "cpu", loop=self.options.loop,
                             precision=self.options.precision, ranks_per_node=ranks_per_node(self.env.world_size))
         state_factor = optimizer_state_factor(self.setup)
+        from atorch.strategy_search.costing.tracing import untraced_reason
+        from atorch.strategy_search.search.candidates import SiblingErrors, sibling_key
+
         traced: dict[str, Any] = {}  # candidate key -> traced memory, or why it was not traced
-        # sibling_key -> the largest traced - analytical peak of its traced members, where that is beyond the
-        # analytical band (a systematic error of the model on these activations, e.g. under checkpoint: 28-34%
-        # on the held-out Swin); a smaller one is the analytical model's noise, which differs from sharding to
-        # sharding (Swin's bf16 ZeRO-1 traced 4% under its figure, its FSDP2 sibling measured 2% over)
-        sibling_errors: dict[str, float] = {}
+        sibling_errors = SiblingErrors(ANALYTICAL_MEMORY_BAND)  # from the traced, for the untraced
         traced_band = TRACED_MEMORY_BAND_CPU if self.profile.device_type == "cpu" else TRACED_MEMORY_BAND
 
         def analytical(cand: Any) -> Any:
@@ -323,9 +322,6 @@ class _Leader:
             return cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
                               self.profile, self.global_batch, cand.micro_batches,
                               optimizer_state_factor=state_factor)
-
-        from atorch.strategy_search.costing.tracing import untraced_reason
-        from atorch.strategy_search.search.candidates import sibling_key
 
         def traced_peak(cand: Any) -> float | None:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
@@ -392,16 +388,9 @@ class _Leader:
                         traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
-                significant: set[str] = set()
-                for c in space.enumerate():  # each sibling group's largest error (traced - analytical) on its peak
+                for c in space.enumerate():
                     if (found := traced.get(c.key)) is not None and not isinstance(found, str):
-                        k = sibling_key(dict(c.point))
-                        error = float(found.peak) - analytical(c).memory.peak
-                        sibling_errors[k] = max(sibling_errors.get(k, -float("inf")), error)
-                        if abs(error) > ANALYTICAL_MEMORY_BAND * analytical(c).memory.peak:
-                            significant.add(k)
-                for k in set(sibling_errors) - significant:
-                    del sibling_errors[k]
+                        sibling_errors.add(dict(c.point), float(found.peak), analytical(c).memory.peak)
                 done = sum(not isinstance(t, str) for t in traced.values())
                 self.phases["trace_s"] = time.monotonic() - begin
                 logger.info("cost model: memory of %d of %d candidates traced in %.1f s (%d are under %.0f%% or over "
@@ -410,7 +399,7 @@ class _Leader:
                             "corrected by their traced siblings' error for %d)", done, len(space),
                             time.monotonic() - begin, len(space) - len(doubtful),
                             *(100 * share for share in TRACE_BAND), len(doubtful) - len(cands) - untraceable,
-                            untraceable, sum(sibling_key(dict(c.point)) in sibling_errors
+                            untraceable, sum(sibling_errors.knows(dict(c.point))
                                              and isinstance(traced.get(c.key, ""), str) for c in space.enumerate()))
             found = traced.get(cand.key)
             return None if found is None or isinstance(found, str) else float(found.peak)
@@ -419,12 +408,11 @@ class _Leader:
             pred = analytical(cand)
             peak = traced_peak(cand)
             band = ANALYTICAL_MEMORY_BAND if peak is None else traced_band
-            if peak is None and (error := sibling_errors.get(sibling_key(dict(cand.point)))) is not None:
+            if peak is None:
                 # untraced: the analytical peak corrected by the error its traced siblings showed on the same
-                # activations (the largest: the least favourable), never below its own non-activation terms (on
-                # the held-out Swin, checkpointed DeepSpeed ZeRO was over-predicted by 41%, its siblings by as
-                # much; so corrected, by 0-2%); still an estimate: the analytical band stays
-                peak = max(pred.memory.peak + error, pred.memory.peak - pred.memory.activations)
+                # activations (on the held-out Swin, checkpointed DeepSpeed ZeRO was over-predicted by 41%, its
+                # siblings by as much; so corrected, by 0-2%); still an estimate: the analytical band stays
+                peak = sibling_errors.corrected(dict(cand.point), pred.memory.peak, pred.memory.activations)
             return Predicted.of(pred.memory.peak if peak is None else peak, pred.time.step, space.global_batch,
                                 memory_band=band)
 
