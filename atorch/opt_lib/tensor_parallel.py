@@ -247,6 +247,18 @@ def split_layer_counts(model: nn.Module) -> tuple[int, int]:
     return len(plan.styles), params
 
 
+def bytes_left_whole(model: nn.Module, modules: list[nn.Module]) -> int:
+    """For the cost model: the parameter bytes of ``modules`` (a MoE layer's expert banks) that the automatic plan
+    does not split; all of them where the model has no plan."""
+    try:
+        plan = derive_plan(model, TensorParallelConfig(), 1)
+        planned = set() if plan.problems else {id(m) for name, m in model.named_modules() if name in plan.styles}
+    except Exception:  # noqa: BLE001 - no plan: tensor parallel is not offered, the figure is not used
+        planned = set()
+    return sum(p.numel() * p.element_size() for module in modules for sub in module.modules() if id(sub) not in planned
+               for p in sub.parameters(recurse=False))
+
+
 def replicated_kv_bytes(model: nn.Module, t: int) -> int:
     """Parameter bytes tensor parallel keeps whole on every rank at tensor size t: the k_proj / v_proj of the
     attentions with fewer key/value heads than t."""

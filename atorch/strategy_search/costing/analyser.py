@@ -146,6 +146,9 @@ class ModelStats(_Frozen):
     experts_per_token: int = 0
     expert_param_count: int = 0  # parameters of all experts of all MoE layers
     moe_layers: int = 0  # MoE layers (expert banks): each dispatches its tokens with all-to-alls under expert parallel
+    # expert-bank parameter bytes tensor parallel's automatic plan leaves whole (transformers' stacked experts: the
+    # plan splits the attention and dense layers; every rank of the tensor group keeps every expert)
+    tp_whole_expert_bytes: int = 0
     # how the step was measured: "fake" tensors, or "real" tensors on the sample batch where the fake run failed
     measured_on: str = "fake"
 
@@ -450,6 +453,9 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
     experts, per_token, expert_params = moe_structure(model)
     moe_layers = len(_expert_banks(model)) if experts else 0
+    from atorch.opt_lib.tensor_parallel import bytes_left_whole
+
+    whole_experts = bytes_left_whole(model, _expert_banks(model)) if experts else 0
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
@@ -508,6 +514,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         experts_per_token=per_token,
         expert_param_count=expert_params,
         moe_layers=moe_layers,
+        tp_whole_expert_bytes=whole_experts,
         measured_on=measured_on,
     )
 

@@ -430,8 +430,11 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     split = tp * pp
     share = 1.0  # the share of the model's parameters (and, as a proxy, of its matmul FLOPs) on this rank
     if split > 1 and stats.param_bytes:
-        # [tensor_parallel] key/value projections with fewer heads than tp stay whole on each rank of the group
+        # [tensor_parallel] key/value projections with fewer heads than tp stay whole on each rank of the group, and
+        # so do the experts the plan does not split (those expert parallel splits are out of these terms already)
         whole = sum(size for kv_heads, size in stats.tp_kv_param_bytes if kv_heads < tp) * scale
+        if tp > 1 and ep == 1:
+            whole += stats.tp_whole_expert_bytes * scale
         per_block = whole / max(sum(b.count for b in stats.blocks), 1)
         share = (root_params + (block_params - whole) / split + whole / pp) / (stats.param_bytes * scale)
         trainable, frozen = trainable * share, frozen * share

@@ -361,19 +361,20 @@ class _Leader:
                     # a candidate the trace cannot build (DeepSpeed's engine) is stood for by its siblings (the same
                     # computation under another sharding: ``sibling_key``), traced in its place and at its priority:
                     # their error on the activations corrects its analytical figure (``predict``)
+                    untraceable_keys = {c.key for c in doubtful
+                                        if untraced_reason(c.strategy, self.env.world_size) is not None}
                     stands_in: dict[str, float] = {}
                     for c in doubtful:
-                        if wanted(c) and untraced_reason(c.strategy, self.env.world_size) is not None:
+                        if wanted(c) and c.key in untraceable_keys:
                             k = sibling_key(dict(c.point))
                             stands_in[k] = min(stands_in.get(k, float("inf")), analytical(c).time.step)
 
                     def priority(c: Any) -> float:
                         return min(analytical(c).time.step, stands_in.get(sibling_key(dict(c.point)), float("inf")))
 
-                    untraceable = sum(untraced_reason(c.strategy, self.env.world_size) is not None for c in doubtful)
-                    cands = sorted((c for c in doubtful if untraced_reason(c.strategy, self.env.world_size) is None
-                                    and self._builds(c) and (wanted(c) or sibling_key(dict(c.point)) in stands_in)),
-                                   key=priority)
+                    untraceable = len(untraceable_keys)
+                    cands = sorted((c for c in doubtful if c.key not in untraceable_keys and self._builds(c)
+                                    and (wanted(c) or sibling_key(dict(c.point)) in stands_in)), key=priority)
                     # each sibling group has one member traced before any has two: the trace's seconds buy the
                     # analytical model's error for as many groups as they can (a trace costs about a dry-run of a
                     # small model: the held-out bench's Swin traced 2 families a rank in 4 s)
