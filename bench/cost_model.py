@@ -330,9 +330,8 @@ def main() -> None:
         evaluate(json.loads(Path(args.replay).read_text()))
         return
 
-    import torch.distributed as dist
 
-    from atorch.distributed import init_distributed
+    from atorch.distributed import init_distributed, shutdown
     from atorch.strategy_search.costing.hardware import measure_profile
 
     env = init_distributed()
@@ -345,7 +344,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(report, indent=1))
     if env.rank == 0:
         evaluate(report)
-    dist.destroy_process_group()
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":

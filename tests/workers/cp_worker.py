@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from worker_common import GLOBAL_BATCH, LR, repeated_batch, run_each
 
 import atorch
+from atorch.distributed import shutdown
 from atorch.model_context import call_model
 from atorch.training import train_step
 
@@ -232,7 +233,7 @@ def main() -> None:
     report = run_each(scenarios)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report))
-    dist.destroy_process_group()
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":

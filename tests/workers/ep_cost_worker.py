@@ -25,7 +25,7 @@ import torch.distributed as dist
 import toy_models
 
 import atorch
-from atorch.distributed import init_distributed
+from atorch.distributed import init_distributed, shutdown
 from atorch.dryrun import dry_run_many
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
@@ -106,7 +106,7 @@ def main() -> None:
     report = GROUPS[group](directory)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report, default=str))
-    dist.destroy_process_group()
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 from toy_models import MLP, mlp_dataset
 from worker_common import run_each
 
+from atorch.distributed import shutdown
 from atorch.lightning import ATorchStrategy
 
 SCRATCH = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -282,11 +283,7 @@ def main() -> None:
     report = run_each({k: v for k, v in scenarios.items() if only is None or k in only})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
-    # Tear the group down before the interpreter exits: one CI run saw rank 1 abort at exit ("terminate called
-    # without an active exception", SIGABRT) after every scenario had passed.
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from toy_models import SmallVGG
 
-from atorch.distributed import init_distributed
+from atorch.distributed import init_distributed, shutdown
 from atorch.dryrun.runner import DryRunSession
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
@@ -81,7 +81,7 @@ def main() -> None:
     session.close()
     if env.rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":
