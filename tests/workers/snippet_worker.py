@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from worker_common import run_each
 
+from atorch.distributed import shutdown
+
 
 def runner(steps: list[list[str]]) -> Callable[[], dict[str, Any]]:
     def run() -> dict[str, Any]:
@@ -44,6 +46,7 @@ def main() -> None:
     report = run_each({name: runner(steps) for name, steps in snippets.items()})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(report), flush=True)
+    shutdown()  # ranks meet before gloo closes its connections (a lone teardown can abort a peer)
 
 
 if __name__ == "__main__":
