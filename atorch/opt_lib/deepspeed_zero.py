@@ -14,6 +14,7 @@ from pydantic import model_validator
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.opt_lib.base import MethodConfig, Preparation
+from atorch.opt_lib.op_build_lock import build_directory, wait_for_build_lock
 
 logger = get_logger(__name__)
 
@@ -75,6 +76,7 @@ def prepare_deepspeed() -> None:
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        wait_for_build_lock(build_directory(builder.name))  # torch waits silently, for ever, on a killed build's lock
         builder.load(verbose=False)
 
 
