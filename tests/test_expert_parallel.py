@@ -112,6 +112,12 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _matches_one_process(entry: dict[str, Any], local_experts: int, dp_size: int) -> None:
     assert "error" not in entry and "refused" not in entry, entry
+    sharded = any(word in entry.get("scenario", "") for word in ("fsdp", "zero"))
+    # DDP keeps every non-expert parameter on every rank; fsdp, and zero1 (run as FSDP2 next to experts), shard them
+    if sharded:
+        assert entry["dense_local_share"] < 1.2 / dp_size, entry
+    else:
+        assert entry["dense_local_share"] == 1.0, entry
     assert entry["local_experts"] == [local_experts] and entry["dp_size"] == dp_size, entry
     assert entry["names_match"], "the accelerated model's parameters carry the user's names"
     assert entry["loss_drop"] > 100 * LOSS_ATOL, "the loss falls far more than the tolerance"
@@ -123,15 +129,16 @@ def _matches_one_process(entry: dict[str, Any], local_experts: int, dp_size: int
 
 @pytest.mark.parametrize(("scenario", "local_experts"),
                          [("mixtral_e2", 2), ("qwen3_e2", 4), ("qwen2_e2", 2), ("mixtral_e2_fsdp", 2),
-                          ("mixtral_own_plan_e2", 2)])
+                          ("mixtral_own_plan_e2", 2), ("qwen3_e2_zero1", 4)])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str, local_experts: int) -> None:
-    _matches_one_process(two[scenario], local_experts, dp_size=2)
+    _matches_one_process({**two[scenario], "scenario": scenario}, local_experts, dp_size=2)
 
 
 @pytest.mark.parametrize(("scenario", "local_experts"),
-                         [("mixtral_e2_d2", 2), ("qwen3_e2_d2_fsdp", 4), ("mixtral_e4", 1), ("qwen3_e4", 2)])
+                         [("mixtral_e2_d2", 2), ("qwen3_e2_d2_fsdp", 4), ("mixtral_e4", 1), ("qwen3_e4", 2),
+                          ("mixtral_e2_d2_zero1", 2)])
 def test_four_processes_train_like_one(four: dict[str, Any], scenario: str, local_experts: int) -> None:
-    _matches_one_process(four[scenario], local_experts, dp_size=4)
+    _matches_one_process({**four[scenario], "scenario": scenario}, local_experts, dp_size=4)
 
 
 @pytest.mark.parametrize("scenario", ["mixtral_e2_accumulated", "qwen3_e2_fsdp_accumulated"])

@@ -129,8 +129,15 @@ def test_a_moe_model_s_space_has_expert_candidates_and_a_dense_one_s_none() -> N
     assert experts and all(EP_NAME in c.strategy.names() for c in experts)
     assert all(c.strategy.layout(WORLD).size("expert") == 2 for c in experts)
     shardings = {dict(c.point)["sharding"] for c in experts}
-    assert {"ddp", "fsdp"} <= shardings and "zero1" not in shardings  # the rules: zero1's optimizer takes no DTensor
-    assert any("zero1" in " ".join(why) for p, why in space.invalid_points() if p.get("expert") == 2)
+    assert {"ddp", "fsdp"} <= shardings
+    # zero1 next to experts runs on FSDP2 (zero1.runs_on_fsdp2): one program with zero2 and fsdp without
+    # resharding after forward, which the space keeps once; DeepSpeed's zero1 engine takes no DTensor (the rules)
+    zero1 = [c for c in experts if dict(c.point)["sharding"] == "zero1"]
+    assert zero1 and all(c.strategy.get("zero1").implementation == "torch" for c in zero1)
+    assert not any(dict(c.point)["sharding"] == "fsdp" and not dict(c.point)["fsdp.reshard_after_forward"]
+                   and not dict(c.point)["fsdp.cpu_offload"] for c in experts)
+    assert any("zero1" in " ".join(why) and "deepspeed" in " ".join(why)
+               for p, why in space.invalid_points() if p.get("expert") == 2)
     assert {dict(c.point).get("expert", 1) for c in space.enumerate()} == {1, 2}
     # 4 ranks, 4 experts: expert 2 and 4; 2 experts: only 2
     assert SearchSpace(toy_models.moe(), 4, 16).expert_sizes == (1, 2, 4)

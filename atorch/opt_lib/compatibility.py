@@ -240,8 +240,6 @@ _EP_ALONE: tuple[tuple[str, str, str], ...] = (
      "would dispatch inside the schedule)", "drop 'pipeline_parallel'"),
     ("ds_3d_parallel", "DeepSpeed's pipeline engine takes plain tensors, not expert-parallel DTensors",
      "drop 'ds_3d_parallel'"),
-    ("zero1", "ZeroRedundancyOptimizer cannot partition expert-parallel (DTensor) parameters",
-     "use 'fsdp' (or 'zero2') over the data × expert ranks instead of 'zero1'"),
 )
 
 
@@ -263,11 +261,15 @@ RULES += (
         when=lambda c: _permuted_groups(c, "expert"), condition="rank_order permutes an expert group",
         example=(("parallel_mode", {"dims": [["expert", 2], ["data", 1]], "rank_order": [1, 0]}), "expert_parallel"),
     ),
-    Rule(
-        ("expert_parallel", "zero2"), "DeepSpeed's engine takes plain tensors, not expert-parallel DTensors",
-        "use implementation 'fsdp2' for 'zero2', or 'fsdp'",
-        when=_deepspeed("zero2"), condition="zero2 implementation='deepspeed'",
-        example=(("parallel_mode", _EP_DIMS), "expert_parallel", ("zero2", {"implementation": "deepspeed"})),
+    # zero1 (torch) next to experts runs as FSDP2 over the data × expert ranks (zero1.runs_on_fsdp2)
+    *(
+        Rule(
+            ("expert_parallel", zero), "DeepSpeed's engine takes plain tensors, not expert-parallel DTensors",
+            f"use implementation '{fix}' for '{zero}', or 'fsdp'",
+            when=_deepspeed(zero), condition=f"{zero} implementation='deepspeed'",
+            example=(("parallel_mode", _EP_DIMS), "expert_parallel", (zero, {"implementation": "deepspeed"})),
+        )
+        for zero, fix in (("zero1", "torch"), ("zero2", "fsdp2"))
     ),
 )
 

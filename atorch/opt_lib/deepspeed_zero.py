@@ -140,8 +140,8 @@ def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
 
 def runs_on_fsdp2(configs: Any) -> bool:
     """True where zero1 (torch implementation) runs as FSDP2 over the data dimension, as zero2 does: with a 'tensor'
-    dimension, whose DTensor parameters ZeroRedundancyOptimizer cannot partition. ``configs``: a Strategy or the
-    method configs by name."""
+    or an 'expert' dimension, whose DTensor parameters ZeroRedundancyOptimizer cannot partition. ``configs``: a
+    Strategy or the method configs by name."""
     zero1, mode = configs.get("zero1"), configs.get("parallel_mode")
     return (zero1 is not None and zero1.implementation == "torch" and mode is not None
-            and "tensor" in dict(mode.dims))
+            and bool({"tensor", "expert"} & set(dict(mode.dims))))

@@ -318,9 +318,9 @@ def same_program(name: str, config: Any) -> tuple[str, Any]:
 
 
 def zero1_sharding() -> ShardingConfig:
-    """What zero1 runs with next to a 'tensor' dimension (zero1.runs_on_fsdp2): FSDP2 with sharding's defaults (the
-    detected blocks as units), without resharding after forward."""
-    logger.info("zero1: tensor-parallel (DTensor) parameters: runs as FSDP2 over the data dimension without "
+    """What zero1 runs with next to a 'tensor' or 'expert' dimension (zero1.runs_on_fsdp2): FSDP2 with sharding's
+    defaults (the detected blocks as units), without resharding after forward."""
+    logger.info("zero1: tensor- or expert-parallel (DTensor) parameters: runs as FSDP2 over the data ranks without "
                 "resharding after forward (as zero2), which shards the gradients as well as the optimizer state")
     return ShardingConfig()
 

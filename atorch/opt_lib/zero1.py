@@ -1,7 +1,8 @@
 """zero1: optimizer state sharded across data-parallel ranks.
 
-With a 'tensor' dimension the parameters are tensor-parallel DTensors, which ZeroRedundancyOptimizer cannot
-partition (it broadcasts them with plain c10d collectives). There zero1 runs as FSDP2 over the data dimension
+With a 'tensor' or an 'expert' dimension the parameters are DTensors (tensor-parallel layers, experts split over
+the expert ranks), which ZeroRedundancyOptimizer cannot partition (it broadcasts them with plain c10d
+collectives). There zero1 runs as FSDP2 over the data dimension (over data × expert ranks next to experts)
 without resharding after forward (what zero2 runs: ``runs_on_fsdp2``): the optimizer state is sharded as named,
 and the gradients are reduce-scattered to their shards too, which is more than ZeRO-1 shards. The traffic is
 Megatron's distributed optimizer's (a reduce-scatter of the gradients, an all-gather of the parameters per step);
@@ -48,7 +49,7 @@ class Zero1(Method):
     name = "zero1"
     group = "parallel"
     summary = ("ZeRO-1: optimizer state sharded across data-parallel ranks; gradients all-reduced by DDP (with a "
-               "tensor dimension: FSDP2 without resharding after forward, which shards the gradients too).")
+               "tensor or expert dimension: FSDP2 without resharding after forward, which shards the gradients too).")
     # "ddp": none of the sharding methods (parallel_mode alone: plain data parallel)
     search_role = SearchRole("choice", "sharding", position=20, rank=0, off="ddp")
     Config = Zero1Config
@@ -72,7 +73,8 @@ class Zero1(Method):
         # to every rank: ZeroRedundancyOptimizer broadcasts each from its owner, DeepSpeed all-gathers its buckets.
         if config.implementation == "deepspeed":
             return CostFacts(optimizer_state="data", engine="deepspeed", collectives=(Collective("all_gather"),))
-        if layout.size("tensor") > 1:  # runs as zero2 there (runs_on_fsdp2): FSDP2, kept from forward to backward
+        if layout.size("tensor") > 1 or layout.size("expert") > 1:  # runs as zero2 there (runs_on_fsdp2): FSDP2, kept
+            # from forward to backward
             from atorch.opt_lib.sharding import ShardingConfig, fsdp2_cost_facts
 
             return replace(fsdp2_cost_facts(ShardingConfig(), "forward_to_backward"), runs_as="zero2")
@@ -80,7 +82,7 @@ class Zero1(Method):
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
     def apply(self, build: Build, config: Zero1Config) -> None:  # type: ignore[override]
-        if runs_on_fsdp2(build.configs):  # [tensor dimension] FSDP2 over the data dimension, as zero2 runs
+        if runs_on_fsdp2(build.configs):  # [tensor or expert dimension] FSDP2 over the data ranks, as zero2 runs
             from atorch.opt_lib.sharding import shard_over_data, zero1_sharding
 
             shard_over_data(build, zero1_sharding(), False, self.name)

@@ -104,6 +104,10 @@ def _whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def _gather_batches(batches: list[dict[str, torch.Tensor]]) -> list[list[dict[str, torch.Tensor]]]:
     """Every rank's batch of every step, by global rank."""
     ids = torch.stack([b["input_ids"] for b in batches])
@@ -158,6 +162,7 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     ours = _whole_params(result.model)
     me = dist.get_rank()
     experts = [p for p in result.model.parameters() if is_expert_param(p)]
+    dense = [p for p in result.model.parameters() if not is_expert_param(p)]
     return {
         "loss_diff": max(abs(a[0] - b[0]) for a, b in zip(mine, seen[me], strict=True)),
         "aux_diff": max(abs(a[1] - b[1]) for a, b in zip(mine, seen[me], strict=True)),
@@ -169,6 +174,8 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
         "expert_params": len(experts),
         "local_experts": sorted({p.to_local().shape[0] for p in experts}),
         "dp_size": result.args.data_parallel_size,
+        # the share of the non-expert parameters this rank holds: 1 under DDP, about 1 / data ranks when sharded
+        "dense_local_share": sum(_local(p).numel() for p in dense) / sum(p.numel() for p in dense),
     }
 
 
@@ -236,6 +243,7 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_e2": lambda d: train_and_compare("mixtral", _ep(2)),
         "qwen3_e2": lambda d: train_and_compare("qwen3_moe", _ep(2)),
         "mixtral_e2_fsdp": lambda d: train_and_compare("mixtral", _ep(2, extra=("fsdp",))),
+        "qwen3_e2_zero1": lambda d: train_and_compare("qwen3_moe", _ep(2, extra=("zero1",))),
         "qwen2_e2": lambda d: train_and_compare("qwen2_moe", _ep(2)),
         "mixtral_own_plan_e2": lambda d: train_and_compare("mixtral_no_plan", _ep(2)),
         "mixtral_e2_accumulated": lambda d: train_accumulated("mixtral", _ep(2)),
@@ -248,6 +256,7 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_e2_d2": lambda d: train_and_compare("mixtral", _ep(2, 2)),
         "qwen3_e2_d2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep(2, 2, ("fsdp",))),
         "mixtral_e4": lambda d: train_and_compare("mixtral", _ep(4)),
+        "mixtral_e2_d2_zero1": lambda d: train_and_compare("mixtral", _ep(2, 2, ("zero1",))),
         "qwen3_e4": lambda d: train_and_compare("qwen3_moe", _ep(4)),
         "checkpoint_e2d2_to_e4": lambda d: checkpoint_round_trip(d, _ep(2, 2), _ep(4)),
     },

@@ -433,7 +433,7 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
         wanted = given is not None and _matches(lay, given)
         if wanted and given and (given.get("fp8") or given.get("schedule") in FOREIGN_SCHEDULES):
             lay = replace(lay, fp8=bool(given.get("fp8")), schedule=given.get("schedule", lay.schedule))
-        if lay.sharding == Zero1.name and lay.tensor > 1 and not wanted:
+        if lay.sharding == Zero1.name and (lay.tensor > 1 or lay.expert > 1) and not wanted:
             continue  # atorch runs it as zero2 (zero1.runs_on_fsdp2): ranked once, as zero2
         problems = _problems(lay.structure(), gpus)
         if problems and not wanted:
