@@ -51,6 +51,10 @@ class SearchOptions(BaseModel):
     dryrun: bool = Field(default=True, description="False: pick by the cost model alone, with no dry-run")
     top_k: int = Field(default=3, ge=0, description="cost-model favourites enqueued first")
     max_micro_batch_size: int | None = Field(default=None, ge=1, description="largest micro-batch per rank searched")
+    context_parallel_from: int = Field(default=8192, ge=2, description=(
+        "sequences at least this many tokens long get context-parallel candidates (a transformers decoder; "
+        "8,192: the shortest sequence a published layout splits); included=['context_parallel'] offers them at "
+        "any length"))
     hardware_profile: str | None = Field(
         default=None, description="a profile table (path, or a name in atorch's profiles/) instead of measuring"
     )

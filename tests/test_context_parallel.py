@@ -3,6 +3,7 @@ processes (tests/workers/cp_worker.py) against one process, for Llama, Qwen2 and
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,22 @@ def test_refusals_name_the_problem_and_the_fix(two: dict[str, Any]) -> None:
     assert "attention interface" in bart and "drop context_parallel" in bart
     (uneven,) = two["uneven_refused"]["refused"]
     assert "sequence length is 14" in uneven and "multiple of 4" in uneven
-    (padding,) = two["padding_refused"]["refused"]
-    assert "padding" in padding and "drop the attention_mask" in padding
+    (mask,) = two["mask_4d_refused"]["refused"]
+    assert "(batch, sequence) = (1, 16)" in mask and "(1, 1, 16, 16)" in mask and "2-D attention_mask" in mask
+
+
+@pytest.mark.parametrize(("launch", "scenario"), [("two", "llama_c2_padded_right"), ("two", "qwen2_c2_padded_left"),
+                                                  ("four", "llama_c2_d2_padded_left")])
+def test_padded_batches_train_like_one_process_with_its_mask(launch: str, scenario: str,
+                                                             request: pytest.FixtureRequest) -> None:
+    """Padding (attention_mask 0, labels -100), right or left (leading padded queries see no real key, and the
+    last of them predicts the first real token): the mask is applied to the gathered keys as transformers' own SDPA
+    mask applies it in one process."""
+    entry = request.getfixturevalue(launch)[scenario]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["padded"] > 0 and entry["finite"], entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL, "the loss falls far more than the tolerance"
+    assert entry["loss_diff"] <= LOSS_ATOL and entry["weight_diff"] <= WEIGHT_ATOL, entry
 
 
 # ----- the cluster planner ----------------------------------------------------------------------
@@ -162,3 +177,70 @@ def test_short_sequences_get_no_context_dimension_and_a_data_context_layout_runs
     plain = strategy_for(Layout(1, 1, 4, "fsdp", "none", "none", 1, False, 1, 1, context=2))
     assert "context_parallel" in [m[0] if isinstance(m, (list, tuple)) else m for m in plain.to_list()]
     assert plain.problems(8) == []
+
+
+# ----- the automatic search ---------------------------------------------------------------------
+def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
+    import shard_models as sm
+
+    from atorch.strategy_search.search.space import CONTEXT_PARALLEL_FROM, SearchSpace
+
+    torch.manual_seed(0)
+    model = sm.tiny_llama()
+    assert CONTEXT_PARALLEL_FROM == 8192
+    assert SearchSpace(model, 2, 4, sequence_length=16).context_sizes == (1,)  # short sequences: not offered
+    space = SearchSpace(model, 2, 4, sequence_length=16, context_parallel_from=16)
+    assert space.context_sizes == (1, 2)
+    split = [c for c in space.enumerate() if dict(c.point).get("context", 1) == 2]
+    assert split and len(split) < len(space)
+    for cand in split:
+        layout = cand.strategy.layout(2)
+        assert "context_parallel" in cand.strategy.names() and layout.size("context") == 2
+        assert layout.data_size == 1 and layout.size("tensor") == 1  # the rules: no tensor or pipeline beside it
+        assert cand.micro_batch_size * cand.micro_batches == 4  # one data rank reads the whole global batch
+    # included by name: offered at any length, and every candidate has it
+    included = SearchSpace(model, 2, 4, sequence_length=16, included=["context_parallel"])
+    assert all(dict(c.point)["context"] == 2 for c in included.enumerate())
+    # sequences that do not split into 2 × context chunks, and a model it cannot split, get none
+    assert SearchSpace(model, 2, 4, sequence_length=18, context_parallel_from=16).context_sizes == (1,)
+    assert SearchSpace(sm.FlatMLP(), 2, 4, sequence_length=16, context_parallel_from=16).context_sizes == (1,)
+
+
+def test_the_cost_model_s_context_terms() -> None:
+    """At the same tokens per rank as data parallel: the same compute, the K/V all-gathers and their backward on
+    top, the attention's whole K/V and one shared mask in memory, the gathers' operations per attention layer."""
+    import shard_models as sm
+
+    from atorch.strategy_search.costing import cost_model as cm
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.hardware import load_profile
+
+    torch.manual_seed(0)
+    model = sm.tiny_llama()
+    data = sm.TokenDataset()
+    stats = analyse(model, {k: torch.stack([data[i][k] for i in range(2)]) for k in ("input_ids", "labels")},
+                    "unpack_dict")
+    profile = load_profile("a100_80gb_8x_nvlink")  # a GPU's: the gradients' backward is a reduce-scatter
+    ddp = Strategy.load(["parallel_mode"])
+    cp = Strategy.load([("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel"])
+    plain = cm.predict(stats, ddp, ddp.layout(2), profile, 4)
+    split = cm.predict(stats, cp, cp.layout(2), profile, 4)
+    assert stats.kv_bytes_per_token == 2 * 2 * 8 * 4 * 2  # K and V, 2 KV heads of 8, fp32, 2 layers
+    assert stats.attention_kv_bytes_per_token == 2 * stats.kv_bytes_per_token  # repeated to the 4 query heads
+    assert split.time.compute == pytest.approx(plain.time.compute, rel=1e-9)  # 4 samples / 2 ranks either way
+    layers, seq = 2, 16
+    assert split.time.ops - plain.time.ops == (cm.CONTEXT_LAYER_OPS[0] + 2 * cm.CONTEXT_LAYER_OPS[1]) * layers
+    kv = stats.kv_bytes_per_token * seq * 4
+    gathers = cm._collective_s(profile, "all_gather", kv, 2, 2 * layers) + cm._collective_s(
+        profile, "reduce_scatter", kv, 2, 2 * layers)
+    assert split.time.communication - plain.time.communication == pytest.approx(gathers, rel=1e-9)
+    whole = stats.attention_kv_bytes_per_token * seq * 4 * (1 - 1 / 2) + seq ** 2 / 2
+    assert split.memory.activations - plain.memory.activations == pytest.approx(whole, abs=2)
+
+
+def test_the_search_dry_runs_and_picks_context_candidates(two: dict[str, Any]) -> None:
+    entry = two["search_with_context"]
+    assert "error" not in entry, entry
+    assert "context_parallel" in entry["names"] and entry["context"] == 2, entry
+    assert entry["dry_runs"] >= 1 and all(math.isfinite(x) for x in entry["losses"]), entry
+    assert entry["losses"][-1] < entry["losses"][0], entry

@@ -14,6 +14,10 @@ on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3
   (``AttentionInterface``: the model's ``_attn_implementation`` becomes ``atorch_context_parallel``), so every
   transformers decoder on the attention interface runs it; position ids are the global positions of the rank's
   tokens (rotary and absolute embeddings alike).
+* Padding: an ``attention_mask`` with padding (0 = a padded position) is kept whole on every context rank (they
+  read the same batch) and applied to the gathered keys: a query attends its causal keys that are not padded, as
+  under transformers' own SDPA mask; a padded query with no key left (left padding's first positions) gets SDPA's
+  zero row (torch >= 2.5), as in one process (its output still predicts the first real token's label).
 * Loss: with ``labels``, they are shifted over the whole sequence before the split (transformers' ``shift_labels``)
   and each rank's loss is its tokens' sum over ``num_items_in_batch`` / c, so the mean of the ranks' losses is the
   token-weighted mean of one process; the loss returned is that mean (the same on every context rank). Without
@@ -24,7 +28,7 @@ on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +37,7 @@ from torch import nn
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
@@ -52,14 +56,39 @@ class ContextParallelConfig(MethodConfig):
     """Needs a 'context' dimension in parallel_mode, e.g. ``([("context", 2), ("data", -1)], None)``."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ContextShard:
     """This rank's place in its context group: ``size`` ranks, this one ``rank`` (its group rank: the all-gather's
-    order, so a rank_order that permutes the group changes nothing)."""
+    order, so a rank_order that permutes the group changes nothing). ``kept_keys``: the current forward's padding
+    mask over the whole sequence in the all-gather's order, (batch, sequence) booleans, True where a key is real
+    (None: no padding); set by the input hook before each forward, read by every attention layer of it."""
 
     group: Any
     size: int
     rank: int
+    kept_keys: torch.Tensor | None = None
+    _masks: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)  # this forward's, shared by its layers
+
+    def start_forward(self, kept_keys: torch.Tensor | None) -> None:
+        """A new forward: its padding mask (or None), and no mask made yet."""
+        self.kept_keys, self._masks = kept_keys, {}
+
+    def mask(self, local_length: int, device: torch.device, sliding_window: int | None) -> torch.Tensor:
+        """Which gathered keys each of this rank's queries attends: causal at their global positions, within the
+        sliding window, not padded; (queries, keys), or (batch, 1, queries, keys) with padding. Made once per forward
+        and window, and shared by its layers (one tensor saved for backward, not one per layer)."""
+        key = (local_length, str(device), sliding_window)
+        if key not in self._masks:
+            q_pos = self.positions(local_length, device)[:, None]
+            k_pos = self.all_positions(local_length, device)[None, :]
+            allowed = k_pos <= q_pos
+            if sliding_window is not None:  # transformers' convention: a query sees the last ``sliding_window`` keys
+                allowed &= q_pos - k_pos < sliding_window
+            if self.kept_keys is not None:  # padding: (batch, 1, queries, keys)
+                # a query with no key left (a leading padded position) gets SDPA's zero row, as in one process
+                allowed = allowed[None, None] & self.kept_keys[:, None, None, :].to(device)
+            self._masks[key] = allowed
+        return self._masks[key]
 
     def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
         """The global positions of this rank's ``local_length`` tokens (zigzag: chunks rank and 2c-1-rank)."""
@@ -140,11 +169,7 @@ def context_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # after the gather: the K/V heads travel, not their copies
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    q_pos = shard.positions(local, query.device)[:, None]
-    k_pos = shard.all_positions(local, query.device)[None, :]
-    allowed = k_pos <= q_pos
-    if sliding_window is not None:  # transformers' convention: a query sees the last ``sliding_window`` keys
-        allowed &= q_pos - k_pos < sliding_window
+    allowed = shard.mask(local, query.device, sliding_window)
     softcap = kwargs.get("softcap")
     if softcap is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
@@ -216,9 +241,12 @@ def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
                           f"equal chunks, but the sequence length is {length}; pad or cut sequences to a multiple of "
                           f"{2 * shard.size}")
     mask = inputs.pop("attention_mask", None)
-    if mask is not None and not bool((mask == 1).all()):
-        raise SetupError("context_parallel does not support attention masks with padding (its attention is causal "
-                          "over the whole sequence); pack sequences without padding, or drop the attention_mask")
+    if mask is not None and tuple(mask.shape) != (batch, length):
+        raise SetupError(f"context_parallel takes a padding attention_mask of shape (batch, sequence) = "
+                          f"{(batch, length)}, got {tuple(mask.shape)}; pass the tokenizer's 2-D attention_mask (a "
+                          "4-D or packed-sequence mask is not supported)")
+    padded = mask is not None and not bool((mask != 0).all())
+    shard.start_forward((mask != 0)[:, shard.all_positions(length // shard.size, mask.device)] if padded else None)
     if inputs.get("past_key_values") is not None:
         raise SetupError("context_parallel trains on whole sequences: past_key_values (a KV cache) is not supported")
     index = shard.positions(length // shard.size, source.device)
@@ -295,6 +323,16 @@ class ContextParallel(Method):
                "attention all-gathers K/V over it (Llama 3's); transformers decoders.")
     mesh_dims = (CONTEXT,)
     Config = ContextParallelConfig
+    # the search offers a 'context' size on an all-data-parallel layout for long sequences (space.py,
+    # CONTEXT_PARALLEL_FROM): the rules refuse it next to tensor, pipeline or expert parallel
+    search_role = SearchRole("layout", CONTEXT, off=1)
+
+    def searchable(self, model: Any) -> bool:
+        return not_supported_reason(model) is None
+
+    def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
+        # the split is installed only where the build communicates: a fake build runs whole sequences
+        return "the sequence split is set up with the context group's collectives (a communicating step)"
 
     def check(self, config: Any, check: StrategyCheck) -> list[str]:
         if ParallelMode.name not in check.configs:  # with one: the compatibility table's rule

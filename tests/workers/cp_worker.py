@@ -163,6 +163,77 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
     }
 
 
+class PaddedTokens(torch.utils.data.Dataset):
+    """The token dataset with 2-6 padded positions per sample (``side``: "right" or "left"): attention_mask 0 there,
+    labels -100 there (what a tokenizer and a causal-LM collator give)."""
+
+    def __init__(self, side: str) -> None:
+        self.base, self.side = sm.TokenDataset(), side
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.base[index]["input_ids"].clone()
+        pad = 2 + index % 5
+        mask = torch.ones_like(ids)
+        if self.side == "right":
+            mask[-pad:] = 0
+        else:
+            mask[:pad] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def train_padded(model_name: str, strategy: list[Any], side: str) -> dict[str, Any]:
+    """Padded batches (attention_mask and -100 labels) under context parallel against one process running the
+    user's model with the same masks (transformers' own SDPA mask)."""
+    user = _make(model_name)
+    result = _accelerate(user, strategy, PaddedTokens(side))
+    loader, batches, mine = iter(result.dataloader), [], []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        mine.append(loss.item())
+        batches.append(data)
+    per_rank = {key: _gather([b[key] for b in batches]) for key in ("input_ids", "attention_mask", "labels")}
+    shares: list[int] = []  # one global rank per distinct data share (a context group's ranks read the same)
+    for rank, ids in enumerate(per_rank["input_ids"]):
+        if not any(torch.equal(ids, per_rank["input_ids"][r]) for r in shares):
+            shares.append(rank)
+    model = copy.deepcopy(user)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    expected: list[float] = []
+    for step in range(STEPS):
+        losses = [model(**{key: per_rank[key][r][step] for key in per_rank}).loss for r in shares]
+        total = torch.stack(losses).mean()
+        total.backward()
+        optim.step()
+        optim.zero_grad()
+        expected.append(total.item())
+    ours = _whole_params(result.model)
+    mean = torch.tensor(mine)
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(mean.tolist(), expected, strict=True)),
+        "loss_drop": expected[0] - expected[-1],
+        "weight_diff": max((ours[n] - p.detach()).abs().max().item() for n, p in model.named_parameters()),
+        "padded": int((per_rank["attention_mask"][0] == 0).sum()),
+        "finite": all(torch.isfinite(torch.tensor(mine)).tolist()),
+    }
+
+
+def _gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's stacked ``tensors``, by global rank."""
+    mine = torch.stack(tensors)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return out
+
+
 def _data_shares(per_rank: list[torch.Tensor]) -> list[torch.Tensor]:
     """The distinct batches the ranks trained on (the context ranks of a data rank hold the same one)."""
     found: list[torch.Tensor] = []
@@ -193,6 +264,29 @@ def refused_at_call(model_name: str, strategy: list[Any], **batch: Any) -> dict[
     return {"accepted": True}
 
 
+def search_with_context() -> dict[str, Any]:
+    """The automatic search on a decoder whose sequences reach ``context_parallel_from`` (lowered to the toy's 16
+    tokens), with context_parallel included: its context candidates predicted, dry-run and picked, and the user's
+    loop trains under the pick."""
+    storage = f"sqlite:///{os.environ.get('TMPDIR', '/tmp')}/atorch-cp-search-{os.environ['MASTER_PORT']}.db"
+    _, result, strategy = atorch.auto_accelerate(
+        _make("llama"), torch.optim.SGD, repeated_batch(sm.TokenDataset()), sm.hf_loss,
+        model_input_format="unpack_dict", optim_args={"lr": LR},
+        dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, included=["context_parallel"],
+        search={"context_parallel_from": 16, "max_trials": 3, "warmup_steps": 1, "measure_steps": 2,
+                "min_measure_s": 0, "confirm_within": 0, "force": True, "storage": storage})
+    loader, losses = iter(result.dataloader), []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(loss.item())
+    return {"names": sorted(strategy.names()), "context": strategy.layout(dist.get_world_size()).size("context"),
+            "dry_runs": result.args.search.get("dry_runs"), "losses": losses}
+
+
 def _cp(context: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
     dims = [["context", context]] + ([["data", data]] if data is not None else [])
     return [("parallel_mode", {"dims": dims}), "context_parallel", *extra]
@@ -212,13 +306,17 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "mlp_refused": lambda: train_and_compare("mlp", _cp(2)),
         "bart_refused": lambda: train_and_compare("bart", _cp(2)),
         "uneven_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS[:, :14]),
-        "padding_refused": lambda: refused_at_call(
-            "llama", _cp(2), input_ids=_IDS, attention_mask=torch.cat([torch.ones(1, 12), torch.zeros(1, 4)], 1)),
+        "llama_c2_padded_right": lambda: train_padded("llama", _cp(2), "right"),
+        "qwen2_c2_padded_left": lambda: train_padded("qwen2", _cp(2), "left"),
+        "search_with_context": search_with_context,
+        "mask_4d_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS,
+                                                   attention_mask=torch.ones(1, 1, 16, 16)),
     },
     "four": {
         "llama_c2_d2": lambda: train_and_compare("llama", _cp(2, 2)),
         "qwen2_c2_d2_fsdp": lambda: train_and_compare("qwen2", _cp(2, 2, ("fsdp",))),
         "llama_c4": lambda: train_and_compare("llama", _cp(4)),
+        "llama_c2_d2_padded_left": lambda: train_padded("llama", _cp(2, 2), "left"),
     },
 }
 

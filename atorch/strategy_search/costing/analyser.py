@@ -149,6 +149,11 @@ class ModelStats(_Frozen):
     # expert-bank parameter bytes tensor parallel's automatic plan leaves whole (transformers' stacked experts: the
     # plan splits the attention and dense layers; every rank of the tensor group keeps every expert)
     tp_whole_expert_bytes: int = 0
+    # one token's keys and values over every causal attention layer of a transformers decoder, at the parameters'
+    # bytes per element: what context parallel all-gathers per token (0: no such attention) ...
+    kv_bytes_per_token: int = 0
+    # ... and the same repeated to the query heads (grouped-query attention): what its attention saves for backward
+    attention_kv_bytes_per_token: int = 0
     # how the step was measured: "fake" tensors, or "real" tensors on the sample batch where the fake run failed
     measured_on: str = "fake"
 
@@ -482,6 +487,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
 
     trainable_bytes = sum(nbytes(p) for p in trainable)
     param_bytes = sum(nbytes(p) for p in params)
+    kv_bytes = attention_kv_bytes(model)
     return ModelStats(
         fingerprint=fingerprint(model),
         batch_size=batch_size,
@@ -515,8 +521,33 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         expert_param_count=expert_params,
         moe_layers=moe_layers,
         tp_whole_expert_bytes=whole_experts,
+        kv_bytes_per_token=kv_bytes[0],
+        attention_kv_bytes_per_token=kv_bytes[1],
         measured_on=measured_on,
     )
+
+
+def attention_kv_bytes(model: nn.Module) -> tuple[int, int]:
+    """One token's keys and values over every causal attention layer of a transformers decoder (key/value heads ×
+    head size, from each attention module's config), and the same repeated to the query heads, at the model's bytes
+    per parameter; (0, 0) for other models."""
+    from atorch.opt_lib.context_parallel import attention_modules
+
+    params = list(model.parameters())
+    if not params:
+        return 0, 0
+    element = sum(nbytes(p) for p in params) / sum(p.numel() for p in params)
+    kv = repeated = 0
+    for module in attention_modules(model):
+        config = module.config
+        heads = getattr(config, "num_attention_heads", None)
+        if not module.is_causal or not isinstance(heads, int) or heads <= 0:
+            continue
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+        kv += 2 * int(kv_heads) * int(head_dim)
+        repeated += 2 * heads * int(head_dim)
+    return round(kv * element), round(repeated * element)
 
 
 def _real_setup(model: nn.Module, sample_batch: Any, blocks: dict[str, str],

@@ -110,6 +110,12 @@ activations; in steady state (the second step on) the optimizer state exists dur
   of the routed rows in expectation) plus the copies of the routed rows its dispatch keeps (``routed_saved``: the
   combine's weighting, one copy of tokens × top-k × hidden per MoE layer). Fake-tensor tracing cannot run its
   dispatch: this figure stands for it.
+* context_parallel (``context`` ``c``): context ranks read the same batch (``dp`` splits it over the data ranks)
+  and average and shard the gradients with them (DDP/FSDP over data × context: ``sync``). Activations ``/ c``
+  (a rank's 1/c of every sequence), plus what its attention keeps whole: the gathered K and V repeated to the
+  query heads (``ModelStats.attention_kv_bytes_per_token`` × the sequence, of which the split counted 1/c) and one
+  boolean mask, the rank's queries × every key, shared by the layers. The trace runs whole sequences (the split is
+  a communicating step): this figure stands for it.
 * cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
   a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
   memory is the device's, and nothing changes.
@@ -171,6 +177,11 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   has none); the dispatch's operations (``CostFacts.moe_layer_ops``); the expert gradients' all-reduce over the
   ranks holding the same experts once per step. The compute is the analyser's FLOPs, which count each routed
   token's rows through its experts (top-k, ``fake_kernels.EXTRA_FLOPS``), so it is unchanged by the split.
+* context parallel: a rank computes 1/c of the FLOPs (its tokens; the zigzag split gives every rank the same causal
+  attention work) at the matmul size of its 1/c; per attention layer and micro-batch ``CONTEXT_LAYER_OPS``
+  operations, an all-gather of the whole sequence's K and of its V in forward (``ModelStats.kv_bytes_per_token``
+  × the sequence, in the compute dtype) and their gradients' reduce-scatter in backward (an all-reduce on a CPU:
+  gloo has no reduce-scatter), over the ``c`` context ranks.
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
@@ -232,6 +243,10 @@ DEEPSPEED_PARAM_OPS = 8  # DeepSpeed ZeRO's Python work per parameter and micro-
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 TP_REPLICATED_ACTIVATIONS = 10 / 34  # share of a block's saved bytes tensor parallel does not split (Megatron)
 TP_BLOCK_OPS = 4  # collectives per block and micro-batch under tensor parallel (2 in forward, 2 in backward)
+# context parallel's operations per attention layer and micro-batch, (a, b): a + b × context (counted from
+# opt_lib/context_parallel.py's attention: per K and V a gather of c parts and their concatenation, and in backward
+# a reduction and the rank's slice; the mask is made once per forward, shared by the layers)
+CONTEXT_LAYER_OPS = (12, 2)
 
 
 class _Frozen(BaseModel):
@@ -384,6 +399,7 @@ class _Facts:
     gather: float  # FSDP mixed precision gathers 16-bit copies
     schedule: str  # the pipeline schedule
     context: int = 1  # each sequence split over this many ranks (context_parallel): activations / context
+    sync: int = 1  # the ranks gradients are averaged and sharded over: data × expert × context
 
 
 def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global_batch: int,
@@ -406,7 +422,10 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
     amp = facts.autocast
     recompute = facts.recompute
     scale = facts.storage_bytes  # 0.5 under 16-bit storage: everything in 16 bits
-    shard = dp if sharding else 1
+    # [context_parallel] context ranks read the same batch (``dp`` splits it) but average and shard the gradients
+    # with the data ranks (DDP/FSDP over data × context)
+    sync = layout.replica_size
+    shard = sync if sharding else 1
     # [expert_parallel] the experts split ep ways: a rank keeps 1/ep of them whole, with their gradients and state,
     # outside the data-parallel sharding and sync (the trainable bytes below are the rest); bytes per parameter as
     # the model's average
@@ -449,7 +468,7 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
         / stats.batch_size
     routed = hidden * micro * stats.experts_per_token * stats.moe_layers
 
-    owned = trainable / (dp if (sharding or zero1) else 1) + experts  # the parameters whose state this rank keeps
+    owned = trainable / (sync if (sharding or zero1) else 1) + experts  # the parameters whose state this rank keeps
     gather = 0.5 if amp and not half else 1.0  # FSDP mixed precision gathers 16-bit copies
     return _Facts(dp=dp, samples=samples, micro_batches=micro_batches, micro=micro, sharding=sharding,
                   deepspeed=deepspeed, reshard=reshard, offload=offload, zero1=zero1, half=half, amp=amp,
@@ -463,7 +482,7 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
                   routed_saved=facts.routed_saved if ep > 1 else 0.0,
                   gather=gather,
                   schedule=_schedule(strategy),
-                  context=layout.size(facts.activations) if facts.activations else 1)
+                  context=layout.size(facts.activations) if facts.activations else 1, sync=sync)
 
 
 def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
@@ -486,7 +505,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # reduce_bucket_size = min(DEEPSPEED_BUCKET_ELEMENTS, trainable elements): opt_lib/deepspeed_zero.py).
         params = f.trainable + f.frozen + f.buffers
         bucket = min(f.trainable, 4 * DEEPSPEED_BUCKET_ELEMENTS)
-        persistent = f.trainable / f.dp + bucket
+        persistent = f.trainable / f.sync + bucket
         # The reduction at the end of a backward (independent_gradient_partition_epilogue -> reduce_ipg_grads ->
         # allreduce_bucket, whose flatten() copies the bucket's gradients: one bucket) copies this rank's part
         # into grads_in_partition (copy_grads_in_partition: the parameters of its partition, whole). ZeRO-2
@@ -497,8 +516,8 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # flip between the two from run to run). Predicted: the midpoint, so either outcome is within half a
         # partition. ZeRO-1 reduces once, at the boundary.
         partitions = ZERO2_ACCUMULATED_PARTITIONS if f.sharding is not None and f.micro_batches > 1 else 1
-        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, f.dp)
-    elif f.sharding and f.dp > 1 and stats.blocks:
+        epilogue = bucket + partitions * _deepspeed_grads_in_partition(stats, f.sync)
+    elif f.sharding and f.sync > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered across steps (calibrated:
         # FSDP_ROOT_PERSISTENT x its gathered bytes); a block unit is gathered while it runs: in backward one
         # is (the forward's is freed before the head's peak). Without resharding after forward every block
@@ -507,11 +526,11 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         persistent = FSDP_ROOT_PERSISTENT * f.root_params * f.gather
         fwd_temp, bwd_temp = (0.0, unit * f.gather) if f.reshard else (f.block_params * f.gather, unit * f.gather)
         all_gathered = 0.0 if f.reshard else f.block_params * f.gather
-    elif f.sharding and f.dp > 1:  # no blocks: the root is the only unit, gathered for forward and backward
+    elif f.sharding and f.sync > 1:  # no blocks: the root is the only unit, gathered for forward and backward
         fwd_temp = bwd_temp = unit * f.gather
     elif f.sharding and f.amp:  # dp = 1: FSDP2 still casts the parameters for compute
         fwd_temp = bwd_temp = f.rank_param_bytes * 0.5
-    elif f.dp > 1:
+    elif f.sync > 1:
         persistent = DDP_PERSISTENT * f.trainable
     if f.amp and (f.deepspeed or not f.sharding):
         fwd_temp += f.rank_param_bytes * 0.5  # autocast caches a 16-bit cast of every weight until forward ends
@@ -526,8 +545,8 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         largest_tensor = (stats.largest_layer.param_bytes if stats.largest_layer else 0) * f.scale
         at_once = min(f.owned, largest_tensor / (f.shard if f.sharding else 1))
         step_temp = SINGLE_TENSOR_TEMP_PER_STATE * optimizer_state_factor * at_once
-    if f.zero1 and f.dp > 1 and not f.deepspeed:  # the other ranks' updated parameters, broadcast after the step
-        step_temp += ZERO1_BROADCAST_FRACTION * f.trainable * (f.dp - 1) / f.dp
+    if f.zero1 and f.sync > 1 and not f.deepspeed:  # the other ranks' updated parameters, broadcast after the step
+        step_temp += ZERO1_BROADCAST_FRACTION * f.trainable * (f.sync - 1) / f.sync
 
     amp_factor = (stats.amp_activation_bytes / stats.activation_bytes if stats.amp_activation_bytes
                   and stats.activation_bytes else AMP_ACTIVATION_FACTOR)
@@ -555,6 +574,12 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[f.checkpoint and bool(stats.blocks)] * largest) * act_scale
     activations += f.routed_saved * f.routed_bytes * f.scale * f.gather  # expert parallel's combine (at micro already)
+    if f.context > 1 and stats.seq_len:
+        # context parallel: each layer's attention saves the gathered K and V (repeated to the query heads) of the
+        # whole sequence, which the split above counted at 1/c; and one boolean causal mask (its queries × every
+        # key) that every layer shares
+        whole_kv = stats.attention_kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0)
+        activations += whole_kv * (1 - 1 / f.context) + stats.seq_len ** 2 / f.context
     host = 0.0
     # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
     offloaded = f.offload and f.sharding and profile.device_type != "cpu" and not f.deepspeed
@@ -577,7 +602,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).
     step_grads = grads
     if f.deepspeed:
-        step_grads = f.trainable / f.dp * (2 if f.sharding is not None and f.micro_batches > 1 else 1)
+        step_grads = f.trainable / f.sync * (2 if f.sharding is not None and f.micro_batches > 1 else 1)
     # Backward at the start of the blocks' (every block still gathered without resharding, none recomputed yet)
     # and as it goes on (one block gathered and recomputed at a time).
     bwd_start = activations + held_grads + all_gathered
@@ -604,12 +629,17 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     return memory, notes
 
 
+def _attention_layers(stats: ModelStats) -> int:
+    """The model's attention layers: its repeated blocks that attend (one attention each)."""
+    return sum(b.count for b in stats.blocks if b.attention)
+
+
 def _matmul_size(stats: ModelStats, f: _Facts) -> float | None:
     """The side of a square matmul with the FLOPs of the model's average one at this micro-batch (tensor
     parallel splits each matmul): the size whose measured throughput the compute term uses."""
     if not stats.fwd_lowp_ops or not stats.fwd_flops_per_sample:
         return None
-    flops = stats.fwd_flops_per_sample * f.micro / stats.fwd_lowp_ops / f.tp
+    flops = stats.fwd_flops_per_sample * f.micro / stats.fwd_lowp_ops / f.tp / f.context
     return (flops / 2) ** (1 / 3)
 
 
@@ -617,7 +647,7 @@ def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Co
                    units: int) -> list[float]:
     """Seconds of one kind of collective a method states (``Collective``: its volume as a multiple of parameter
     bytes) over one step, term by term; none where its mesh dimension has one rank."""
-    ranks = {"data": f.dp, "replicas": f.dp // f.ep, "expert": f.ep, "tensor": f.tp, "pipeline": f.pp}.get(c.over, 1)
+    ranks = {"data": f.sync, "replicas": f.dp // f.ep, "expert": f.ep, "tensor": f.tp, "pipeline": f.pp}.get(c.over, 1)
     if ranks <= 1:
         return []
     base = {"trainable": f.rank_trainable_bytes, "parameters": f.rank_param_bytes - f.rank_expert_bytes,
@@ -649,7 +679,8 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     flops = stats.fwd_bwd_flops_per_sample * f.samples
     if f.checkpoint and stats.blocks:  # one more forward of the recomputed blocks (the blocks: most of it)
         flops += f.recompute * stats.fwd_flops_per_sample * f.samples
-    flops *= f.share
+    flops *= f.share / f.context  # context parallel: a rank computes its 1/c of every sequence (zigzag: of the
+    # causal attention too)
     bubble = (f.micro_batches + f.pp - 1) / f.micro_batches if f.pp > 1 else 1.0  # stages idle while the pipe fills
     compute = flops / (tflops * 1e12) * bubble * (ratio or 1.0)
 
@@ -668,6 +699,8 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     if f.tp > 1:
         ops += TP_BLOCK_OPS * sum(b.count for b in stats.blocks) / f.pp
     ops += f.moe_layer_ops * f.moe_layers  # expert parallel's token dispatch in every MoE layer
+    if f.context > 1:  # the K/V gathers, positions and mask of every attention layer, and the gathers' backward
+        ops += (CONTEXT_LAYER_OPS[0] + CONTEXT_LAYER_OPS[1] * f.context) * _attention_layers(stats)
     ops *= f.micro_batches
     ops += OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * optimizer_state_factor
     if f.sharding and not f.deepspeed:  # every gather and the reduce-scatter, per unit and per parameter
@@ -689,7 +722,7 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
             comm += seconds
     full_grads = f.rank_trainable_bytes * f.scale
     gathered = f.rank_param_bytes * f.scale * f.gather
-    comm += _collective_s(profile, "all_reduce", 4, f.dp, 1)  # the step's loss, averaged over the ranks
+    comm += _collective_s(profile, "all_reduce", 4, f.sync, 1)  # the step's loss, averaged over the ranks
     if f.split > 1 and stats.blocks:
         # a block's input (its hidden states) at one micro-batch, in the compute dtype
         hidden = sum(b.input_bytes_total for b in stats.blocks) / sum(b.count for b in stats.blocks) * (
@@ -701,13 +734,21 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
         if f.pp > 1:  # a stage sends its output forward and receives its gradient back, per micro-batch
             comm += _p2p_s(profile, hidden * 2 * f.micro_batches, 2 * f.micro_batches)
         comm += _collective_s(profile, "all_reduce", 4, f.split, 1)  # the loss, from the last stage to every rank
+    if f.context > 1 and stats.kv_bytes_per_token and stats.seq_len:
+        # every attention layer all-gathers the whole sequence's K and V in forward (two collectives) and returns
+        # their gradients in backward (reduce-scatter; gloo has none: an all-reduce), in the compute dtype
+        kv = stats.kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0)
+        count = 2 * _attention_layers(stats) * f.micro_batches
+        back = "all_reduce" if profile.device_type == "cpu" else "reduce_scatter"
+        comm += _collective_s(profile, "all_gather", kv * f.micro_batches, f.context, count)
+        comm += _collective_s(profile, back, kv * f.micro_batches, f.context, count)
     communication = comm * (1.0 - overlap)
     bandwidth = optimizer_bytes_per_s or profile.memory_bytes_per_s or DEFAULT_MEMORY_BYTES_PER_S
     passes = OPTIMIZER_PASSES[0] + OPTIMIZER_PASSES[1] * optimizer_state_factor
     optimizer = passes * f.owned / bandwidth
     # Gradients copied into and out of the communication buffers (DDP buckets, FSDP's reduce-scatter
     # input, gathered parameters copied out) once per step / gather: read and written.
-    copies = 2 * (full_grads + gathered * gathers) if f.sharding else 2 * full_grads if f.dp > 1 else 0.0
+    copies = 2 * (full_grads + gathered * gathers) if f.sharding else 2 * full_grads if f.sync > 1 else 0.0
     optimizer += copies / bandwidth
 
     return TimePrediction(compute=compute, overhead=overhead, communication=communication, optimizer=optimizer,

@@ -271,7 +271,7 @@ class _Leader:
         return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s + timed
 
     def plan(self) -> SearchOutcome:
-        from atorch.strategy_search.costing.analyser import analyse
+        from atorch.strategy_search.costing.analyser import analyse, batch_shape
         from atorch.strategy_search.costing.diagnosis import StepError
         from atorch.strategy_search.costing.hardware import ranks_per_node
         from atorch.strategy_search.search.planner import Planner, default_storage, study_key
@@ -305,11 +305,17 @@ class _Leader:
             return analysed[0]
 
         supported = [d for d, name in (("bf16", "bfloat16"), ("fp16", "float16")) if name in self.profile.matmul_tflops]
+        try:
+            sequence = batch_shape(batch)[1]  # token sequences long enough get context-parallel candidates
+        except ValueError:
+            sequence = None
         space = SearchSpace(self.setup.model, self.env.world_size, self.global_batch, supported_dtypes=supported,
                             excluded=self.excluded, included=self.included, finetune_strategy=self.finetune,
                             max_micro_batch_size=self.options.max_micro_batch_size,
                             host_offload=self.profile.device_type != "cpu", loop=self.options.loop,
-                            precision=self.options.precision, ranks_per_node=ranks_per_node(self.env.world_size))
+                            precision=self.options.precision, ranks_per_node=ranks_per_node(self.env.world_size),
+                            sequence_length=sequence,
+                            context_parallel_from=self.options.context_parallel_from)
         state_factor = optimizer_state_factor(self.setup)
         from atorch.strategy_search.costing.tracing import untraced_reason
         from atorch.strategy_search.search.candidates import SiblingErrors, sibling_key

@@ -19,7 +19,11 @@ and fits the model (tensor_parallel: a plan derives from it, and GPT-2's Conv1D 
 module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). A
 mixture-of-experts model whose experts the registry's 'expert' layout method can split (expert_parallel) also
 gets an ``expert`` size on the all-data-parallel layout: sizes dividing the world and the expert count; expert
-ranks are data ranks too, so the data size (and micro-batching) is unchanged. Under
+ranks are data ranks too, so the data size (and micro-batching) is unchanged. A transformers decoder whose
+sequences are long (``context_parallel_from`` tokens, 8,192 by default: the shortest sequence a published layout
+splits, Megatron-Bridge's Llama 3 405B with context 2; any length when ``context_parallel`` is included by name)
+gets a ``context`` size there too (sizes dividing the world whose ``2 × size`` chunks divide the sequence): context
+ranks read the same batch, so the data size is what is left after them. Under
 pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b where there are two
 blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
 at least one per stage.
@@ -55,13 +59,16 @@ from atorch.opt_lib.registry import SearchDimension, search_dimensions
 from atorch.opt_lib.sharding import Zero2
 from atorch.opt_lib.tensor_parallel import TensorParallel
 from atorch.opt_lib.zero1 import Zero1
-from atorch.parallel_layout import EXPERT
+from atorch.parallel_layout import CONTEXT, EXPERT
 from atorch.strategy import Strategy, StrategyItem
 from atorch.strategy_search.costing.analyser import fingerprint
 
 Point = dict[str, Any]
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # searched under pipeline parallel
+# Context parallel is offered for sequences this long: the shortest a published layout splits (Megatron-Bridge's Llama 3
+# 405B at 8,192 tokens with context 2; Llama 3's own pretraining ran 8,192 without it, its 131k stage with 16).
+CONTEXT_PARALLEL_FROM = 8192
 # A method that keeps weights in 16 bits (numerics "low": half) has no fp32 master weights: in fp16 Adam's state
 # underflows (see Half.model_problems), so by default only bf16 is searched for it.
 DEFAULT_HALF_DTYPES = ("bf16",)
@@ -152,6 +159,8 @@ class SearchSpace:
         loop: str = "user",
         precision: Numerics = "mixed",
         ranks_per_node: int | None = None,
+        sequence_length: int | None = None,
+        context_parallel_from: int = CONTEXT_PARALLEL_FROM,
     ) -> None:
         if loop not in ("user", "train_step"):
             raise SetupError([f"loop must be 'user' or 'train_step', got {loop!r}"])
@@ -191,6 +200,7 @@ class SearchSpace:
         self.pipeline_blocks = 0
         self.tensor_sizes, self.pipeline_sizes = self._model_parallel_sizes(model)
         self.expert_method, self.expert_sizes = self._expert_sizes(model)
+        self.context_method, self.context_sizes = self._context_sizes(model, sequence_length, context_parallel_from)
         self._candidates: list[Candidate] | None = None
         self._invalid: list[tuple[Point, list[str]]] = []
         self._degenerates: list[tuple[Point, list[str]]] = []  # choices that change nothing at their layout
@@ -233,8 +243,24 @@ class SearchSpace:
 
         return method.name, (1, *expert_sizes(model, self.world_size))
 
-    def _micro_batch_sizes(self, tensor: int, pipeline: int) -> tuple[int, ...]:
-        dp = self.world_size // (tensor * pipeline)
+    def _context_sizes(self, model: nn.Module, sequence: int | None, threshold: int) -> tuple[str | None,
+                                                                                              tuple[int, ...]]:
+        """The registry's method for a 'context' layout dimension (each sequence split over it) and the sizes it offers:
+        1 always; more for a model it can split whose sequences are at least ``threshold`` tokens (any length where
+        the method is included by name), sizes whose ``2 × size`` chunks divide the sequence and whose data ranks
+        (world / size: context ranks read the same batch) divide the global batch."""
+        method = next((m for d in search_dimensions() if d.kind == "layout" and d.name == CONTEXT for m in d.methods),
+                      None)
+        if method is None or self.finetune is not None or not self._allowed(method.name) or not sequence:
+            return None, (1,)
+        if (sequence < threshold and method.name not in self.included) or not method.searchable(model):
+            return None, (1,)
+        sizes = tuple(c for c in _divisors(self.world_size) if c > 1 and sequence % (2 * c) == 0
+                      and self.global_batch % (self.world_size // c) == 0)
+        return (method.name, (1, *sizes)) if sizes else (None, (1,))
+
+    def _micro_batch_sizes(self, tensor: int, pipeline: int, context: int = 1) -> tuple[int, ...]:
+        dp = self.world_size // (tensor * pipeline * context)
         if self.global_batch % dp:
             return ()
         per_rank = self.global_batch // dp
@@ -243,7 +269,10 @@ class SearchSpace:
                                                          d <= self.max_micro_batch_size) and per_rank // d >= pipeline)
 
     def data_size(self, point: Point) -> int:
-        return self.world_size // (int(point.get("tensor", 1)) * int(point.get("pipeline", 1)))
+        """The ranks the batch is split over: what the tensor, pipeline and context sizes leave (expert ranks are
+        data ranks too)."""
+        return self.world_size // (int(point.get("tensor", 1)) * int(point.get("pipeline", 1))
+                                   * int(point.get(CONTEXT, 1)))
 
     def mesh_size(self, point: Point, dim: str) -> int:
         """The size of a parallel_mode dimension in a (partial) point: the layout's sizes, data what is left (the
@@ -264,6 +293,9 @@ class SearchSpace:
             yield Dim("pipeline_parallel.schedule", schedules)
         if len(self.expert_sizes) > 1 and t == p == 1:  # the rules refuse experts next to tensor or pipeline stages
             yield Dim(EXPERT, self.expert_sizes)
+        e = int(partial.get(EXPERT, 1))
+        if len(self.context_sizes) > 1 and t == p == e == 1:  # the rules refuse it next to tensor, pipeline, experts
+            yield Dim(CONTEXT, self.context_sizes)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
@@ -354,7 +386,8 @@ class SearchSpace:
                 folded = f"{chosen.name}.dtype" if dtype is not None else None  # carried by the value
                 yield from (d for d in self._method_dims(chosen.name) if d.name != folded)
         yield Dim("micro_batch_size", self._micro_batch_sizes(int(partial.get("tensor", 1)),
-                                                              int(partial.get("pipeline", 1))))
+                                                              int(partial.get("pipeline", 1)),
+                                                              int(partial.get(CONTEXT, 1))))
 
     def _points(self, partial: Point) -> Iterator[Point]:
         dim = self.next_dim(partial)
@@ -384,12 +417,15 @@ class SearchSpace:
         names = {layout}
         tensor, pipeline = int(point.get("tensor", 1)), int(point.get("pipeline", 1))
         expert = int(point.get(EXPERT, 1)) if self.expert_method is not None else 1
-        dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline), (EXPERT, expert))
-                if size > 1]
-        if dims:  # expert ranks are data ranks too: the data size is what is left either way
+        context = int(point.get(CONTEXT, 1)) if self.context_method is not None else 1
+        dims = [(name, size) for name, size in (("tensor", tensor), ("pipeline", pipeline), (EXPERT, expert),
+                                                (CONTEXT, context)) if size > 1]
+        if dims:  # the data size is what is left either way
             configs[layout] = {"dims": [*dims, ("data", -1)]}
         if expert > 1:
             names.add(self.expert_method)  # type: ignore[arg-type]
+        if context > 1:
+            names.add(self.context_method)  # type: ignore[arg-type]
         if tensor > 1 or pipeline > 1:
             schedule = {"micro_batches": self.global_batch // self.data_size(point) // int(point["micro_batch_size"])}
             if pipeline > 1:
