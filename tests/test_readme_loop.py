@@ -51,3 +51,5 @@ def test_the_families_cover_the_space(report: dict[str, Any]) -> None:
     else:  # tensor parallel beside and under sharding: the layout that once broke clipping (two meshes)
         assert '"tensor": 2' in text and '"tensor": 4' in text
         assert any('"tensor": 2' in n and '"fsdp"' in n for n in names)
+        assert '"context": 2' in text and '"context": 4' in text  # long sequences: context parallel too
+        assert any('"context": 2' in n and '"fsdp"' in n for n in names)

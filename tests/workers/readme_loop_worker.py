@@ -3,7 +3,8 @@
 
 Usage: ``torchrun --nproc_per_node=N readme_loop_worker.py CASE`` with CASE ``mlp`` (2 processes: every sharding
 method and implementation, precision, checkpointing) or ``llama`` (4 processes: a transformers Llama, whose space
-adds tensor-parallel layouts beside and under sharding). The strategies are not a hand list: they are the space's
+adds tensor-parallel layouts beside and under sharding, and context-parallel ones: its space is built as for sequences
+that reach ``context_parallel_from``). The strategies are not a hand list: they are the space's
 own candidates (``SearchSpace(model, world, batch).enumerate()``, the automatic search's defaults), one per
 family (a point without its micro-batch size), reduced to a covering set: every layout x sharding pair, then
 families until every value of every key is taken at least once.
@@ -79,13 +80,18 @@ def case_setup(case: str) -> tuple[Callable[[], torch.nn.Module], Dataset, Calla
     return llama, shard_models.TokenDataset(), lm_loss
 
 
-def families(model: torch.nn.Module, world: int, skip: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Name -> strategy: a covering set of the default space's families (see the module's docstring)."""
+def families(model: torch.nn.Module, world: int, skip: Callable[[dict[str, Any]], bool],
+             sequence: int | None = None) -> dict[str, Any]:
+    """Name -> strategy: a covering set of the default space's families (see the module's docstring); with
+    ``sequence``, the space the search builds for sequences that long when they reach ``context_parallel_from``
+    (context-parallel layouts too)."""
     from atorch.strategy_search.search.space import SearchSpace
 
     by_family: dict[str, dict[str, Any]] = {}
     strategies: dict[str, Any] = {}
-    for cand in SearchSpace(model, world, GLOBAL_BATCH).enumerate():
+    space = SearchSpace(model, world, GLOBAL_BATCH, sequence_length=sequence,
+                        **({"context_parallel_from": sequence} if sequence else {}))
+    for cand in space.enumerate():
         point = {k: v for k, v in cand.point if k != "micro_batch_size"}
         name = json.dumps(point, sort_keys=True)
         if not skip(point) and name not in by_family:
@@ -93,8 +99,8 @@ def families(model: torch.nn.Module, world: int, skip: Callable[[dict[str, Any]]
     chosen: list[str] = []
     groups: set[tuple[Any, ...]] = set()
     for name, point in by_family.items():  # every layout x sharding (and its implementation)
-        group = (point.get("tensor", 1), point.get("pipeline", 1), point["sharding"],
-                 point.get(f"{point['sharding']}.implementation"))
+        group = (point.get("tensor", 1), point.get("pipeline", 1), point.get("expert", 1), point.get("context", 1),
+                 point["sharding"], point.get(f"{point['sharding']}.implementation"))
         if group not in groups:
             groups.add(group)
             chosen.append(name)
@@ -171,7 +177,9 @@ def main() -> None:
     make, dataset, loss_func = case_setup(case)
     # DeepSpeed's implementations are covered by the MLP case (its engine builds its ops once per process)
     skip = (lambda point: False) if case == "mlp" else (lambda point: "deepspeed" in point.values())
-    strategies = families(make(), dist.get_world_size(), skip)
+    # the Llama's sequences as long as the search's threshold: its context-parallel layouts too
+    sequence = None if case == "mlp" else len(dataset[0]["input_ids"])
+    strategies = families(make(), dist.get_world_size(), skip, sequence)
     start = flat_weights(make())
     expected: dict[int, torch.Tensor] = {}
     report: dict[str, Any] = {"strategies": {}}
