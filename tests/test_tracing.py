@@ -120,7 +120,7 @@ def test_fsdp2_autocast_on_a_cnn_matches_two_real_gloo_ranks() -> None:
     # (tests/workers/tracing_worker.py). Without gloo's reduce-scatter copy in the trace the first was 6% under;
     # with DTensor's global-shape metadata tensors counted, the second's trace peaked at the step, 4-11% over.
     # The dry-run's figure moves between runs of the same program (FSDP2's collectives run asynchronously on gloo:
-    # +36 KB and +130 KB seen), only upwards: the worker keeps the least of three dry-runs; 2.5% covers the rest.
+    # +36 KB and +130 KB seen), only upwards: the worker keeps the least of five dry-runs; 2.5% covers the rest.
     report = run_json(HERE / "workers" / "tracing_worker.py", timeout=240)
     shared = report.pop("shared")
     for name, row in report.items():

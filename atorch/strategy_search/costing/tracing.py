@@ -101,7 +101,8 @@ def create_optimizer_state(optim: Any) -> None:
     gradients dropped again. The step traced after it runs as a training run's second step does, with the state
     there (the steady state the dry-run measures): half the fake program of tracing two steps, and the same peak
     to the byte (GPT-2, a CNN, Phi, Swin and OLMoE under DDP, checkpoint, ZeRO-1/2, FSDP with and without
-    offload, tensor parallel, fp16/bf16 autocast and accumulated micro-batches; checked against two steps)."""
+    offload, tensor parallel, fp16/bf16 autocast and accumulated micro-batches; checked against two steps), or 4
+    bytes under it (a VGG-like CNN at two micro-batches, of 1.8-2.9 MB)."""
     inner = getattr(optim, "optimizer", optim)
     for group in inner.param_groups:
         for param in group["params"]:
