@@ -2,18 +2,17 @@
 ``torch.distributed._tools``).
 
 ``MemoryTracer(setup, sample_batch, world_size).trace(strategy, micro_batch_size, micro_batches)`` builds the
-candidate the way a dry-run does — a fresh copy of the user's model (``ModelContext.fresh``), the strategy's real
-transformations (``atorch.apply.apply_strategy``), the optimizer from the user's factory, the
-``AcceleratedOptimizer`` (``ModelContext.finish``, ``build_result``) — has the optimizer make its state
-(``create_optimizer_state``: zero gradients and one optimizer step, no forward) and runs one step of
-``atorch.training.train_step`` (forward, loss, backward, optimizer step, with the optimizer state there: a
-training run's second step, its steady state), all on fake tensors (``FakeTensorMode``: shapes and dtypes, no
-storage, no arithmetic) and on torch's ``"fake"`` process group of the job's world size (collectives return at
-once). torch's ``MemTracker`` counts the live tensor bytes of this rank (rank 0: the larger shard where a split is
-uneven) over build, state and step; its peak is what the dry-run measures (``atorch.dryrun.memory.PeakMemory``:
-the peak increase of live tensor bytes over a baseline taken before the build). ``MemTracker`` attributes the peak
-to parameters, buffers, gradients, activations, temporaries and optimizer state; FSDP2's unsharded parameters and
-gradients show as activations / temporaries (it gathers them in its hooks).
+candidate the way a dry-run does — a fresh copy of the user's model (``ModelContext.fresh``), the strategy's
+real transformations (``atorch.apply.apply_strategy``), the optimizer from the user's factory, the
+``AcceleratedOptimizer`` (``ModelContext.finish``, ``build_result``) — and runs two steps of ``atorch.training.
+train_step`` (forward, loss, backward, optimizer step; the second step runs with the optimizer state there, as
+in steady state), all on fake tensors (``FakeTensorMode``: shapes and dtypes, no storage, no arithmetic) and on
+torch's ``"fake"`` process group of the job's world size (collectives return at once). torch's ``MemTracker``
+counts the live tensor bytes of this rank (rank 0: the larger shard where a split is uneven) over build and both
+steps; its peak is what the dry-run measures (``atorch.dryrun.memory.PeakMemory``: the peak increase of live
+tensor bytes over a baseline taken before the build). ``MemTracker`` attributes the peak to parameters, buffers,
+gradients, activations, temporaries and optimizer state; FSDP2's unsharded parameters and gradients show as
+activations / temporaries (it gathers them in its hooks).
 
 What the trace cannot see, and is added here or left to the analytical model (``cost_model.predict``):
 
@@ -58,13 +57,13 @@ derive its output's metadata; in a real run those hold no memory, and here they 
 fp16 autocast is traced as bf16 autocast (``memory_twin``: the same bytes; fp16's loss scaler reads
 ``found_inf.item()``, which fake tensors cannot answer).
 
-Cost (this 2-core machine, shared with four other jobs): one trace is build + the optimizer's state + one step (at
-most two micro-batches) of Python on fake tensors: 0.2-0.6 s for the held-out CNN / LSTM, 2-7 s for the 3-4-block
-transformers of bench/cost_model.py when it traced two steps (a third less since the per-module peaks are skipped;
-the state made without a forward took 30-55% off each trace of bench/search.py's models, 2 cores quiet).
-``trace_candidates`` traces each memory family (the strategy, and whether micro-batches accumulate) at its
-smallest and largest micro-batch size only and interpolates linearly in between (activations are linear in the
-micro-batch), within ``DEFAULT_TIME_LIMIT_S`` for all of them; families not reached keep the analytical figure."""
+Cost (this 2-core machine, shared with four other jobs): one trace is build + two steps (at most two
+micro-batches each) of Python on fake tensors: 0.2-0.6 s for the held-out CNN / LSTM, 2-7 s for the 3-4-block
+transformers of bench/cost_model.py (a third less since the per-module peaks are skipped). ``trace_candidates``
+traces each memory family (the strategy, and whether micro-batches accumulate) at its smallest and largest
+micro-batch size only and interpolates linearly in between (activations are linear in the micro-batch), within
+``DEFAULT_TIME_LIMIT_S`` for all of them; families not reached keep the analytical figure.
+"""
 
 from __future__ import annotations
 
@@ -93,23 +92,7 @@ from atorch.strategy import Strategy
 _NAME_OFFSET = 1_000_000
 _worlds_opened = 0
 DEFAULT_TIME_LIMIT_S = 120.0  # for all of a search's traces; the rest stays analytical
-
-
-def create_optimizer_state(optim: Any) -> None:
-    """Have the optimizer make its state (Adam's moments, a ZeRO shard's) without a forward and backward: zero
-    gradients, one step of the optimizer itself (not atorch's wrapper: no loss scaling, no gradient sync), the
-    gradients dropped again. The step traced after it runs as a training run's second step does, with the state
-    there (the steady state the dry-run measures): half the fake program of tracing two steps, and the same peak
-    to the byte (GPT-2, a CNN, Phi, Swin and OLMoE under DDP, checkpoint, ZeRO-1/2, FSDP with and without
-    offload, tensor parallel, fp16/bf16 autocast and accumulated micro-batches; checked against two steps), or 4
-    bytes under it (a VGG-like CNN at two micro-batches, of 1.8-2.9 MB)."""
-    inner = getattr(optim, "optimizer", optim)
-    for group in inner.param_groups:
-        for param in group["params"]:
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
-    inner.step()
-    inner.zero_grad(set_to_none=True)
+TRACE_STEPS = 2  # the second step runs with the optimizer state there (steady state)
 MAX_TRACED_MICRO_BATCHES = 2  # past the second micro-batch, accumulation repeats the same peak
 
 
@@ -119,7 +102,7 @@ class TraceError(RuntimeError):
 
 @dataclass(frozen=True)
 class TracedMemory:
-    """Peak live tensor bytes of rank 0 over build, the optimizer's state and a step, and what made them."""
+    """Peak live tensor bytes of rank 0 over build and two steps, and what made them."""
 
     peak: int  # traced peak + ``untraced``
     parameters: int = 0
@@ -302,9 +285,9 @@ class MemoryTracer:
                 apply_strategy(ctx, strategy, communicate=False)
                 ctx.finish()
                 result = build_result(ctx, setup)
-                count = min(micro_batches, MAX_TRACED_MICRO_BATCHES)
-                create_optimizer_state(result.optim)  # then one step is the steady state
-                train_step(result, [self._batch(micro_batch_size) for _ in range(count)])
+                for _ in range(TRACE_STEPS):
+                    count = min(micro_batches, MAX_TRACED_MICRO_BATCHES)
+                    train_step(result, [self._batch(micro_batch_size) for _ in range(count)])
                 ddp = _ddp_buckets(ctx, strategy, layout)
         except TraceError:
             raise
