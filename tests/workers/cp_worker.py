@@ -97,14 +97,6 @@ def _whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _gather_ids(batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Every rank's input_ids of every step, by global rank."""
-    ids = torch.stack([b["input_ids"] for b in batches])
-    out = [torch.empty_like(ids) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, ids)
-    return out
-
-
 def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0) -> dict[str, Any]:
     user = _make(model_name)
     try:
@@ -129,7 +121,7 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
             mine.append(loss.item())
         batches.append(data)
     handle.remove()
-    per_rank = _gather_ids(batches)
+    per_rank = _gather([b["input_ids"] for b in batches])
     shares = _data_shares(per_rank)
     model = copy.deepcopy(user)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
@@ -163,6 +155,20 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
     }
 
 
+def _train(result: Any) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """ATorch's loop for STEPS steps (forward with labels, backward, step): the batches and the losses."""
+    loader, batches, losses = iter(result.dataloader), [], []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(loss.item())
+        batches.append(data)
+    return batches, losses
+
+
 class PaddedTokens(torch.utils.data.Dataset):
     """The token dataset with 2-6 padded positions per sample (``side``: "right" or "left"): attention_mask 0 there,
     labels -100 there (what a tokenizer and a causal-LM collator give)."""
@@ -189,15 +195,7 @@ def train_padded(model_name: str, strategy: list[Any], side: str) -> dict[str, A
     user's model with the same masks (transformers' own SDPA mask)."""
     user = _make(model_name)
     result = _accelerate(user, strategy, PaddedTokens(side))
-    loader, batches, mine = iter(result.dataloader), [], []
-    for _ in range(STEPS):
-        data = result.prepare_input(next(loader), result.args.device)
-        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        mine.append(loss.item())
-        batches.append(data)
+    batches, mine = _train(result)
     per_rank = {key: _gather([b[key] for b in batches]) for key in ("input_ids", "attention_mask", "labels")}
     shares: list[int] = []  # one global rank per distinct data share (a context group's ranks read the same)
     for rank, ids in enumerate(per_rank["input_ids"]):
@@ -275,14 +273,7 @@ def search_with_context() -> dict[str, Any]:
         dataloader_args={"batch_size": GLOBAL_BATCH, "shuffle": False}, included=["context_parallel"],
         search={"context_parallel_from": 16, "max_trials": 3, "warmup_steps": 1, "measure_steps": 2,
                 "min_measure_s": 0, "confirm_within": 0, "force": True, "storage": storage})
-    loader, losses = iter(result.dataloader), []
-    for _ in range(STEPS):
-        data = result.prepare_input(next(loader), result.args.device)
-        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(loss.item())
+    _, losses = _train(result)
     return {"names": sorted(strategy.names()), "context": strategy.layout(dist.get_world_size()).size("context"),
             "dry_runs": result.args.search.get("dry_runs"), "losses": losses}
 
