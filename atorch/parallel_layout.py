@@ -182,9 +182,14 @@ class ParallelLayout:
 
     def data_mesh(self, device_type: str) -> Any:
         """The 1-D data-parallel sub-mesh this process belongs to, the group DDP/FSDP average gradients over (with
-        an 'expert' or 'context' dimension: data × expert × context)."""
+        an 'expert' or 'context' dimension: data × expert × context). Where only one of those is above 1 it is the
+        layout mesh's own slice, which FSDP2 can join to a tensor dimension; else a mesh of its own."""
         if EXPERT not in self.names and CONTEXT not in self.names:
             return self.mesh(device_type)[DATA]
+        spread = [name for name in REPLICA_DIMS if self.size(name) > 1]
+        if len(spread) == 1 and self.groups_follow_coordinates(spread[0]):
+            # one dimension: the layout mesh's own slice, so that FSDP2 can join it to a tensor dimension (2-D)
+            return self.mesh(device_type)[spread[0]]
         return self._batch_mesh(device_type)
 
     def _batch_mesh(self, device_type: str) -> Any:

@@ -74,10 +74,25 @@ def test_context_parallel_needs_a_context_dimension() -> None:
     assert _problems([("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel", "fsdp"], 4) == []
 
 
-@pytest.mark.parametrize("other", ["tensor_parallel", "pipeline_parallel", "expert_parallel"])
+@pytest.mark.parametrize("other", ["pipeline_parallel", "expert_parallel"])
 def test_unsupported_combinations_are_refused_with_a_reason(other: str) -> None:
     problems = _problems([("parallel_mode", {"dims": [["context", 2], ["data", 1]]}), "context_parallel", other])
     assert any(f"'context_parallel' cannot be combined with '{other}'" in p for p in problems), problems
+
+
+def test_tensor_beside_context_is_allowed_and_sharded_only_over_one_of_data_and_context() -> None:
+    """Tensor × context runs (each tensor rank's heads gather their K/V over its context group); FSDP2 joins a
+    tensor dimension only over one data-like dimension (torch's DeviceMesh flattens data × context out of rank
+    order), so with both above 1 the tensor-parallel replicas are kept by averaging, unsharded."""
+    def dims(data: int) -> tuple[str, dict[str, Any]]:
+        return ("parallel_mode", {"dims": [["tensor", 2], ["context", 2], ["data", data]]})
+
+    assert _problems([dims(1), "context_parallel", "tensor_parallel", "fsdp"], 4) == []
+    assert _problems([dims(2), "context_parallel", "tensor_parallel"], 8) == []
+    for sharding in ("fsdp", ("zero2", {"implementation": "fsdp2"}), "zero1"):
+        problems = _problems([dims(2), "context_parallel", "tensor_parallel", sharding], 8)
+        assert any("'context_parallel' cannot be combined with 'tensor_parallel'" in p and "set data to 1" in p
+                   for p in problems), (sharding, problems)
 
 
 # ----- real processes ---------------------------------------------------------------------------
@@ -109,7 +124,8 @@ def test_two_processes_train_like_one(two: dict[str, Any], scenario: str) -> Non
 
 
 @pytest.mark.parametrize(("scenario", "context", "dp_size"),
-                         [("llama_c2_d2", 2, 2), ("qwen2_c2_d2_fsdp", 2, 2), ("llama_c4", 4, 1)])
+                         [("llama_c2_d2", 2, 2), ("qwen2_c2_d2_fsdp", 2, 2), ("llama_c4", 4, 1),
+                          ("llama_t2_c2_sp", 2, 1), ("qwen2_t2_c2_fsdp", 2, 1)])
 def test_four_processes_train_like_one(four: dict[str, Any], scenario: str, context: int, dp_size: int) -> None:
     _matches_one_process(four[scenario], context, dp_size)
 
@@ -204,6 +220,11 @@ def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
     # sequences that do not split into 2 × context chunks, and a model it cannot split, get none
     assert SearchSpace(model, 2, 4, sequence_length=18, context_parallel_from=16).context_sizes == (1,)
     assert SearchSpace(sm.FlatMLP(), 2, 4, sequence_length=16, context_parallel_from=16).context_sizes == (1,)
+    # four ranks: context beside tensor too (tensor × context), never beside pipeline stages
+    four = [c.strategy for c in SearchSpace(model, 4, 4, sequence_length=16, context_parallel_from=16).enumerate()]
+    layouts = {(s.layout(4).size("tensor"), s.layout(4).size("context"), s.layout(4).size("pipeline")) for s in four}
+    assert (2, 2, 1) in layouts and (1, 4, 1) in layouts and not any(c > 1 and p > 1 for _, c, p in layouts), layouts
+    assert all(s.problems(4) == [] for s in four)
 
 
 def test_the_cost_model_s_context_terms() -> None:
@@ -236,6 +257,18 @@ def test_the_cost_model_s_context_terms() -> None:
     assert split.time.communication - plain.time.communication == pytest.approx(gathers, rel=1e-9)
     whole = stats.attention_kv_bytes_per_token * seq * 4 * (1 - 1 / 2) + seq ** 2 / 2
     assert split.memory.activations - plain.memory.activations == pytest.approx(whole, abs=2)
+    # beside tensor 2 a rank gathers and keeps its half of the heads' K/V (against tensor 2 × data 2: the same
+    # tokens per rank, the same gradient sync over 2 replicas)
+    tp_dp = Strategy.load([("parallel_mode", {"dims": [["tensor", 2], ["data", -1]]}), "tensor_parallel"])
+    tp_cp = Strategy.load([("parallel_mode", {"dims": [["tensor", 2], ["context", 2], ["data", -1]]}),
+                           "context_parallel", "tensor_parallel"])
+    tensor_data = cm.predict(stats, tp_dp, tp_dp.layout(4), profile, 4)
+    tensor_context = cm.predict(stats, tp_cp, tp_cp.layout(4), profile, 4)
+    halves = cm._collective_s(profile, "all_gather", kv / 2, 2, 2 * layers) + cm._collective_s(
+        profile, "reduce_scatter", kv / 2, 2, 2 * layers)
+    assert tensor_context.time.communication - tensor_data.time.communication == pytest.approx(halves, rel=1e-9)
+    assert tensor_context.memory.activations - tensor_data.memory.activations == pytest.approx(whole / 2 + seq ** 2
+                                                                                               / 4, abs=2)
 
 
 def test_the_search_dry_runs_and_picks_context_candidates(two: dict[str, Any]) -> None:

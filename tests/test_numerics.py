@@ -8,6 +8,7 @@ is its own test id; its per-step losses (mean over ranks) must match the referen
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any
 
 import pytest
@@ -100,10 +101,18 @@ IN_PROCESS_CASES = [
 ]
 
 
+def _example_world(rule: Any) -> int:
+    """The world size a rule's example is written for: its parallel_mode's sizes where all are given, else 2."""
+    mode = next((item[1] for item in rule.refused_example() if isinstance(item, tuple) and item[0] == "parallel_mode"),
+                None)
+    sizes = [size for _, size in mode["dims"]] if mode is not None else [-1]
+    return max(2, math.prod(sizes)) if all(size >= 1 for size in sizes) else 2
+
+
 @pytest.mark.parametrize("case", list(CONFLICT_CASES))
 def test_every_rule_refuses_its_example(case: str) -> None:
     rule = CONFLICT_CASES[case]
-    assert rule.message() in Strategy.load(rule.refused_example()).problems(world_size=2)
+    assert rule.message() in Strategy.load(rule.refused_example()).problems(world_size=_example_world(rule))
 
 
 class CopyTrapMLP(toy_models.MLP):

@@ -53,3 +53,4 @@ def test_the_families_cover_the_space(report: dict[str, Any]) -> None:
         assert any('"tensor": 2' in n and '"fsdp"' in n for n in names)
         assert '"context": 2' in text and '"context": 4' in text  # long sequences: context parallel too
         assert any('"context": 2' in n and '"fsdp"' in n for n in names)
+        assert any('"tensor": 2' in n and '"context": 2' in n for n in names)  # tensor × context

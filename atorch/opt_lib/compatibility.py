@@ -277,8 +277,6 @@ RULES += (
 # context_parallel: each sequence split over parallel_mode's 'context' dimension (context_parallel.py).
 _CP_DIMS = {"dims": [["context", 2], ["data", 1]]}
 _CP_ALONE: tuple[tuple[str, str, str], ...] = (
-    ("tensor_parallel", "splitting the sequence over a context dimension next to a tensor dimension is not "
-     "supported yet (each tensor rank's heads would need their own K/V all-gather)", "drop 'tensor_parallel'"),
     ("mixed_parallel", "tensor and pipeline stages next to a context dimension are not supported yet",
      "drop 'mixed_parallel'"),
     ("pipeline_parallel", "pipeline stages next to a context dimension are not supported yet (the stages would "
@@ -287,6 +285,17 @@ _CP_ALONE: tuple[tuple[str, str, str], ...] = (
     ("expert_parallel", "experts next to a context dimension are not supported yet (the expert gradients would "
      "need averaging over the context ranks too)", "drop 'expert_parallel' or 'context_parallel'"),
 )
+
+def _sharded_over_data_and_context(configs: Configs) -> bool:
+    """FSDP2 shards the parameters (fsdp, zero2 on FSDP2, zero1 beside a tensor dimension) over data × context with
+    both sizes above 1 (as fitted to the world size)."""
+    mode = configs.get("parallel_mode")
+    dims = dict(mode.dims) if mode is not None else {}
+    zero2 = configs.get("zero2")
+    sharded = ("fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
+               or runs_on_fsdp2(configs))
+    return sharded and dims.get("data", 1) > 1 and dims.get("context", 1) > 1
+
 
 RULES += (
     # (context_parallel without any parallel_mode: ContextParallel.check says the same)
@@ -298,6 +307,16 @@ RULES += (
         Rule(("context_parallel", other), reason, fix,
              example=(("parallel_mode", _CP_DIMS), "context_parallel", other))
         for other, reason, fix in _CP_ALONE
+    ),
+    Rule(
+        ("context_parallel", "tensor_parallel"), "FSDP2 would shard the tensor-parallel DTensors over a data × "
+        "context mesh, which torch's DeviceMesh flattens in another order than the process group numbers its ranks "
+        "(each rank would hold another rank's shard)", "keep the data ranks unsharded (drop the sharding method: the "
+        "tensor-parallel replicas average their gradients over data × context), or set data to 1 (tensor × context)",
+        when=_sharded_over_data_and_context,
+        condition="sharded by FSDP2 over data and context sizes both above 1",
+        example=(("parallel_mode", {"dims": [["tensor", 1], ["context", 2], ["data", 2]]}), "context_parallel",
+                 "tensor_parallel", "fsdp"),
     ),
     Rule(
         ("context_parallel", "zero2"), "DeepSpeed's engine averages gradients over its own data-parallel group, "

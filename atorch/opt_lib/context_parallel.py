@@ -23,6 +23,9 @@ on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3
   token-weighted mean of one process; the loss returned is that mean (the same on every context rank). Without
   labels the logits are gathered whole (in sequence order), so a user's own loss on them trains the same.
 * Gradients: DDP/FSDP average every parameter over data × expert × context (``ParallelLayout.replica_size``).
+* Beside tensor parallel: a rank's attention holds its tensor rank's heads, and its context group is the ranks at
+  the same tensor position, so each gathers its own heads' K/V; nothing else changes (the tensor-parallel replicas
+  average over data × context, tensor_data_parallel.py).
 """
 
 from __future__ import annotations
@@ -323,8 +326,8 @@ class ContextParallel(Method):
                "attention all-gathers K/V over it (Llama 3's); transformers decoders.")
     mesh_dims = (CONTEXT,)
     Config = ContextParallelConfig
-    # the search offers a 'context' size on an all-data-parallel layout for long sequences (space.py,
-    # CONTEXT_PARALLEL_FROM): the rules refuse it next to tensor, pipeline or expert parallel
+    # the search offers a 'context' size on a data or tensor × data layout for long sequences (space.py,
+    # CONTEXT_PARALLEL_FROM): the rules refuse it next to pipeline or expert parallel
     search_role = SearchRole("layout", CONTEXT, off=1)
 
     def searchable(self, model: Any) -> bool:

@@ -43,4 +43,4 @@ def replicate_tensor_parallel(ctx: Any) -> None:
     broadcast_from_first(ctx.model, ctx.data_mesh)
     ctx.gradient_sync = ReplicaGradientSync(ctx.model, ctx.data_mesh.get_group())
     logger.info("data parallel: tensor-parallel replicas over %d processes (gradients averaged before each step)",
-                ctx.dp_size)
+                ctx.replica_size)

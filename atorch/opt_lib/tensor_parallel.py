@@ -610,7 +610,7 @@ class TensorParallel(Method):
 
     def replicate(self, build: Build, config: TensorParallelConfig) -> bool:  # type: ignore[override]
         # replicas of DTensor shards, which DDP refuses (tensor_data_parallel.py); pipeline stages replicate their way
-        if build.ctx.dp_size <= 1 or build.per_stage is not None:
+        if build.ctx.replica_size <= 1 or build.per_stage is not None:  # (context ranks are replicas too)
             return False
         from atorch.opt_lib.tensor_data_parallel import replicate_tensor_parallel
 

@@ -283,6 +283,12 @@ def _cp(context: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> l
     return [("parallel_mode", {"dims": dims}), "context_parallel", *extra]
 
 
+def _tcp(tensor: int, context: int, tp: dict[str, Any] | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
+    """Tensor × context: each tensor rank's attention heads all-gather their K/V over its context group."""
+    return [("parallel_mode", {"dims": [["tensor", tensor], ["context", context]]}), "context_parallel",
+            ("tensor_parallel", tp) if tp else "tensor_parallel", *extra]
+
+
 _IDS = sm.TokenDataset()[0]["input_ids"][None]
 GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
     "two": {
@@ -307,6 +313,8 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "llama_c2_d2": lambda: train_and_compare("llama", _cp(2, 2)),
         "qwen2_c2_d2_fsdp": lambda: train_and_compare("qwen2", _cp(2, 2, ("fsdp",))),
         "llama_c4": lambda: train_and_compare("llama", _cp(4)),
+        "llama_t2_c2_sp": lambda: train_and_compare("llama", _tcp(2, 2, {"sequence_parallel": True})),
+        "qwen2_t2_c2_fsdp": lambda: train_and_compare("qwen2", _tcp(2, 2, extra=("fsdp",))),
         "llama_c2_d2_padded_left": lambda: train_padded("llama", _cp(2, 2), "left"),
     },
 }

@@ -113,8 +113,9 @@ activations; in steady state (the second step on) the optimizer state exists dur
 * context_parallel (``context`` ``c``): context ranks read the same batch (``dp`` splits it over the data ranks)
   and average and shard the gradients with them (DDP/FSDP over data × context: ``sync``). Activations ``/ c``
   (a rank's 1/c of every sequence), plus what its attention keeps whole: the gathered K and V repeated to the
-  query heads (``ModelStats.attention_kv_bytes_per_token`` × the sequence, of which the split counted 1/c) and one
-  boolean mask, the rank's queries × every key, shared by the layers. The trace runs whole sequences (the split is
+  query heads (``ModelStats.attention_kv_bytes_per_token`` × the sequence, of which the split counted 1/c; beside
+  tensor parallel a rank's 1/t of the heads) and one boolean mask, the rank's queries × every key, shared by the
+  layers. The trace runs whole sequences (the split is
   a communicating step): this figure stands for it.
 * cpu_offload (with fsdp / zero2): the sharded parameters, gradients and state live in host memory: on
   a CUDA device the device figure leaves them out (``host_bytes`` holds them); on a CPU device host
@@ -181,7 +182,7 @@ Step time (seconds): compute + overhead + exposed communication + optimizer (ele
   attention work) at the matmul size of its 1/c; per attention layer and micro-batch ``CONTEXT_LAYER_OPS``
   operations, an all-gather of the whole sequence's K and of its V in forward (``ModelStats.kv_bytes_per_token``
   × the sequence, in the compute dtype) and their gradients' reduce-scatter in backward (an all-reduce on a CPU:
-  gloo has no reduce-scatter), over the ``c`` context ranks.
+  gloo has no reduce-scatter), over the ``c`` context ranks (beside tensor parallel, each rank its 1/t of the heads).
 * communication: a collective of ``n`` bytes costs ``n·f / busbw + latency`` (nccl-tests convention,
   ``f`` = 2(dp−1)/dp for all-reduce, (dp−1)/dp for all-gather and reduce-scatter). DDP: all-reduce of
   ``P`` in 25 MB buckets; zero1: the same + the updated parameters sent from their owners (torch's
@@ -578,7 +579,9 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # context parallel: each layer's attention saves the gathered K and V (repeated to the query heads) of the
         # whole sequence, which the split above counted at 1/c; and one boolean causal mask (its queries × every
         # key) that every layer shares
-        whole_kv = stats.attention_kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0)
+        # (beside tensor parallel a rank holds its 1/t of the query heads)
+        whole_kv = (stats.attention_kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0)
+                    / f.tp)
         activations += whole_kv * (1 - 1 / f.context) + stats.seq_len ** 2 / f.context
     host = 0.0
     # On a CPU device host memory is the device's; DeepSpeed's offload (its optimizer state) is not modelled.
@@ -724,9 +727,10 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     gathered = f.rank_param_bytes * f.scale * f.gather
     comm += _collective_s(profile, "all_reduce", 4, f.sync, 1)  # the step's loss, averaged over the ranks
     if f.split > 1 and stats.blocks:
-        # a block's input (its hidden states) at one micro-batch, in the compute dtype
+        # a block's input (its hidden states) at one micro-batch, in the compute dtype (a rank's 1/c of every
+        # sequence beside context parallel)
         hidden = sum(b.input_bytes_total for b in stats.blocks) / sum(b.count for b in stats.blocks) * (
-            f.micro / stats.batch_size) * (0.5 if f.amp or f.half else 1.0)
+            f.micro / stats.batch_size) * (0.5 if f.amp or f.half else 1.0) / f.context
         blocks_here = sum(b.count for b in stats.blocks) / f.pp
         if f.tp > 1:  # two all-reduces of the hidden states per block in forward, two in backward
             count = TP_BLOCK_OPS * blocks_here * f.micro_batches
@@ -737,7 +741,9 @@ def _time(stats: ModelStats, f: _Facts, dtype: str, profile: HardwareProfile, op
     if f.context > 1 and stats.kv_bytes_per_token and stats.seq_len:
         # every attention layer all-gathers the whole sequence's K and V in forward (two collectives) and returns
         # their gradients in backward (reduce-scatter; gloo has none: an all-reduce), in the compute dtype
-        kv = stats.kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0)
+        # (beside tensor parallel each rank gathers its own 1/t of the K/V heads; a K/V head replicated over tensor
+        # ranks because there are fewer than t is counted at 1/t too: an underestimate there)
+        kv = stats.kv_bytes_per_token * stats.seq_len * f.micro * (0.5 if f.amp or f.half else 1.0) / f.tp
         count = 2 * _attention_layers(stats) * f.micro_batches
         back = "all_reduce" if profile.device_type == "cpu" else "reduce_scatter"
         comm += _collective_s(profile, "all_gather", kv * f.micro_batches, f.context, count)

@@ -22,8 +22,9 @@ gets an ``expert`` size on the all-data-parallel layout: sizes dividing the worl
 ranks are data ranks too, so the data size (and micro-batching) is unchanged. A transformers decoder whose
 sequences are long (``context_parallel_from`` tokens, 8,192 by default: the shortest sequence a published layout
 splits, Megatron-Bridge's Llama 3 405B with context 2; any length when ``context_parallel`` is included by name)
-gets a ``context`` size there too (sizes dividing the world whose ``2 × size`` chunks divide the sequence): context
-ranks read the same batch, so the data size is what is left after them. Under
+gets a ``context`` size there too, and beside a tensor size (sizes dividing what the tensor size leaves of the world
+whose ``2 × size`` chunks divide the sequence): context ranks read the same batch, so the data size is what is left
+after them. Under
 pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b where there are two
 blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
 at least one per stage.
@@ -294,8 +295,10 @@ class SearchSpace:
         if len(self.expert_sizes) > 1 and t == p == 1:  # the rules refuse experts next to tensor or pipeline stages
             yield Dim(EXPERT, self.expert_sizes)
         e = int(partial.get(EXPERT, 1))
-        if len(self.context_sizes) > 1 and t == p == e == 1:  # the rules refuse it next to tensor, pipeline, experts
-            yield Dim(CONTEXT, self.context_sizes)
+        if p == e == 1:  # the rules refuse it next to pipeline stages and experts (beside tensor: tensor × context)
+            context = tuple(c for c in self.context_sizes if self.world_size % (t * c) == 0)
+            if len(context) > 1:
+                yield Dim(CONTEXT, context)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
