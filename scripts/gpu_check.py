@@ -6,10 +6,11 @@ dry-run's CUDA peak against the cost model, and a short automatic search. Prints
 Runs on the machine's torch as installed (no transformers needed): the models are tests/toy_models'
 MLP and a small BatchNorm CNN. Every case is reported (ok / failed with the error), none stops the rest.
 
-The multi-GPU methods (``MULTI``: expert_parallel, sequence parallel across pipeline stages, context_parallel) run
-where the machine has enough GPUs (and transformers is installed): the script launches each with torchrun on that
-many GPUs (``--multi NAME``), trains a small transformers model two steps under NCCL and reports the losses against
-one process on one GPU; with too few GPUs the entry says it is skipped and why.
+The multi-GPU methods (``MULTI``: expert_parallel, sequence parallel across pipeline stages, context_parallel alone
+and beside tensor_parallel) run where the machine has enough GPUs (and transformers is installed): the script
+launches each with torchrun on that many GPUs (``--multi NAME``), trains a small transformers model two steps under
+NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says it is skipped and why.
+On a machine without a CUDA GPU every case is reported skipped, with that reason.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
                                                                 "pipeline": {"schedule": "1f1b"}})], "llama"),
     "context_parallel": (2, [("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel"],
                          "llama"),
+    # Llama 3's long-context layout without its pipeline: each tensor rank gathers its heads' K/V (NCCL's
+    # reduce-scatter in backward, where gloo runs an all-reduce)
+    "tensor_context_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["context", 2], ["data", -1]]}),
+                                    "context_parallel", ("tensor_parallel", {"sequence_parallel": True})], "llama"),
 }
 MULTI_STEPS, MULTI_BATCH, MULTI_LR, MULTI_TOLERANCE = 2, 8, 0.1, 1e-4  # fp32, TF32 off: a few ulp of a loss of 5
 
@@ -252,8 +257,12 @@ def main() -> None:
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
         **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }
+    no_gpu = None if gpu else f"no CUDA GPU on this machine (torch {torch.__version__}): it checks the GPU paths"
     for name, case in cases.items():
         try:
+            if no_gpu and name not in MULTI:  # (a MULTI case says how many GPUs it needs)
+                report[name] = {"ok": None, "skipped": no_gpu}
+                continue
             found = case()
             report[name] = {"ok": None if "skipped" in found else True, **found}  # a skip: neither
         except Exception as exc:  # noqa: BLE001  (every case is reported)
