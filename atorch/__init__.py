@@ -3,6 +3,7 @@
 from atorch.accelerate import auto_accelerate
 from atorch.build import AccelerateArgs
 from atorch.checkpointing.state_io import CheckpointError, export_consolidated, load_checkpoint, save_checkpoint
+from atorch.distributed import shutdown
 from atorch.errors import AtorchError, NoStrategyFound, SetupError, StrategyError
 from atorch.opt_lib.module_replace import register_replace_pair
 from atorch.opt_lib.registry import register_method
@@ -30,5 +31,6 @@ __all__ = [
     "StrategyError",
     "auto_accelerate", "export_consolidated", "load_checkpoint", "register_method", "register_replace_pair",
     "save_checkpoint",
+    "shutdown",
     "train_step",
 ]

@@ -115,11 +115,13 @@ _failed = False
 
 
 def shutdown() -> None:
-    """Tear the process group down on every rank together.
+    """Tear the process group down on every rank together (``atorch.shutdown()``).
 
     gloo aborts a process ("terminate called without an active exception") when a peer closes its
     connections while this rank still tears its own down, so ranks meet at a barrier first. After
-    an uncaught exception there is no barrier: the other ranks may never arrive.
+    an uncaught exception there is no barrier: the other ranks may never arrive. atorch calls it at
+    exit for a process group it created; a script that created its own calls it in place of
+    ``torch.distributed.destroy_process_group()``. Nothing happens without a process group.
     """
     if not dist.is_initialized():
         return

@@ -186,25 +186,30 @@ class ParallelLayout:
         layout mesh's own slice, which FSDP2 can join to a tensor dimension; else a mesh of its own."""
         if EXPERT not in self.names and CONTEXT not in self.names:
             return self.mesh(device_type)[DATA]
-        spread = [name for name in REPLICA_DIMS if self.size(name) > 1]
-        if len(spread) == 1 and self.groups_follow_coordinates(spread[0]):
-            # one dimension: the layout mesh's own slice, so that FSDP2 can join it to a tensor dimension (2-D)
-            return self.mesh(device_type)[spread[0]]
-        return self._batch_mesh(device_type)
+        return self.group_mesh(device_type, REPLICA_DIMS)
 
-    def _batch_mesh(self, device_type: str) -> Any:
-        """A 1-D mesh over this process's data × expert × context group. A DeviceMesh slices only dimensions in its
-        own order and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order,
-        which FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
+    def group_mesh(self, device_type: str, dims: tuple[str, ...]) -> Any:
+        """A 1-D mesh over the ranks this process shares every coordinate but ``dims`` with (``REPLICA_DIMS``: its
+        data × expert × context group; ``(DATA, CONTEXT)``: the ranks holding the same experts). Where only one of
+        ``dims`` is above 1 it is the layout mesh's own slice, which FSDP2 can join to a tensor dimension (2-D)."""
+        spread = [name for name in dims if self.size(name) > 1]
+        if len(spread) == 1 and self.groups_follow_coordinates(spread[0]):
+            return self.mesh(device_type)[spread[0]]
+        return self._made_mesh(device_type, dims)
+
+    def _made_mesh(self, device_type: str, dims: tuple[str, ...]) -> Any:
+        """A 1-D mesh over this process's group along ``dims``. A DeviceMesh slices only dimensions in its own order
+        and flattens them row-major (the last fastest, ATorch's order reversed: ranks out of ascending order, which
+        FSDP2 and DCP disagree on), so the groups are made here, every rank making every group."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         self.mesh(device_type)  # the layout's own mesh first, on every rank in the same order
-        group, key = dist.group.WORLD, (self, device_type, "batch")
+        group, key = dist.group.WORLD, (self, device_type, dims)
         cached = _MESHES.get(key)
         if cached is not None and cached[0] is group:
             return cached[1]
-        mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups(REPLICA_DIMS))
+        mine, _ = dist.new_subgroups_by_enumeration(self.batch_groups(dims))
         mesh = DeviceMesh.from_group(mine, device_type, mesh_dim_names=(DATA,))
         _MESHES[key] = (group, mesh)
         return mesh

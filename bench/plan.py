@@ -73,7 +73,7 @@ OTHER_RUNS: tuple[dict, ...] = (
     # parallel with tensor parallel; no recompute named. Llama 3 70B: 64 GPUs, GBS 128, MBS 1, sequence 8,192, TP 4,
     # PP 8, VP 5, 1,602 tokens/s per GPU; Llama 3 8B: 8 GPUs, Megatron's FSDP, GBS 128, MBS 1, 14,451; Qwen3-30B-A3B:
     # 16 GPUs, GBS 512, MBS 2, sequence 4,096, PP 2, VP 24 (one layer per virtual stage), EP 8, 5,275. (Its 405B row
-    # uses context parallel, which the planner does not model.)
+    # uses context parallel: added on 2026-11-29 with the row below it.)
     {"run": "Megatron-Bridge Llama 3 70B, 64 H100 (FP8)", "model": "llama3-70b", "hardware": "h100-80gb",
      "gpus": 64, "batch": 128, "seq": 8192, "published": 1602, "unit": "tokens", "in_sample": False,
      "precision": "megatron",
@@ -87,6 +87,21 @@ OTHER_RUNS: tuple[dict, ...] = (
      "precision": "megatron",
      "layout": "tensor=1,pipeline=2,virtual_stages=24,expert=8,sharding=zero1,recompute=none,fp8=true,"
                "micro_batch_size=2"},
+    # Added 2026-11-29, run once and held out (no term changed after): the context-parallel runs. Dubey et al. 2024,
+    # Table 4, third row: the long-context stage, 16,384 H100, TP 8, CP 16, PP 16, DP 8, sequence 131,072, 16
+    # sequences per data rank (16M tokens per batch), 380 TFLOP/s per GPU (the planner's context terms were written
+    # with this layout in view, its fit is a test of test_context_parallel.py, never its TFLOP/s). Megatron-Bridge
+    # (same summary, 25.11): Llama 3.1 405B on 1,024 H100, FP8 current scaling, GBS 512, sequence 8,192, TP 8, PP 8,
+    # CP 2, VP 8, 292 tokens/s per GPU; its MBS is taken as 1, as in its other rows.
+    {"run": "Llama 3 405B, 16,384 H100, 131k context", "model": "llama3-405b", "hardware": "h100-80gb",
+     "gpus": 16384, "batch": 128, "seq": 131072, "published": 380, "unit": "tflops", "in_sample": False,
+     "layout": "tensor=8,context=16,pipeline=16,sharding=zero2,sequence_parallel=true,recompute=none,"
+               "micro_batch_size=1"},
+    {"run": "Megatron-Bridge Llama 3.1 405B, 1,024 H100 (FP8)", "model": "llama3-405b", "hardware": "h100-80gb",
+     "gpus": 1024, "batch": 512, "seq": 8192, "published": 292, "unit": "tokens", "in_sample": False,
+     "precision": "megatron",
+     "layout": "tensor=8,context=2,pipeline=8,virtual_stages=8,sharding=zero1,sequence_parallel=true,recompute=none,"
+               "fp8=true,micro_batch_size=1"},
     # torchtitan's Llama 3.1 benchmarks (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Dec 2024),
     # on its own H100s (profile h100-96gb-500w): Table 1 / 3, FSDP, bf16, no compile, local batch 2 (sequence 8,192,
     # torchtitan's default), selective activation checkpointing (predicted without recompute: it recomputes cheap

@@ -74,7 +74,7 @@ def test_context_parallel_needs_a_context_dimension() -> None:
     assert _problems([("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel", "fsdp"], 4) == []
 
 
-@pytest.mark.parametrize("other", ["pipeline_parallel", "expert_parallel"])
+@pytest.mark.parametrize("other", ["pipeline_parallel"])
 def test_unsupported_combinations_are_refused_with_a_reason(other: str) -> None:
     problems = _problems([("parallel_mode", {"dims": [["context", 2], ["data", 1]]}), "context_parallel", other])
     assert any(f"'context_parallel' cannot be combined with '{other}'" in p for p in problems), problems
@@ -118,7 +118,7 @@ def _matches_one_process(entry: dict[str, Any], context: int, dp_size: int) -> N
 
 
 @pytest.mark.parametrize("scenario", ["llama_c2", "qwen2_c2", "gpt_neox_c2", "llama_c2_fsdp", "llama_c2_accumulated",
-                                      "mistral_window_c2", "gemma2_softcap_c2"])
+                                      "mistral_window_c2", "gemma2_softcap_c2", "mixtral_c2"])
 def test_two_processes_train_like_one(two: dict[str, Any], scenario: str) -> None:
     _matches_one_process(two[scenario], context=2, dp_size=1)
 
@@ -147,6 +147,7 @@ def test_refusals_name_the_problem_and_the_fix(two: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("launch", "scenario"), [("two", "llama_c2_padded_right"), ("two", "qwen2_c2_padded_left"),
+                                                  ("two", "qwen3_moe_c2_padded_right"),
                                                   ("four", "llama_c2_d2_padded_left")])
 def test_padded_batches_train_like_one_process_with_its_mask(launch: str, scenario: str,
                                                              request: pytest.FixtureRequest) -> None:
@@ -184,6 +185,17 @@ def test_the_planner_splits_long_sequences_over_context_ranks() -> None:
     assert any("'context_parallel' cannot be combined with 'mixed_parallel'" in p for p in split.problems)
     dims = split.strategy.to_list()[0][1]["dims"]
     assert [d[0] for d in dims] == ["tensor", "context", "pipeline", "data"]
+
+
+def test_a_published_context_size_is_accepted_below_the_length_it_is_enumerated_from() -> None:
+    """Megatron-Bridge's Llama 3.1 405B splits 8,192 tokens over 2 context ranks (TP 8, CP 2, PP 8, VP 8 on 1,024
+    H100): the planner enumerates context parallel from CONTEXT_MIN_SEQ, but a layout given with one is evaluated."""
+    from atorch.strategy_search.cluster.cluster_plan import CONTEXT_MIN_SEQ
+
+    assert CONTEXT_MIN_SEQ > 8192
+    plan = _planned("tp=8,cp=2,pp=8,vp=8,sharding=zero1,sp=true,mbs=1,recompute=none", seq=8192, gpus=1024,
+                    batch=512).plans[0]
+    assert plan.layout.context == 2 and plan.layout.virtual_stages == 8, plan.layout
 
 
 def test_short_sequences_get_no_context_dimension_and_a_data_context_layout_runs() -> None:
@@ -225,6 +237,13 @@ def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
     layouts = {(s.layout(4).size("tensor"), s.layout(4).size("context"), s.layout(4).size("pipeline")) for s in four}
     assert (2, 2, 1) in layouts and (1, 4, 1) in layouts and not any(c > 1 and p > 1 for _, c, p in layouts), layouts
     assert all(s.problems(4) == [] for s in four)
+    # a mixture of experts: context beside experts too (expert × context), the experts' sizes unchanged
+    from ep_worker import mixtral
+
+    torch.manual_seed(0)
+    moe = [c.strategy.layout(4) for c in SearchSpace(mixtral(), 4, 4, sequence_length=16,
+                                                      context_parallel_from=16).enumerate()]
+    assert any(lay.size("expert") == 2 and lay.size("context") == 2 for lay in moe)
 
 
 def test_the_cost_model_s_context_terms() -> None:

@@ -141,6 +141,14 @@ def test_four_processes_train_like_one(four: dict[str, Any], scenario: str, loca
     _matches_one_process({**four[scenario], "scenario": scenario}, local_experts, dp_size=4)
 
 
+@pytest.mark.parametrize(("scenario", "local_experts"), [("mixtral_e2_c2", 2), ("qwen3_e2_c2_fsdp", 4)])
+def test_experts_beside_context_ranks_train_like_one(four: dict[str, Any], scenario: str, local_experts: int) -> None:
+    """Expert 2 × context 2: the batch split over the 2 expert ranks, each sequence over 2 context ranks; the
+    router's load-balancing loss over the whole sequence (its logits gathered over the context group), the expert
+    gradients averaged over data × expert × context."""
+    _matches_one_process({**four[scenario], "scenario": scenario}, local_experts, dp_size=2)
+
+
 @pytest.mark.parametrize("scenario", ["mixtral_e2_accumulated", "qwen3_e2_fsdp_accumulated"])
 def test_gradient_accumulation_averages_once_at_the_boundary(two: dict[str, Any], scenario: str) -> None:
     entry = two[scenario]

@@ -282,8 +282,6 @@ _CP_ALONE: tuple[tuple[str, str, str], ...] = (
     ("pipeline_parallel", "pipeline stages next to a context dimension are not supported yet (the stages would "
      "pass on split sequences and the last one compute a split loss)", "drop 'pipeline_parallel'"),
     ("ds_3d_parallel", "DeepSpeed's pipeline engine splits no sequence", "drop 'ds_3d_parallel'"),
-    ("expert_parallel", "experts next to a context dimension are not supported yet (the expert gradients would "
-     "need averaging over the context ranks too)", "drop 'expert_parallel' or 'context_parallel'"),
 )
 
 def _sharded_over_data_and_context(configs: Configs) -> bool:

@@ -22,6 +22,10 @@ on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3
   and each rank's loss is its tokens' sum over ``num_items_in_batch`` / c, so the mean of the ranks' losses is the
   token-weighted mean of one process; the loss returned is that mean (the same on every context rank). Without
   labels the logits are gathered whole (in sequence order), so a user's own loss on them trains the same.
+* Mixtures of experts: with ``output_router_logits`` each layer's router logits are gathered over the context group
+  before the model computes the router's load-balancing loss (a per-batch statistic), so it is the whole sequence's
+  (with padding: its real tokens'), as in one process. Beside expert parallel the experts' gradients are averaged
+  over data × context too (expert_parallel.py).
 * Gradients: DDP/FSDP average every parameter over data × expert × context (``ParallelLayout.replica_size``).
 * Beside tensor parallel: a rank's attention holds its tensor rank's heads, and its context group is the ranks at
   the same tensor position, so each gathers its own heads' K/V; nothing else changes (the tensor-parallel replicas
@@ -276,6 +280,48 @@ def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gather_router_logits(shard: ContextShard) -> Any:
+    """A forward hook for a mixture-of-experts decoder's base model: each layer's router logits (tokens, experts)
+    gathered over the context group, so that the router's load-balancing loss is the whole sequence's, as in one
+    process (a per-batch statistic: over each rank's tokens alone it would differ). The gather's backward returns
+    every rank's share of the loss's gradient to the logits' owner."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        logits = getattr(output, "router_logits", None)
+        hidden = getattr(output, "last_hidden_state", None)
+        if not logits or hidden is None:
+            return output
+        batch, local = int(hidden.shape[0]), int(hidden.shape[1])
+        gathered = []
+        for layer in logits:
+            if layer is None or layer.dim() != 2 or layer.shape[0] != batch * local:
+                raise NotImplementedError(
+                    f"context_parallel gathers the router logits of {type(module).__name__} as (tokens, experts) "
+                    f"of the rank's {batch} x {local} tokens, got shape {tuple(getattr(layer, 'shape', ()))}; set "
+                    "output_router_logits=False or drop context_parallel for this model")
+            whole = _GatherSequence.apply(layer.view(batch, local, -1), shard, 1)
+            gathered.append(whole.reshape(batch * local * shard.size, -1))
+        output.router_logits = tuple(gathered)
+        return output
+
+    return hook
+
+
+def _masked_router_loss(model: nn.Module, output: Any, shard: ContextShard) -> None:
+    """With padding, the load-balancing loss over the gathered router logits counts only real tokens (the padding
+    mask in the gather's order), as the model counts them in one process; the loss is corrected by the difference."""
+    import sys
+
+    balance = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if balance is None or not hasattr(model, "router_aux_loss_coef"):
+        raise NotImplementedError(f"context_parallel cannot apply the padding mask to {type(model).__name__}'s router "
+                                  "load-balancing loss; pass unpadded batches or set output_router_logits=False")
+    masked = balance(output.router_logits, model.num_experts, model.num_experts_per_tok, shard.kept_keys.long())
+    if getattr(output, "loss", None) is not None:
+        output.loss = output.loss + model.router_aux_loss_coef * (masked - output.aux_loss)
+    output.aux_loss = masked
+
+
 def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
     def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
         inputs = _bound(module, args, kwargs)
@@ -283,6 +329,8 @@ def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
         return (), split_inputs(shard, inputs)
 
     def after(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if shard.kept_keys is not None and getattr(output, "aux_loss", None) is not None:
+            _masked_router_loss(module, output, shard)
         if module._atorch_cp_labels:
             if getattr(output, "loss", None) is not None:
                 output.loss = _MeanOverGroup.apply(output.loss, shard)
@@ -295,6 +343,9 @@ def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
 
     model.register_forward_pre_hook(before, with_kwargs=True)
     model.register_forward_hook(after, with_kwargs=True)
+    base = getattr(model, "base_model", model)
+    if base is not model:  # a mixture of experts' router logits come out of the base model (with output_router_logits)
+        base.register_forward_hook(_gather_router_logits(shard), with_kwargs=True)
 
 
 def split_sequences(ctx: Any, communicate: bool) -> None:
@@ -327,7 +378,7 @@ class ContextParallel(Method):
     mesh_dims = (CONTEXT,)
     Config = ContextParallelConfig
     # the search offers a 'context' size on a data or tensor × data layout for long sequences (space.py,
-    # CONTEXT_PARALLEL_FROM): the rules refuse it next to pipeline or expert parallel
+    # CONTEXT_PARALLEL_FROM): the rules refuse it next to pipeline stages
     search_role = SearchRole("layout", CONTEXT, off=1)
 
     def searchable(self, model: Any) -> bool:

@@ -15,7 +15,9 @@ layout transformers' experts all share).
 Gradients: an expert's gradient on its rank already sums the contributions of every token of its expert group
 (the all-to-all's backward brings them). The global objective is the mean of the data × expert ranks' losses, so
 the expert gradients are summed over the 'data' ranks that hold the same experts and divided by data × expert:
-the same average the non-expert gradients get from DDP/FSDP (``ExpertGradientSync``).
+the same average the non-expert gradients get from DDP/FSDP (``ExpertGradientSync``). Beside context parallel the
+context ranks of an expert position hold the same experts too, each backpropagating its share of the sequence: the
+sum runs over data × context and the average over data × expert × context (``ParallelLayout.replica_size``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import Collective, CostFacts
 from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
-from atorch.parallel_layout import DATA, EXPERT
+from atorch.parallel_layout import CONTEXT, DATA, EXPERT
 
 if TYPE_CHECKING:
     from atorch.opt_lib.build_state import Build
@@ -164,12 +166,12 @@ def _own_rank_mesh(device_type: str) -> Any:
 
 class ExpertGradientSync(PendingGradientSync):
     """Wraps the data-parallel gradient sync (DDP's or FSDP's): at the accumulation boundary, before the step, the
-    expert gradients are summed over the ranks holding the same experts and divided by data × expert."""
+    expert gradients are summed over the ranks holding the same experts and divided by data × expert × context."""
 
     def __init__(self, model: nn.Module, inner: Callable[[bool], None] | None, replicas: Any, batch_size: int) -> None:
         super().__init__(model)
         self.inner = inner
-        self.replicas, self.batch_size = replicas, batch_size  # the 'data' group; data × expert ranks
+        self.replicas, self.batch_size = replicas, batch_size  # the data × context group; data × expert × context
 
     def __call__(self, enabled: bool) -> None:
         super().__call__(enabled)
@@ -202,10 +204,13 @@ class ExpertGradientSync(PendingGradientSync):
 
 
 def reduce_expert_gradients(ctx: Any) -> None:
-    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync."""
+    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync.
+    The ranks holding the same experts are the data × context ranks of an expert position; the average is over every
+    replica of the model's objective, data × expert × context (context ranks each backpropagate their share)."""
     layout, device = ctx.layout, ctx.env.device.type
-    replicas = layout.mesh(device)[DATA].get_group() if layout.size(DATA) > 1 else None
-    ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.data_size)
+    holders = (DATA, CONTEXT)
+    replicas = layout.group_mesh(device, holders).get_group() if layout.size(DATA) * layout.size(CONTEXT) > 1 else None
+    ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.replica_size)
 
 
 # ----- cost facts ---------------------------------------------------------------------------------

@@ -70,7 +70,20 @@ def gemma2_softcap() -> nn.Module:
         attn_logit_softcapping=5.0, use_cache=False, attn_implementation="eager"))
 
 
+def mixtral() -> nn.Module:
+    from ep_worker import mixtral as make  # with output_router_logits: the router's load-balancing loss
+
+    return make()
+
+
+def qwen3_moe() -> nn.Module:
+    from ep_worker import qwen3_moe as make
+
+    return make()
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": sm.tiny_llama, "qwen2": qwen2, "gpt_neox": gpt_neox,
+                                             "mixtral": mixtral, "qwen3_moe": qwen3_moe,
                                              "mistral_window": mistral_window, "gemma2_softcap": gemma2_softcap,
                                              "mlp": sm.FlatMLP, "bart": sm.tiny_bart}
 
@@ -305,6 +318,9 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "uneven_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS[:, :14]),
         "llama_c2_padded_right": lambda: train_padded("llama", _cp(2), "right"),
         "qwen2_c2_padded_left": lambda: train_padded("qwen2", _cp(2), "left"),
+        # mixtures of experts: the load-balancing loss over the whole sequence (with padding: its real tokens)
+        "mixtral_c2": lambda: train_and_compare("mixtral", _cp(2)),
+        "qwen3_moe_c2_padded_right": lambda: train_padded("qwen3_moe", _cp(2), "right"),
         "search_with_context": search_with_context,
         "mask_4d_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS,
                                                    attention_mask=torch.ones(1, 1, 16, 16)),

@@ -214,6 +214,11 @@ def _ep(expert: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> li
     return [("parallel_mode", {"dims": dims}), "expert_parallel", *extra]
 
 
+def _ep_cp(expert: int, context: int, extra: tuple[Any, ...] = ()) -> list[Any]:
+    return [("parallel_mode", {"dims": [["expert", expert], ["context", context], ["data", -1]]}), "expert_parallel",
+            "context_parallel", *extra]
+
+
 def checkpoint_round_trip(directory: str, saved_as: list[Any], loaded_as: list[Any]) -> dict[str, Any]:
     """Saved under ``saved_as``, loaded under plain data parallel and under ``loaded_as``: the same weights under
     the user's names."""
@@ -259,6 +264,10 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_e2_d2_zero1": lambda d: train_and_compare("mixtral", _ep(2, 2, ("zero1",))),
         "qwen3_e4": lambda d: train_and_compare("qwen3_moe", _ep(4)),
         "checkpoint_e2d2_to_e4": lambda d: checkpoint_round_trip(d, _ep(2, 2), _ep(4)),
+        # experts beside context ranks: the router logits gathered over the context group, the expert gradients
+        # averaged over data × context
+        "mixtral_e2_c2": lambda d: train_and_compare("mixtral", _ep_cp(2, 2)),
+        "qwen3_e2_c2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep_cp(2, 2, ("fsdp",))),
     },
 }
 

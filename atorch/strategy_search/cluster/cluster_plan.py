@@ -242,15 +242,18 @@ def _micro_batch_sizes(per_rank: int, pipeline: int) -> list[int]:
 
 
 def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch: int,
-            virtual_stages: int | None = None) -> Iterator[Layout]:
+            virtual_stages: int | None = None, context: int | None = None) -> Iterator[Layout]:
     """Every layout of ``gpus`` the model's sizes admit (the rules are checked apart); ``virtual_stages``: also that
-    many per rank where it exceeds the enumerated ones (at most one layer per virtual stage)."""
+    many per rank where it exceeds the enumerated ones (at most one layer per virtual stage); ``context``: also that
+    context size at a sequence shorter than CONTEXT_MIN_SEQ (a layout given as published: Megatron-Bridge's 405B
+    splits 8,192 tokens over 2)."""
     for t in _divisors(min(gpus, gpus_per_node)):
         if gpus % t or shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads):
             continue
         # context sizes (long sequences only): powers of two whose 2·c chunks divide the sequence
-        contexts = [1] + [size for size in (2 ** k for k in range(1, MAX_CONTEXT.bit_length()))
-                          if shape.seq >= CONTEXT_MIN_SEQ and (gpus // t) % size == 0 and shape.seq % (2 * size) == 0]
+        sizes = {2 ** k for k in range(1, MAX_CONTEXT.bit_length()) if shape.seq >= CONTEXT_MIN_SEQ} | (
+            {context} if context and context > 1 else set())
+        contexts = [1] + [size for size in sorted(sizes) if (gpus // t) % size == 0 and shape.seq % (2 * size) == 0]
         for c, p in [(size, p) for size in contexts for p in _divisors(gpus // t // size)]:
             if p > shape.layers:
                 continue
@@ -372,7 +375,7 @@ def _matches(lay: Layout, wanted: dict[str, Any]) -> bool:
 
 def parse_layout(text: str) -> dict[str, Any]:
     """``tensor=8,pipeline=35,sharding=zero1,...`` -> the fields given (the rest are the planner's)."""
-    aliases = {"tp": "tensor", "pp": "pipeline", "dp": "data", "virtual": "virtual_stages",
+    aliases = {"tp": "tensor", "pp": "pipeline", "dp": "data", "virtual": "virtual_stages", "vp": "virtual_stages",
                "mbs": "micro_batch_size", "micro_batch": "micro_batch_size", "sp": "sequence_parallel",
                "ep": "expert", "cp": "context"}
     wanted: dict[str, Any] = {}
@@ -428,7 +431,8 @@ def plan_job(shape: TransformerShape, gpus: int, global_batch: int, profile: Har
     plans: list[Plan] = []
     given_plans: list[Plan] = []
     considered = 0
-    for lay in layouts(shape, gpus, per_node, global_batch, (given or {}).get("virtual_stages")):
+    for lay in layouts(shape, gpus, per_node, global_batch, (given or {}).get("virtual_stages"),
+                       (given or {}).get("context")):
         considered += 1
         wanted = given is not None and _matches(lay, given)
         if wanted and given and (given.get("fp8") or given.get("schedule") in FOREIGN_SCHEDULES):

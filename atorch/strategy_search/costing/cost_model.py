@@ -650,7 +650,9 @@ def _collectives_s(stats: ModelStats, f: _Facts, profile: HardwareProfile, c: Co
                    units: int) -> list[float]:
     """Seconds of one kind of collective a method states (``Collective``: its volume as a multiple of parameter
     bytes) over one step, term by term; none where its mesh dimension has one rank."""
-    ranks = {"data": f.sync, "replicas": f.dp // f.ep, "expert": f.ep, "tensor": f.tp, "pipeline": f.pp}.get(c.over, 1)
+    # "replicas": the ranks holding the same experts, data × context
+    ranks = {"data": f.sync, "replicas": f.sync // f.ep, "expert": f.ep, "tensor": f.tp,
+             "pipeline": f.pp}.get(c.over, 1)
     if ranks <= 1:
         return []
     base = {"trainable": f.rank_trainable_bytes, "parameters": f.rank_param_bytes - f.rank_expert_bytes,

@@ -295,8 +295,8 @@ class SearchSpace:
         if len(self.expert_sizes) > 1 and t == p == 1:  # the rules refuse experts next to tensor or pipeline stages
             yield Dim(EXPERT, self.expert_sizes)
         e = int(partial.get(EXPERT, 1))
-        if p == e == 1:  # the rules refuse it next to pipeline stages and experts (beside tensor: tensor × context)
-            context = tuple(c for c in self.context_sizes if self.world_size % (t * c) == 0)
+        if p == 1:  # the rules refuse it next to pipeline stages (beside tensor or experts: tensor/expert × context)
+            context = tuple(c for c in self.context_sizes if self.world_size % (t * e * c) == 0)
             if len(context) > 1:
                 yield Dim(CONTEXT, context)
 
