@@ -541,20 +541,20 @@ class _Trial:
         No bar, no collective."""
         if self.stop_above_s is None:
             return False
-        worst = torch.tensor([fastest_s], dtype=torch.float64)
+        return self._largest(torch.tensor([fastest_s], dtype=torch.float64))[0] > self.stop_above_s
+
+    def _largest(self, mine: torch.Tensor) -> list[float]:
+        """Each element's largest value over the ranks (an all-reduce MAX within the trial's time; alone: as is)."""
         if dist.is_initialized() and self.env.world_size > 1:
             with collective_timeout(self._remaining()):
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return float(worst[0]) > self.stop_above_s
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return [float(x) for x in mine]
 
     def _steps_for(self, median_s: float) -> int:
         """Timed steps that add up to min_measure_s at the slowest rank's median, never past half of the
         time the trial has left on the rank with least of it: one count, the same on every rank."""
-        worst = torch.tensor([median_s, -self._remaining()], dtype=torch.float64)
-        if dist.is_initialized() and self.env.world_size > 1:
-            with collective_timeout(self._remaining()):
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        step_s, left_s = max(float(worst[0]), 1e-6), -float(worst[1])
+        slowest, least_left = self._largest(torch.tensor([median_s, -self._remaining()], dtype=torch.float64))
+        step_s, left_s = max(slowest, 1e-6), -least_left
         wanted = math.ceil(self.min_measure_s / step_s)
         return max(self.steps, min(wanted, self.max_steps, self.steps + int(0.5 * left_s / step_s)))
 
@@ -563,10 +563,7 @@ class _Trial:
         without the timed steps (an OOM costs its warm-up only)."""
         if self.memory_budget is None:
             return None
-        worst = torch.tensor([mine], dtype=torch.int64)
-        if dist.is_initialized() and self.env.world_size > 1:
-            with collective_timeout(self._remaining()):
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        (worst,) = self._largest(torch.tensor([mine], dtype=torch.int64))
         if int(worst) <= self.memory_budget:
             return None
         return RankOutcome(status="oom", root_cause=mine > self.memory_budget, peak_bytes=mine, reason=(
