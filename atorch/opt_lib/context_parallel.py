@@ -377,7 +377,7 @@ class ContextParallel(Method):
                "attention all-gathers K/V over it (Llama 3's); transformers decoders.")
     mesh_dims = (CONTEXT,)
     Config = ContextParallelConfig
-    # the search offers a 'context' size on a data or tensor × data layout for long sequences (space.py,
+    # the search offers a 'context' size on a data, tensor × data or expert × data layout for long sequences (space.py,
     # CONTEXT_PARALLEL_FROM): the rules refuse it next to pipeline stages
     search_role = SearchRole("layout", CONTEXT, off=1)
 
