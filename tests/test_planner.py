@@ -393,25 +393,6 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
     assert all(state.correction(k) == 1.0 for k in table.keys if table.family(k) != table.family(ddp[0]))
 
 
-def test_a_family_measured_at_its_prediction_loses_the_error_band(space) -> None:
-    """A close call ran out of memory at its predicted peak (measured / predicted 0.99): the cost model's figure is
-    right for that family, so a look-alike predicted 3% over the budget is no longer given the benefit of the 15%
-    band (it would run out of memory too); another family keeps the band."""
-    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
-    storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, direction="maximize")
-    state = SearchState(study, table, BUDGET, storage=storage)
-    first = table.keys[0]
-    peer = next(k for k in table.keys[1:] if table.family(k) == table.family(first))
-    other = next(k for k in table.keys if table.family(k) != table.family(first))
-    state._remember(first, 0, {"status": "oom", "samples_per_s": 0.0, "reason": "over", "step_time_s": 0.0,
-                               "peak_memory_bytes": 0.99 * table.prediction(first)["peak_memory_bytes"]})
-    close_call = {"peak_memory_bytes": 1.03 * BUDGET, "memory_band": 0.15}
-    assert state.correction(peer) == pytest.approx(0.99)
-    assert not table.fits(close_call, BUDGET, state.correction(peer))
-    assert state.correction(other) == 1.0 and table.fits(close_call, BUDGET, state.correction(other))
-
-
 def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
     """Past HOPELESS_FACTOR times slower than the best measured candidate (its measured samples/s over the
     candidate's time-corrected prediction), a candidate is told 'skipped' with the factor, on the measured scale,

@@ -291,10 +291,8 @@ class SearchState:
         self.best_value: float | None = None
         self.best_key: str | None = None
         # Measured / predicted peak memory per family (the same layout, sharding and recompute), the largest seen
-        # (below 1 too): a candidate's predicted peak is scaled by its own family's before it is judged to fit, and
-        # without the cost model's error band (the family was measured: CandidateTable.fits), so after one OOM, or
-        # one run that measured its prediction right, its look-alikes predicted over the budget are not run too;
-        # one family's error does not rule out another.
+        # (at least 1): a candidate's predicted peak is scaled by its own family's before it is judged to fit, so
+        # after one OOM its look-alikes are not run too, and one family's error does not rule out another.
         self.memory_correction: dict[str, float] = {}
         # Measured / predicted samples/s of each family's measured candidates (``correct_time``): the cost model's
         # time is off by a factor that depends on the family (on the bench, tensor parallel's per-layer collectives
@@ -326,7 +324,7 @@ class SearchState:
             family = self.table.family(key)
             ratio = measured["peak_memory_bytes"] / pred["peak_memory_bytes"]
             self.memory_correction[family] = min(MAX_MEMORY_CORRECTION,
-                                                 max(self.memory_correction.get(family, 0.0), ratio))
+                                                 max(self.memory_correction.get(family, 1.0), ratio))
         if (measured.get("status") in OK_STATUSES and measured.get("samples_per_s") and pred.get("samples_per_s")
                 and key in self.table.by_key):
             family = self.table.family(key)
@@ -345,8 +343,7 @@ class SearchState:
         return value, constraints, {**attrs, "improved": improved}
 
     def correction(self, key: str) -> float:
-        """The factor a point's predicted peak is scaled by: its family's largest measured / predicted (1 for a
-        family not measured, whose figure keeps its error band)."""
+        """The factor a point's predicted peak is scaled by: its family's largest measured / predicted."""
         return self.memory_correction.get(self.table.family(key), 1.0) if key in self.table.by_key else 1.0
 
     def time_correction(self, key: str) -> float:
