@@ -68,9 +68,15 @@ def _ddp_data_parallel(configs: Configs) -> bool:
     FSDP2 (zero1.runs_on_fsdp2)."""
     mode = configs.get("parallel_mode")
     data = dict(mode.dims).get("data", 1) if mode is not None else 1
+    return data > 1 and not _fsdp2_sharded(configs)
+
+
+def _fsdp2_sharded(configs: Configs) -> bool:
+    """FSDP2 shards the parameters: fsdp, zero2 on FSDP2, or zero1 run as FSDP2 (zero1.runs_on_fsdp2: beside a
+    tensor or expert dimension)."""
     zero2 = configs.get("zero2")
-    sharded = "fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
-    return data > 1 and not sharded and not runs_on_fsdp2(configs)  # zero1 with a tensor dimension: FSDP2 too
+    return ("fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
+            or runs_on_fsdp2(configs))
 
 
 _TP_DIMS = {"dims": [["data", 1], ["tensor", 1]]}
@@ -289,10 +295,7 @@ def _sharded_over_data_and_context(configs: Configs) -> bool:
     both sizes above 1 (as fitted to the world size)."""
     mode = configs.get("parallel_mode")
     dims = dict(mode.dims) if mode is not None else {}
-    zero2 = configs.get("zero2")
-    sharded = ("fsdp" in configs or (zero2 is not None and getattr(zero2, "implementation", None) == "fsdp2")
-               or runs_on_fsdp2(configs))
-    return sharded and dims.get("data", 1) > 1 and dims.get("context", 1) > 1
+    return _fsdp2_sharded(configs) and dims.get("data", 1) > 1 and dims.get("context", 1) > 1
 
 
 RULES += (

@@ -127,11 +127,7 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
             parts = [{k: v.chunk(accumulate)[m] for k, v in data.items()} for m in range(accumulate)]
             mine.append(float(train_step(result, parts)))  # the mean over micro-batches and ranks
         else:
-            loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
-            loss.backward()
-            result.optim.step()
-            result.optim.zero_grad()
-            mine.append(loss.item())
+            mine.append(_step(result, data))
         batches.append(data)
     handle.remove()
     per_rank = _gather([b["input_ids"] for b in batches])
@@ -168,16 +164,21 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
     }
 
 
+def _step(result: Any, data: dict[str, torch.Tensor]) -> float:
+    """One step of ATorch's loop (forward with labels, backward, step): the loss."""
+    loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
+    loss.backward()
+    result.optim.step()
+    result.optim.zero_grad()
+    return loss.item()
+
+
 def _train(result: Any) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """ATorch's loop for STEPS steps (forward with labels, backward, step): the batches and the losses."""
+    """ATorch's loop for STEPS steps: the batches and the losses."""
     loader, batches, losses = iter(result.dataloader), [], []
     for _ in range(STEPS):
         data = result.prepare_input(next(loader), result.args.device)
-        loss = sm.hf_loss(data, call_model(result.model, data, "unpack_dict"))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(loss.item())
+        losses.append(_step(result, data))
         batches.append(data)
     return batches, losses
 
