@@ -389,8 +389,29 @@ def test_a_memory_correction_stays_in_its_family(space) -> None:
                                 "peak_memory_bytes": 1.5 * pred["peak_memory_bytes"]})
     same_family = [k for k in ddp if table.family(k) == table.family(ddp[0])]
     assert len(same_family) > 1 and all(state.correction(k) == 1.5 for k in same_family)
-    assert all(state.correction(k) == 1.0 for k in fsdp)
-    assert all(state.correction(k) == 1.0 for k in table.keys if table.family(k) != table.family(ddp[0]))
+    assert all(state.correction(k) is None for k in fsdp)  # not measured: keeps the error band
+    assert all(state.correction(k) is None for k in table.keys if table.family(k) != table.family(ddp[0]))
+
+
+def test_a_family_measured_at_its_prediction_loses_the_error_band_but_is_not_scaled_down(space) -> None:
+    """A close call ran out of memory at its predicted peak (measured / predicted 0.99): the cost model's figure is
+    right for that family, so a look-alike predicted 3% over the budget is no longer given the benefit of the 15%
+    band (it would run out of memory too); its figure is not scaled down either (a look-alike at another micro-batch
+    may peak above its figure); another family keeps the band."""
+    table = CandidateTable.from_space(space, lambda c: Predicted.estimate(predict(c), GLOBAL_BATCH).to_json())
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize")
+    state = SearchState(study, table, BUDGET, storage=storage)
+    first = table.keys[0]
+    peer = next(k for k in table.keys[1:] if table.family(k) == table.family(first))
+    other = next(k for k in table.keys if table.family(k) != table.family(first))
+    state._remember(first, 0, {"status": "oom", "samples_per_s": 0.0, "reason": "over", "step_time_s": 0.0,
+                               "peak_memory_bytes": 0.99 * table.prediction(first)["peak_memory_bytes"]})
+    close_call = {"peak_memory_bytes": 1.03 * BUDGET, "memory_band": 0.15}
+    assert state.correction(peer) == 1.0
+    assert not table.fits(close_call, BUDGET, state.correction(peer))
+    assert table.fits({"peak_memory_bytes": BUDGET, "memory_band": 0.15}, BUDGET, state.correction(peer))
+    assert state.correction(other) is None and table.fits(close_call, BUDGET, state.correction(other))
 
 
 def test_a_candidate_predicted_far_slower_than_the_best_measured_is_skipped(space) -> None:
@@ -504,6 +525,7 @@ def test_a_close_call_on_memory_is_measured_not_dropped(space, tmp_path) -> None
     assert not CandidateTable.fits({"peak_memory_bytes": 120.0, "memory_band": 0.15}, 100.0)
     # a family's measured correction replaces the band: the peak is then measured
     assert not CandidateTable.fits({"peak_memory_bytes": 110.0, "memory_band": 0.15}, 100.0, correction=1.01)
+    assert not CandidateTable.fits({"peak_memory_bytes": 101.0, "memory_band": 0.15}, 100.0, correction=1.0)
 
 
 def _two_favourites(tmp_path, key: str, runs: dict[int, list[float]], max_trials: int = 8,

@@ -69,9 +69,13 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     assert out["limit"] < out["ddp_peak"]
     assert out["strategy"] != [["parallel_mode", {"dims": [["data", -1]], "rank_order": None}]]
     assert out["picked_peak"] is not None and out["picked_peak"] <= out["limit"]
-    assert out["statuses"].count("oom") <= 1, out["statuses"]  # the cost model keeps OOM runs away:
-    # a candidate predicted over the budget is told to the sampler as predicted_oom, never run (whether the
-    # sampler proposes one within 6 trials depends on its draws; the mechanism is test_planner's)
+    # The cost model keeps OOM runs away: a candidate predicted over the budget by more than the model's known error
+    # is told to the sampler as predicted_oom, never run (asserted below); a close call is measured, so it may run
+    # out of memory, once per memory family: the measured family's figure then stands without the error band, so its
+    # look-alikes predicted over the budget are not run (how many close calls the trace settles first depends on
+    # how far its time limit gets: fewer under load)
+    families = out["oom_families"]
+    assert len(families) == len(set(families)) == out["statuses"].count("oom"), (out["statuses"], families)
     assert out["measured_predicted_peaks"], out
     # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced.
     (line,) = out["trace_lines"]

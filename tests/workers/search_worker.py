@@ -46,6 +46,7 @@ from atorch.errors import RankLost
 from atorch.model_context import UserSetup
 from atorch.strategy import Strategy
 from atorch.strategy_search.search import automatic
+from atorch.strategy_search.search.candidates import family_key
 from atorch.training import train_step
 
 SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
@@ -140,6 +141,8 @@ def budget() -> dict[str, Any]:
             "trace_lines": list(_TraceLines.lines),
             "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
             "statuses": [t.get("status") for t in trials], "losses": losses,
+            # the memory family (layout, sharding, recompute) of each dry-run that ran out of memory
+            "oom_families": [family_key(json.loads(t["key"])) for t in trials if t.get("status") == "oom"],
             "first_losses": [[t["measured"].get("loss"), t["measured"].get("reference_loss"),
                               t["candidate"]["strategy"]] for t in trials if t.get("status") == "ok"],
             "measured_predicted_peaks": [t["predicted"].get("peak_memory_bytes") for t in trials

@@ -291,8 +291,11 @@ class SearchState:
         self.best_value: float | None = None
         self.best_key: str | None = None
         # Measured / predicted peak memory per family (the same layout, sharding and recompute), the largest seen
-        # (at least 1): a candidate's predicted peak is scaled by its own family's before it is judged to fit, so
-        # after one OOM its look-alikes are not run too, and one family's error does not rule out another.
+        # (at least 1: a family measured under its figure is not scaled down, a look-alike at another micro-batch
+        # may still peak higher): a candidate's predicted peak is scaled by its own family's, without the cost
+        # model's error band (the family was measured: CandidateTable.fits), before it is judged to fit, so after
+        # one OOM, or one run that measured its figure right, its look-alikes predicted over the budget are not run
+        # too; one family's error does not rule out another.
         self.memory_correction: dict[str, float] = {}
         # Measured / predicted samples/s of each family's measured candidates (``correct_time``): the cost model's
         # time is off by a factor that depends on the family (on the bench, tensor parallel's per-layer collectives
@@ -342,9 +345,10 @@ class SearchState:
             self.best_value, self.best_key = value, key
         return value, constraints, {**attrs, "improved": improved}
 
-    def correction(self, key: str) -> float:
-        """The factor a point's predicted peak is scaled by: its family's largest measured / predicted."""
-        return self.memory_correction.get(self.table.family(key), 1.0) if key in self.table.by_key else 1.0
+    def correction(self, key: str) -> float | None:
+        """The factor a point's predicted peak is scaled by: its family's largest measured / predicted (at least 1);
+        None for a family not measured, whose figure keeps the cost model's error band (CandidateTable.fits)."""
+        return self.memory_correction.get(self.table.family(key)) if key in self.table.by_key else None
 
     def time_correction(self, key: str) -> float:
         """The factor a point's predicted samples/s is scaled by (1 without ``correct_time`` or a measurement).
@@ -507,9 +511,10 @@ class SearchState:
                 self._tell(trial, value, constraints, attrs)
                 self.done[key] = (value, constraints, {"number": trial.number, **attrs})
                 continue
-            scale = self.correction(key)
-            if not self.table.fits(pred, self.budget, scale) and "error" not in pred:
-                corrected = (f" (x{scale:.2f}, its family's measured / predicted)" if scale != 1.0 else
+            measured = self.correction(key)
+            scale = measured or 1.0
+            if not self.table.fits(pred, self.budget, measured) and "error" not in pred:
+                corrected = (f" (x{scale:.2f}, its family's measured / predicted)" if measured is not None else
                              f" (even {100 * pred['memory_band']:.0f}% lower, the cost model's known error)"
                              if pred.get("memory_band") else "")
                 attrs.update(status="predicted_oom", reason=(

@@ -203,12 +203,13 @@ class CandidateTable:
         return self.predictions[self.by_key[key]] if key in self.by_key else {"error": "not in the table"}
 
     @staticmethod
-    def fits(pred: dict[str, Any], budget: float, correction: float = 1.0, banded: bool = True) -> bool:
+    def fits(pred: dict[str, Any], budget: float, correction: float | None = None, banded: bool = True) -> bool:
         """Whether the candidate may fit: the low end of its predicted peak's error band (``memory_band``) is within
-        the budget (a dry-run then settles it). A family's measured correction replaces the band: the peak is then
-        measured, not estimated. ``banded=False``: the figure itself (a pick that no dry-run will check)."""
-        band = pred.get("memory_band", 0.0) if correction == 1.0 and banded else 0.0
-        return "error" not in pred and pred["peak_memory_bytes"] * correction * (1.0 - band) <= budget
+        the budget (a dry-run then settles it). A family's measured correction (a float: that family was measured,
+        whatever the ratio) replaces the band: the peak is then measured, not estimated; None: not measured.
+        ``banded=False``: the figure itself (a pick that no dry-run will check)."""
+        band = pred.get("memory_band", 0.0) if correction is None and banded else 0.0
+        return "error" not in pred and pred["peak_memory_bytes"] * (correction or 1.0) * (1.0 - band) <= budget
 
     def family(self, key: str) -> str:
         return family_key(self.points[self.by_key[key]])
@@ -216,16 +217,16 @@ class CandidateTable:
     def layout(self, key: str) -> str:
         return layout_key(self.points[self.by_key[key]])
 
-    def ranked(self, budget: float, correction: Callable[[str], float] | None = None,
+    def ranked(self, budget: float, correction: Callable[[str], float | None] | None = None,
                banded: bool = True) -> list[str]:
         """Keys of predicted-feasible points (``fits``), highest predicted samples/s first (walk order breaks ties).
-        ``correction(key)`` scales a point's predicted peak (its family's measured / predicted)."""
-        scale = correction or (lambda key: 1.0)
+        ``correction(key)`` scales a point's predicted peak (its family's measured / predicted; None: unmeasured)."""
+        scale = correction or (lambda key: None)
         fitting = [i for i, pred in enumerate(self.predictions)
                    if self.fits(pred, budget, scale(self.keys[i]), banded)]
         return [self.keys[i] for i in sorted(fitting, key=lambda i: -self.predictions[i]["samples_per_s"])]
 
-    def baseline(self, budget: float, correction: Callable[[str], float] | None = None) -> str | None:
+    def baseline(self, budget: float, correction: Callable[[str], float | None] | None = None) -> str | None:
         """Plain data parallel (no tensor or pipeline split, no sharding, fp32, no checkpointing, no replacement)
         at the micro-batch the cost model likes best. Where none fits the budget: the fastest predicted to fit at
         the user's numbers on that layout (``keeps_user_numbers``: sharding or recompute added, still fp32), so
@@ -235,7 +236,7 @@ class CandidateTable:
         ddp = [i for i, p in enumerate(self.points) if is_baseline(p)]
         if not ddp:
             return None
-        scale = correction or (lambda key: 1.0)
+        scale = correction or (lambda key: None)
 
         def fastest_fitting(indices: list[int]) -> str | None:
             fitting = [i for i in indices if self.fits(self.predictions[i], budget, scale(self.keys[i]))]

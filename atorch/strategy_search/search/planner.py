@@ -681,7 +681,7 @@ class LocalStudy(SearchStudy):
         for key, pred in zip(table.keys, table.predictions, strict=True):
             if (key in state.done and "measured" in state.done[key][2]) or "error" in pred:
                 continue
-            peak = pred["peak_memory_bytes"] * state.correction(key)
+            peak = pred["peak_memory_bytes"] * (state.correction(key) or 1.0)
             if peak > budget:
                 peaks.append(peak)
         return min(peaks) if peaks else None
