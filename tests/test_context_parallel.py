@@ -74,7 +74,7 @@ def test_context_parallel_needs_a_context_dimension() -> None:
     assert _problems([("parallel_mode", {"dims": [["context", 2], ["data", -1]]}), "context_parallel", "fsdp"], 4) == []
 
 
-@pytest.mark.parametrize("other", ["pipeline_parallel"])
+@pytest.mark.parametrize("other", ["ds_3d_parallel"])
 def test_unsupported_combinations_are_refused_with_a_reason(other: str) -> None:
     problems = _problems([("parallel_mode", {"dims": [["context", 2], ["data", 1]]}), "context_parallel", other])
     assert any(f"'context_parallel' cannot be combined with '{other}'" in p for p in problems), problems
@@ -106,6 +106,11 @@ def four() -> dict[str, Any]:
     return run_json(WORKER, "four", nproc=4, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def eight() -> dict[str, Any]:
+    return run_json(WORKER, "eight", nproc=8, timeout=600)
+
+
 def _matches_one_process(entry: dict[str, Any], context: int, dp_size: int) -> None:
     assert "error" not in entry and "refused" not in entry, entry
     assert entry["attention"] == ATTENTION_NAME and entry["dp_size"] == dp_size, entry
@@ -125,9 +130,24 @@ def test_two_processes_train_like_one(two: dict[str, Any], scenario: str) -> Non
 
 @pytest.mark.parametrize(("scenario", "context", "dp_size"),
                          [("llama_c2_d2", 2, 2), ("qwen2_c2_d2_fsdp", 2, 2), ("llama_c4", 4, 1),
-                          ("llama_t2_c2_sp", 2, 1), ("qwen2_t2_c2_fsdp", 2, 1)])
+                          ("llama_t2_c2_sp", 2, 1), ("qwen2_t2_c2_fsdp", 2, 1),
+                          ("llama_p2_c2", 2, 1), ("qwen2_p2_c2_gpipe_checkpoint_fsdp", 2, 1)])
 def test_four_processes_train_like_one(four: dict[str, Any], scenario: str, context: int, dp_size: int) -> None:
     _matches_one_process(four[scenario], context, dp_size)
+
+
+def test_tensor_pipeline_and_context_with_sequence_parallel_train_like_one(eight: dict[str, Any]) -> None:
+    """Llama 3's long-context layout at small scale (tensor 2 × pipeline 2 × context 2, sequence parallel, 8
+    processes): every stage splits the micro-batch's sequences, the stages exchange their sequence shards."""
+    _matches_one_process(eight["llama_t2_p2_c2_sp"], context=2, dp_size=1)
+
+
+def test_beside_pipeline_stages_a_batch_is_refused_before_the_schedule_runs(four: dict[str, Any]) -> None:
+    """Every rank refuses (the job does not hang on a stage waiting for its activations), naming the fix."""
+    (padded,) = four["pipeline_padded_refused"]["refused"]
+    assert "beside pipeline_parallel takes unpadded sequences" in padded and "-100 labels" in padded, padded
+    (uneven,) = four["pipeline_uneven_refused"]["refused"]
+    assert "sequence length is 14" in uneven and "multiple of 4" in uneven, uneven
 
 
 def test_without_labels_the_logits_come_back_whole(two: dict[str, Any]) -> None:
@@ -181,8 +201,8 @@ def test_the_planner_splits_long_sequences_over_context_ranks() -> None:
     assert not alone.fits and split.fits, (alone.prediction.memory, split.prediction.memory)
     assert split.prediction.memory.activations < alone.prediction.memory.activations / 8
     assert "context 16" in split.prediction.notes[0]
-    # atorch's context_parallel does not run beside tensor and pipeline stages yet: evaluated, with the reason
-    assert any("'context_parallel' cannot be combined with 'mixed_parallel'" in p for p in split.problems)
+    # atorch runs it (tests/workers/cp_worker.py: tensor 2 × pipeline 2 × context 2 with sequence parallel)
+    assert not split.problems, split.problems
     dims = split.strategy.to_list()[0][1]["dims"]
     assert [d[0] for d in dims] == ["tensor", "context", "pipeline", "data"]
 
@@ -224,7 +244,7 @@ def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
     for cand in split:
         layout = cand.strategy.layout(2)
         assert "context_parallel" in cand.strategy.names() and layout.size("context") == 2
-        assert layout.data_size == 1 and layout.size("tensor") == 1  # the rules: no tensor or pipeline beside it
+        assert layout.data_size == 1 and layout.size("tensor") == 1  # two ranks: context 2 takes both
         assert cand.micro_batch_size * cand.micro_batches == 4  # one data rank reads the whole global batch
     # included by name: offered at any length, and every candidate has it
     included = SearchSpace(model, 2, 4, sequence_length=16, included=["context_parallel"])
@@ -232,11 +252,16 @@ def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
     # sequences that do not split into 2 × context chunks, and a model it cannot split, get none
     assert SearchSpace(model, 2, 4, sequence_length=18, context_parallel_from=16).context_sizes == (1,)
     assert SearchSpace(sm.FlatMLP(), 2, 4, sequence_length=16, context_parallel_from=16).context_sizes == (1,)
-    # four ranks: context beside tensor too (tensor × context), never beside pipeline stages
-    four = [c.strategy for c in SearchSpace(model, 4, 4, sequence_length=16, context_parallel_from=16).enumerate()]
-    layouts = {(s.layout(4).size("tensor"), s.layout(4).size("context"), s.layout(4).size("pipeline")) for s in four}
-    assert (2, 2, 1) in layouts and (1, 4, 1) in layouts and not any(c > 1 and p > 1 for _, c, p in layouts), layouts
-    assert all(s.problems(4) == [] for s in four)
+    # four ranks: context beside tensor (tensor × context) and, where pipeline_parallel is searched, beside pipeline
+    # stages (pipeline × context)
+    def layouts_of(**kwargs: Any) -> set[tuple[int, int, int]]:
+        four = [c.strategy for c in SearchSpace(model, 4, 4, sequence_length=16, context_parallel_from=16,
+                                                **kwargs).enumerate()]
+        assert all(s.problems(4) == [] for s in four)
+        return {(s.layout(4).size("tensor"), s.layout(4).size("context"), s.layout(4).size("pipeline")) for s in four}
+
+    assert {(2, 2, 1), (1, 4, 1)} <= layouts_of()
+    assert (1, 2, 2) in layouts_of(included=["pipeline_parallel"])
     # a mixture of experts: context beside experts too (expert × context), the experts' sizes unchanged
     from ep_worker import mixtral
 

@@ -283,10 +283,6 @@ RULES += (
 # context_parallel: each sequence split over parallel_mode's 'context' dimension (context_parallel.py).
 _CP_DIMS = {"dims": [["context", 2], ["data", 1]]}
 _CP_ALONE: tuple[tuple[str, str, str], ...] = (
-    ("mixed_parallel", "tensor and pipeline stages next to a context dimension are not supported yet",
-     "drop 'mixed_parallel'"),
-    ("pipeline_parallel", "pipeline stages next to a context dimension are not supported yet (the stages would "
-     "pass on split sequences and the last one compute a split loss)", "drop 'pipeline_parallel'"),
     ("ds_3d_parallel", "DeepSpeed's pipeline engine splits no sequence", "drop 'ds_3d_parallel'"),
 )
 

@@ -30,6 +30,11 @@ on every device: Llama 3's all-gather context parallel (Dubey et al. 2024, §3.3
 * Beside tensor parallel: a rank's attention holds its tensor rank's heads, and its context group is the ranks at
   the same tensor position, so each gathers its own heads' K/V; nothing else changes (the tensor-parallel replicas
   average over data × context, tensor_data_parallel.py).
+* Beside pipeline parallel: every stage's model splits the micro-batch's sequences as the whole model would (the
+  stages read the micro-batch; a later stage takes the previous stage's share of the hidden states, which the stages
+  exchange as they are); the last stage's loss is its share of the targets, combined as above (``stage_output``),
+  and the stages' replicas average over data × context. Padded batches are refused there (a recomputed attention
+  would read a later micro-batch's padding).
 """
 
 from __future__ import annotations
@@ -233,9 +238,9 @@ def _bound(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> d
     return found
 
 
-def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
-    """The model's keyword inputs for this rank: its zigzag share of every sequence, global positions, labels
-    shifted over the whole sequence. Refuses what it cannot split exactly."""
+def checked_source(shard: ContextShard, inputs: dict[str, Any]) -> torch.Tensor:
+    """The tensor whose sequence is split (input_ids, else inputs_embeds), once the inputs are known to split
+    exactly: refuses, naming the fix, what it cannot split."""
     source = inputs.get("input_ids")
     if source is None:
         source = inputs.get("inputs_embeds")
@@ -247,15 +252,24 @@ def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
         raise SetupError(f"context_parallel over {shard.size} ranks splits each sequence into {2 * shard.size} "
                           f"equal chunks, but the sequence length is {length}; pad or cut sequences to a multiple of "
                           f"{2 * shard.size}")
-    mask = inputs.pop("attention_mask", None)
+    mask = inputs.get("attention_mask")
     if mask is not None and tuple(mask.shape) != (batch, length):
         raise SetupError(f"context_parallel takes a padding attention_mask of shape (batch, sequence) = "
                           f"{(batch, length)}, got {tuple(mask.shape)}; pass the tokenizer's 2-D attention_mask (a "
                           "4-D or packed-sequence mask is not supported)")
-    padded = mask is not None and not bool((mask != 0).all())
-    shard.start_forward((mask != 0)[:, shard.all_positions(length // shard.size, mask.device)] if padded else None)
     if inputs.get("past_key_values") is not None:
         raise SetupError("context_parallel trains on whole sequences: past_key_values (a KV cache) is not supported")
+    return source
+
+
+def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The model's keyword inputs for this rank: its zigzag share of every sequence, global positions, labels
+    shifted over the whole sequence. Refuses what it cannot split exactly (``checked_source``)."""
+    source = checked_source(shard, inputs)
+    batch, length = source.shape[0], source.shape[1]
+    mask = inputs.pop("attention_mask", None)
+    padded = mask is not None and not bool((mask != 0).all())
+    shard.start_forward((mask != 0)[:, shard.all_positions(length // shard.size, mask.device)] if padded else None)
     index = shard.positions(length // shard.size, source.device)
     out = dict(inputs, use_cache=False)
     for name in ("input_ids", "inputs_embeds", "token_type_ids"):
@@ -265,19 +279,51 @@ def split_inputs(shard: ContextShard, inputs: dict[str, Any]) -> dict[str, Any]:
     if positions is None:
         positions = torch.arange(length, device=source.device).expand(batch, length)
     out["position_ids"] = positions[..., index]
-    labels = inputs.get("labels")
-    if labels is not None:
-        shifted = inputs.get("shift_labels")
-        if shifted is None:  # transformers' ForCausalLMLoss shift, over the whole sequence
-            shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        items = inputs.get("num_items_in_batch")
-        if items is None:
-            items = (shifted != -100).sum()
-        # each rank's sum over N/c: the mean of the c ranks' losses is the sum over all tokens / N
-        out["num_items_in_batch"] = torch.as_tensor(items, device=source.device) / shard.size
-        out["shift_labels"] = shifted[:, index].contiguous()
+    if inputs.get("labels") is not None:
+        out.update(local_targets(shard, inputs, index))
         out["labels"] = out["shift_labels"]  # transformers computes a loss only with labels given
     return out
+
+
+def local_targets(shard: ContextShard, inputs: dict[str, Any], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's share of the loss's targets: the labels shifted over the whole sequence (transformers'
+    ForCausalLMLoss shift, or the batch's own ``shift_labels``) at the rank's positions ``index``, and the batch's
+    count of real targets over c, so that each rank's loss is its tokens' sum over N/c and the mean of the c ranks'
+    losses the sum over all tokens / N, as in one process."""
+    labels = inputs["labels"]
+    shifted = inputs.get("shift_labels")
+    if shifted is None:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    items = inputs.get("num_items_in_batch")
+    if items is None:
+        items = (shifted != -100).sum()
+    return {"num_items_in_batch": torch.as_tensor(items, device=labels.device) / shard.size,
+            "shift_labels": shifted[:, index].contiguous()}
+
+
+def whole_sequence_logits(shard: ContextShard, logits: torch.Tensor) -> torch.Tensor:
+    """Every rank's logits gathered over the context group, in sequence order (the gather's backward returns each
+    rank's share of the gradient to its owner)."""
+    gathered = _GatherSequence.apply(logits, shard, 1)
+    return gathered[:, torch.argsort(shard.all_positions(logits.shape[1], gathered.device))]
+
+
+def stage_output(shard: ContextShard, model: nn.Module) -> Any:
+    """The last pipeline stage's output as one process's model would give it (pipeline_parallel's
+    ``STAGE_OUTPUT``): given labels, the loss over the whole sequence (each rank's share, the mean over the context
+    group) with this rank's logits; without, the logits whole, in sequence order (a user's loss on them trains the
+    same)."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    def output(data: Any, logits: torch.Tensor) -> Any:
+        labels = data.get("labels") if isinstance(data, dict) else None
+        if labels is None:
+            return CausalLMOutput(loss=None, logits=whole_sequence_logits(shard, logits))
+        targets = local_targets(shard, data, shard.positions(logits.shape[1], logits.device))
+        loss = model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size, **targets)
+        return CausalLMOutput(loss=_MeanOverGroup.apply(loss, shard), logits=logits)
+
+    return output
 
 
 def _gather_router_logits(shard: ContextShard) -> Any:
@@ -335,10 +381,7 @@ def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
             if getattr(output, "loss", None) is not None:
                 output.loss = _MeanOverGroup.apply(output.loss, shard)
         elif getattr(output, "logits", None) is not None:  # whole logits, in sequence order
-            local = output.logits.shape[1]
-            gathered = _GatherSequence.apply(output.logits, shard, 1)
-            order = torch.argsort(shard.all_positions(local, gathered.device))
-            output.logits = gathered[:, order]
+            output.logits = whole_sequence_logits(shard, output.logits)
         return output
 
     model.register_forward_pre_hook(before, with_kwargs=True)
@@ -348,24 +391,68 @@ def _install_hooks(model: nn.Module, shard: ContextShard) -> None:
         base.register_forward_hook(_gather_router_logits(shard), with_kwargs=True)
 
 
+def _install_stage_hooks(model: nn.Module, shard: ContextShard) -> None:
+    """On a pipeline stage's model: the inputs split as on the whole model (every stage reads the micro-batch, so
+    each computes the same positions; a later stage's first block takes the previous stage's share of the hidden
+    states in place of its own), the loss left to the schedule's (``stage_output``: the stage strips the labels)."""
+
+    def before(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
+        return (), split_inputs(shard, _bound(module, args, kwargs))
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def pipeline_batch_check(shard: ContextShard) -> Any:
+    """The check of a batch before the schedule runs it (pipeline_parallel's ``batch_checks``: a refusal inside a
+    stage's forward would leave the next stage waiting for its activations). Padded batches are refused too: the
+    stages run several micro-batches' forwards before their backwards, and a recomputed attention would read the
+    padding of the latest forward."""
+
+    def check(data: Any) -> None:
+        if not isinstance(data, dict):
+            raise SetupError("context_parallel beside pipeline_parallel takes a dict batch with input_ids (use "
+                             f"model_input_format='unpack_dict'), got {type(data).__name__}")
+        checked_source(shard, data)
+        mask = data.get("attention_mask")
+        if mask is not None and not bool((mask != 0).all()):
+            raise SetupError("context_parallel beside pipeline_parallel takes unpadded sequences (the stages run "
+                             "several micro-batches' forwards before their backwards); pack the sequences or pad "
+                             "them with real tokens and -100 labels, or drop one of the two methods")
+
+    return check
+
+
 def split_sequences(ctx: Any, communicate: bool) -> None:
-    """context_parallel's apply step: the attention through atorch's all-gather, the inputs split by hooks."""
+    """context_parallel's apply step: the attention through atorch's all-gather, the inputs split by hooks (on the
+    whole model, or on each pipeline stage's model with the loss made by the schedule: ``stage_output``)."""
     if not communicate:  # a model of fake tensors for the cost model: whole sequences (cost_facts divides)
         return
-    layout, model = ctx.layout, ctx.model
+    from atorch.opt_lib.pipeline_parallel import STAGE_OUTPUT
+    from atorch.state_names import StagedModel, state_roots
+
+    layout = ctx.layout
     group = layout.mesh(ctx.env.device.type)[CONTEXT].get_group()
     shard = ContextShard(group, dist.get_world_size(group), dist.get_rank(group))
     _register_attention()
-    for module in attention_modules(model):
-        object.__setattr__(module, _STATE, shard)  # not a submodule or buffer: plain state, out of state_dict
-    model.config._attn_implementation = ATTENTION_NAME
-    for sub in model.modules():  # sub-models keep their own config objects (a text model inside a VLM)
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ATTENTION_NAME
-    _install_hooks(model, shard)
-    logger.info("context_parallel: sequences split over %d ranks (zigzag), gradients averaged over %d "
-                "(data × expert × context)", shard.size, layout.replica_size)
+    staged = isinstance(ctx.model, StagedModel)
+    for model in state_roots(ctx.model) if staged else [ctx.model]:
+        for module in attention_modules(model):
+            object.__setattr__(module, _STATE, shard)  # not a submodule or buffer: plain state, out of state_dict
+        model.config._attn_implementation = ATTENTION_NAME
+        for sub in model.modules():  # sub-models keep their own config objects (a text model inside a VLM)
+            config = getattr(sub, "config", None)
+            if config is not None and hasattr(config, "_attn_implementation"):
+                config._attn_implementation = ATTENTION_NAME
+        if staged:
+            _install_stage_hooks(model, shard)
+            setattr(model, STAGE_OUTPUT, stage_output(shard, model))
+        else:
+            _install_hooks(model, shard)
+    if staged:
+        ctx.model.batch_checks.append(pipeline_batch_check(shard))
+    logger.info("context_parallel: sequences split over %d ranks (zigzag)%s, gradients averaged over %d "
+                "(data × expert × context)", shard.size, " on every pipeline stage" if staged else "",
+                layout.replica_size)
 
 
 # ----- the method ------------------------------------------------------------------------------------------
@@ -377,8 +464,8 @@ class ContextParallel(Method):
                "attention all-gathers K/V over it (Llama 3's); transformers decoders.")
     mesh_dims = (CONTEXT,)
     Config = ContextParallelConfig
-    # the search offers a 'context' size on a data, tensor × data or expert × data layout for long sequences (space.py,
-    # CONTEXT_PARALLEL_FROM): the rules refuse it next to pipeline stages
+    # the search offers a 'context' size beside data, tensor, pipeline and expert sizes for long sequences (space.py,
+    # CONTEXT_PARALLEL_FROM)
     search_role = SearchRole("layout", CONTEXT, off=1)
 
     def searchable(self, model: Any) -> bool:

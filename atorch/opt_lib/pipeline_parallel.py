@@ -25,7 +25,7 @@ step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -92,6 +92,9 @@ class PipelinedModel(StagedModel):
         if no_split:
             self._no_split_modules = list(no_split)
         self.runner: PipelineRunner | None = None
+        # checks of a batch before a schedule runs it (a method's refusal inside a stage's forward would leave the
+        # next stage waiting for its activations; every rank of the pipeline group reads the same batch)
+        self.batch_checks: list[Callable[[Any], None]] = []
 
     def state_roots(self) -> list[nn.Module]:
         return [_stage_module(stage).module for stage in self.stages]  # a stage may be wrapped
@@ -254,7 +257,7 @@ def replicate_stages(ctx: Any) -> None:
     broadcast_from_first(ctx.model, ctx.data_mesh)
     ctx.model.data_group = ctx.data_mesh.get_group()
     logger.info("data parallel: pipeline stages replicated over %d processes (gradients averaged per step)",
-                ctx.dp_size)
+                ctx.replica_size)
 
 
 def average_gradients(pipelined: PipelinedModel) -> None:
@@ -335,6 +338,8 @@ class PipelineRunner:
             raise SetupError(f"pipeline_parallel: the batch of {batch} samples on this rank does not split into "
                              f"{self.micro_batches} micro-batches; use a per-rank batch that is a multiple of "
                              f"{self.micro_batches}, or set micro_batches")
+        for check in self.pipelined.batch_checks:
+            check(data)
         self.data = data
         losses: list[torch.Tensor] = []
         target = torch.arange(batch, device=_device_of(data))
@@ -367,6 +372,8 @@ class PipelineRunner:
         if batch % self.micro_batches:
             raise SetupError(f"pipeline_parallel: an evaluation batch of {batch} samples does not split into "
                              f"{self.micro_batches} micro-batches; use a multiple of {self.micro_batches}")
+        for check in self.pipelined.batch_checks:
+            check(data)
         self.data = data
         try:
             with torch.no_grad():
@@ -402,9 +409,18 @@ def _take(data: Any, index: torch.Tensor) -> Any:
     return tree_map(lambda t: t[index] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, data)
 
 
+# Set on the last stage's model by a method that splits what the stages compute (context_parallel: each rank's share
+# of the sequence): (micro-batch, the stage's logits) -> the model's output as one process's model would give it.
+STAGE_OUTPUT = "atorch_stage_output"
+
+
 def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:
     """What the model would have returned: logits, and the loss from its own loss function given labels."""
     from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
+
+    made = getattr(model, STAGE_OUTPUT, None)
+    if made is not None:
+        return made(data, logits)
 
     labels = data.get("labels") if isinstance(data, dict) else None
     # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size;
@@ -454,9 +470,9 @@ def pipeline_train_step(result: Any, micro_batches: Sequence[Any], max_norm: flo
     if result.lr_scheduler is not None:
         result.lr_scheduler.step()
     dist.all_reduce(loss, group=runner.group)  # [communication] the last stage's loss, to every stage
-    if result.args.data_parallel_size > 1:
+    if result.args.data_parallel_group is not None:  # data × context (whose ranks have the same loss)
         dist.all_reduce(loss, group=result.args.data_parallel_group)
-        loss /= result.args.data_parallel_size
+        loss /= dist.get_world_size(result.args.data_parallel_group)
     return loss
 
 
@@ -602,7 +618,7 @@ class PipelineParallel(Method):
         build.per_stage = shard_stages  # later wrappers (FSDP2) take each stage as a root
 
     def replicate(self, build: Build, config: PipelineParallelConfig) -> bool:  # type: ignore[override]
-        if build.ctx.dp_size <= 1:
+        if build.ctx.replica_size <= 1:  # data × expert × context (context ranks hold the same stages too)
             return False
         replicate_stages(build.ctx)  # not DDP: see there
         return True

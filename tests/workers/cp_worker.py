@@ -30,6 +30,7 @@ from worker_common import GLOBAL_BATCH, LR, repeated_batch, run_each
 import atorch
 from atorch.distributed import shutdown
 from atorch.model_context import call_model
+from atorch.state_names import StagedModel, state_roots, trained_param_names
 from atorch.training import train_step
 
 STEPS = 2
@@ -103,10 +104,11 @@ def _accelerate(model: nn.Module, strategy: list[Any], dataset: Any = None) -> A
 
 
 def _whole_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters this rank holds, whole, by the user's names (under pipeline parallel: its stages' only)."""
     out = {}
-    for name, param in model.named_parameters():
+    for param, name in trained_param_names(model).items():
         value = param.full_tensor() if isinstance(param, DTensor) else param
-        out[name.removeprefix("module.")] = value.detach().clone()
+        out[name] = value.detach().clone()
     return out
 
 
@@ -116,20 +118,27 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
         result = _accelerate(user, strategy)
     except atorch.StrategyError as exc:
         return {"refused": list(exc.problems)}
-    inner = getattr(result.model, "module", result.model)
+    staged = isinstance(result.model, StagedModel)  # pipeline stages: the schedule runs them (train_step)
+    roots = state_roots(result.model)
     local_lengths: list[int] = []
-    # the sequence length each rank embeds (and so every activation's): 1/c of the batch's
-    handle = inner.get_input_embeddings().register_forward_hook(lambda m, a, o: local_lengths.append(o.shape[1]))
+    # the sequence length each rank embeds (and so every activation's): 1/c of the batch's (a later pipeline stage's
+    # stand-in embedding is called on the same split input ids)
+    handles = [root.get_input_embeddings().register_forward_hook(lambda m, a, o: local_lengths.append(o.shape[1]))
+               for root in roots]
     loader, batches, mine = iter(result.dataloader), [], []
     for _ in range(STEPS):
         data = result.prepare_input(next(loader), result.args.device)
         if accumulate:  # atorch.train_step over micro-batches: the gradients averaged once, at the boundary
             parts = [{k: v.chunk(accumulate)[m] for k, v in data.items()} for m in range(accumulate)]
             mine.append(float(train_step(result, parts)))  # the mean over micro-batches and ranks
+        elif staged:
+            mine.append(float(train_step(result, [data])))
         else:
             mine.append(_step(result, data))
         batches.append(data)
-    handle.remove()
+    for handle in handles:
+        handle.remove()
+    inner = roots[0]
     per_rank = _gather([b["input_ids"] for b in batches])
     shares = _data_shares(per_rank)
     model = copy.deepcopy(user)
@@ -146,7 +155,11 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
         optim.zero_grad()
         expected.append(total.item())
     ours = _whole_params(result.model)
+    held: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(held, sorted(ours))  # pipeline stages: every name is held by some rank
     reference = {n: p.detach() for n, p in model.named_parameters()}
+    weight_diff = torch.tensor(max((ours[n] - w).abs().max().item() for n, w in reference.items() if n in ours))
+    dist.all_reduce(weight_diff, op=dist.ReduceOp.MAX)
     # this rank's own loss against the reference's global one where the data is whole (data size 1), else each
     # rank's loss is its data share's: compared through the mean over ranks
     mean = torch.tensor(mine)
@@ -155,8 +168,9 @@ def train_and_compare(model_name: str, strategy: list[Any], accumulate: int = 0)
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(mean.tolist(), expected, strict=True)),
         "loss_drop": expected[0] - expected[-1],
-        "weight_diff": max((ours[n] - w).abs().max().item() for n, w in reference.items()),
-        "names_match": sorted(ours) == sorted(reference),
+        "weight_diff": weight_diff.item(),
+        "names_match": sorted({n for names in held for n in names}) == sorted(reference) and all(
+            n in reference for n in ours),
         "attention": inner.config._attn_implementation,
         "local_length": local_lengths[0] if local_lengths else None,
         "sequence_length": int(per_rank[0].shape[-1]),
@@ -270,7 +284,11 @@ def refused_at_call(model_name: str, strategy: list[Any], **batch: Any) -> dict[
     result = _accelerate(_make(model_name), strategy)
     ids = batch.pop("input_ids")
     try:
-        call_model(result.model, {"input_ids": ids, "labels": ids, **batch}, "unpack_dict")
+        data = {"input_ids": ids, "labels": ids, **batch}
+        if isinstance(result.model, StagedModel):  # the schedule checks the batch before any stage runs
+            train_step(result, [data])
+        else:
+            call_model(result.model, data, "unpack_dict")
     except atorch.SetupError as exc:
         return {"refused": [str(exc)]}
     return {"accepted": True}
@@ -303,6 +321,13 @@ def _tcp(tensor: int, context: int, tp: dict[str, Any] | None = None, extra: tup
             ("tensor_parallel", tp) if tp else "tensor_parallel", *extra]
 
 
+def _pcp(pipeline: int, context: int, schedule: str = "1f1b", extra: tuple[Any, ...] = ()) -> list[Any]:
+    """Pipeline × context: every stage's model splits the micro-batch's sequences; the last computes its share of
+    the loss."""
+    return [("parallel_mode", {"dims": [["pipeline", pipeline], ["context", context]]}), "context_parallel",
+            ("pipeline_parallel", {"schedule": schedule}), *extra]
+
+
 _IDS = sm.TokenDataset()[0]["input_ids"][None]
 GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
     "two": {
@@ -326,6 +351,11 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "mask_4d_refused": lambda: refused_at_call("llama", _cp(2), input_ids=_IDS,
                                                    attention_mask=torch.ones(1, 1, 16, 16)),
     },
+    "eight": {
+        "llama_t2_p2_c2_sp": lambda: train_and_compare("llama", [
+            ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["context", 2]]}), "context_parallel",
+            ("mixed_parallel", {"tensor": {"sequence_parallel": True}, "pipeline": {"schedule": "1f1b"}})]),
+    },
     "four": {
         "llama_c2_d2": lambda: train_and_compare("llama", _cp(2, 2)),
         "qwen2_c2_d2_fsdp": lambda: train_and_compare("qwen2", _cp(2, 2, ("fsdp",))),
@@ -333,6 +363,14 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "llama_t2_c2_sp": lambda: train_and_compare("llama", _tcp(2, 2, {"sequence_parallel": True})),
         "qwen2_t2_c2_fsdp": lambda: train_and_compare("qwen2", _tcp(2, 2, extra=("fsdp",))),
         "llama_c2_d2_padded_left": lambda: train_padded("llama", _cp(2, 2), "left"),
+        "llama_p2_c2": lambda: train_and_compare("llama", _pcp(2, 2)),
+        "qwen2_p2_c2_gpipe_checkpoint_fsdp": lambda: train_and_compare(
+            "qwen2", _pcp(2, 2, "gpipe", ("checkpoint", "fsdp"))),
+        # refused before the schedule runs, on every rank (a refusal inside a stage would leave the next one waiting)
+        "pipeline_padded_refused": lambda: refused_at_call(
+            "llama", _pcp(2, 2), input_ids=_IDS.repeat(4, 1),
+            attention_mask=torch.cat([torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 14, dtype=torch.long)], 1)),
+        "pipeline_uneven_refused": lambda: refused_at_call("llama", _pcp(2, 2), input_ids=_IDS.repeat(4, 1)[:, :14]),
     },
 }
 

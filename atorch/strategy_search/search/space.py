@@ -22,12 +22,11 @@ gets an ``expert`` size on the all-data-parallel layout: sizes dividing the worl
 ranks are data ranks too, so the data size (and micro-batching) is unchanged. A transformers decoder whose
 sequences are long (``context_parallel_from`` tokens, 8,192 by default: the shortest sequence a published layout
 splits, Megatron-Bridge's Llama 3 405B with context 2; any length when ``context_parallel`` is included by name)
-gets a ``context`` size there too, and beside a tensor size (sizes dividing what the tensor size leaves of the world
-whose ``2 × size`` chunks divide the sequence): context ranks read the same batch, so the data size is what is left
-after them. Under
-pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b where there are two
-blocks per stage), and a point's micro-batches are the schedule's (``pipeline_parallel.micro_batches``),
-at least one per stage.
+gets a ``context`` size there too, and beside tensor, pipeline and expert sizes (sizes dividing what they leave of
+the world whose ``2 × size`` chunks divide the sequence): context ranks read the same batch, so the data size is
+what is left after them. Under pipeline parallel the schedule is a dimension too (1f1b, gpipe, interleaved 1f1b
+where there are two blocks per stage), and a point's micro-batches are the schedule's
+(``pipeline_parallel.micro_batches``), at least one per stage.
 
 The user's contract decides which methods are searched at all (``loop``, ``precision``; a method declares
 ``needs_train_step`` and ``numerics`` in its registry entry): by default only strategies under which the
@@ -295,10 +294,10 @@ class SearchSpace:
         if len(self.expert_sizes) > 1 and t == p == 1:  # the rules refuse experts next to tensor or pipeline stages
             yield Dim(EXPERT, self.expert_sizes)
         e = int(partial.get(EXPERT, 1))
-        if p == 1:  # the rules refuse it next to pipeline stages (beside tensor or experts: tensor/expert × context)
-            context = tuple(c for c in self.context_sizes if self.world_size % (t * e * c) == 0)
-            if len(context) > 1:
-                yield Dim(CONTEXT, context)
+        # beside tensor, pipeline or experts too (every pipeline stage splits the micro-batch's sequences)
+        context = tuple(c for c in self.context_sizes if self.world_size % (t * p * e * c) == 0)
+        if len(context) > 1:
+            yield Dim(CONTEXT, context)
 
     # ----- the tree of dimensions ------------------------------------------------------------
     def _method_dims(self, name: str) -> list[Dim]:
