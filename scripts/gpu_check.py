@@ -154,6 +154,14 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
     # reduce-scatter in backward, where gloo runs an all-reduce)
     "tensor_context_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["context", 2], ["data", -1]]}),
                                     "context_parallel", ("tensor_parallel", {"sequence_parallel": True})], "llama"),
+    # Llama 3's long-context layout with its pipeline: every stage splits the sequences, the last its loss
+    "tensor_pipeline_context_parallel": (8, [("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2],
+                                                                         ["context", 2]]}), "context_parallel",
+                                             ("mixed_parallel", {"tensor": {"sequence_parallel": True},
+                                                                 "pipeline": {"schedule": "1f1b"}})], "llama"),
+    # DeepSeek-V3's layout at small scale: each stage's experts over its expert group
+    "pipeline_expert_parallel": (4, [("parallel_mode", {"dims": [["pipeline", 2], ["expert", 2], ["data", -1]]}),
+                                     "expert_parallel", ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral"),
 }
 MULTI_STEPS, MULTI_BATCH, MULTI_LR, MULTI_TOLERANCE = 2, 8, 0.1, 1e-4  # fp32, TF32 off: a few ulp of a loss of 5
 

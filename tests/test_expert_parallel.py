@@ -149,6 +149,25 @@ def test_experts_beside_context_ranks_train_like_one(four: dict[str, Any], scena
     _matches_one_process({**four[scenario], "scenario": scenario}, local_experts, dp_size=2)
 
 
+@pytest.mark.parametrize(("scenario", "local_experts"),
+                         [("mixtral_p2_e2", 2), ("qwen3_p2_e2_fsdp", 4), ("qwen2_p2_e2_zero1", 2)])
+def test_experts_beside_pipeline_stages_train_like_one(four: dict[str, Any], scenario: str, local_experts: int) -> None:
+    """Pipeline 2 × expert 2 (DeepSeek-V3's layout, small): each stage's MoE layers split over its expert group, the
+    expert gradients summed over their replicas after each schedule, the rest averaged over data × expert."""
+    entry = four[scenario]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["local_experts"] == [local_experts] and entry["names_match"], entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL and entry["loss_diff"] <= LOSS_ATOL, entry
+    assert entry["weight_diff"] <= WEIGHT_ATOL, entry
+
+
+def test_pipeline_stages_refuse_the_router_s_load_balancing_loss(four: dict[str, Any]) -> None:
+    """The loss the schedule computes on the last stage cannot hold it (a statistic over every stage's layers):
+    refused with the fix rather than dropped."""
+    (refused,) = four["router_loss_refused"]["refused"]
+    assert "load-balancing loss" in refused and "output_router_logits = False" in refused, refused
+
+
 @pytest.mark.parametrize("scenario", ["mixtral_e2_accumulated", "qwen3_e2_fsdp_accumulated"])
 def test_gradient_accumulation_averages_once_at_the_boundary(two: dict[str, Any], scenario: str) -> None:
     entry = two[scenario]

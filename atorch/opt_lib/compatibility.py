@@ -242,8 +242,6 @@ _EP_ALONE: tuple[tuple[str, str, str], ...] = (
      "drop 'tensor_parallel' (or 'expert_parallel': tensor_parallel alone keeps every expert on every rank)"),
     ("mixed_parallel", "tensor and pipeline stages next to an expert dimension are not supported yet",
      "drop 'mixed_parallel'"),
-    ("pipeline_parallel", "pipeline stages next to an expert dimension are not supported yet (each stage's experts "
-     "would dispatch inside the schedule)", "drop 'pipeline_parallel'"),
     ("ds_3d_parallel", "DeepSpeed's pipeline engine takes plain tensors, not expert-parallel DTensors",
      "drop 'ds_3d_parallel'"),
 )

@@ -132,21 +132,26 @@ def split_experts(ctx: Any, config: ExpertParallelConfig, communicate: bool) -> 
         return
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    model, layout, device = ctx.model, ctx.layout, ctx.env.device.type
-    plan = expert_plan(model, config.plan)
-    params = dict(model.named_parameters())
-    experts = [params[name] for name, style in plan.items() if style == SPLIT]
+    from atorch.state_names import state_roots
+
+    layout, device = ctx.layout, ctx.env.device.type
     batch = ctx.data_mesh  # data × expert
     source = int(batch.mesh.flatten()[0])
-    with torch.no_grad():
-        for param in experts:  # whole, before the split: every expert rank then cuts the same tensor
-            dist.broadcast(param.data, src=source, group=batch.get_group())
-    apply_expert_parallelism(model, layout.mesh(device)[EXPERT], _own_rank_mesh(device), plan)
-    for name, param in model.named_parameters():
-        if plan.get(name) == SPLIT:
-            setattr(param, _EXPERT_MARK, True)
-    logger.info("expert_parallel: %d experts modules split over %d ranks (data × expert %d)",
-                sum(s == DISPATCH for s in plan.values()), layout.size(EXPERT), layout.data_size)
+    split = 0
+    for model in state_roots(ctx.model):  # the model, or each pipeline stage's (its own MoE layers)
+        plan = expert_plan(model, config.plan)
+        params = dict(model.named_parameters())
+        experts = [params[name] for name, style in plan.items() if style == SPLIT]
+        with torch.no_grad():
+            for param in experts:  # whole, before the split: every expert rank then cuts the same tensor
+                dist.broadcast(param.data, src=source, group=batch.get_group())
+        apply_expert_parallelism(model, layout.mesh(device)[EXPERT], _own_rank_mesh(device), plan)
+        for name, param in model.named_parameters():
+            if plan.get(name) == SPLIT:
+                setattr(param, _EXPERT_MARK, True)
+        split += sum(s == DISPATCH for s in plan.values())
+    logger.info("expert_parallel: %d experts modules split over %d ranks (data × expert %d)", split,
+                layout.size(EXPERT), layout.data_size)
 
 
 _OWN_RANK: dict[tuple[Any, str], Any] = {}
@@ -185,31 +190,44 @@ class ExpertGradientSync(PendingGradientSync):
         model = self.due()
         if model is None:
             return
-        from torch.distributed.tensor import DTensor
-
-        experts = [p for p in model.parameters() if is_expert_param(p) and p.requires_grad]
-        for param in experts:  # every replica reduces the same list, also where a weight saw no token (no hang)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in experts]
-        with torch.no_grad():
-            if grads and self.replicas is not None:
-                flat = torch.cat([g.reshape(-1) for g in grads])  # one reduction (linear: sums of sums)
-                dist.all_reduce(flat, group=self.replicas)
-                for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                    grad.copy_(part.view_as(grad))
-            for grad in grads:
-                grad.div_(self.batch_size)
+        average_expert_gradients(model, self.replicas, self.batch_size)
         self._pending = False
 
 
+def average_expert_gradients(model: nn.Module, replicas: Any, batch_size: int) -> None:
+    """[communication] The expert gradients summed over ``replicas`` (the ranks holding the same experts; None:
+    none other) and divided by ``batch_size`` (data × expert × context)."""
+    from torch.distributed.tensor import DTensor
+
+    experts = [p for p in model.parameters() if is_expert_param(p) and p.requires_grad]
+    for param in experts:  # every replica reduces the same list, also where a weight saw no token (no hang)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in experts]
+    with torch.no_grad():
+        if grads and replicas is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])  # one reduction (linear: sums of sums)
+            dist.all_reduce(flat, group=replicas)
+            for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(part.view_as(grad))
+        for grad in grads:
+            grad.div_(batch_size)
+
+
 def reduce_expert_gradients(ctx: Any) -> None:
-    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync.
-    The ranks holding the same experts are the data × context ranks of an expert position; the average is over every
-    replica of the model's objective, data × expert × context (context ranks each backpropagate their share)."""
+    """expert_parallel's finish, after DDP/FSDP: the expert gradients' averaging joins the optimizer's gradient sync
+    (under pipeline parallel: each schedule's, ``PipelinedModel.gradient_syncs``). The ranks holding the same experts
+    are the data × context ranks of an expert position; the average is over every replica of the model's objective,
+    data × expert × context (context ranks each backpropagate their share)."""
+    from atorch.state_names import StagedModel
+
     layout, device = ctx.layout, ctx.env.device.type
     holders = (DATA, CONTEXT)
     replicas = layout.group_mesh(device, holders).get_group() if layout.size(DATA) * layout.size(CONTEXT) > 1 else None
+    if isinstance(ctx.model, StagedModel):
+        model = ctx.model
+        model.gradient_syncs.append(lambda: average_expert_gradients(model, replicas, layout.replica_size))
+        return
     ctx.gradient_sync = ExpertGradientSync(ctx.model, ctx.gradient_sync, replicas, layout.replica_size)
 
 

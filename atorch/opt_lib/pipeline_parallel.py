@@ -95,6 +95,9 @@ class PipelinedModel(StagedModel):
         # checks of a batch before a schedule runs it (a method's refusal inside a stage's forward would leave the
         # next stage waiting for its activations; every rank of the pipeline group reads the same batch)
         self.batch_checks: list[Callable[[Any], None]] = []
+        # gradient reductions of a method's own parameters after each schedule, beside the data-parallel average
+        # (expert_parallel: the experts' gradients over the ranks holding the same experts)
+        self.gradient_syncs: list[Callable[[], None]] = []
 
     def state_roots(self) -> list[nn.Module]:
         return [_stage_module(stage).module for stage in self.stages]  # a stage may be wrapped
@@ -261,10 +264,15 @@ def replicate_stages(ctx: Any) -> None:
 
 
 def average_gradients(pipelined: PipelinedModel) -> None:
-    """[communication] Every gradient averaged over the data group (replicated stages)."""
+    """[communication] Every gradient averaged over the data group (replicated stages), an expert's over the ranks
+    that hold the same experts (``gradient_syncs``, expert_parallel's)."""
+    from atorch.opt_lib.expert_parallel import is_expert_param
+
     group = getattr(pipelined, "data_group", None)
     if group is not None:
-        grad_sync.average_gradients(list(pipelined.parameters()), group)
+        grad_sync.average_gradients([p for p in pipelined.parameters() if not is_expert_param(p)], group)
+    for sync in pipelined.gradient_syncs:
+        sync()
 
 
 def shard_stages(ctx: Any, shard: Any, *args: Any, **kwargs: Any) -> None:

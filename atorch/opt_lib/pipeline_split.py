@@ -502,4 +502,11 @@ def split_setup_problems(ctx: Any, method: str) -> list[str]:
         problems.append(f"{method} runs loss_func on the last stage: give loss_func(data, output)")
     if ctx.setup.optim_param_func is not None:
         problems.append(f"optim_param_func is not supported with {method} yet; leave it out")
+    config = getattr(ctx.model, "config", None)
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+        problems.append(f"{method} computes the loss from the last stage's logits, so the router's load-balancing "
+                        "loss (output_router_logits=True), a statistic over every layer's routing that the stages "
+                        "would each hold a part of, would be dropped; set model.config.output_router_logits = False "
+                        "(the routers then train through the language-model loss alone), or split the model over "
+                        "data, expert or tensor ranks instead")
     return problems

@@ -31,6 +31,7 @@ import atorch
 from atorch.distributed import shutdown
 from atorch.model_context import call_model
 from atorch.opt_lib.expert_parallel import is_expert_param
+from atorch.state_names import trained_param_names
 from atorch.training import train_step
 
 
@@ -209,9 +210,54 @@ def train_accumulated(model_name: str, strategy: list[Any], micro: int = 2) -> d
             "weight_diff": max((ours[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())}
 
 
+def train_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """Experts beside pipeline stages (atorch.train_step runs the schedule) against one process: the mean of every
+    rank's loss (the ranks of a pipeline group read the same batch, each data × expert rank its own). The router's
+    load-balancing loss is off (pipeline parallel refuses it: a statistic over every stage's layers)."""
+    user = _make(model_name)
+    user.config.output_router_logits = False
+    try:
+        result = _accelerate(user, strategy)
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
+    loader, batches, mine = iter(result.dataloader), [], []
+    for _ in range(STEPS):
+        data = result.prepare_input(next(loader), result.args.device)
+        mine.append(float(train_step(result, [data])))  # the mean over the data × expert ranks
+        batches.append(data)
+    per_rank = _gather_batches(batches)
+    model = copy.deepcopy(user)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    expected = []
+    for step in range(STEPS):
+        total = torch.stack([call_model(model, batches[step], "unpack_dict").loss for batches in per_rank]).mean()
+        total.backward()
+        optim.step()
+        optim.zero_grad()
+        expected.append(total.item())
+    ours = {}
+    for param, name in trained_param_names(result.model).items():  # this rank's stages (experts gathered whole)
+        ours[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    reference = dict(model.named_parameters())
+    held: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(held, sorted(ours))
+    weight_diff = torch.tensor(max((ours[n] - reference[n].detach()).abs().max().item() for n in ours))
+    dist.all_reduce(weight_diff, op=dist.ReduceOp.MAX)
+    experts = [p for p in result.model.parameters() if is_expert_param(p)]
+    return {"loss_diff": max(abs(a - b) for a, b in zip(mine, expected, strict=True)),
+            "loss_drop": expected[0] - expected[-1], "weight_diff": weight_diff.item(),
+            "names_match": sorted({n for names in held for n in names}) == sorted(reference),
+            "local_experts": sorted({p.to_local().shape[0] for p in experts})}
+
+
 def _ep(expert: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
     dims = [["expert", expert]] + ([["data", data]] if data is not None else [])
     return [("parallel_mode", {"dims": dims}), "expert_parallel", *extra]
+
+
+def _ep_pp(expert: int, pipeline: int, extra: tuple[Any, ...] = ()) -> list[Any]:
+    return [("parallel_mode", {"dims": [["pipeline", pipeline], ["expert", expert], ["data", -1]]}), "expert_parallel",
+            ("pipeline_parallel", {"schedule": "1f1b"}), *extra]
 
 
 def _ep_cp(expert: int, context: int, extra: tuple[Any, ...] = ()) -> list[Any]:
@@ -268,6 +314,12 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         # averaged over data × context
         "mixtral_e2_c2": lambda d: train_and_compare("mixtral", _ep_cp(2, 2)),
         "qwen3_e2_c2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep_cp(2, 2, ("fsdp",))),
+        # experts beside pipeline stages (DeepSeek-V3's and Megatron-Bridge's Qwen3-30B-A3B's layouts, small): each
+        # stage's MoE layers split, the expert gradients averaged after each schedule
+        "mixtral_p2_e2": lambda d: train_pipelined("mixtral", _ep_pp(2, 2)),
+        "qwen3_p2_e2_fsdp": lambda d: train_pipelined("qwen3_moe", _ep_pp(2, 2, ("fsdp",))),
+        "qwen2_p2_e2_zero1": lambda d: train_pipelined("qwen2_moe", _ep_pp(2, 2, ("zero1",))),
+        "router_loss_refused": lambda d: train_and_compare("mixtral", _ep_pp(2, 2)),
     },
 }
 
