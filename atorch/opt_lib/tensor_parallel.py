@@ -230,16 +230,22 @@ def kv_projection_bytes(model: nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(by_heads.items()))
 
 
-def split_layer_counts(model: nn.Module) -> tuple[int, int]:
-    """For the cost model: (layers, trainable parameter tensors) the automatic plan splits. Under tensor parallel
+def automatic_plan(model: nn.Module) -> Plan | None:
+    """For the cost model: the automatic plan's styles at any tensor size (derived once per analysis), or None
+    where the model has none (a model the planner cannot read is one tensor parallel is not offered for)."""
+    try:
+        plan = derive_plan(model, TensorParallelConfig(), 1)
+    except Exception:  # noqa: BLE001 - see above
+        return None
+    return None if plan.problems else plan
+
+
+def split_layer_counts(model: nn.Module, plan: Plan | None) -> tuple[int, int]:
+    """For the cost model: (layers, trainable parameter tensors) the automatic ``plan`` splits. Under tensor parallel
     each such layer runs as DTensor operations in every micro-batch and each such parameter is a DTensor in the
     optimizer's step: DTensor's dispatch costs far more than a plain operation (the hardware profile measures
     it). (0, 0) where the model has nothing the automatic plan splits."""
-    try:
-        plan = derive_plan(model, TensorParallelConfig(), 1)
-    except Exception:  # noqa: BLE001 - a model the planner cannot read is one tensor parallel is not offered for
-        return 0, 0
-    if plan.problems:
+    if plan is None:
         return 0, 0
     modules = dict(model.named_modules())
     params = sum(p.requires_grad for name in plan.styles if name in modules
@@ -247,14 +253,10 @@ def split_layer_counts(model: nn.Module) -> tuple[int, int]:
     return len(plan.styles), params
 
 
-def bytes_left_whole(model: nn.Module, modules: list[nn.Module]) -> int:
-    """For the cost model: the parameter bytes of ``modules`` (a MoE layer's expert banks) that the automatic plan
-    does not split; all of them where the model has no plan."""
-    try:
-        plan = derive_plan(model, TensorParallelConfig(), 1)
-        planned = set() if plan.problems else {id(m) for name, m in model.named_modules() if name in plan.styles}
-    except Exception:  # noqa: BLE001 - no plan: tensor parallel is not offered, the figure is not used
-        planned = set()
+def bytes_left_whole(model: nn.Module, modules: list[nn.Module], plan: Plan | None) -> int:
+    """For the cost model: the parameter bytes of ``modules`` (a MoE layer's expert banks) that the automatic
+    ``plan`` does not split; all of them where the model has no plan."""
+    planned = set() if plan is None else {id(m) for name, m in model.named_modules() if name in plan.styles}
     return sum(p.numel() * p.element_size() for module in modules for sub in module.modules() if id(sub) not in planned
                for p in sub.parameters(recurse=False))
 

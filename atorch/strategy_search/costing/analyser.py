@@ -458,9 +458,10 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
     experts, per_token, expert_params = moe_structure(model)
     moe_layers = len(_expert_banks(model)) if experts else 0
-    from atorch.opt_lib.tensor_parallel import bytes_left_whole
+    from atorch.opt_lib.tensor_parallel import automatic_plan, bytes_left_whole
 
-    whole_experts = bytes_left_whole(model, _expert_banks(model)) if experts else 0
+    plan = automatic_plan(model)  # once: its derivation walks every module (MoE models: every expert too)
+    whole_experts = bytes_left_whole(model, _expert_banks(model), plan) if experts else 0
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
@@ -483,7 +484,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
 
     from atorch.opt_lib.tensor_parallel import kv_projection_bytes, split_layer_counts
 
-    tp_layers, tp_params = split_layer_counts(model)
+    tp_layers, tp_params = split_layer_counts(model, plan)
 
     trainable_bytes = sum(nbytes(p) for p in trainable)
     param_bytes = sum(nbytes(p) for p in params)
