@@ -159,6 +159,9 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
                                                                          ["context", 2]]}), "context_parallel",
                                              ("mixed_parallel", {"tensor": {"sequence_parallel": True},
                                                                  "pipeline": {"schedule": "1f1b"}})], "llama"),
+    # experts beside tensor ranks: each tensor position's expert group dispatches its tokens
+    "tensor_expert_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["expert", 2], ["data", -1]]}),
+                                   "expert_parallel", "tensor_parallel"], "mixtral"),
     # DeepSeek-V3's layout at small scale: each stage's experts over its expert group
     "pipeline_expert_parallel": (4, [("parallel_mode", {"dims": [["pipeline", 2], ["expert", 2], ["data", -1]]}),
                                      "expert_parallel", ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral"),

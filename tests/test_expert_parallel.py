@@ -93,10 +93,11 @@ def test_a_rank_order_that_permutes_an_expert_group_is_refused() -> None:
                           "expert_parallel"], 4)  # groups [2, 3], [0, 1]: each ascending
 
 
-def test_tensor_parallel_beside_experts_is_refused_with_a_reason() -> None:
-    problems = _problems([("parallel_mode", {"dims": [["tensor", 2], ["expert", 2]]}), "expert_parallel",
-                          "tensor_parallel"], 4)
-    assert any("'expert_parallel' cannot be combined with 'tensor_parallel'" in p for p in problems), problems
+def test_tensor_and_pipeline_beside_experts_are_allowed() -> None:
+    assert _problems([("parallel_mode", {"dims": [["tensor", 2], ["expert", 2]]}), "expert_parallel",
+                      "tensor_parallel"], 4) == []
+    assert _problems([("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["expert", 2]]}), "expert_parallel",
+                      "mixed_parallel"], 8) == []
 
 
 # ----- real processes ---------------------------------------------------------------------------
@@ -108,6 +109,11 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_json(WORKER, "four", str(tmp_path_factory.mktemp("ep4")), nproc=4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def eight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_json(WORKER, "eight", str(tmp_path_factory.mktemp("ep8")), nproc=8, timeout=600)
 
 
 def _matches_one_process(entry: dict[str, Any], local_experts: int, dp_size: int) -> None:
@@ -159,6 +165,34 @@ def test_experts_beside_pipeline_stages_train_like_one(four: dict[str, Any], sce
     assert entry["local_experts"] == [local_experts] and entry["names_match"], entry
     assert entry["loss_drop"] > 100 * LOSS_ATOL and entry["loss_diff"] <= LOSS_ATOL, entry
     assert entry["weight_diff"] <= WEIGHT_ATOL, entry
+
+
+@pytest.mark.parametrize(("scenario", "local_experts"),
+                         [("mixtral_t2_e2", 2), ("qwen3_t2_e2_fsdp", 4), ("qwen2_t2_e2_zero1", 2)])
+def test_experts_beside_tensor_ranks_train_like_one(four: dict[str, Any], scenario: str, local_experts: int) -> None:
+    """Tensor 2 × expert 2: the attention (and dense MLPs) split over the tensor ranks, the experts over the expert
+    group at each tensor position, which dispatches its tokens (the same on every tensor rank); the experts' gradients
+    are averaged over their replicas only, the tensor-parallel replicas' over data × expert."""
+    entry = four[scenario]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["local_experts"] == [local_experts] and entry["names_match"] and entry["dp_size"] == 2, entry
+    assert entry["dense_local_share"] < 0.85, entry  # the tensor plan splits the attention (sharded: about half)
+    assert entry["loss_drop"] > 100 * LOSS_ATOL, entry
+    assert entry["loss_diff"] <= LOSS_ATOL and entry["aux_diff"] <= LOSS_ATOL, entry
+    assert entry["weight_diff"] <= WEIGHT_ATOL and entry["norm_diff"] <= NORM_RTOL * entry["norm"], entry
+
+
+def test_tensor_pipeline_and_experts_train_like_one(eight: dict[str, Any]) -> None:
+    entry = eight["mixtral_t2_p2_e2"]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["local_experts"] == [2] and entry["names_match"], entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL and entry["loss_diff"] <= LOSS_ATOL, entry
+    assert entry["weight_diff"] <= WEIGHT_ATOL, entry
+
+
+def test_sequence_parallel_on_a_mixture_of_experts_is_refused_with_the_fix(four: dict[str, Any]) -> None:
+    (refused,) = four["sequence_parallel_refused"]["refused"]
+    assert "mixture of experts" in refused and "set sequence_parallel to false" in refused, refused
 
 
 def test_pipeline_stages_refuse_the_router_s_load_balancing_loss(four: dict[str, Any]) -> None:

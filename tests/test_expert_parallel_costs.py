@@ -143,6 +143,10 @@ def test_a_moe_model_s_space_has_expert_candidates_and_a_dense_one_s_none() -> N
     assert SearchSpace(toy_models.moe(), 4, 16).expert_sizes == (1, 2, 4)
     assert SearchSpace(toy_models.moe(experts=2), 4, 16).expert_sizes == (1, 2)
     assert SearchSpace(toy_models.moe(), WORLD, 16, excluded=[EP_NAME]).expert_sizes == (1,)
+    # beside tensor ranks too (each tensor position's expert group dispatches its tokens)
+    four = {(c.strategy.layout(4).size("tensor"), c.strategy.layout(4).size("expert"))
+            for c in SearchSpace(toy_models.moe(), 4, 16).enumerate()}
+    assert {(1, 4), (2, 2)} <= four, four
     dense = SearchSpace(toy_models.tiny_gpt2(), WORLD, 16)
     assert dense.expert_sizes == (1,)
     assert not any(EP_NAME in c.strategy.names() or "expert" in dict(c.point) for c in dense.enumerate())

@@ -237,11 +237,6 @@ RULES += (
 # expert_parallel: the experts split over parallel_mode's 'expert' dimension (expert_parallel.py).
 _EP_DIMS = {"dims": [["expert", 2], ["data", 1]]}
 _EP_ALONE: tuple[tuple[str, str, str], ...] = (
-    ("tensor_parallel", "splitting the attention over a tensor dimension next to the experts over an expert "
-     "dimension is not supported yet (the expert dispatch would need each tensor group's slice of the tokens)",
-     "drop 'tensor_parallel' (or 'expert_parallel': tensor_parallel alone keeps every expert on every rank)"),
-    ("mixed_parallel", "tensor and pipeline stages next to an expert dimension are not supported yet",
-     "drop 'mixed_parallel'"),
     ("ds_3d_parallel", "DeepSpeed's pipeline engine takes plain tensors, not expert-parallel DTensors",
      "drop 'ds_3d_parallel'"),
 )

@@ -16,6 +16,7 @@ from torch import nn
 
 from atorch.grad_sync import PendingGradientSync, average_gradients
 from atorch.log import get_logger
+from atorch.opt_lib.expert_parallel import is_expert_param
 
 logger = get_logger(__name__)
 
@@ -31,8 +32,9 @@ class ReplicaGradientSync(PendingGradientSync):
         model = self.due()
         if model is None:
             return
-        # Averaging is linear: the average of the accumulated sums is the sum of the averages.
-        average_gradients([p for p in model.parameters() if p.requires_grad], self.group)
+        # Averaging is linear: the average of the accumulated sums is the sum of the averages. [expert_parallel] The
+        # experts are averaged over the ranks that hold the same experts (expert_parallel.ExpertGradientSync).
+        average_gradients([p for p in model.parameters() if p.requires_grad and not is_expert_param(p)], self.group)
         self._pending = False
 
 

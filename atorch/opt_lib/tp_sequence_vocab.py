@@ -62,6 +62,11 @@ def problems(model: nn.Module, config: Any, t: int) -> list[str]:
     if not (config.loss_parallel or config.sequence_parallel):
         return []
     found = []
+    banks = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    if config.sequence_parallel and banks:
+        found.append(f"sequence_parallel: {type(model).__name__} is a mixture of experts ({banks[0]}, ...): its MoE "
+                     "layers, kept whole by the plan, would take sequence shards of the residual stream (DTensors) "
+                     "into their plain router and expert weights; not supported yet, set sequence_parallel to false")
     embedding, head = _embedding_and_head(model)
     options = " and ".join(k for k in ("loss_parallel", "sequence_parallel") if getattr(config, k))
     if embedding is None or (config.loss_parallel and head is None):

@@ -260,6 +260,11 @@ def _ep_pp(expert: int, pipeline: int, extra: tuple[Any, ...] = ()) -> list[Any]
             ("pipeline_parallel", {"schedule": "1f1b"}), *extra]
 
 
+def _ep_tp(tensor: int, expert: int, tp: dict[str, Any] | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
+    return [("parallel_mode", {"dims": [["tensor", tensor], ["expert", expert], ["data", -1]]}), "expert_parallel",
+            ("tensor_parallel", tp) if tp else "tensor_parallel", *extra]
+
+
 def _ep_cp(expert: int, context: int, extra: tuple[Any, ...] = ()) -> list[Any]:
     return [("parallel_mode", {"dims": [["expert", expert], ["context", context], ["data", -1]]}), "expert_parallel",
             "context_parallel", *extra]
@@ -303,6 +308,13 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "dense_model_refused": lambda d: train_and_compare("llama", _ep(2)),
         "checkpoint": lambda d: checkpoint_round_trip(d, _ep(2), _ep(2, extra=("fsdp",))),
     },
+    "eight": {
+        # tensor 2 × pipeline 2 × expert 2: each stage's attention split over its tensor ranks, its experts over its
+        # expert group
+        "mixtral_t2_p2_e2": lambda d: train_pipelined("mixtral", [
+            ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["expert", 2]]}), "expert_parallel",
+            ("mixed_parallel", {"pipeline": {"schedule": "1f1b"}})]),
+    },
     "four": {
         "mixtral_e2_d2": lambda d: train_and_compare("mixtral", _ep(2, 2)),
         "qwen3_e2_d2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep(2, 2, ("fsdp",))),
@@ -320,6 +332,12 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "qwen3_p2_e2_fsdp": lambda d: train_pipelined("qwen3_moe", _ep_pp(2, 2, ("fsdp",))),
         "qwen2_p2_e2_zero1": lambda d: train_pipelined("qwen2_moe", _ep_pp(2, 2, ("zero1",))),
         "router_loss_refused": lambda d: train_and_compare("mixtral", _ep_pp(2, 2)),
+        # experts beside tensor ranks: each tensor position's expert group dispatches its own tokens (with
+        # sequence parallel, its slice of the sequence)
+        "mixtral_t2_e2": lambda d: train_and_compare("mixtral", _ep_tp(2, 2)),
+        "qwen3_t2_e2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep_tp(2, 2, extra=("fsdp",))),
+        "qwen2_t2_e2_zero1": lambda d: train_and_compare("qwen2_moe", _ep_tp(2, 2, extra=("zero1",))),
+        "sequence_parallel_refused": lambda d: train_and_compare("mixtral", _ep_tp(2, 2, {"sequence_parallel": True})),
     },
 }
 

@@ -18,8 +18,8 @@ world size; the data size is what is left). A size above 1 is offered only where
 and fits the model (tensor_parallel: a plan derives from it, and GPT-2's Conv1D is swapped by
 module_replace in those points; pipeline_parallel: at least as many repeated blocks as stages). A
 mixture-of-experts model whose experts the registry's 'expert' layout method can split (expert_parallel) also
-gets an ``expert`` size on the data and pipeline × data layouts: sizes dividing the world (what the pipeline
-leaves of it) and the expert count; expert
+gets an ``expert`` size beside the data, tensor and pipeline sizes: sizes dividing what they leave of the world
+and the expert count; expert
 ranks are data ranks too, so the data size (and micro-batching) is unchanged. A transformers decoder whose
 sequences are long (``context_parallel_from`` tokens, 8,192 by default: the shortest sequence a published layout
 splits, Megatron-Bridge's Llama 3 405B with context 2; any length when ``context_parallel`` is included by name)
@@ -292,8 +292,8 @@ class SearchSpace:
             schedules = tuple(name for name in PIPELINE_SCHEDULES
                               if name != "interleaved_1f1b" or self.pipeline_blocks >= 2 * p)
             yield Dim("pipeline_parallel.schedule", schedules)
-        expert = tuple(e for e in self.expert_sizes if self.world_size % (p * e) == 0)
-        if len(expert) > 1 and t == 1:  # the rules refuse experts next to tensor ranks
+        expert = tuple(e for e in self.expert_sizes if self.world_size % (t * p * e) == 0)
+        if len(expert) > 1:
             yield Dim(EXPERT, expert)
         e = int(partial.get(EXPERT, 1))
         # beside tensor, pipeline or experts too (every pipeline stage splits the micro-batch's sequences)
