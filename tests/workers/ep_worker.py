@@ -180,16 +180,23 @@ def train_and_compare(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     }
 
 
-def train_accumulated(model_name: str, strategy: list[Any], micro: int = 2) -> dict[str, Any]:
+def train_accumulated(model_name: str, strategy: list[Any], micro: int = 2, router_loss: bool = True) -> dict[str, Any]:
     """atorch.train_step over ``micro`` micro-batches per rank (gradient accumulation: the data-parallel and the
-    expert gradients are averaged once, at the boundary) against one process on the same micro-batches."""
+    expert gradients are averaged once, at the boundary; under pipeline parallel the schedule runs them) against one
+    process on the same micro-batches: the mean of every rank's losses (the ranks of a tensor or pipeline group read
+    the same batch, each data × expert rank its own). ``router_loss=False``: the router's load-balancing loss off
+    (pipeline parallel refuses it: a statistic over every stage's layers)."""
     user = _make(model_name)
-    result = _accelerate(user, strategy)
+    user.config.output_router_logits = router_loss
+    try:
+        result = _accelerate(user, strategy)
+    except atorch.StrategyError as exc:
+        return {"refused": list(exc.problems)}
     loader, batches, totals = iter(result.dataloader), [], []
     for _ in range(STEPS):
         data = result.prepare_input(next(loader), result.args.device)
         parts = [{k: v.chunk(micro)[m] for k, v in data.items()} for m in range(micro)]
-        totals.append(float(train_step(result, parts)))
+        totals.append(float(train_step(result, parts)))  # the mean over micro-batches and data × expert ranks
         batches.append(data)
     per_rank = _gather_batches(batches)
     model = copy.deepcopy(user)
@@ -204,39 +211,8 @@ def train_accumulated(model_name: str, strategy: list[Any], micro: int = 2) -> d
         optim.step()
         optim.zero_grad()
         expected.append(total.item())
-    ours = _whole_params(result.model)
-    return {"loss_diff": max(abs(a - b) for a, b in zip(totals, expected, strict=True)),
-            "loss_drop": expected[0] - expected[-1],
-            "weight_diff": max((ours[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())}
-
-
-def train_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
-    """Experts beside pipeline stages (atorch.train_step runs the schedule) against one process: the mean of every
-    rank's loss (the ranks of a pipeline group read the same batch, each data × expert rank its own). The router's
-    load-balancing loss is off (pipeline parallel refuses it: a statistic over every stage's layers)."""
-    user = _make(model_name)
-    user.config.output_router_logits = False
-    try:
-        result = _accelerate(user, strategy)
-    except atorch.StrategyError as exc:
-        return {"refused": list(exc.problems)}
-    loader, batches, mine = iter(result.dataloader), [], []
-    for _ in range(STEPS):
-        data = result.prepare_input(next(loader), result.args.device)
-        mine.append(float(train_step(result, [data])))  # the mean over the data × expert ranks
-        batches.append(data)
-    per_rank = _gather_batches(batches)
-    model = copy.deepcopy(user)
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    expected = []
-    for step in range(STEPS):
-        total = torch.stack([call_model(model, batches[step], "unpack_dict").loss for batches in per_rank]).mean()
-        total.backward()
-        optim.step()
-        optim.zero_grad()
-        expected.append(total.item())
     ours = {}
-    for param, name in trained_param_names(result.model).items():  # this rank's stages (experts gathered whole)
+    for param, name in trained_param_names(result.model).items():  # this rank's (stages'), experts gathered whole
         ours[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
     reference = dict(model.named_parameters())
     held: list[list[str]] = [[] for _ in range(dist.get_world_size())]
@@ -244,10 +220,15 @@ def train_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     weight_diff = torch.tensor(max((ours[n] - reference[n].detach()).abs().max().item() for n in ours))
     dist.all_reduce(weight_diff, op=dist.ReduceOp.MAX)
     experts = [p for p in result.model.parameters() if is_expert_param(p)]
-    return {"loss_diff": max(abs(a - b) for a, b in zip(mine, expected, strict=True)),
+    return {"loss_diff": max(abs(a - b) for a, b in zip(totals, expected, strict=True)),
             "loss_drop": expected[0] - expected[-1], "weight_diff": weight_diff.item(),
             "names_match": sorted({n for names in held for n in names}) == sorted(reference),
             "local_experts": sorted({p.to_local().shape[0] for p in experts})}
+
+
+def train_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """Experts beside pipeline stages: one micro-batch per train_step (the schedule splits it), no router loss."""
+    return train_accumulated(model_name, strategy, micro=1, router_loss=False)
 
 
 def _ep(expert: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
