@@ -142,6 +142,15 @@ def test_tensor_pipeline_and_context_with_sequence_parallel_train_like_one(eight
     _matches_one_process(eight["llama_t2_p2_c2_sp"], context=2, dp_size=1)
 
 
+def test_beside_pipeline_stages_eval_logits_are_whole_on_the_last_stage(four: dict[str, Any]) -> None:
+    """atorch.training.eval_logits under pipeline 2 × context 2: the last stage's two context ranks return the whole
+    sequence's logits in order (as one process), the first stage's None (-1 here)."""
+    entry = four["llama_p2_c2_eval_logits"]
+    assert "error" not in entry and entry["shape_match"], entry
+    last = [d for d in entry["logits_diffs"] if d >= 0]
+    assert len(last) == 2 and all(d <= LOSS_ATOL for d in last), entry
+
+
 def test_beside_pipeline_stages_a_batch_is_refused_before_the_schedule_runs(four: dict[str, Any]) -> None:
     """Every rank refuses (the job does not hang on a stage waiting for its activations), naming the fix."""
     (padded,) = four["pipeline_padded_refused"]["refused"]

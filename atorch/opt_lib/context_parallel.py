@@ -427,7 +427,7 @@ def split_sequences(ctx: Any, communicate: bool) -> None:
     whole model, or on each pipeline stage's model with the loss made by the schedule: ``stage_output``)."""
     if not communicate:  # a model of fake tensors for the cost model: whole sequences (cost_facts divides)
         return
-    from atorch.opt_lib.pipeline_parallel import STAGE_OUTPUT
+    from atorch.opt_lib.pipeline_parallel import STAGE_LOGITS, STAGE_OUTPUT
     from atorch.state_names import StagedModel, state_roots
 
     layout = ctx.layout
@@ -446,6 +446,7 @@ def split_sequences(ctx: Any, communicate: bool) -> None:
         if staged:
             _install_stage_hooks(model, shard)
             setattr(model, STAGE_OUTPUT, stage_output(shard, model))
+            setattr(model, STAGE_LOGITS, lambda logits: whole_sequence_logits(shard, logits))
         else:
             _install_hooks(model, shard)
     if staged:

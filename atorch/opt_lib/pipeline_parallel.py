@@ -389,7 +389,10 @@ class PipelineRunner:
                                          return_outputs=True, **stage_kwargs(data, self.input_format))
         finally:
             self.data = None
-        return out if self.has_last else None
+        if not self.has_last:
+            return None
+        whole = getattr(self.last_model, STAGE_LOGITS, None)
+        return whole(out) if whole is not None else out
 
 
 def _device_of(data: Any) -> torch.device:
@@ -418,8 +421,9 @@ def _take(data: Any, index: torch.Tensor) -> Any:
 
 
 # Set on the last stage's model by a method that splits what the stages compute (context_parallel: each rank's share
-# of the sequence): (micro-batch, the stage's logits) -> the model's output as one process's model would give it.
-STAGE_OUTPUT = "atorch_stage_output"
+# of the sequence): (micro-batch, the stage's logits) -> the model's output as one process's model would give it;
+# and (the logits of a forward-only schedule) -> the whole logits (eval_logits).
+STAGE_OUTPUT, STAGE_LOGITS = "atorch_stage_output", "atorch_stage_logits"
 
 
 def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:

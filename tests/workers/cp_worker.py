@@ -31,7 +31,7 @@ import atorch
 from atorch.distributed import shutdown
 from atorch.model_context import call_model
 from atorch.state_names import StagedModel, state_roots, trained_param_names
-from atorch.training import train_step
+from atorch.training import eval_logits, train_step
 
 STEPS = 2
 
@@ -280,6 +280,23 @@ def whole_logits(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     return {"shape_match": list(ours.shape) == list(theirs.shape), "logits_diff": (ours - theirs).abs().max().item()}
 
 
+def pipelined_eval_logits(model_name: str, strategy: list[Any]) -> dict[str, Any]:
+    """atorch.eval_logits under pipeline × context: the last stage's ranks get the whole logits, in sequence order
+    (the same as one process's); the other stages get None."""
+    user = _make(model_name)
+    result = _accelerate(user, strategy)
+    ids = sm.TokenDataset()[0]["input_ids"][None].repeat(4, 1)
+    ours = eval_logits(result, {"input_ids": ids, "labels": ids})  # the schedule runs loss_func on the last stage
+    with torch.no_grad():
+        theirs = user(input_ids=ids).logits
+    found = torch.tensor(-1.0 if ours is None else (ours - theirs).abs().max().item())
+    shape_ok = torch.tensor(1.0 if ours is None or list(ours.shape) == list(theirs.shape) else 0.0)
+    diffs = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(diffs, found)
+    dist.all_reduce(shape_ok, op=dist.ReduceOp.MIN)
+    return {"logits_diffs": [d.item() for d in diffs], "shape_match": bool(shape_ok.item())}
+
+
 def refused_at_call(model_name: str, strategy: list[Any], **batch: Any) -> dict[str, Any]:
     result = _accelerate(_make(model_name), strategy)
     ids = batch.pop("input_ids")
@@ -364,6 +381,7 @@ GROUPS: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {
         "qwen2_t2_c2_fsdp": lambda: train_and_compare("qwen2", _tcp(2, 2, extra=("fsdp",))),
         "llama_c2_d2_padded_left": lambda: train_padded("llama", _cp(2, 2), "left"),
         "llama_p2_c2": lambda: train_and_compare("llama", _pcp(2, 2)),
+        "llama_p2_c2_eval_logits": lambda: pipelined_eval_logits("llama", _pcp(2, 2)),
         "qwen2_p2_c2_gpipe_checkpoint_fsdp": lambda: train_and_compare(
             "qwen2", _pcp(2, 2, "gpipe", ("checkpoint", "fsdp"))),
         # refused before the schedule runs, on every rank (a refusal inside a stage would leave the next one waiting)
