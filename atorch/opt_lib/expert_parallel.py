@@ -77,6 +77,12 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return bool(getattr(param, _EXPERT_MARK, False))
 
 
+def expert_banks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's expert banks, (name, module): modules named ``experts``, transformers' convention for a MoE
+    layer's bank (stacked weights or a ModuleList). Empty for a dense model."""
+    return [(name, m) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+
+
 def expert_param_names(model: nn.Module) -> list[str]:
     return [name for name, param in model.named_parameters() if is_expert_param(param)]
 

@@ -39,6 +39,7 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.pipeline_split import (
     StageModule,
@@ -266,8 +267,6 @@ def replicate_stages(ctx: Any) -> None:
 def average_gradients(pipelined: PipelinedModel) -> None:
     """[communication] Every gradient averaged over the data group (replicated stages), an expert's over the ranks
     that hold the same experts (``gradient_syncs``, expert_parallel's)."""
-    from atorch.opt_lib.expert_parallel import is_expert_param
-
     group = getattr(pipelined, "data_group", None)
     if group is not None:
         grad_sync.average_gradients([p for p in pipelined.parameters() if not is_expert_param(p)], group)

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from atorch.opt_lib.expert_parallel import expert_banks
+
 SEQ_DIM = 1
 _MARK = "_atorch_loss_parallel"  # set on the model: train_step runs the step inside loss_parallel()
 
@@ -62,7 +64,7 @@ def problems(model: nn.Module, config: Any, t: int) -> list[str]:
     if not (config.loss_parallel or config.sequence_parallel):
         return []
     found = []
-    banks = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
+    banks = [name for name, _ in expert_banks(model)]
     if config.sequence_parallel and banks:
         found.append(f"sequence_parallel: {type(model).__name__} is a mixture of experts ({banks[0]}, ...): its MoE "
                      "layers, kept whole by the plan, would take sequence shards of the residual stream (DTensors) "

@@ -59,6 +59,7 @@ from atorch.errors import SetupError
 from atorch.log import get_logger
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.expert_parallel import expert_banks
 from atorch.strategy_search.costing import fake_kernels
 from atorch.strategy_search.costing.diagnosis import StepError, describe, first_line, forward_and_loss, loss_of
 from atorch.strategy_search.costing.fake_kernels import FakeKernelGaps
@@ -457,11 +458,11 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     work.zero_grad(set_to_none=True)
     amp_saved = _amp_saved_bytes(work, batch, model_input_format, loss_func, mode, batch_device)
     experts, per_token, expert_params = moe_structure(model)
-    moe_layers = len(_expert_banks(model)) if experts else 0
+    moe_layers = len(expert_banks(model)) if experts else 0
     from atorch.opt_lib.tensor_parallel import automatic_plan, bytes_left_whole
 
     plan = automatic_plan(model)  # once: its derivation walks every module (MoE models: every expert too)
-    whole_experts = bytes_left_whole(model, _expert_banks(model), plan) if experts else 0
+    whole_experts = bytes_left_whole(model, [m for _, m in expert_banks(model)], plan) if experts else 0
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
@@ -570,15 +571,11 @@ _EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_nu
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "router_top_k")
 
 
-def _expert_banks(model: nn.Module) -> list[nn.Module]:
-    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
-
-
 def moe_structure(model: nn.Module) -> tuple[int, int, int]:
     """(experts per MoE layer, experts each token visits, parameters of all experts): the modules named
     ``experts`` (transformers' convention for a layer's expert bank, stacked or a ModuleList), the counts from
     the model's config where it has one, else from the bank's shape (top-k then unknown: 0). (0, 0, 0): no MoE."""
-    banks = _expert_banks(model)
+    banks = [m for _, m in expert_banks(model)]
     if not banks:
         return 0, 0, 0
     params = sum(p.numel() for bank in banks for p in bank.parameters())
