@@ -136,6 +136,35 @@ def test_a_split_that_cannot_compute_a_sample_is_ruled_out_before_any_dry_run() 
     assert "head_bias" in why and "must match the size" in why, why
 
 
+def test_a_hybrid_model_s_second_block_class_is_checked_too() -> None:
+    # Jamba interleaves attention layers and Mamba layers (two block classes). The derived plan pairs the Mamba
+    # mixer's dt_proj with its out_proj by module order, but the model reads dt_proj.weight directly: the split
+    # Mamba layer cannot compute a sample. Checking only the first block (attention, which splits fine) let every
+    # tensor-parallel candidate into the search to fail at its first step; each block class is checked now.
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    config = JambaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+                         mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=32,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tokens = torch.randint(3, 128, (16, 16))
+    setup = UserSetup(model=JambaForCausalLM(config), optim_func=torch.optim.SGD, optim_args={"lr": 0.1},
+                      dataset=[{"input_ids": t, "labels": t} for t in tokens], loss_func=lambda d, out: out.loss,
+                      model_input_format="unpack_dict", dataloader_args={"batch_size": BATCH})
+    space = SearchSpace(setup.model, WORLD, BATCH)
+    tensor = [c for c in space.enumerate() if dict(c.point).get("tensor", 1) > 1]
+    assert tensor, [c.strategy.names() for c in space.enumerate()]
+    batch = {"input_ids": tokens[: BATCH // WORLD], "labels": tokens[: BATCH // WORLD]}
+    checked = check_families(setup, batch, WORLD, torch.device("cpu"), tensor[:1])
+    assert len(checked.unbuildable) == 1, checked
+    ((method, _), why), = checked.unbuildable.items()
+    assert method == "tensor_parallel", why
+    assert "the split model.layers.1 fails on one sample in model.layers.1.mamba (JambaMambaMixer)" in why, why
+    assert "dt_proj.weight" in why, why
+
+
 def test_the_split_check_computes_under_the_autocast_the_block_ran_under() -> None:
     # A bias of one head splits fine; under amp_native the blocks' input (the embedding's output) is bf16: the
     # check's runs of the split and the unsplit block take it under the same autocast, not against fp32 weights.

@@ -525,7 +525,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_
     if plan.problems:  # checked before building; seen here only if the model changed in between
         raise StrategyError(plan.problems, what="tensor_parallel")
     skip_check = _check_problems(ctx, config) if communicate or runs_check else "no communication in this build"
-    check = BlockCheck.prepare(ctx, list(plan.styles)) if skip_check is None else None
+    checks = BlockCheck.prepare(ctx, list(plan.styles)) if skip_check is None else []
     if skip_check is not None:
         logger.info("tensor_parallel: build not checked against the unsplit model (%s)", skip_check)
     modules = dict(ctx.model.named_modules())
@@ -550,7 +550,7 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_
                 sum(not splits_output(s) and s not in NORM_STYLES for s in plan.styles.values()),
                 "".join(f", {k}" for k in ("loss_parallel", "sequence_parallel") if getattr(config, k)),
                 "".join(f"; {note}" for note in plan.notes))
-    if check is not None:
+    for check in checks:  # every rank checks the same blocks (the same model and sample): collectives pair up
         prefix = check.name + "." if check.name else ""
         fused = tuple(_join(n, "c_attn").removeprefix(prefix) for n in plan.fused_qkv if n.startswith(prefix))
         problems = check.run(ctx.model, mesh.get_group(), skip=fused) if communicate else check.runs(ctx.model)

@@ -2,12 +2,14 @@
 
 A plan can build and train while computing something else (a fused layer split column-wise that the model
 splits again gives each rank the wrong halves: no error, wrong numbers). So every build runs one repeated
-block (the first holding a split layer) twice on the input it receives for the dataset's first sample:
-unsplit, copied before the split, and split, on the tensor group. The output and the gradient of every
+block of each class holding a split layer (a hybrid model's attention and Mamba layers alike) twice on the
+input it receives for the dataset's first sample: unsplit, copied before the split, and split, on the tensor
+group. The output and the gradient of every
 parameter (for a fixed random projection of the output) must agree within a tolerance derived from the
 parameters' dtype; otherwise the build is refused with the figures. Cost: one forward of the model up to
-that block, then one block's forward and backward twice. Under pipeline parallel the block is the first split
-one of this rank's stages, reached by running that stage alone (a later stage on stand-in hidden states).
+the last checked block, then each checked block's forward and backward twice. Under pipeline parallel the
+blocks are those of the stage holding this rank's first split block, reached by running that stage alone (a
+later stage on stand-in hidden states).
 
 The check draws no numbers from the user's random generators and leaves no gradients behind.
 """
@@ -43,16 +45,20 @@ def tolerance(dtype: torch.dtype) -> float:
     return min(MAX_TOLERANCE, ULPS * torch.finfo(dtype).eps)
 
 
-def block_to_check(model: nn.Module, split: list[str]) -> str:
-    """The first repeated block holding a split layer (the model itself if it has no such block)."""
+def blocks_to_check(model: nn.Module, split: list[str]) -> list[str]:
+    """The first block of each repeated block class holding a split layer, in the model's order (a hybrid model's
+    attention and Mamba layers are both checked: a plan can fit one and not the other); [""] (the model itself)
+    if no repeated block holds one."""
     from atorch.class_ref import matches
     from atorch.opt_lib.blocks import block_classes
 
     classes = block_classes(model)
+    found: dict[type, str] = {}
     for name, module in model.named_modules():
-        if name and classes and matches(module, classes) and any(s.startswith(name + ".") for s in split):
-            return name
-    return ""
+        if (name and classes and type(module) not in found and matches(module, classes)
+                and any(s.startswith(name + ".") for s in split)):
+            found[type(module)] = name
+    return list(found.values()) or [""]
 
 
 def _detached(value: Any) -> Any:
@@ -123,31 +129,37 @@ class BlockCheck:
         return torch.autocast(self.autocast[0], dtype=self.autocast[1])
 
     @classmethod
-    def prepare(cls, ctx: Any, split: list[str]) -> BlockCheck | None:
-        """Capture the block's input for the first sample; None (said in the log) where that cannot be done."""
+    def prepare(cls, ctx: Any, split: list[str]) -> list[BlockCheck]:
+        """Capture the checked blocks' inputs for the first sample (``blocks_to_check``); [] (said in the log)
+        where that cannot be done."""
         from atorch.model_context import call_model
 
         if ctx.setup.dataset is None:
             logger.info("tensor_parallel: build not checked against the unsplit model (no dataset to take a sample)")
-            return None
-        name = block_to_check(ctx.model, split)
-        block = ctx.model.get_submodule(name)
-        held: list[tuple[tuple, dict]] = []
-        device_type = ctx.env.device.type
-        autocast: list[tuple[str, torch.dtype] | None] = []
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            held.append((_detached(args), _detached(kwargs)))
-            autocast.append((device_type, torch.get_autocast_dtype(device_type))
-                            if torch.is_autocast_enabled(device_type) else None)
-            raise _Captured
-
-        run = _stage_run(ctx, name) if isinstance(ctx.model, StagedModel) else \
+            return []
+        names = blocks_to_check(ctx.model, split)
+        if isinstance(ctx.model, StagedModel):  # one stage is run: the blocks of the first one's stage
+            names = [n for n in names if n.split(".")[:2] == names[0].split(".")[:2]]
+        run = _stage_run(ctx, names[0]) if isinstance(ctx.model, StagedModel) else \
             (lambda sample: call_model(ctx.model, sample, ctx.setup.model_input_format))
         if isinstance(run, str):
             logger.info("tensor_parallel: build not checked against the unsplit model (%s)", run)
-            return None
-        handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+            return []
+        held: dict[str, tuple[tuple, dict]] = {}
+        device_type = ctx.env.device.type
+        autocast: dict[str, tuple[str, torch.dtype] | None] = {}
+
+        def hook_for(name: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                if name not in held:
+                    held[name] = (_detached(args), _detached(kwargs))
+                    autocast[name] = ((device_type, torch.get_autocast_dtype(device_type))
+                                      if torch.is_autocast_enabled(device_type) else None)
+                if len(held) == len(names):
+                    raise _Captured  # every checked block's input is held: the rest of the forward is not needed
+            return hook
+
+        handles = [ctx.model.get_submodule(n).register_forward_pre_hook(hook_for(n), with_kwargs=True) for n in names]
         modes = {m: m.training for m in ctx.model.modules()}
         ctx.model.eval()  # no dropout: no random numbers drawn, and the two runs compare
         try:  # (the dataloader's iterator draws its base seed from torch's generator: forked)
@@ -156,13 +168,14 @@ class BlockCheck:
         except _Captured:
             pass
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             for module, training in modes.items():
                 module.train(training)
-        if not held:
-            logger.info("tensor_parallel: build not checked against the unsplit model (%s was not called)", name)
-            return None
-        return cls(name, copy.deepcopy(block), held[0], autocast[0])
+        for name in names:
+            if name not in held:
+                logger.info("tensor_parallel: build not checked against the unsplit model (%s was not called)", name)
+        return [cls(n, copy.deepcopy(ctx.model.get_submodule(n)), held[n], autocast[n]) for n in names if n in held]
 
     def _fails(self, exc: Exception, trace: _Trace) -> list[str]:
         label = self.name or "the model"
