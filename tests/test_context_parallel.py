@@ -255,6 +255,9 @@ def test_the_space_offers_context_for_a_decoder_s_long_sequences() -> None:
         assert "context_parallel" in cand.strategy.names() and layout.size("context") == 2
         assert layout.data_size == 1 and layout.size("tensor") == 1  # two ranks: context 2 takes both
         assert cand.micro_batch_size * cand.micro_batches == 4  # one data rank reads the whole global batch
+        assert cand.strategy.problems(2) == [], cand.strategy
+    # FSDP shards over data × context (the ranks its gradients are averaged over): offered at data 1, context 2
+    assert {"fsdp", "zero2"} <= {n for c in split for n in c.strategy.names()}, [c.strategy for c in split]
     # included by name: offered at any length, and every candidate has it
     included = SearchSpace(model, 2, 4, sequence_length=16, included=["context_parallel"])
     assert all(dict(c.point)["context"] == 2 for c in included.enumerate())

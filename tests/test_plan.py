@@ -495,3 +495,18 @@ def test_published_runs_since_table_1_fit_and_in_sample_ones_within_20_percent()
     assert len(rows) == len(bench.OTHER_RUNS) >= 7
     assert all(r["fits"] for r in rows), [(r["run"], r["memory_gib"]) for r in rows if not r["fits"]]
     assert all(abs(r["error"]) <= 0.2 for r in rows if r["in_sample"]), [(r["run"], r["error"]) for r in rows]
+
+
+def test_sharding_spans_the_context_ranks_when_the_data_dimension_is_one() -> None:
+    """torchtitan's 256k-token rows run FSDP 1 × context 8: the parameters are sharded over the data × context
+    ranks, so a layout whose data dimension is 1 still has shardings to choose from (it was enumerated unsharded
+    only, and the published layout was refused as 'no layout matches')."""
+    _, shape = resolve_model("llama3-8b", 262144)
+    found = {(lay.sharding, lay.data) for lay in layouts(shape, 8, 8, 1, context=8) if lay.context == 8}
+    assert ("fsdp", 1) in found and ("none", 1) in found, found
+    profile = load_profile("h100-96gb-500w")
+    given = plan_job(shape, 8, 1, profile, given=parse_layout("context=8,sharding=fsdp,recompute=full")).plans[0]
+    whole = plan_job(shape, 8, 1, profile, given=parse_layout("context=8,sharding=none,recompute=full")).plans[0]
+    assert given.layout.sharding == "fsdp" and given.prediction.memory.peak < whole.prediction.memory.peak
+    _, single = resolve_model("llama3-8b", 4096)  # one rank: nothing to shard over
+    assert {lay.sharding for lay in layouts(single, 1, 8, 1)} == {"none"}

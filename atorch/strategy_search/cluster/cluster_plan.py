@@ -268,7 +268,8 @@ def layouts(shape: TransformerShape, gpus: int, gpus_per_node: int, global_batch
                 schedules += [("interleaved_1f1b", v) for v in sorted(set(range(2, MAX_VIRTUAL_STAGES + 1)) | extra)
                               if p * v <= shape.layers]
             for schedule, v in schedules:
-                for sharding in SHARDINGS if dp > 1 else ("none",):
+                # sharding spans the data × context ranks (the gradients are reduced over both)
+                for sharding in SHARDINGS if dp * c > 1 else ("none",):
                     for recompute in RECOMPUTE:
                         # atorch's vocabulary split needs a tensor dimension and no pipeline; its sequence parallel
                         # a tensor dimension (the stages exchange sequence shards).

@@ -276,9 +276,10 @@ class SearchSpace:
                                    * int(point.get(CONTEXT, 1)))
 
     def mesh_size(self, point: Point, dim: str) -> int:
-        """The size of a parallel_mode dimension in a (partial) point: the layout's sizes, data what is left (the
-        ranks the batch is split over, expert ranks included: data parallelism runs over data × expert)."""
-        return self.data_size(point) if dim == "data" else int(point.get(dim, 1))
+        """The size of a parallel_mode dimension in a (partial) point, as the methods working over it see it: the
+        layout's sizes; data the ranks DDP/FSDP average and shard over (ParallelLayout.replica_size: what the
+        batch is split over, expert ranks included, × the context ranks, which read the same batch)."""
+        return self.data_size(point) * int(point.get(CONTEXT, 1)) if dim == "data" else int(point.get(dim, 1))
 
     def _layout_dims(self, partial: Point) -> Iterator[Dim]:
         if len(self.tensor_sizes) > 1:
