@@ -121,6 +121,21 @@ OTHER_RUNS: tuple[dict, ...] = (
      "in_sample": False,
      "layout": "tensor=8,pipeline=8,sharding=fsdp,recompute=full,fp8=true,schedule=interleaved_1f1b,"
                "micro_batch_size=1"},
+    # Added 2026-11-29, run once and held out (no term changed after seeing them): torchtitan's context-parallel
+    # tables (the same benchmark file): Table 2, Llama 3.1 8B on 8 GPUs, FSDP x CP = 8, local batch 1 (one sequence
+    # per FSDP rank), compile + Float8, full checkpointing; Table 6, Llama 3.1 405B on 512 GPUs, TP 8, PP 8 (1F1B),
+    # FSDP x CP = 8, local batch 8 (taken as 8 micro-batches of 1), compile + Float8 + AsyncTP, full checkpointing.
+    *({"run": f"torchtitan Llama 3.1 {size}, {gpus} H100, {seq // 1024}k context (Float8)",
+       "model": f"llama3-{size.lower()}", "hardware": "h100-96gb-500w", "gpus": gpus, "seq": seq,
+       "batch": 8 // cp * per_rank, "published": tokens, "unit": "tokens", "published_gib": gib, "in_sample": False,
+       "layout": f"tensor={tp},pipeline={pp},context={cp},sharding=fsdp,recompute=full,fp8=true,"
+                 + ("schedule=1f1b," if pp > 1 else "") + "micro_batch_size=1"}
+      for size, gpus, tp, pp, per_rank, rows in (
+          ("8B", 8, 1, 1, 1, ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                              (8, 262144, 548, 84.5))),
+          ("405B", 512, 8, 8, 8, ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                                  (8, 262144, 16, 84.9))))
+      for cp, seq, tokens, gib in rows),
     # Added 2026-11-29, run once and held out (no term changed after seeing them): Megatron-Core's H100 weak-scaling
     # table (NVIDIA/Megatron-LM README, images/model_table.png, read at d98e8a64): GPT, vocabulary 131,072, sequence
     # 4,096, bf16, data 48 throughout, with --overlap-grad-reduce, --overlap-param-gather (the distributed
