@@ -258,7 +258,8 @@ MISTAKES = [
         dataset=[{"x": torch.randn(16), "y": torch.tensor(1)} for _ in range(16)]),
       "a batch is a dict with keys ['x', 'y']", "use model_input_format='unpack_dict' (model(**batch))"),
     m("gpt2-renamed-batch-key", lambda: gpt2_args(dataset=RenamedKeys(16)), "'input_id'",
-      "You have to specify either input_ids", "Make the dataset's samples match GPT2LMHeadModel.forward"),
+      "You have to specify either input_ids", "The batch's key(s) 'input_id' (did you mean 'input_ids'?) name no "
+      "parameter of forward", "Make the dataset's samples match GPT2LMHeadModel.forward"),
     m("gpt2-untokenized-text", lambda: gpt2_args(dataset=TextSamples()), "the model's forward fails on a sample batch",
       "list(str"),
     m("regression-target-broadcasts", lambda: dict(

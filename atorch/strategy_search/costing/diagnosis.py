@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -203,11 +204,27 @@ def _forward_hint(model: nn.Module, batch: Any, model_input_format: str | None) 
                 "'unpack_sequence' (model(*batch)) with a forward that takes them all and ignores the target; "
                 "loss_func(data, output) then reads the target from data")
     try:
+        params = inspect.signature(model.forward).parameters
         sig = f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
     except (TypeError, ValueError):
-        sig = f"{type(model).__name__}.forward"
-    return (f"Make the dataset's samples match {sig} as {_CALLS.get(model_input_format, 'model(batch)')} calls it "
-            "(number, order and shapes of the inputs), or change model_input_format")
+        params, sig = {}, f"{type(model).__name__}.forward"
+    unnamed = _unnamed_keys(batch, params) if model_input_format == "unpack_dict" and is_dict else ""
+    return (f"{unnamed}Make the dataset's samples match {sig} as {_CALLS.get(model_input_format, 'model(batch)')} "
+            "calls it (number, order and shapes of the inputs), or change model_input_format")
+
+
+def _unnamed_keys(batch: Mapping, params: Mapping[str, inspect.Parameter]) -> str:
+    """The batch's keys that forward does not name (a ``**kwargs`` forward, transformers' models, swallows them
+    and fails later for want of the input they were meant to be), each with the parameter it may be a typo of."""
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named:
+        return ""
+    unknown = [str(k) for k in batch if k not in params]
+    if not unknown:
+        return ""
+    close = {k: difflib.get_close_matches(k, named, n=1, cutoff=0.7) for k in unknown}
+    keys = ", ".join(f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "") for k in unknown)
+    return f"The batch's key(s) {keys} name no parameter of forward. "
 
 
 def _loss_name(loss_func: Any) -> str:
