@@ -4,7 +4,8 @@ Families (transformers, tiny random configs in tests/workers/tp_worker.py): Qwen
 head_dim), Cohere with use_qk_norm (one norm row per head), StableLM with qk_layernorm (one norm module per head,
 parallel residual), Falcon (fused per-head q|k|v, parallel attention and MLP, biases), GPT-BigCode with
 multi_query (one key/value head in a fused c_attn), OLMo2 without its own plan (norms over the whole projection),
-Apertus (learned scalars in the MLP). Three launches: tensor 2 (2 processes; also under sequence_parallel, with the
+Apertus (learned scalars in the MLP), Jamba (attention and Mamba layers: the Mamba mixer, which computes with
+dt_proj's weight itself, kept whole). Three launches: tensor 2 (2 processes; also under sequence_parallel, with the
 checkpoints loaded under data 2 and the build check's messages on wrong plans), tensor 4 (with tensor 2 × data 2
 under fsdp) and tensor 2 × pipeline 2 (4 processes each).
 Each must train like one fp32 process on the same global batches: losses and the first gradient norm within
@@ -33,9 +34,10 @@ LOGGED = {"qwen3": "query/key norms on the rank's heads (head_norm)",
 SPLIT = {"qwen3": "self_attn.q_proj.weight", "cohere_qk": "self_attn.q_norm.weight",
          "falcon": "self_attention.query_key_value.bias", "stablelm_qk": "self_attn.q_proj.weight",
          "bigcode_mqa": "attn.c_proj.weight", "olmo2_split": "self_attn.q_norm.weight",
-         "apertus": "mlp.up_proj.weight"}
+         "apertus": "mlp.up_proj.weight", "jamba": "feed_forward.down_proj.weight"}
 WHOLE = {"qwen3": "self_attn.q_norm.weight",  # replicated (its gradient summed): not split
-         "bigcode_mqa": "attn.c_attn.weight", "stablelm_qk": "q_layernorm.norms.0.weight"}
+         "bigcode_mqa": "attn.c_attn.weight", "stablelm_qk": "q_layernorm.norms.0.weight",
+         "jamba": "mamba.dt_proj.weight"}  # its mixer computes with the weight itself
 
 
 def _assert_trains_like_reference(name: str, entry: dict[str, Any], report: dict[str, Any], model: str) -> None:

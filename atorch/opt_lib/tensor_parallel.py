@@ -105,6 +105,7 @@ class Plan:
     source: str = "derived"  # "explicit" (the user's), "model" (transformers' shipped plan) or "derived"
     notes: list[str] = field(default_factory=list)  # rewrites and additions, said in the log
     problems: list[str] = field(default_factory=list)
+    pairs: dict[str, str] = field(default_factory=dict)  # [pairing] each layer paired by module order -> its partner
 
 
 def _dims(module: nn.Module) -> tuple[int, int] | None:
@@ -198,8 +199,9 @@ def _paired_plan(model: nn.Module, planned: dict[str, Style] | None = None) -> P
                 first = _dims(previous[1])
                 # The first must change the width, so that only its output can feed the second.
                 if first[1] == dims[0] and first[0] != first[1]:
-                    plan.styles[_join(block_name, previous[0])] = "colwise"
-                    plan.styles[_join(block_name, name)] = "rowwise"
+                    col, row = _join(block_name, previous[0]), _join(block_name, name)
+                    plan.styles[col], plan.styles[row] = "colwise", "rowwise"
+                    plan.pairs.update({col: row, row: col})
                     previous = None
                     continue
             previous = (name, module)
@@ -404,7 +406,9 @@ def derive_plan(model: nn.Module, config: TensorParallelConfig, t: int) -> Plan:
             # A recognised attention with an MLP of other names (transformers ViT: fc1, fc2) gets
             # the rest of its blocks by pairing.
             kept = {spec.layer: "replicate" for spec in plan.own_columns.values()}  # not paired either
-            plan.styles.update(_paired_plan(model, {**plan.styles, **kept}).styles)
+            paired = _paired_plan(model, {**plan.styles, **kept})
+            plan.styles.update(paired.styles)
+            plan.pairs.update(paired.pairs)
     for name in [n for n, s in plan.styles.items() if s in KEPT_WHOLE]:
         del plan.styles[name]
     _uneven_heads(model, plan, t)
@@ -528,6 +532,11 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_
     checks = BlockCheck.prepare(ctx, list(plan.styles)) if skip_check is None else []
     if skip_check is not None:
         logger.info("tensor_parallel: build not checked against the unsplit model (%s)", skip_check)
+    _unpair_uncalled(ctx.model, plan, checks)
+    if not plan.styles:
+        raise StrategyError(["no layers left to split: each pair found by module order is computed with its "
+                             "weights directly by the model's code; give an explicit plan"], what="tensor_parallel")
+    checks = [c for c in checks if not c.name or any(n.startswith(c.name + ".") for n in plan.styles)]
     modules = dict(ctx.model.named_modules())
     for name in plan.fused_qkv:
         _permute_fused_qkv(modules[name], t)
@@ -556,6 +565,33 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_
         problems = check.run(ctx.model, mesh.get_group(), skip=fused) if communicate else check.runs(ctx.model)
         if problems:
             raise StrategyError(problems, what="tensor_parallel")
+
+
+def _unpair_uncalled(model: nn.Module, plan: Plan, checks: list[Any]) -> None:
+    """Leave out of the plan each pair (paired by module order) one of whose layers the checked block's forward
+    does not call on the sample: its owner computes with the weight itself (Jamba's Mamba mixer reads
+    ``dt_proj.weight``), where a split weight would meet whole tensors. Applied to every block of the class."""
+    from atorch.opt_lib.tp_check import called_modules
+
+    for check in checks:
+        prefix = check.name + "." if check.name else ""
+        paired = {n.removeprefix(prefix) for n in plan.pairs if n.startswith(prefix)}
+        if not paired:
+            continue
+        uncalled = paired - called_modules(check)
+        if not uncalled:
+            continue
+        owner = type(model.get_submodule(check.name))
+        dropped = 0
+        for block, module in model.named_modules():
+            if type(module) is not owner:
+                continue
+            for rel in uncalled:
+                for name in (_join(block, rel), plan.pairs.get(_join(block, rel))):
+                    if name is not None and plan.styles.pop(name, None) is not None:
+                        dropped += 1
+        plan.notes.append(f"kept whole: {dropped} layers of {owner.__name__} paired by module order that its forward "
+                          f"computes with itself, not as layers ({', '.join(sorted(uncalled))})")
 
 
 def tp_sequence_vocab_problems(model: nn.Module, config: TensorParallelConfig, t: int) -> list[str]:

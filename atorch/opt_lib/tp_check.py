@@ -250,6 +250,24 @@ class BlockCheck:
                 "styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
 
 
+def called_modules(check: BlockCheck) -> set[str]:
+    """The modules (names inside the block) that the unsplit block's forward calls on the check's input."""
+    called: set[str] = set()
+    block = check.reference
+    handles = [m.register_forward_pre_hook(lambda _m, _a, n=name: called.add(n))
+               for name, m in block.named_modules() if name]
+    training = block.training
+    block.eval()
+    try:
+        with check._computing(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            block(*check.inputs[0], **check.inputs[1])
+    finally:
+        block.train(training)
+        for handle in handles:
+            handle.remove()
+    return called
+
+
 def _full(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

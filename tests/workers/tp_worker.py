@@ -83,6 +83,12 @@ MODELS.update({  # decoder layouts with per-head q/k norms, fused q|k|v with par
     "bigcode_mqa": sm.Setup(lambda: _hf("GPTBigCode", num_attention_heads=4, multi_query=True, n_inner=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), sm.TokenDataset,
                             sm.hf_loss, "unpack_dict"),
+    # a hybrid: an attention layer with a dense MLP, then a Mamba layer with a MoE MLP (its mixer reads
+    # dt_proj.weight itself: kept whole, as are the experts)
+    "jamba": sm.Setup(lambda: _hf("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                  num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=0,
+                                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4,
+                                  mamba_expand=2, pad_token_id=0), sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 })
 # The plan a new user writes for Phi-3: its gate_up_proj is fused (the model splits it again after the call).
 PHI3_PLAN = ("tensor_parallel", {"plan": {"*.gate_up_proj": "colwise", "*.down_proj": "rowwise"}})
@@ -154,6 +160,7 @@ LAYOUTS["layouts_tp2"] = {f"{m}/tp2": (m, [TP2, "tensor_parallel"]) for m in ("q
 # The build check on wrong plans: the first module whose output differs (a fused MLP split column-wise) and where
 # the split block fails (GPT-BigCode's multi-query c_attn split as if each head had its own key and value).
 LAYOUTS["layouts_tp2"]["apertus/tp2"] = ("apertus", [TP2, "tensor_parallel"])
+LAYOUTS["layouts_tp2"]["jamba/tp2"] = ("jamba", [TP2, "tensor_parallel"])
 # under sequence_parallel the attention's input arrives as a DTensor: the layers kept whole take it local
 LAYOUTS["layouts_tp2"].update({f"{m}/tp2+sequence_parallel": (m, [TP2, SEQUENCE_PARALLEL])
                                for m in ("qwen3", "bigcode_mqa")})
