@@ -190,9 +190,29 @@ def test_tensor_pipeline_and_experts_train_like_one(eight: dict[str, Any]) -> No
     assert entry["weight_diff"] <= WEIGHT_ATOL, entry
 
 
-def test_sequence_parallel_on_a_mixture_of_experts_is_refused_with_the_fix(four: dict[str, Any]) -> None:
-    (refused,) = four["sequence_parallel_refused"]["refused"]
-    assert "mixture of experts" in refused and "set sequence_parallel to false" in refused, refused
+@pytest.mark.parametrize(("scenario", "sharded"), [("mixtral_t2_e2_sp", False), ("qwen2_t2_e2_sp_fsdp", True)])
+def test_sequence_parallel_beside_experts_trains_like_one(four: dict[str, Any], scenario: str, sharded: bool) -> None:
+    """Tensor 2 × expert 2 with sequence parallel: the norms run on sequence shards, each MoE layer gathers the
+    sequence, computes it whole (experts over the expert group, Qwen2-MoE's shared expert split by the tensor plan)
+    and returns this rank's shard; the router's loss is over the whole sequence, as in one process."""
+    entry = four[scenario]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["local_experts"] == [2] and entry["names_match"] and entry["dp_size"] == 2, entry
+    assert entry["dense_local_share"] < (0.5 if sharded else 0.85), entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL, entry
+    assert entry["loss_diff"] <= LOSS_ATOL and entry["aux_diff"] <= LOSS_ATOL, entry
+    assert all(a > 0 for a in entry["aux"]), "the router's load-balancing loss is kept"
+    assert entry["weight_diff"] <= WEIGHT_ATOL and entry["norm_diff"] <= NORM_RTOL * entry["norm"], entry
+
+
+def test_sequence_parallel_on_a_mixture_of_experts_without_experts_split(two: dict[str, Any]) -> None:
+    """Tensor 2 with sequence parallel, every expert on every rank (no expert dimension)."""
+    entry = two["qwen2_t2_sp"]
+    assert "error" not in entry and "refused" not in entry, entry
+    assert entry["expert_params"] == 0 and entry["names_match"] and entry["dense_local_share"] < 0.95, entry
+    assert entry["loss_drop"] > 100 * LOSS_ATOL, entry
+    assert entry["loss_diff"] <= LOSS_ATOL and entry["aux_diff"] <= LOSS_ATOL, entry
+    assert entry["weight_diff"] <= WEIGHT_ATOL and entry["norm_diff"] <= NORM_RTOL * entry["norm"], entry
 
 
 def test_pipeline_stages_refuse_the_router_s_load_balancing_loss(four: dict[str, Any]) -> None:

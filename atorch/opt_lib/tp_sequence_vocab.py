@@ -64,11 +64,6 @@ def problems(model: nn.Module, config: Any, t: int) -> list[str]:
     if not (config.loss_parallel or config.sequence_parallel):
         return []
     found = []
-    banks = [name for name, _ in expert_banks(model)]
-    if config.sequence_parallel and banks:
-        found.append(f"sequence_parallel: {type(model).__name__} is a mixture of experts ({banks[0]}, ...): its MoE "
-                     "layers, kept whole by the plan, would take sequence shards of the residual stream (DTensors) "
-                     "into their plain router and expert weights; not supported yet, set sequence_parallel to false")
     embedding, head = _embedding_and_head(model)
     options = " and ".join(k for k in ("loss_parallel", "sequence_parallel") if getattr(config, k))
     if embedding is None or (config.loss_parallel and head is None):
@@ -87,15 +82,26 @@ def problems(model: nn.Module, config: Any, t: int) -> list[str]:
 
 
 def _to_sequence_shards(mesh: Any) -> Any:
-    """Forward hook: a whole (replicated) output enters the residual stream as sequence shards (no communication)."""
+    """Forward hook: a whole (replicated) output enters the residual stream as sequence shards (no communication);
+    of a tuple (hidden states, router logits), the first."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> Any:
+    def shards(output: torch.Tensor) -> Any:
         if isinstance(output, DTensor):
             return output.redistribute(mesh, (Shard(SEQ_DIM),))
         return DTensor.from_local(output, mesh, (Replicate(),), run_check=False).redistribute(mesh, (Shard(SEQ_DIM),))
 
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (shards(output[0]), *output[1:])
+        return shards(output)
+
     return hook
+
+
+def _moe_layers(model: nn.Module) -> list[str]:
+    """The modules holding a MoE layer's expert bank (its router, experts and any shared expert)."""
+    return [name.rpartition(".")[0] for name, _ in expert_banks(model)]
 
 
 def _gather_sequence(local: bool) -> Any:
@@ -123,7 +129,15 @@ def styles(model: nn.Module, config: Any, split: dict[str, str], mesh: Any) -> d
     from atorch.opt_lib.tp_styles import parallel_style
 
     sp, lp = config.sequence_parallel, config.loss_parallel
-    result: dict[str, Any] = {name: parallel_style(style, sp) for name, style in split.items()}
+    # A MoE layer computes on the whole sequence on every tensor rank (its router and experts are kept whole, or
+    # split over the expert dimension): its input is gathered, its output re-enters the stream as sequence shards,
+    # and the layers split inside it (a shared expert) keep their styles without sequence parallel.
+    moe = _moe_layers(model) if sp else []
+
+    def in_moe(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in moe)
+
+    result: dict[str, Any] = {name: parallel_style(style, sp and not in_moe(name)) for name, style in split.items()}
     embedding, head = _embedding_and_head(model)  # (None, None) for pipeline stages: their heads are below
     embedding_name, head_name = _name_of(model, embedding), _name_of(model, head)
     modules = dict(model.named_modules())
@@ -144,8 +158,11 @@ def styles(model: nn.Module, config: Any, split: dict[str, str], mesh: Any) -> d
             if root_head is not None:
                 root_head.register_forward_pre_hook(_gather_sequence(local=True), with_kwargs=True)
     _sequence_shards_between_stages(model, mesh)
+    for name in moe:
+        modules[name].register_forward_pre_hook(_gather_sequence(local=True), with_kwargs=True)
+        modules[name].register_forward_hook(_to_sequence_shards(mesh))
     for name, module in modules.items():
-        inside = any(name.startswith(i + ".") for i in inner if i) or name in inner
+        inside = any(name.startswith(i + ".") for i in inner if i) or name in inner or in_moe(name)
         if _norm(module) and not inside:
             result[name] = SequenceParallel(sequence_dim=SEQ_DIM)
         # Embeddings kept whole (position embeddings; the token embedding without loss_parallel) feed the stream.

@@ -284,6 +284,10 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "qwen2_e2": lambda d: train_and_compare("qwen2_moe", _ep(2)),
         "mixtral_own_plan_e2": lambda d: train_and_compare("mixtral_no_plan", _ep(2)),
         "mixtral_e2_accumulated": lambda d: train_accumulated("mixtral", _ep(2)),
+        # tensor 2 with sequence parallel and no expert dimension: every rank keeps every expert (Qwen2-MoE's shared
+        # expert split by the tensor plan inside its MoE layer, which takes the whole sequence)
+        "qwen2_t2_sp": lambda d: train_and_compare("qwen2_moe", [("parallel_mode", {"dims": [["tensor", 2]]}),
+                                                                ("tensor_parallel", {"sequence_parallel": True})]),
         "qwen3_e2_fsdp_accumulated": lambda d: train_accumulated("qwen3_moe", _ep(2, extra=("fsdp",))),
         "three_experts_refused": lambda d: train_and_compare("qwen3_moe_3", _ep(2)),
         "dense_model_refused": lambda d: train_and_compare("llama", _ep(2)),
@@ -318,7 +322,11 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_t2_e2": lambda d: train_and_compare("mixtral", _ep_tp(2, 2)),
         "qwen3_t2_e2_fsdp": lambda d: train_and_compare("qwen3_moe", _ep_tp(2, 2, extra=("fsdp",))),
         "qwen2_t2_e2_zero1": lambda d: train_and_compare("qwen2_moe", _ep_tp(2, 2, extra=("zero1",))),
-        "sequence_parallel_refused": lambda d: train_and_compare("mixtral", _ep_tp(2, 2, {"sequence_parallel": True})),
+        # with sequence parallel: each MoE layer gathers the sequence, computes it whole (its experts split over the
+        # expert group) and returns this rank's shard to the residual stream
+        "mixtral_t2_e2_sp": lambda d: train_and_compare("mixtral", _ep_tp(2, 2, {"sequence_parallel": True})),
+        "qwen2_t2_e2_sp_fsdp": lambda d: train_and_compare("qwen2_moe", _ep_tp(2, 2, {"sequence_parallel": True},
+                                                                              ("fsdp",))),
     },
 }
 
