@@ -1,4 +1,4 @@
-"""tensor_parallel's build check: one split block against its unsplit copy, on one sample.
+"""tensor_parallel's build check: one split block of each class against its unsplit copy, on one sample.
 
 A plan can build and train while computing something else (a fused layer split column-wise that the model
 splits again gives each rank the wrong halves: no error, wrong numbers). So every build runs one repeated
