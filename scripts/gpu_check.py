@@ -162,6 +162,10 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
     # experts beside tensor ranks: each tensor position's expert group dispatches its tokens
     "tensor_expert_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["expert", 2], ["data", -1]]}),
                                    "expert_parallel", "tensor_parallel"], "mixtral"),
+    # with sequence parallel: each MoE layer gathers the sequence, computes it whole and returns the rank's shard
+    "tensor_expert_sequence_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["expert", 2], ["data", -1]]}),
+                                            "expert_parallel", ("tensor_parallel", {"sequence_parallel": True})],
+                                        "mixtral"),
     # DeepSeek-V3's layout at small scale: each stage's experts over its expert group
     "pipeline_expert_parallel": (4, [("parallel_mode", {"dims": [["pipeline", 2], ["expert", 2], ["data", -1]]}),
                                      "expert_parallel", ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral"),
