@@ -571,14 +571,12 @@ def _unpair_uncalled(model: nn.Module, plan: Plan, checks: list[Any]) -> None:
     """Leave out of the plan each pair (paired by module order) one of whose layers the checked block's forward
     does not call on the sample: its owner computes with the weight itself (Jamba's Mamba mixer reads
     ``dt_proj.weight``), where a split weight would meet whole tensors. Applied to every block of the class."""
-    from atorch.opt_lib.tp_check import called_modules
-
     for check in checks:
         prefix = check.name + "." if check.name else ""
         paired = {n.removeprefix(prefix) for n in plan.pairs if n.startswith(prefix)}
         if not paired:
             continue
-        uncalled = paired - called_modules(check)
+        uncalled = paired - check.called_modules()
         if not uncalled:
             continue
         owner = type(model.get_submodule(check.name))

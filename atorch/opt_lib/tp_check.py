@@ -177,6 +177,23 @@ class BlockCheck:
                 logger.info("tensor_parallel: build not checked against the unsplit model (%s was not called)", name)
         return [cls(n, copy.deepcopy(ctx.model.get_submodule(n)), held[n], autocast[n]) for n in names if n in held]
 
+    def called_modules(self) -> set[str]:
+        """The modules (names inside the block) that the unsplit block's forward calls on the check's input."""
+        called: set[str] = set()
+        block = self.reference
+        handles = [m.register_forward_pre_hook(lambda _m, _a, n=name: called.add(n))
+                   for name, m in block.named_modules() if name]
+        training = block.training
+        block.eval()
+        try:
+            with self._computing(), torch.no_grad(), torch.random.fork_rng(devices=[]):
+                block(*self.inputs[0], **self.inputs[1])
+        finally:
+            block.train(training)
+            for handle in handles:
+                handle.remove()
+        return called
+
     def _fails(self, exc: Exception, trace: _Trace) -> list[str]:
         label = self.name or "the model"
         return [f"the split {label} fails on one sample in {trace.where(exc, self.name)}: {type(exc).__name__}: "
@@ -248,24 +265,6 @@ class BlockCheck:
                 f"{error:.2e} (relative; tolerance {limit:.1e} for {dtype}){first}; the plan changes the computation "
                 "(a fused layer split column-wise that the model splits again?): give such layers the gather-output "
                 "styles ('colwise_gather_output', 'rowwise_split_input') or leave them out of the plan"]
-
-
-def called_modules(check: BlockCheck) -> set[str]:
-    """The modules (names inside the block) that the unsplit block's forward calls on the check's input."""
-    called: set[str] = set()
-    block = check.reference
-    handles = [m.register_forward_pre_hook(lambda _m, _a, n=name: called.add(n))
-               for name, m in block.named_modules() if name]
-    training = block.training
-    block.eval()
-    try:
-        with check._computing(), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            block(*check.inputs[0], **check.inputs[1])
-    finally:
-        block.train(training)
-        for handle in handles:
-            handle.remove()
-    return called
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
