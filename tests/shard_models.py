@@ -181,6 +181,18 @@ class TokenDataset(toy_models.TokenDataset):
 hf_loss = toy_models.gpt2_loss
 
 
+class OddMLP(nn.Module):
+    """An odd number of trainable parameters (809), as a 3-class head gives: DeepSpeed asserts its bucket is even."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layers(x) * self.scale
+
+
 class FlatMLP(nn.Module):
     """No repeated blocks anywhere: fsdp finds no units."""
 

@@ -19,6 +19,9 @@ from atorch.opt_lib.op_build_lock import build_directory, wait_for_build_lock
 logger = get_logger(__name__)
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce/all-gather bucket size
+# ZeRO-1/2 assert that the all-gather bucket is a multiple of their NCCL start alignment (2 elements: 4 bytes of
+# 16-bit values; stage_1_and_2.py, nccl_start_alignment_factor)
+DEEPSPEED_BUCKET_ALIGNMENT = 2
 # Why a candidate on DeepSpeed's engine is left to the analytical memory model (strategy_search.costing.tracing).
 UNTRACED_ENGINE = "DeepSpeed's engine communicates as it is built"
 
@@ -80,6 +83,15 @@ def prepare_deepspeed() -> None:
         builder.load(verbose=False)
 
 
+def bucket_elements(params: Any) -> int:
+    """DeepSpeed's reduce and all-gather bucket for these parameters: no bigger than the trainable ones (its default
+    is allocated whole however small the model), rounded up to its alignment (a model of an odd parameter count,
+    e.g. a 3-class head, failed DeepSpeed's assertion)."""
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    aligned = -(-max(trainable, 1) // DEEPSPEED_BUCKET_ALIGNMENT) * DEEPSPEED_BUCKET_ALIGNMENT
+    return int(min(DEEPSPEED_BUCKET_ELEMENTS, aligned))
+
+
 def start_deepspeed(ctx: Any, stage: int) -> None:
     """Hand model and optimizer to a DeepSpeed engine, which then owns backward, step and sync."""
     if ctx.env.device.type == "cpu":
@@ -88,7 +100,7 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     import deepspeed
 
     forget_destroyed_groups()
-    bucket = int(min(DEEPSPEED_BUCKET_ELEMENTS, sum(p.numel() for p in ctx.model.parameters() if p.requires_grad)))
+    bucket = bucket_elements(ctx.model.parameters())
     config = {
         "train_micro_batch_size_per_gpu": max(ctx.local_batch_size(), 1),
         "gradient_accumulation_steps": 1,

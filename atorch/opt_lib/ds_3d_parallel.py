@@ -131,7 +131,7 @@ def start_ds_pipeline(ctx: Any, config: Ds3dParallelConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ctx.env.local_rank))  # a plain `python` run: DeepSpeed asserts on it
     import deepspeed
 
-    from atorch.opt_lib.deepspeed_zero import forget_destroyed_groups
+    from atorch.opt_lib.deepspeed_zero import bucket_elements, forget_destroyed_groups
     from atorch.opt_lib.ds_pipe_layers import CHECKPOINTABLE, build_layers, stage_bounds
 
     forget_destroyed_groups()
@@ -150,7 +150,7 @@ def start_ds_pipeline(ctx: Any, config: Ds3dParallelConfig) -> None:
     optimizer = ctx.setup.optim_func([p for p in module.parameters() if p.requires_grad], **ctx.setup.optim_args)
     micro = config.micro_batch_count(pipeline)
     local = ctx.local_batch_size()
-    bucket = int(max(1, sum(p.numel() for p in module.parameters() if p.requires_grad)))
+    bucket = bucket_elements(module.parameters())
     ds_config = {
         "train_micro_batch_size_per_gpu": max(local // micro, 1),
         "gradient_accumulation_steps": micro,

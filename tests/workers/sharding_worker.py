@@ -30,6 +30,7 @@ MODELS = {
     "cnn": sm.Setup(sm.StagedCNN, sm.image_dataset, sm.class_loss, "unpack_sequence"),
     "staged": sm.Setup(sm.StagedMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
     "flat": sm.Setup(sm.FlatMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
+    "odd": sm.Setup(sm.OddMLP, sm.vector_dataset, sm.class_loss, "unpack_sequence"),
     "bert": sm.Setup(sm.tiny_bert_mlm, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
     "t5": sm.Setup(sm.tiny_t5, sm.TokenDataset, sm.hf_loss, "unpack_dict"),
 }
@@ -48,6 +49,9 @@ SCENARIOS: dict[str, tuple[str, list[Any]]] = {
     "bert/fsdp[size_based]": ("bert", [("fsdp", {"wrap_min_num_params": 1000})]),
     "t5/checkpoint": ("t5", ["checkpoint"]),
     "t5/checkpoint+fsdp": ("t5", ["checkpoint", "fsdp"]),
+    # DeepSpeed's engine on an odd parameter count (its all-gather bucket must be even)
+    "odd/zero2[deepspeed]": ("odd", [("zero2", {"implementation": "deepspeed"})]),
+    "odd/zero1[deepspeed]": ("odd", [("zero1", {"implementation": "deepspeed"})]),
 }
 
 
