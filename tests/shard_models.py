@@ -161,6 +161,15 @@ class Seq2SeqDataset(Dataset):
                 "labels": target}
 
 
+class Seq2SeqLabelsOnly(Seq2SeqDataset):
+    """The same samples as a user often writes them: {"input_ids", "labels"}, the model shifting the labels into
+    the decoder's inputs itself."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(index)
+        return {"input_ids": item["input_ids"], "labels": item["labels"]}
+
+
 def tiny_gpt2(layers: int = 2) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

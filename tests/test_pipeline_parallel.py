@@ -45,7 +45,8 @@ NPROC = {"pp2": 2, "pp2xdp2": 4, "tp2xpp2xdp2": 8}
 # GPT-2's tied wte/lm_head weight (vocabulary 128 × width 32) is held by the first and the last stage.
 # Families whose output head is tied to the input embedding: held by the first and the last stage.
 TIED_COPY = {"gpt2": sm.VOCAB * 32, "bert_mlm": sm.VOCAB * 32, "opt": sm.VOCAB * 32, "bloom": sm.VOCAB * 32,
-             "gemma": sm.VOCAB * 32, "t5": sm.VOCAB * 32, "bart": sm.VOCAB * 32}
+             "gemma": sm.VOCAB * 32, "t5": sm.VOCAB * 32, "bart": sm.VOCAB * 32, "t5_labels_only": sm.VOCAB * 32,
+             "bart_labels_only": sm.VOCAB * 32}
 REFUSED = {
     "refused/too few blocks": "the model has 2 repeated blocks, too few for 4 stages",
     "refused/micro-batches": "the per-rank batch of 8 samples does not split into 3 micro-batches",

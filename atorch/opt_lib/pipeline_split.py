@@ -350,6 +350,27 @@ TARGET_KEYS = ("labels",)
 BATCH_KEY = "atorch_batch"
 
 
+def decoder_inputs_from_labels(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder's decoder inputs made from the labels, as its forward makes them when given labels alone
+    (T5, BART, Whisper: the labels shifted right after the decoder's start token, -100 read as padding): the stages
+    do not take the labels, so a batch of labels alone would reach the decoder without any input. {} where the
+    batch has its own decoder inputs, or the model is not an encoder-decoder."""
+    config = getattr(model, "config", None)
+    labels = batch.get("labels")
+    if (not getattr(config, "is_encoder_decoder", False) or not isinstance(labels, torch.Tensor)
+            or batch.get("decoder_input_ids") is not None or batch.get("decoder_inputs_embeds") is not None):
+        return {}
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return {"decoder_input_ids": prepare(labels=labels)}
+    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        return {}
+    shifted = labels.new_full(labels.shape, start)
+    shifted[:, 1:] = labels[:, :-1]
+    return {"decoder_input_ids": shifted.masked_fill(shifted == -100, pad)}
+
+
 def stage_kwargs(data: Any, input_format: str | None) -> dict[str, Any]:
     """The batch as the keyword inputs of every stage's forward (the schedule splits them into
     micro-batches and gives them to each stage, not only to the first)."""
@@ -407,7 +428,8 @@ class StageModule(nn.Module):
         else:
             batch, input_format = kwargs, "unpack_dict"
         if self.transformers and isinstance(batch, dict):
-            batch = {k: v for k, v in batch.items() if k not in TARGET_KEYS}
+            batch = {**{k: v for k, v in batch.items() if k not in TARGET_KEYS},
+                     **decoder_inputs_from_labels(self.module, batch)}
         if self.first or self.injector is None:
             return hidden_of(call_model(self.module, batch, input_format))
         self.injector.pending = args[0]

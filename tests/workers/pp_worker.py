@@ -114,11 +114,15 @@ MODELS = {
     "sequential_cnn": sm.Setup(sequential_cnn, sm.image_dataset, sm.class_loss, "input_target"),
     "t5": sm.Setup(sm.tiny_t5, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
     "bart": sm.Setup(sm.tiny_bart, sm.Seq2SeqDataset, sm.hf_loss, "unpack_dict"),
+    # labels alone: each stage makes the decoder's inputs from them, as the model's forward does
+    "t5_labels_only": sm.Setup(sm.tiny_t5, sm.Seq2SeqLabelsOnly, sm.hf_loss, "unpack_dict"),
+    "bart_labels_only": sm.Setup(sm.tiny_bart, sm.Seq2SeqLabelsOnly, sm.hf_loss, "unpack_dict"),
     "parallel_blocks": sm.Setup(ParallelBlocks, sm.vector_dataset, sm.class_loss, "input_target"),
     # Built with a different seed on every rank: pipeline parallel must train rank 0's model.
     "qwen2_seeded_per_rank": lm(functools.partial(tiny_causal_lm, "Qwen2")),
 }
-SWEEP = ("gpt2", "llama", "bert_mlm", "opt", "gpt_neox", "phi3", "gemma", "bloom", "sequential_cnn", "t5", "bart")
+SWEEP = ("gpt2", "llama", "bert_mlm", "opt", "gpt_neox", "phi3", "gemma", "bloom", "sequential_cnn", "t5", "bart",
+         "t5_labels_only", "bart_labels_only")
 SEEDED_PER_RANK = ("qwen2_seeded_per_rank",)
 
 
