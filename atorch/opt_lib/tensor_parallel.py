@@ -535,7 +535,9 @@ def parallelize(ctx: Any, config: TensorParallelConfig, communicate: bool, runs_
     _unpair_uncalled(ctx.model, plan, checks)
     if not plan.styles:
         raise StrategyError(["no layers left to split: each pair found by module order is computed with its "
-                             "weights directly by the model's code; give an explicit plan"], what="tensor_parallel")
+                             "weights directly by the model's code; give an explicit plan of layers the model calls, "
+                             "e.g. ('tensor_parallel', {'plan': {'*.mlp.up_proj': 'colwise', "
+                             "'*.mlp.down_proj': 'rowwise'}}), or leave tensor_parallel out"], what="tensor_parallel")
     checks = [c for c in checks if not c.name or any(n.startswith(c.name + ".") for n in plan.styles)]
     modules = dict(ctx.model.named_modules())
     for name in plan.fused_qkv:
