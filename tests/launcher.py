@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,56 @@ HERE = Path(__file__).resolve().parent
 
 
 def _launch(script: str | Path, args: tuple[str, ...], nproc: int, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    # PYTHONFAULTHANDLER: a launch that hangs is stopped with SIGABRT, on which every process prints where each of
+    # its threads stands; that output is then read (a plain kill leaves nothing to say where it hung)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]),
+               PYTHONFAULTHANDLER="1")
     # --standalone: torchrun picks a free rendezvous port itself (no race between probing and binding).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{script} timed out after {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out, err = _stop(proc)
+        raise AssertionError(f"{script} timed out after {timeout}s (each process's threads, as SIGABRT found "
+                             f"them, are at the end):\n{out[-4000:]}\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (torchrun's workers, each in a session of its own), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """End a hung launch: SIGABRT to the workers (faulthandler prints each one's threads), then torchrun and what
+    is left are killed, and their output read."""
+    workers = _children(proc.pid)
+    _signal(workers, signal.SIGABRT)
+    try:
+        return proc.communicate(timeout=20)  # torchrun sees its workers die and ends
+    except subprocess.TimeoutExpired:
+        _signal([*_children(proc.pid), *workers, proc.pid], signal.SIGKILL)
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        return "", "(no output: the launch did not end)"
 
 
 def launch(script: str | Path, *args: str, nproc: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess:
