@@ -247,9 +247,10 @@ def other_runs() -> list[dict]:
 
 
 def gpu_check(path: str) -> list[dict]:
-    """Predicted vs measured one-GPU training steps (bench/plan_gpu_check.py's JSON; H100 profile)."""
+    """Predicted vs measured one-GPU training steps (bench/plan_gpu_check.py's JSON), under the shipped table of the
+    device it measured (its ``dev``: the H200's table for an H200, else the H100's)."""
     measured = json.loads(Path(path).read_text())
-    profile = load_profile("h100-80gb")
+    profile = load_profile("h200-141gb" if "H200" in measured.get("dev", "") else "h100-80gb")
     rows = []
     for run in measured["runs"]:
         shape = TransformerShape(layers=run["L"], hidden=run["h"], heads=run["a"], kv_heads=run["a"],

@@ -279,7 +279,8 @@ def main() -> None:
                 report[name] = {"ok": None, "skipped": no_gpu}
                 continue
             found = case()
-            report[name] = {"ok": None if "skipped" in found else True, **found}  # a skip: neither
+            skipped = isinstance(found.get("skipped"), str)  # a case not run (a trained case's dict: methods skipped)
+            report[name] = {"ok": None if skipped else True, **found}  # a skip: neither
         except Exception as exc:  # noqa: BLE001  (every case is reported)
             report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500],
                             "where": traceback.format_exc()[-1500:]}

@@ -19,6 +19,7 @@ from atorch.strategy_search.costing.hardware import (
     cache_path,
     load_profile,
     measure_profile,
+    profile_names,
 )
 
 WORKER = HERE / "workers" / "hardware_worker.py"
@@ -86,6 +87,20 @@ def test_table_profile_round_trips(tmp_path: Path) -> None:
     table.save(path)
     assert load_profile(path) == table
     assert HardwareProfile.from_table(table.model_dump(mode="json")) == table
+
+
+@pytest.mark.parametrize("name", profile_names())
+def test_every_shipped_table_loads_and_names_its_sources(name: str) -> None:
+    table = load_profile(name)
+    assert table.source == "table" and table.device_type == "cuda" and table.memory_per_rank > 0
+    assert table.matmul_tflops["bfloat16"] > table.matmul_tflops["float32"] > 0
+    assert table.memory_bytes_per_s > 0 and table.collectives, name
+    # a table says where its figures come from (its note, or one line per figure in its sources)
+    raw = json.loads((PROFILES_DIR / f"{name}.json").read_text())
+    said = (raw.get("note", "") + " ".join(raw.get("sources", []))).lower()
+    figures = {"matmul": ("matmul",), "memory": ("memory",), "collective": ("collective", "bandwidth")}
+    for figure, words in figures.items():
+        assert any(word in said for word in words), f"{name}: no source for its {figure} figures"
 
 
 def test_one_process_without_a_process_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
