@@ -59,3 +59,43 @@ def test_a_recent_write_keeps_an_old_lock_alive(tmp_path: Path) -> None:
 def test_the_build_directory_is_torch_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert build_directory("deepspeed_shm_comm") == tmp_path / "deepspeed_shm_comm"
+
+
+def test_every_deepspeed_engine_start_clears_a_killed_build_s_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # the lock torch's loader would wait on for ever, where it looks (TORCH_EXTENSIONS_DIR), left by a killed build
+    pytest.importorskip("deepspeed")
+    from atorch.opt_lib.deepspeed_zero import wait_for_deepspeed_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builder = wait_for_deepspeed_ops()  # the builder of the op DeepSpeed's engine loads here (shm_comm on CPU)
+    assert builder is not None, "DeepSpeed loads shm_comm on the CPU accelerator"
+    directory = build_directory(builder.name)
+    assert directory.parent == tmp_path
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "lock").touch()
+    _age(directory / "lock", 3600)
+    begin = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        wait_for_deepspeed_ops()
+    assert time.monotonic() - begin < 30 and not (directory / "lock").exists()
+    assert "removing the build lock" in caplog.text
+
+
+def test_the_engines_wait_for_the_lock_before_deepspeed_initialize() -> None:
+    # both engine starts (ZeRO, the 3D pipeline) and the dry-run's preparation of both go through the wait
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    from atorch.opt_lib import deepspeed_zero, ds_3d_parallel
+    from atorch.opt_lib.ds_3d_parallel import Ds3dParallelConfig
+    from atorch.opt_lib.sharding import Zero2Config
+    from atorch.opt_lib.zero1 import Zero1Config
+
+    for start in (deepspeed_zero.start_deepspeed, ds_3d_parallel.start_ds_pipeline):
+        source = inspect.getsource(start)
+        assert source.index("wait_for_deepspeed_ops()") < source.index("deepspeed.initialize("), start.__name__
+    for config in (Ds3dParallelConfig(), Zero1Config.model_validate({"use_ds_zero": True}),
+                   Zero2Config.model_validate({"use_ds_zero": True})):
+        prep = config.preparation()
+        assert prep is not None and prep.run is deepspeed_zero.prepare_deepspeed, type(config).__name__

@@ -33,14 +33,19 @@ def deepspeed_reason() -> str | None:
     return None
 
 
+def deepspeed_preparation() -> Preparation | None:
+    """DeepSpeed's one-time work before a dry-run's clock starts (None where DeepSpeed is not installed)."""
+    if deepspeed_reason() is not None:
+        return None
+    return Preparation("DeepSpeed's import and its compiled ops (shm_comm on CPU; compiled once per machine, "
+                       "30-70 s, then loaded from its cache)", prepare_deepspeed)
+
+
 class ZeroConfig(MethodConfig):
     """Base of zero1/zero2 configs: ATorch's ``use_ds_zero`` is read as ``implementation``."""
 
     def preparation(self) -> Preparation | None:
-        if getattr(self, "implementation", None) != "deepspeed" or deepspeed_reason() is not None:
-            return None
-        return Preparation("DeepSpeed's import and its compiled ops (shm_comm on CPU; compiled once per machine, "
-                           "30-70 s, then loaded from its cache)", prepare_deepspeed)
+        return deepspeed_preparation() if getattr(self, "implementation", None) == "deepspeed" else None
 
     @model_validator(mode="before")
     @classmethod
@@ -74,13 +79,25 @@ def prepare_deepspeed() -> None:
         with contextlib.suppress(ModuleNotFoundError):
             if importlib.util.find_spec(module) is not None:  # moved in another DeepSpeed: imported by the engine
                 import_off_the_stack(module)
+    builder = wait_for_deepspeed_ops()
+    if builder is not None:
+        builder.load(verbose=False)
+
+
+def wait_for_deepspeed_ops() -> Any:
+    """Wait until no build lock stands on the op DeepSpeed's engine loads (shm_comm on the CPU accelerator),
+    removing one a killed build left (torch waits silently, for ever, on it); the op's builder, or None where
+    DeepSpeed loads none. Called before every ``deepspeed.initialize``: the first engine of a process loads it,
+    in a dry-run (after ``prepare_deepspeed``) or in a strategy the user gave."""
+    _use_cpu_accelerator_off_cuda()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        wait_for_build_lock(build_directory(builder.name))  # torch waits silently, for ever, on a killed build's lock
-        builder.load(verbose=False)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    wait_for_build_lock(build_directory(builder.name))
+    return builder
 
 
 def bucket_elements(params: Any) -> int:
@@ -100,6 +117,7 @@ def start_deepspeed(ctx: Any, stage: int) -> None:
     import deepspeed
 
     forget_destroyed_groups()
+    wait_for_deepspeed_ops()
     bucket = bucket_elements(ctx.model.parameters())
     config = {
         "train_micro_batch_size_per_gpu": max(ctx.local_batch_size(), 1),

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from atorch.errors import SetupError
 from atorch.log import get_logger
-from atorch.opt_lib.base import Method, MethodConfig, StrategyCheck
+from atorch.opt_lib.base import Method, MethodConfig, Preparation, StrategyCheck
 from atorch.opt_lib.parallel_mode import ParallelMode
 from atorch.opt_lib.registry import register
 
@@ -54,6 +54,11 @@ class Ds3dParallelConfig(MethodConfig):
 
     def micro_batch_count(self, pipeline: int) -> int:
         return self.micro_batches or 2 * pipeline
+
+    def preparation(self) -> Preparation | None:
+        from atorch.opt_lib.deepspeed_zero import deepspeed_preparation
+
+        return deepspeed_preparation()
 
 
 def _partition_ok(method: str) -> bool:
@@ -131,10 +136,11 @@ def start_ds_pipeline(ctx: Any, config: Ds3dParallelConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ctx.env.local_rank))  # a plain `python` run: DeepSpeed asserts on it
     import deepspeed
 
-    from atorch.opt_lib.deepspeed_zero import bucket_elements, forget_destroyed_groups
+    from atorch.opt_lib.deepspeed_zero import bucket_elements, forget_destroyed_groups, wait_for_deepspeed_ops
     from atorch.opt_lib.ds_pipe_layers import CHECKPOINTABLE, build_layers, stage_bounds
 
     forget_destroyed_groups()
+    wait_for_deepspeed_ops()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
     layers = build_layers(ctx.model)
     pipeline = ctx.layout.size(PIPELINE)
