@@ -324,12 +324,16 @@ class _Leader:
         sibling_errors = SiblingErrors(ANALYTICAL_MEMORY_BAND)  # from the traced, for the untraced
         traced_band = TRACED_MEMORY_BAND_CPU if self.profile.device_type == "cpu" else TRACED_MEMORY_BAND
 
+        analytical_of: dict[str, Any] = {}  # by candidate key: the trace's ordering asks for each several times
+
         def analytical(cand: Any) -> Any:
             from atorch.strategy_search.costing.cost_model import predict as cost_model
 
-            return cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
-                              self.profile, self.global_batch, cand.micro_batches,
-                              optimizer_state_factor=state_factor)
+            if cand.key not in analytical_of:
+                analytical_of[cand.key] = cost_model(stats(), cand.strategy, cand.strategy.layout(self.env.world_size),
+                                                     self.profile, self.global_batch, cand.micro_batches,
+                                                     optimizer_state_factor=state_factor)
+            return analytical_of[cand.key]
 
         def traced_peak(cand: Any) -> float | None:
             # Memory from the program: the space's candidates traced once, on the first prediction (tracing.py:
