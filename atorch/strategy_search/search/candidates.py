@@ -92,6 +92,11 @@ def layout_key(point: Point) -> str:
                       sort_keys=True)
 
 
+def splits_the_model(point: Point) -> bool:
+    """Whether a point's layout splits the model (a tensor, pipeline, expert or context size above its off value)."""
+    return any(point.get(name, off) != off for name, off, kind, _ in _dimensions() if kind == "layout")
+
+
 @functools.cache
 def _placement_keys(_names: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
     """The choice dimensions that only place the model's state over the data ranks (every method of them a
