@@ -1,7 +1,7 @@
 """Automatic search against an exhaustive sweep, heuristic baselines and the cost model alone (2 ranks).
 
-    torchrun --standalone --nproc_per_node 2 bench/search.py [--scenarios small,budget,...|held-out|held-out-2] [--repeats 5] \
-        [--sweeps sweeps.json]
+    torchrun --standalone --nproc_per_node 2 bench/search.py [--scenarios small,budget,...|held-out|held-out-2] \
+        [--repeats 5] [--sweeps sweeps.json]
 
 Every scenario searches the **default space** (``SearchOptions`` defaults: ``loop="user"``,
 ``precision="mixed"``: tensor parallel, ``module_replace`` and amp in; ``half``, pipeline parallel,
