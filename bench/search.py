@@ -73,7 +73,7 @@ from common import machine, spearman  # noqa: E402
 from torch import nn  # noqa: E402
 
 import atorch  # noqa: E402
-from atorch.distributed import init_distributed  # noqa: E402
+from atorch.distributed import all_gather_json, init_distributed  # noqa: E402
 from atorch.dryrun.runner import DryRunSession, prepare_once  # noqa: E402
 from atorch.model_context import UserSetup  # noqa: E402
 from atorch.strategy_search.search.automatic import SearchOptions, optimizer_state_factor  # noqa: E402
@@ -433,6 +433,9 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
         tried = {k for path in (storage, storage_top0) for k in searched_keys(path)}
         chosen = {c.key for c in cands if plausible(c)} | set(favourites) | tried
         chosen |= {k for k in (search_key, cost_key, top0_key) if k is not None}
+        # Rank 0's list on every rank: a rank that read the studies before rank 0 had stored its last trial would
+        # sweep other candidates, and the two would wait in each other's collectives (DryRunSession refuses that).
+        chosen = set(all_gather_json(sorted(chosen))[0])
         measure([by_key[k] for k in keys if k in chosen])
         keys = [k for k in keys if k in chosen]
     sweep = {c.key: rows[sweep_id(c)] for c in by_key.values() if sweep_id(c) in rows}  # (--limit: not all)
@@ -608,8 +611,6 @@ def main() -> None:
     args = parser.parse_args()
     env = init_distributed()
     scratch = Path(tempfile.mkdtemp(prefix="atorch-bench-search-")) if env.rank == 0 else Path(".")
-    from atorch.distributed import all_gather_json
-
     scratch = Path(all_gather_json(str(scratch))[0])
     os.environ["ATORCH_CACHE_DIR"] = str(scratch)
     SearchOptions()  # the options the bench passes are valid

@@ -292,6 +292,21 @@ def test_different_candidate_lists_are_refused_on_every_rank(report: dict[str, A
 
 
 @pytest.mark.distributed
+def test_a_session_asked_to_run_different_candidates_refuses_on_every_rank_before_building(
+        report: dict[str, Any]) -> None:
+    """Ranks given different candidates would each build their own and wait in collectives the others never
+    run (seen: one rank's FSDP all-gather against the other's reduce-scatter, until the deadline crashed gloo)."""
+    for view in _ok(report["session_mismatch"]):
+        strategy, micro_batches = view["raised"]
+        assert strategy and strategy.startswith("SetupError") and "different candidates" in strategy
+        assert "rank 0: [parallel_mode]" in strategy and "rank 1: [fsdp]" in strategy
+        assert micro_batches and "micro_batches 1" in micro_batches and "micro_batches 2" in micro_batches
+        assert "same order" in micro_batches
+        assert view["refused_s"] < 10  # at the meeting, not at a collective's timeout (60 s)
+        assert view["after"] == "ok"  # the session goes on with candidates that agree
+
+
+@pytest.mark.distributed
 def test_memory_returns_to_the_baseline_between_trials(report: dict[str, Any]) -> None:
     for view in _ok(report["release"]):
         # A few small tensors may be cached between trials (a dataloader's generator state, the

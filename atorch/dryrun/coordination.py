@@ -74,6 +74,7 @@ class Coordinator:
         self._stale: list[Any] = []  # groups of finished trials, destroyed at the next meeting
         self._trial_groups: Callable[[], list[Any]] = list  # the running trial's groups (see trial_world)
         self._watch_store: dist.Store | None = None  # the abort watchers' own connection, made on first use
+        self.brought: list[Any] = []  # what each rank brought to the last meeting (``meet``)
 
     # ----- agreement through the store ---------------------------------------------------------
     def publish(self, name: str, value: Any) -> None:
@@ -148,15 +149,17 @@ class Coordinator:
         return GaveUp(found["missing"], found["why"])
 
     # ----- the trial's process group -----------------------------------------------------------
-    def meet(self, name: str, timeout_s: float) -> GaveUp | None:
+    def meet(self, name: str, timeout_s: float, brings: Any = None) -> GaveUp | None:
         """Wait (bounded) until every rank is here; None if all came, else which ranks the others give up.
 
         The verdict is the store's first answer (compare-and-set), so a rank that arrives just after
         another gave up waiting follows that verdict instead of going on alone. Once all have come, no
         rank is inside an earlier trial: its groups are destroyed, and the counter that names new
-        groups is set to the same value everywhere.
+        groups is set to the same value everywhere. ``brings``: a JSON value each rank brings to the
+        meeting (what it is about to run); every rank reads them all in ``brought``, the same list everywhere.
         """
-        seen = self.exchange(name, {"group_count": c10d._world.group_count}, timeout_s)
+        seen = self.exchange(name, {"group_count": c10d._world.group_count, "brings": brings}, timeout_s)
+        self.brought = [None if v is None else v.get("brings") for v in seen]
         missing = [r for r, v in enumerate(seen) if v is None]
         mine = "go" if not missing else json.dumps(
             {"missing": missing, "why": f"rank(s) {', '.join(map(str, missing))} did not come back within "

@@ -31,6 +31,7 @@ candidate it overran, the timeout and where it was stuck) instead of running or 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -232,7 +233,9 @@ class DryRunSession:
         self.trials += 1
         # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
         unprepared = prepare_once(strategy, log=self.env.is_main)
-        self._meet(f"{index}/meet", f"before candidate {index}")
+        candidate = _candidate_card(strategy, micro_batches, batch_size, timeout_s, stop_above_s)
+        self._meet(f"{index}/meet", f"before candidate {index}", brings=candidate)
+        self._check_same_candidate(index, candidate)
         setup = self.setup
         if batch_size is not None:
             setup = replace(setup, dataloader_args={**setup.dataloader_args, "batch_size": batch_size})
@@ -260,9 +263,23 @@ class DryRunSession:
         if self.lost is None and (gave_up := self.coordinator.close(self.rejoin_timeout_s)) is not None:
             self._give_up(gave_up, "at the end of the dry-runs")
 
+    def _check_same_candidate(self, index: int, mine: dict[str, str]) -> None:
+        """SetupError on every rank (they all read the same cards) if the ranks were asked to run different
+        candidates: each would build its own and wait in collectives the others never run (a hang, then
+        a crash at the deadline), so this is said before anything is built."""
+        cards = [card if isinstance(card, dict) else {} for card in self.coordinator.brought]
+        if len({card.get("digest") for card in cards}) <= 1:
+            return
+        shown = "; ".join(f"rank {r}: {card.get('shown', 'nothing')}" for r, card in enumerate(cards))
+        raise SetupError(f"dry-run {index}: the processes were asked to run different candidates ({shown}). Every "
+                         "rank must call DryRunSession.run with the same strategy, micro_batches, batch_size, "
+                         "timeout_s and stop_above_s, in the same order: make the list of candidates on one rank "
+                         "(rank 0) and share it (atorch.distributed.all_gather_json), or derive it from values that "
+                         "are equal everywhere")
+
     # ----- a rank that does not come back --------------------------------------------------------
-    def _meet(self, name: str, when: str) -> None:
-        if (gave_up := self.coordinator.meet(name, self.rejoin_timeout_s)) is not None:
+    def _meet(self, name: str, when: str, brings: Any = None) -> None:
+        if (gave_up := self.coordinator.meet(name, self.rejoin_timeout_s, brings)) is not None:
             self._give_up(gave_up, when)
 
     def _check_lost(self) -> None:
@@ -294,6 +311,18 @@ class DryRunSession:
         with contextlib.suppress(Exception):  # the store is gone: the job is ending anyway
             self.coordinator.mark_given_up(gave_up)
         self._check_lost()
+
+
+def _candidate_card(strategy: Strategy, micro_batches: int, batch_size: int | None, timeout_s: float,
+                    stop_above_s: float | None) -> dict[str, str]:
+    """What a rank is about to dry-run, as it brings it to the meeting: a digest of everything that shapes the
+    trial's collectives and verdict, and a short form for the message when ranks differ."""
+    full = json.dumps({"strategy": strategy.to_json(indent=None), "micro_batches": micro_batches,
+                       "batch_size": batch_size, "timeout_s": timeout_s, "stop_above_s": stop_above_s}, sort_keys=True)
+    extras = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in (
+        ("micro_batches", micro_batches), ("batch_size", batch_size), ("timeout_s", timeout_s),
+        ("stop_above_s", stop_above_s)) if v is not None)
+    return {"digest": hashlib.sha256(full.encode()).hexdigest()[:32], "shown": f"{strategy} ({extras})"}
 
 
 _prepared: dict[str, str | None] = {}  # per process: preparation -> None when done, else why it failed

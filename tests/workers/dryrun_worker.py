@@ -5,6 +5,9 @@
   Reported: every rank's results, and rank 0's wall time per trial.
 - ``budget``: a memory budget of 1 byte turns an ok trial into "oom".
 - ``mismatch``: different candidate lists on the two ranks are refused on both.
+- ``session_mismatch``: one DryRunSession, ``run`` called with a different strategy on each rank, then with a
+  different micro-batch count, then with the same candidate: the first two raise SetupError on both ranks before
+  anything is built (no hang), the third runs.
 - ``release``: live tensor bytes before and after several trials.
 - ``inapplicable``: a candidate preflight refuses is reported, not built.
 - ``lost``: rank 1 oversleeps the rejoin time too: rank 0 raises RankLost at once, rank 1 when it wakes (before
@@ -99,6 +102,23 @@ def mismatch(env: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
+def session_mismatch(env: Any) -> dict[str, Any]:
+    session = DryRunSession(setup(toy_models.mlp()), env, warmup=1, steps=1)
+    raised = []
+    start = time.monotonic()
+    for strategy, micro_batches in ((["parallel_mode"] if env.rank == 0 else ["fsdp"], 1),
+                                    (["parallel_mode"], 1 + env.rank)):
+        try:
+            session.run(Strategy.load(strategy), timeout_s=60, micro_batches=micro_batches)
+            raised.append(None)
+        except Exception as exc:  # noqa: BLE001
+            raised.append(f"{type(exc).__name__}: {exc}")
+    refused_s = time.monotonic() - start
+    after = session.run(Strategy.load(["parallel_mode"]), timeout_s=60)
+    session.close()
+    return {"raised": raised, "refused_s": refused_s, "after": after.status}
+
+
 def release(env: Any) -> dict[str, Any]:
     user = setup(toy_models.mlp())
     gc.collect()
@@ -187,7 +207,7 @@ def failfast(env: Any) -> dict[str, Any]:
     return {"trials": trials}
 
 
-SCENARIOS = [sequence, budget, mismatch, release, inapplicable, lost, failfast]
+SCENARIOS = [sequence, budget, mismatch, session_mismatch, release, inapplicable, lost, failfast]
 
 
 def main() -> None:
