@@ -11,7 +11,12 @@ import toy_models
 from search_doubles import Pred, Run
 
 from atorch.model_context import UserSetup
-from atorch.strategy_search.search.buildable import check_families
+from atorch.strategy_search.search.buildable import (
+    MICRO_BATCH_RULE,
+    check_families,
+    ruled_out_by,
+    too_small_micro_batches,
+)
 from atorch.strategy_search.search.planner import Planner
 from atorch.strategy_search.search.report import write_report
 from atorch.strategy_search.search.space import Candidate, SearchSpace
@@ -200,3 +205,85 @@ def test_the_split_check_computes_under_the_autocast_the_block_ran_under() -> No
     assert amp, [c.strategy.names() for c in space.enumerate()]
     checked = check_families(setup, batch, WORLD, torch.device("cpu"), amp[:1])
     assert checked.builds == 1 and not checked.unbuildable and not checked.unchecked, checked
+
+
+class PooledNormClassifier(torch.nn.Module):
+    """Convolutions, then a BatchNorm over the pooled features (one value per channel and sample, as MobileViT's
+    head): it cannot train on a micro-batch of one sample ("Expected more than 1 value per channel")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.norm(torch.relu(self.conv(x)).mean((2, 3))))
+
+
+def pooled_norm_setup(model: torch.nn.Module) -> UserSetup:
+    return UserSetup(model=model, optim_func=torch.optim.SGD, optim_args={"lr": 0.1},
+                     loss_func=lambda data, out: torch.nn.functional.cross_entropy(out, data[1]),
+                     model_input_format="unpack_sequence", dataloader_args={"batch_size": BATCH})
+
+
+def batch_of(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 8, 8), torch.zeros(n, dtype=torch.long)
+
+
+def test_a_micro_batch_too_small_for_the_model_is_ruled_out_before_any_dry_run(tmp_path: Path) -> None:
+    setup = pooled_norm_setup(PooledNormClassifier())
+    per_rank = BATCH // WORLD
+    space = SearchSpace(setup.model, WORLD, BATCH)
+    sizes = sorted({c.micro_batch_size for c in space.enumerate()})
+    assert sizes[0] == 1 and per_rank in sizes, sizes
+
+    rules = too_small_micro_batches(setup, batch_of, per_rank, sizes)
+    ((method, at), why), = rules.items()
+    assert (method, at) == (MICRO_BATCH_RULE, "1")
+    assert "a micro-batch of 1 sample per rank fails" in why and "Expected more than 1 value per channel" in why
+    assert ruled_out_by(rules, ["fsdp"], "any", 1) == why and ruled_out_by(rules, ["fsdp"], "any", 2) == ""
+    # a model that trains on one sample (its BatchNorm2d has 8 x 8 values per channel) keeps every size
+    assert too_small_micro_batches(pooled_norm_setup(toy_models.ConvClassifier()), batch_of, per_rank, sizes) == {}
+
+    calls: list[Candidate] = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        return Run("ok", 10.0 * cand.micro_batch_size, 100 * MiB)
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    # the cost model likes the smallest micro-batch best: without the rule it is dry-run first
+    result = Planner(space, storage=storage, study_key="atorch-search-norm", measure=measure,
+                     predict=lambda cand: Pred(100 * MiB, 0.01 * cand.micro_batch_size), memory_budget=1000 * MiB,
+                     max_trials=6, top_k=3, prepare=lambda cands: rules).search()
+    assert calls and result.candidate is not None
+    assert all(c.micro_batch_size > 1 for c in calls), [c.micro_batch_size for c in calls]
+    study = optuna.load_study(study_name="atorch-search-norm", storage=storage)
+    assert study.user_attrs["unbuildable"] == [{"method": MICRO_BATCH_RULE, "layout": "1", "reason": why}]
+    page = write_report(storage, tmp_path / "report.html").read_text()
+    assert "a micro-batch of 1 sample per rank fails" in page
+
+
+def test_a_dry_run_that_fails_for_its_micro_batch_size_rules_out_that_size(tmp_path: Path) -> None:
+    """Where the check could not tell (it ran out of time, or the fake run failed on the whole batch), the first
+    dry-run that fails for its size rules the size out: no other candidate at it is dry-run."""
+    setup = pooled_norm_setup(PooledNormClassifier())
+    space = SearchSpace(setup.model, WORLD, BATCH)
+    calls: list[Candidate] = []
+
+    def measure(cand: Candidate) -> Run:
+        calls.append(cand)
+        if cand.micro_batch_size == 1:
+            return Run("failed", 0.0, 0.0, "rank 0: warm-up step 1: ValueError: Expected more than 1 value per "
+                                           "channel when training, got input size torch.Size([1, 16])")
+        return Run("ok", 10.0 * cand.micro_batch_size, 100 * MiB)
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    Planner(space, storage=storage, study_key="atorch-search-norm-run", measure=measure,
+            predict=lambda cand: Pred(100 * MiB, 0.01 * cand.micro_batch_size), memory_budget=1000 * MiB,
+            max_trials=6, top_k=4).search()
+    assert [c.micro_batch_size for c in calls].count(1) == 1, [c.micro_batch_size for c in calls]
+    study = optuna.load_study(study_name="atorch-search-norm-run", storage=storage)
+    skipped = [t.user_attrs for t in study.trials if t.user_attrs.get("status") == "skipped"]
+    assert any("a micro-batch of 1 sample per rank fails" in a["reason"] for a in skipped), skipped

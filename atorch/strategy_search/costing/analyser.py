@@ -414,6 +414,19 @@ def _amp_saved_bytes(work: nn.Module, batch: Any, model_input_format: str | None
     return saved.total
 
 
+def fake_forward_problem(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
+                         loss_func: Callable[..., Any] | None = None) -> str | None:
+    """None when one training-mode forward and loss of ``model`` run on ``sample_batch`` as fake tensors (no
+    storage, no arithmetic: a fraction of a real forward), else the first line of what they raised."""
+    mode, work, batch, _ = fake_setup(model, sample_batch)
+    try:
+        with quiet_fake_tensor_log(), mode, FakeKernelGaps():
+            forward_and_loss(work, batch, model_input_format, loss_func)
+    except Exception as exc:  # noqa: BLE001  (reported: the caller decides what it rules out)
+        return first_line(exc, work)
+    return None
+
+
 def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None = None,
             loss_func: Callable[..., Any] | None = None) -> ModelStats:
     """Measure ``model`` on one ``sample_batch`` (called as ``model_input_format`` says) with fake tensors.

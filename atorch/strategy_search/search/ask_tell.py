@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from atorch.errors import RankLost
 from atorch.strategy import Strategy
+from atorch.strategy_search.search.buildable import MICRO_BATCH_FAILURES, micro_batch_rule, ruled_out_by
 from atorch.strategy_search.search.candidates import CandidateTable, Point, complexity, point_key, splits_the_model
 from atorch.strategy_search.search.outcome import Measured
 
@@ -334,11 +335,15 @@ class SearchState:
             family = self.table.family(key)
             self.family_layouts[family] = self.table.layout(key)
             self.time_ratios.setdefault(family, []).append(measured["samples_per_s"] / pred["samples_per_s"])
-        if attrs["status"] == "failed" and key in self.table.by_key and (
-                found := _BUILD_STEP.search(str(measured.get("reason") or ""))):
+        reason = str(measured.get("reason") or "")
+        if attrs["status"] == "failed" and key in self.table.by_key and (found := _BUILD_STEP.search(reason)):
             self.unbuildable_at.setdefault((found.group(1), self.table.layout(key)), (
                 f"{found.group(1)} could not be applied to this model at this layout (trial {number}: "
-                f"{str(measured.get('reason'))[:300]}); its other settings would not change that"))
+                f"{reason[:300]}); its other settings would not change that"))
+        elif attrs["status"] == "failed" and key in self.table.by_key and MICRO_BATCH_FAILURES.search(reason) and \
+                (size := self.table.points[self.table.by_key[key]].get("micro_batch_size")):
+            rule, why = micro_batch_rule(int(size), f"trial {number}: {reason[:300]}")
+            self.unbuildable_at.setdefault(rule, why)
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -569,9 +574,10 @@ class SearchState:
         micro-batch, precision or other methods (the conv model's 72 tensor-parallel candidates failed alike)."""
         if not self.unbuildable_at or self.table.details is None or key not in self.table.by_key:
             return ""
-        names = Strategy.load(self.table.details[self.table.by_key[key]]["strategy"]).applied_names()
-        layout = self.table.layout(key)
-        return next((why for (method, at), why in self.unbuildable_at.items() if method in names and at == layout), "")
+        index = self.table.by_key[key]
+        names = Strategy.load(self.table.details[index]["strategy"]).applied_names()
+        return ruled_out_by(self.unbuildable_at, names, self.table.layout(key),
+                            self.table.points[index].get("micro_batch_size"))
 
     def _basis(self, key: str) -> str:
         """What a skip's factor compares, where it is not the two raw predictions (the table's "pred. s" column):

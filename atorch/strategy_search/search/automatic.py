@@ -521,10 +521,11 @@ class _Leader:
 
     def _builds(self, cand: Any) -> bool:
         """Whether the build check left ``cand``'s methods in at its layout."""
+        from atorch.strategy_search.search.buildable import ruled_out_by
         from atorch.strategy_search.search.candidates import layout_key
 
-        at = layout_key(dict(cand.point))
-        return not any((name, at) in self.ruled_out for name in cand.strategy.names())
+        return not ruled_out_by(self.ruled_out, cand.strategy.names(), layout_key(dict(cand.point)),
+                                cand.micro_batch_size)
 
     def _prepare(self, cands: list[Any]) -> dict[tuple[str, str], str]:
         """Before the first dry-run: the build check of the space's method families (buildable.py: a family that
@@ -532,7 +533,13 @@ class _Leader:
         rest (deduplicated by what they do): a DeepSpeed op build (30-70 s the first time) would otherwise land
         inside whichever dry-run first used it, and on a time limit, stop the search in the middle of it."""
         from atorch.dryrun.runner import preparations, prepare_once
-        from atorch.strategy_search.search.buildable import CHECK_TIME_S, BuildCheck, check_families
+        from atorch.strategy_search.costing.analyser import batch_shape
+        from atorch.strategy_search.search.buildable import (
+            CHECK_TIME_S,
+            BuildCheck,
+            check_families,
+            too_small_micro_batches,
+        )
 
         limit = CHECK_TIME_S
         if self.time_limit is not None:
@@ -543,6 +550,13 @@ class _Leader:
             logger.warning("automatic search: the build check could not run (%s: %s); the dry-runs decide",
                            type(exc).__name__, exc)
             checked = BuildCheck()
+        try:  # micro-batches too small for the model (BatchNorm over one value per channel) leave the space too
+            checked.unbuildable.update(too_small_micro_batches(
+                self.setup, lambda n: sample_batch(self.setup, self.env, n), batch_shape(self.batch)[0],
+                [c.micro_batch_size for c in cands]))
+        except Exception as exc:  # noqa: BLE001  (the dry-runs find it instead, one failure rules the size out)
+            logger.warning("automatic search: the micro-batch check could not run (%s: %s); the dry-runs decide",
+                           type(exc).__name__, exc)
         logger.info("automatic search: build check of the space's method families: %d build%s in %.1f s on fake "
                     "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s", checked.seconds,
                     "; ".join(f"{m} at {at} ({why})" for (m, at), why in checked.unbuildable.items()) or "none",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import time
 from collections.abc import Sequence
@@ -34,6 +35,59 @@ from atorch.model_context import UserSetup
 logger = get_logger(__name__)
 CHECK_TIME_S = 20.0  # for every build of the check; the families not reached are left to the dry-runs
 REAL_BUILD_BYTES = 256 * 2**20  # a model's parameters up to this size are copied for a real build (see below)
+
+
+# The build check's rules are (method, layout) pairs; this one is (MICRO_BATCH_RULE, "n"): every candidate whose
+# per-rank micro-batch is n samples or fewer (a model that cannot train on so few: BatchNorm's statistics over
+# one value per channel), whatever its methods and layout.
+MICRO_BATCH_RULE = "micro_batch_size"
+# Failures of a dry-run's step that come from its micro-batch size alone (the same rule then covers its size).
+MICRO_BATCH_FAILURES = re.compile(r"Expected more than 1 value per channel when training")
+
+
+def ruled_out_by(rules: dict[tuple[str, str], str], names: Sequence[str], layout: str,
+                 micro_batch_size: int | None) -> str:
+    """Why a candidate (its method names, layout key and per-rank micro-batch size) is ruled out by the check's
+    ``rules`` ((method, layout) -> why, and the micro-batch rule), or ""."""
+    for (method, at), why in rules.items():
+        if method == MICRO_BATCH_RULE:
+            if micro_batch_size is not None and micro_batch_size <= int(at):
+                return why
+        elif method in names and at == layout:
+            return why
+    return ""
+
+
+def micro_batch_rule(size: int, problem: str, runs: int | None = None) -> tuple[tuple[str, str], str]:
+    """The rule (and why) for a per-rank micro-batch of ``size`` that fails with ``problem`` (where ``runs`` run)."""
+    where = f", where {runs} run" if runs is not None else ""
+    return (MICRO_BATCH_RULE, str(size)), (
+        f"a micro-batch of {size} sample{'s' if size > 1 else ''} per rank fails in the model's training step"
+        f"{where}: {problem}; every candidate at {size} or fewer per rank is left out")
+
+
+def too_small_micro_batches(setup: UserSetup, batch_of: Any, analysed: int, sizes: Sequence[int]) -> dict[
+        tuple[str, str], str]:
+    """The micro-batch rule for the space's per-rank micro-batch ``sizes`` below the ``analysed`` batch, on fake
+    tensors before any dry-run: the smallest sizes, in turn, until one runs (usually the first, one fake forward);
+    none when the analysed batch itself fails on fake tensors (then a size's failure would say nothing).
+    ``batch_of(n)``: a sample batch of n samples."""
+    from atorch.strategy_search.costing.analyser import fake_forward_problem
+
+    below = sorted({s for s in sizes if s < analysed})
+    found: dict[tuple[str, str], str] = {}
+    if not below:
+        return found
+    run = lambda n: fake_forward_problem(setup.model, batch_of(n), setup.model_input_format,  # noqa: E731
+                                         setup.loss_func)
+    for size in below:
+        problem = run(size)
+        if problem is None:
+            break
+        if not found and run(analysed) is not None:
+            return {}
+        found = dict([micro_batch_rule(size, problem, analysed)])
+    return found
 
 
 @dataclass
