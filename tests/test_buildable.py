@@ -242,6 +242,7 @@ def test_a_micro_batch_too_small_for_the_model_is_ruled_out_before_any_dry_run(t
     ((method, at), why), = rules.items()
     assert (method, at) == (MICRO_BATCH_RULE, "1")
     assert "a micro-batch of 1 sample per rank fails" in why and "Expected more than 1 value per channel" in why
+    assert "model_input_format" not in why  # the model's own error, not the wording that blames the user's call
     assert ruled_out_by(rules, ["fsdp"], "any", 1) == why and ruled_out_by(rules, ["fsdp"], "any", 2) == ""
     # a model that trains on one sample (its BatchNorm2d has 8 x 8 values per channel) keeps every size
     assert too_small_micro_batches(pooled_norm_setup(toy_models.ConvClassifier()), batch_of, per_rank, sizes) == {}

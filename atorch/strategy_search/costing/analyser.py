@@ -150,6 +150,10 @@ class ModelStats(_Frozen):
     # expert-bank parameter bytes tensor parallel's automatic plan leaves whole (transformers' stacked experts: the
     # plan splits the attention and dense layers; every rank of the tensor group keeps every expert)
     tp_whole_expert_bytes: int = 0
+    # parameter bytes inside the repeated blocks that the automatic plan leaves whole, experts aside (norms; and the
+    # convolutions, or an attention the plan cannot split, of a hybrid block such as MobileViT's): every rank of the
+    # tensor group keeps them
+    tp_whole_block_bytes: int = 0
     # one token's keys and values over every causal attention layer of a transformers decoder, at the parameters'
     # bytes per element: what context parallel all-gathers per token (0: no such attention) ...
     kv_bytes_per_token: int = 0
@@ -423,7 +427,8 @@ def fake_forward_problem(model: nn.Module, sample_batch: Any, model_input_format
         with quiet_fake_tensor_log(), mode, FakeKernelGaps():
             forward_and_loss(work, batch, model_input_format, loss_func)
     except Exception as exc:  # noqa: BLE001  (reported: the caller decides what it rules out)
-        return first_line(exc, work)
+        # the model's own error, not the wording that blames the call (that is the analysis' to judge, on its batch)
+        return first_line(exc.__cause__ if isinstance(exc, StepError) and exc.__cause__ else exc, work)
     return None
 
 
@@ -499,6 +504,8 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     from atorch.opt_lib.tensor_parallel import kv_projection_bytes, split_layer_counts
 
     tp_layers, tp_params = split_layer_counts(model, plan)
+    whole_in_blocks = 0 if plan is None else max(
+        0, bytes_left_whole(model, [instances[name] for name in blocks], plan) - whole_experts)
 
     trainable_bytes = sum(nbytes(p) for p in trainable)
     param_bytes = sum(nbytes(p) for p in params)
@@ -536,6 +543,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         expert_param_count=expert_params,
         moe_layers=moe_layers,
         tp_whole_expert_bytes=whole_experts,
+        tp_whole_block_bytes=whole_in_blocks,
         kv_bytes_per_token=kv_bytes[0],
         attention_kv_bytes_per_token=kv_bytes[1],
         measured_on=measured_on,

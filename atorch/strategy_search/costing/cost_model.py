@@ -97,7 +97,8 @@ activations; in steady state (the second step on) the optimizer state exists dur
   blocks, within 1%).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
   gradients and state are split ``t·p`` ways (a single key/value head's projections, which tensor parallel
-  keeps whole: ``p`` ways); the rest (embeddings, head: the vocabulary is kept whole)
+  keeps whole, and whatever in the blocks the plan does not split, such as norms or a hybrid block's
+  convolutions: ``p`` ways); the rest (embeddings, head: the vocabulary is kept whole)
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
   block's saved activations shrink to ``TP_REPLICATED_ACTIVATIONS + (1 − that) / t`` (norms and residuals
   are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
@@ -453,6 +454,8 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
         # [tensor_parallel] key/value projections with fewer heads than tp stay whole on each rank of the group, and
         # so do the experts the plan does not split (those expert parallel splits are out of these terms already)
         whole = sum(size for kv_heads, size in stats.tp_kv_param_bytes if kv_heads < tp) * scale
+        if tp > 1:  # what the plan does not split stays whole on every rank of the tensor group
+            whole += stats.tp_whole_block_bytes * scale
         if tp > 1 and ep == 1:
             whole += stats.tp_whole_expert_bytes * scale
         per_block = whole / max(sum(b.count for b in stats.blocks), 1)

@@ -538,6 +538,7 @@ class _Leader:
             CHECK_TIME_S,
             BuildCheck,
             check_families,
+            rule_label,
             too_small_micro_batches,
         )
 
@@ -559,7 +560,7 @@ class _Leader:
                            type(exc).__name__, exc)
         logger.info("automatic search: build check of the space's method families: %d build%s in %.1f s on fake "
                     "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s", checked.seconds,
-                    "; ".join(f"{m} at {at} ({why})" for (m, at), why in checked.unbuildable.items()) or "none",
+                    "; ".join(rule_label(rule, why) for rule, why in checked.unbuildable.items()) or "none",
                     f"; left to the dry-runs: {'; '.join(checked.unchecked)}" if checked.unchecked else "")
         self.ruled_out = checked.unbuildable
         found = preparations([c.strategy for c in cands if self._builds(c)])

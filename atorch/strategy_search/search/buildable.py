@@ -58,6 +58,12 @@ def ruled_out_by(rules: dict[tuple[str, str], str], names: Sequence[str], layout
     return ""
 
 
+def rule_label(rule: tuple[str, str], why: str) -> str:
+    """A rule as a log line names it."""
+    method, at = rule
+    return why if method == MICRO_BATCH_RULE else f"{method} at {at} ({why})"
+
+
 def micro_batch_rule(size: int, problem: str, runs: int | None = None) -> tuple[tuple[str, str], str]:
     """The rule (and why) for a per-rank micro-batch of ``size`` that fails with ``problem`` (where ``runs`` run)."""
     where = f", where {runs} run" if runs is not None else ""
