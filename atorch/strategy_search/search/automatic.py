@@ -520,7 +520,7 @@ class _Leader:
         return result
 
     def _builds(self, cand: Any) -> bool:
-        """Whether the build check left ``cand``'s methods in at its layout."""
+        """Whether the build check left ``cand`` in: its methods at its layout, and its micro-batch size."""
         from atorch.strategy_search.search.buildable import ruled_out_by
         from atorch.strategy_search.search.candidates import layout_key
 
