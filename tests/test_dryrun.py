@@ -3,6 +3,7 @@ real ranks the failure, hang, budget, agreement and release cases (tests/workers
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import statistics
@@ -18,6 +19,7 @@ from workers.dryrun_worker import FAILFAST_PLAN, FAILFAST_TIMEOUT_S, PLAN, SLEEP
 
 from atorch.distributed import init_distributed
 from atorch.dryrun import PeakMemory, TrialResult, dry_run, dry_run_many
+from atorch.dryrun.memory import SettledHeap
 from atorch.model_context import UserSetup
 from atorch.opt_lib.base import Preparation
 from atorch.opt_lib.deepspeed_zero import deepspeed_reason
@@ -55,6 +57,41 @@ def test_peak_sees_frees_of_baseline_tensors() -> None:
         again = torch.empty(10_000)
     assert peak.increase == 0
     del again, big
+
+
+def test_a_settled_heap_keeps_the_baseline_exact() -> None:
+    """With the heap settled (frozen out of the collector's way, as a search's session does), the baseline walk
+    still sees the tensors that were frozen: one freed inside the block lowers the live total as before."""
+    big = torch.empty(10_000)  # 40000 bytes, frozen below
+    heap = SettledHeap().settle()
+    try:
+        assert heap.settled and gc.get_freeze_count() > 0
+        cycle: list[Any] = [torch.empty(20_000)]  # garbage made after settling, in a reference cycle: collected
+        cycle.append(cycle)  # at the block's entry, so it is not in the baseline
+        del cycle
+        with PeakMemory("cpu") as peak:
+            big = None  # a frozen baseline tensor freed: the block may allocate as much without raising the peak
+            again = torch.empty(10_000)
+        assert peak.increase == 0
+        settled_baseline = peak.baseline_bytes
+    finally:
+        heap.release()
+    assert gc.get_freeze_count() == 0 and not heap.settled
+    with PeakMemory("cpu") as plain:
+        pass
+    assert plain.baseline_bytes == settled_baseline  # `again` stands where `big` stood: the same walk
+    del again, big
+
+
+def test_settling_leaves_an_application_s_own_frozen_heap_alone() -> None:
+    gc.freeze()  # the application's own (a server does this)
+    try:
+        heap = SettledHeap().settle()
+        assert not heap.settled
+        heap.release()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_peak_counts_storage_growth() -> None:

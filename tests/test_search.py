@@ -287,13 +287,16 @@ def _mlp_args() -> dict[str, Any]:
 def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tmp_path, monkeypatch) -> None:
     """Real dry-runs (one process): every runner-up is close enough to confirm; the best two are re-measured
     interleaved, round after round while within noise (at most confirm_rounds), and the rule that decided is in the
-    stop message and the report."""
+    stop message and the report. Exploration screens (screen_measure_s of timed steps), the confirmation measures
+    in full (min_measure_s)."""
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     storage = f"sqlite:///{tmp_path}/s.db"
+    screen_s, full_s = 0.04, 0.3
     _, result, _ = atorch.auto_accelerate(
         mlp(), torch.optim.SGD, **_mlp_args(),
         search={"storage": storage, "max_trials": 8, "patience": 2, "warmup_steps": 1, "measure_steps": 3,
-                "min_measure_s": 0, "confirm_within": 0.99, "confirm_rounds": 2})
+                "min_measure_s": full_s, "screen_measure_s": screen_s, "max_measure_steps": 2000,
+                "confirm_within": 0.99, "confirm_rounds": 2})
     search = result.args.search
     result.close()
     stop = search["stop_reason"]
@@ -304,7 +307,12 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     assert 2 <= len(again) == 2 * verdict["rounds"] <= 4
     # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
     assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
-    assert all(len(c["measured"]["step_times_s"]) == 3 for c in again)
+    # the timed steps add up to about the run's window (the count comes from the median step: a little either way)
+    explored_s = [sum(t.user_attrs["measured"]["step_times_s"]) for t in study.get_trials()
+                  if t.user_attrs.get("measured", {}).get("step_times_s")]
+    confirmed_s = [sum(c["measured"]["step_times_s"]) for c in again]
+    assert explored_s and all(s < 3 * screen_s for s in explored_s), explored_s
+    assert all(s > 0.6 * full_s for s in confirmed_s), confirmed_s
     # a tie takes every round that max_trials leaves room for (a round is 2 dry-runs); a clear difference can stop
     # early; the rounds never take the search past max_trials
     explored = search["dry_runs"] - len(again)
@@ -320,6 +328,41 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     assert all(v >= 0 for v in phases.values()) and phases["confirmation_s"] > 0
     assert phases["dry_runs_s"] + phases["confirmation_s"] < phases["total_s"]
     assert "Where the time went" in out.read_text() and "confirmation" in out.read_text()
+
+
+@pytest.mark.parametrize("end_per_analysis", [None, 1e6])
+def test_memory_is_traced_only_where_one_trace_fits_its_time(end_per_analysis, tmp_path, monkeypatch, caplog) -> None:
+    """One process under a memory limit that puts the candidates' fit in doubt (1.2x plain DDP's measured peak):
+    their memory is traced, unless a trace of one candidate (end_per_analysis x the analysis's seconds) would
+    overrun the trace's time; then none is started, the log says why, and the search goes on on the analytical
+    figures."""
+    from atorch.distributed import init_distributed
+    from atorch.dryrun import dry_run
+    from atorch.model_context import UserSetup
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.search import automatic
+
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
+    if end_per_analysis is not None:
+        monkeypatch.setattr(automatic, "TRACE_END_PER_ANALYSIS", end_per_analysis)
+    args = _mlp_args()
+    user = UserSetup(model=mlp(), optim_func=torch.optim.SGD, **args)
+    peak = dry_run(user, init_distributed(), Strategy.load(["parallel_mode"]), warmup=1, steps=1).peak_bytes
+    caplog.set_level("INFO", logger="atorch.strategy_search.search.automatic")
+    _, result, _ = atorch.auto_accelerate(
+        mlp(), torch.optim.SGD, **args, memory_limit=int(1.2 * peak),
+        search={"storage": f"sqlite:///{tmp_path}/s.db", "max_trials": 2, "warmup_steps": 1, "measure_steps": 2,
+                "min_measure_s": 0})
+    phases = result.args.search["phases"]
+    result.close()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost model: memory")]
+    if end_per_analysis is None:
+        assert any("candidates traced" in line and not line.startswith("cost model: memory of 0 ")
+                   for line in said), said
+    else:
+        assert any(line.startswith("cost model: memory not traced: one trace of this model would take about") for
+                   line in said), said
+        assert phases["trace_s"] < 0.5, phases
 
 
 def test_a_short_time_limit_ends_the_search_within_it(tmp_path, monkeypatch) -> None:

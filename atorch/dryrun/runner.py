@@ -53,7 +53,7 @@ from pydantic import BaseModel
 from atorch.build import build_context, build_result, preflight
 from atorch.distributed import DistEnv, all_gather_json, collective_timeout
 from atorch.dryrun.coordination import AbortWatcher, Coordinator, GaveUp
-from atorch.dryrun.memory import PeakMemory
+from atorch.dryrun.memory import PeakMemory, SettledHeap
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
 from atorch.errors import RankLost, SetupError
 from atorch.lifecycle import import_off_the_stack
@@ -145,6 +145,7 @@ def dry_run_many(
     if any(other != lists[0] for other in lists):
         raise SetupError("the ranks were given different candidate lists; every rank must dry-run the same ones")
     results: list[TrialResult] = []
+    session.heap.settle()
     try:
         for strategy in candidates:
             results.append(session.run(strategy, timeout_s=timeout_s, micro_batches=micro_batches))
@@ -152,6 +153,8 @@ def dry_run_many(
     except RankLost as exc:
         exc.results = results
         raise
+    finally:
+        session.heap.release()
     return results
 
 
@@ -193,6 +196,10 @@ class DryRunSession:
         # default argument when imported, which inside a trial is the trial's group; kept alive by it, that
         # group's connections would never close after a failure, and its peers would wait until the deadline.
         import_off_the_stack("torch.distributed.optim.zero_redundancy_optimizer")
+        # Each trial's memory measurement collects the cyclic garbage first; a caller that runs many trials settles
+        # the heap (``heap.settle()``, then ``heap.release()`` however it ends), so that only what was made since is
+        # walked (a search and ``dry_run_many`` do; ``close`` releases it too).
+        self.heap = SettledHeap()
 
     def announce_next(self, value: Any) -> None:
         """The leader's next word to every rank (a trial, a task, the end); ``hear_next`` reads them in order."""
@@ -219,13 +226,13 @@ class DryRunSession:
 
     def run(self, strategy: Strategy, *, timeout_s: float = 300.0, micro_batches: int = 1,
             batch_size: int | None = None, label: str | None = None,
-            stop_above_s: float | None = None) -> TrialResult:
+            stop_above_s: float | None = None, min_measure_s: float | None = None) -> TrialResult:
         """Dry-run one candidate on every rank. ``batch_size`` (the global batch of one micro-batch)
         replaces the dataloader's; ``micro_batches`` batches make one step; ``label``: how an error names
         the candidate (default: the strategy). ``stop_above_s`` (the same on every rank): once
         EARLY_STOP_MIN_STEPS steps are timed, the timed steps stop when the slowest rank's fastest step is above it
-        (a candidate that cannot win: ``stopped_early``, the median of the steps run). ``RankLost`` when a rank did
-        not come back from the last one."""
+        (a candidate that cannot win: ``stopped_early``, the median of the steps run). ``min_measure_s``: this run's
+        timed seconds (default: the session's). ``RankLost`` when a rank did not come back from the last one."""
         if micro_batches < 1 or timeout_s <= 0:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
         self._check_lost()
@@ -233,7 +240,8 @@ class DryRunSession:
         self.trials += 1
         # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
         unprepared = prepare_once(strategy, log=self.env.is_main)
-        candidate = _candidate_card(strategy, micro_batches, batch_size, timeout_s, stop_above_s)
+        measure_s = self.min_measure_s if min_measure_s is None else min_measure_s
+        candidate = _candidate_card(strategy, micro_batches, batch_size, timeout_s, stop_above_s, measure_s)
         self._meet(f"{index}/meet", f"before candidate {index}", brings=candidate)
         self._check_same_candidate(index, candidate)
         setup = self.setup
@@ -242,7 +250,7 @@ class DryRunSession:
         trial = _Trial(self.coordinator, index, setup, self.env, strategy, self.warmup, self.steps, timeout_s,
                        micro_batches)
         trial.unprepared = unprepared
-        trial.min_measure_s, trial.max_steps = self.min_measure_s, self.max_steps
+        trial.min_measure_s, trial.max_steps = measure_s, self.max_steps
         trial.stop_above_s = stop_above_s
         result = trial.run(self.memory_budget)
         # A trial that did not end well may still hold a rank (stuck past its deadline): the next meeting says.
@@ -260,6 +268,7 @@ class DryRunSession:
 
     def close(self) -> None:
         """Meet a last time (every rank); ``RankLost`` if a rank did not come back."""
+        self.heap.release()
         if self.lost is None and (gave_up := self.coordinator.close(self.rejoin_timeout_s)) is not None:
             self._give_up(gave_up, "at the end of the dry-runs")
 
@@ -314,14 +323,16 @@ class DryRunSession:
 
 
 def _candidate_card(strategy: Strategy, micro_batches: int, batch_size: int | None, timeout_s: float,
-                    stop_above_s: float | None) -> dict[str, str]:
+                    stop_above_s: float | None, min_measure_s: float) -> dict[str, str]:
     """What a rank is about to dry-run, as it brings it to the meeting: a digest of everything that shapes the
-    trial's collectives and verdict, and a short form for the message when ranks differ."""
+    trial's collectives and verdict (the timed seconds decide how many steps run), and a short form for the message
+    when ranks differ."""
     full = json.dumps({"strategy": strategy.to_json(indent=None), "micro_batches": micro_batches,
-                       "batch_size": batch_size, "timeout_s": timeout_s, "stop_above_s": stop_above_s}, sort_keys=True)
+                       "batch_size": batch_size, "timeout_s": timeout_s, "stop_above_s": stop_above_s,
+                       "min_measure_s": min_measure_s}, sort_keys=True)
     extras = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in (
         ("micro_batches", micro_batches), ("batch_size", batch_size), ("timeout_s", timeout_s),
-        ("stop_above_s", stop_above_s)) if v is not None)
+        ("stop_above_s", stop_above_s), ("min_measure_s", min_measure_s)) if v is not None)
     return {"digest": hashlib.sha256(full.encode()).hexdigest()[:32], "shown": f"{strategy} ({extras})"}
 
 

@@ -51,6 +51,12 @@ TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
 # the timed steps, plus DRY_RUN_BUILD_S to build it), at least TRACE_FLOOR_S: on the held-out bench a dry-run took
 # 1-3 s, and a 10 s trace weighed several of them (bench/README.md); the close calls are traced first.
 TRACE_DRY_RUNS, TRACE_FLOOR_S, DRY_RUN_BUILD_S = 2.0, 3.0, 1.0
+# A trace runs the real build and two steps on fake tensors under a memory tracker: one micro-batch size of one
+# candidate took 3.4-5.4x the analysis's one fake step on OLMo 2 and Swin, 6.5-11x on MobileViT (bench/README.md).
+# Where the trace's limit cannot hold one at TRACE_END_PER_ANALYSIS x the analysis's seconds, the trace would be
+# stopped with nothing traced (MobileViT's budget search spent 3.5 s so): it is not started; the analytical model
+# and its band stand.
+TRACE_END_PER_ANALYSIS = 4.0
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
 # worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
@@ -137,18 +143,23 @@ def search_strategy(
                             more_time=(f"raise search={{'trial_timeout_s': ...}} (now {options.trial_timeout_s:g} "
                                        f"s), or give a process that is slow to come back longer with "
                                        f"search={{'rejoin_timeout_s': ...}} (now {rejoin:g} s)"))
-    if env.rank != 0:
-        return _follow(session, time_limit)
+    session.heap.settle()
     try:
-        outcome = _Leader(setup, env, session, profile, excluded, included, finetune, time_limit, options,
-                          start, strategy_server).plan()
-    except BaseException as exc:
-        problems = list(getattr(exc, "problems", None) or [f"{type(exc).__name__}: {exc}"])
-        session.announce_next({"kind": "error", "problems": problems, "no_strategy": isinstance(exc, NoStrategyFound)})
-        raise
-    session.announce_next({"kind": "done", "outcome": outcome.to_json()})
-    session.close()
-    return outcome
+        if env.rank != 0:
+            return _follow(session, time_limit)
+        try:
+            outcome = _Leader(setup, env, session, profile, excluded, included, finetune, time_limit, options,
+                              start, strategy_server).plan()
+        except BaseException as exc:
+            problems = list(getattr(exc, "problems", None) or [f"{type(exc).__name__}: {exc}"])
+            session.announce_next({"kind": "error", "problems": problems,
+                                   "no_strategy": isinstance(exc, NoStrategyFound)})
+            raise
+        session.announce_next({"kind": "done", "outcome": outcome.to_json()})
+        session.close()
+        return outcome
+    finally:
+        session.heap.release()
 
 
 def rejoin_timeout(options: SearchOptions) -> float:
@@ -180,7 +191,7 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
         elif word["kind"] == "trial":
             session.run(Strategy.load(word["strategy"]), timeout_s=word["timeout_s"],
                         micro_batches=word["micro_batches"], batch_size=word["batch_size"], label=word.get("label"),
-                        stop_above_s=word.get("stop_above_s"))
+                        stop_above_s=word.get("stop_above_s"), min_measure_s=word.get("min_measure_s"))
         elif word["kind"] == "rejoin":
             session.rejoin()
         elif word["kind"] == "done":
@@ -263,10 +274,15 @@ class _Leader:
         # (method, layout) pairs the build check ruled out (``_prepare``): never traced either
         self.ruled_out: dict[tuple[str, str], str] = {}
 
+    def _measure_s(self, confirming: bool = False) -> float:
+        """Timed seconds of a dry-run: ``screen_measure_s`` while exploring, ``min_measure_s`` when confirming."""
+        full = self.options.min_measure_s
+        return full if confirming else min(full, self.options.screen_measure_s)
+
     def _dry_run_s(self, step_s: float) -> float:
-        """A dry-run's predicted wall time at a predicted step of ``step_s``: its build, warm-up and timed steps
-        (at least ``measure_steps``, or as many as add up to ``min_measure_s``)."""
-        timed = max(self.options.measure_steps * step_s, min(self.options.min_measure_s,
+        """An exploring dry-run's predicted wall time at a predicted step of ``step_s``: its build, warm-up and timed
+        steps (at least ``measure_steps``, or as many as add up to ``_measure_s()``)."""
+        timed = max(self.options.measure_steps * step_s, min(self._measure_s(),
                                                              self.options.max_measure_steps * step_s))
         return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s + timed
 
@@ -397,6 +413,12 @@ class _Leader:
                     cands.sort(key=lambda c: order[c.key])  # stable: by priority within a round
                     if sure < float("inf"):  # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's
                         limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(sure)))
+                    end_s = TRACE_END_PER_ANALYSIS * self.phases.get("analysis_s", 0.0)
+                    if cands and end_s > limit:
+                        logger.info("cost model: memory not traced: one trace of this model would take about %.1f s "
+                                    "(%g x its analysis), over the %.1f s the trace may take", end_s,
+                                    TRACE_END_PER_ANALYSIS, limit)
+                        cands = []
                     if cands:
                         traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
@@ -587,14 +609,16 @@ class _Leader:
         label = self.progress.describe(cand)
         # the early-stop bar: a candidate already slower than the best by EARLY_STOP_FACTOR stops timing (planner)
         stop_above = self.planner.early_stop_above_s() if hasattr(self.planner, "early_stop_above_s") else None
+        # exploration screens (screen_measure_s of timed steps); the confirmation measures in full (min_measure_s)
+        measure_s = self._measure_s(confirming=getattr(self.planner, "confirming", False))
         word = {"kind": "trial", "strategy": cand.strategy.to_list(), "timeout_s": timeout,
                 "micro_batches": cand.micro_batches, "batch_size": batch_size, "label": label,
-                "stop_above_s": stop_above}
+                "stop_above_s": stop_above, "min_measure_s": measure_s}
         prediction = self.planner.predictions().get(cand.key) if hasattr(self.planner, "predictions") else None
         self.progress.started(cand, prediction)
         self.session.announce_next(word)
         trial = self.session.run(cand.strategy, timeout_s=timeout, micro_batches=cand.micro_batches,
-                                 batch_size=batch_size, label=label, stop_above_s=stop_above)
+                                 batch_size=batch_size, label=label, stop_above_s=stop_above, min_measure_s=measure_s)
         measured = self._check_numerics(cand, trial, batch_size)
         self.progress.finished(cand, prediction, measured)
         return measured
