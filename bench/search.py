@@ -336,7 +336,8 @@ def search_runs(storage: str) -> tuple[int, int]:
 # ----- one scenario ----------------------------------------------------------------------------------
 
 def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, Any]], scratch: Path,
-                 limit: int | None = None, sweep_mode: str | None = None) -> dict[str, Any]:
+                 limit: int | None = None, sweep_mode: str | None = None,
+                 screen_measure_s: float | None = None) -> dict[str, Any]:
     spec = SCENARIOS[name]
     sweep_mode = sweep_mode or spec.get("sweep", "exhaustive")
     parts = MODELS[spec["model"]]()
@@ -407,6 +408,8 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
     storage, storage_top0 = f"sqlite:///{scratch}/{name}.db", f"sqlite:///{scratch}/{name}-top0.db"
     options = {"storage": storage, "warmup_steps": WARMUP, "measure_steps": STEPS, "min_measure_s": MIN_MEASURE_S,
                "patience": 4, "trial_timeout_s": timeout, "loop": loop}
+    if screen_measure_s is not None:
+        options["screen_measure_s"] = screen_measure_s
     runs = (("search", {}), ("cached", {}), ("cost_model", {"dryrun": False}),
             ("top0", {"top_k": 0, "force": True, "storage": storage_top0}))
     timings = {}
@@ -620,6 +623,8 @@ def main() -> None:
                         "candidate (the tuned scenarios' default) or the plausible ones, the cost model's top "
                         f"{TOP} and everything the searches tried (the held-out scenarios' default)")
     parser.add_argument("--limit", type=int, help="sweep only this many candidates (checks the script; no figures)")
+    parser.add_argument("--screen-measure-s", type=float, help="the searches' screen_measure_s (default: the option's "
+                        "default); 1.0 times exploration's dry-runs in full, as the confirmation's")
     args = parser.parse_args()
     env = init_distributed()
     scratch = Path(tempfile.mkdtemp(prefix="atorch-bench-search-")) if env.rank == 0 else Path(".")
@@ -634,7 +639,8 @@ def main() -> None:
     names = [n for part in args.scenarios.split(",")
              for n in (held_out_scenarios(part) if part in HELD_OUT_SETS else [part])]
     for name in names:
-        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit, args.sweep))
+        rows.append(run_scenario(name, env, args.repeats, sweeps, scratch, args.limit, args.sweep,
+                                 args.screen_measure_s))
         if env.rank == 0:
             print(table(rows[-1:]), flush=True)
             if args.sweeps and not args.limit:

@@ -83,6 +83,21 @@ def test_a_settled_heap_keeps_the_baseline_exact() -> None:
     del again, big
 
 
+def test_a_heap_settled_on_demand_waits_for_the_first_measurement() -> None:
+    """A search settles at its first dry-run (a cached pick runs none and pays nothing): ``settle(now=False)``
+    freezes nothing until ``settle_if_wanted``; ``release`` undoes either."""
+    heap = SettledHeap().settle(now=False)
+    try:
+        assert not heap.settled and gc.get_freeze_count() == 0
+        heap.settle_if_wanted()
+        assert heap.settled and gc.get_freeze_count() > 0
+    finally:
+        heap.release()
+    assert gc.get_freeze_count() == 0
+    heap.settle_if_wanted()  # released: no longer wanted
+    assert not heap.settled
+
+
 def test_settling_leaves_an_application_s_own_frozen_heap_alone() -> None:
     gc.freeze()  # the application's own (a server does this)
     try:

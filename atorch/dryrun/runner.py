@@ -197,8 +197,9 @@ class DryRunSession:
         # group's connections would never close after a failure, and its peers would wait until the deadline.
         import_off_the_stack("torch.distributed.optim.zero_redundancy_optimizer")
         # Each trial's memory measurement collects the cyclic garbage first; a caller that runs many trials settles
-        # the heap (``heap.settle()``, then ``heap.release()`` however it ends), so that only what was made since is
-        # walked (a search and ``dry_run_many`` do; ``close`` releases it too).
+        # the heap (``heap.settle()``, or ``heap.settle(now=False)``: at the first trial; then ``heap.release()``
+        # however it ends), so that only what was made since is walked (a search and ``dry_run_many`` do; ``close``
+        # releases it too).
         self.heap = SettledHeap()
 
     def announce_next(self, value: Any) -> None:
@@ -238,6 +239,7 @@ class DryRunSession:
         self._check_lost()
         index = self.trials
         self.trials += 1
+        self.heap.settle_if_wanted()
         # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
         unprepared = prepare_once(strategy, log=self.env.is_main)
         measure_s = self.min_measure_s if min_measure_s is None else min_measure_s

@@ -143,7 +143,7 @@ def search_strategy(
                             more_time=(f"raise search={{'trial_timeout_s': ...}} (now {options.trial_timeout_s:g} "
                                        f"s), or give a process that is slow to come back longer with "
                                        f"search={{'rejoin_timeout_s': ...}} (now {rejoin:g} s)"))
-    session.heap.settle()
+    session.heap.settle(now=False)  # at the first dry-run: a cached pick runs none
     try:
         if env.rank != 0:
             return _follow(session, time_limit)
@@ -280,9 +280,11 @@ class _Leader:
         return full if confirming else min(full, self.options.screen_measure_s)
 
     def _dry_run_s(self, step_s: float) -> float:
-        """An exploring dry-run's predicted wall time at a predicted step of ``step_s``: its build, warm-up and timed
-        steps (at least ``measure_steps``, or as many as add up to ``_measure_s()``)."""
-        timed = max(self.options.measure_steps * step_s, min(self._measure_s(),
+        """A full dry-run's predicted wall time at a predicted step of ``step_s``: its build, warm-up and timed steps
+        (at least ``measure_steps``, or as many as add up to ``min_measure_s``). The trace's time is counted in
+        these, not in exploration's shorter screening runs: with two screening runs' worth, the held-out Swin's
+        budget search traced fewer close calls and ran two of them out of memory (bench/README.md, run N)."""
+        timed = max(self.options.measure_steps * step_s, min(self.options.min_measure_s,
                                                              self.options.max_measure_steps * step_s))
         return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s + timed
 
