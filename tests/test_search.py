@@ -308,10 +308,11 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
     assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
     # the timed steps add up to about the run's window (the count comes from the median step: a little either way)
-    explored_s = [sum(t.user_attrs["measured"]["step_times_s"]) for t in study.get_trials()
-                  if t.user_attrs.get("measured", {}).get("step_times_s")]
+    # (never fewer than measure_steps: a slow step on a loaded machine makes three add up to more)
+    explored = [t.user_attrs["measured"]["step_times_s"] for t in study.get_trials()
+                if t.user_attrs.get("measured", {}).get("step_times_s")]
     confirmed_s = [sum(c["measured"]["step_times_s"]) for c in again]
-    assert explored_s and all(s < 3 * screen_s for s in explored_s), explored_s
+    assert explored and all(sum(t) < 3 * screen_s or len(t) == 3 for t in explored), explored
     assert all(s > 0.6 * full_s for s in confirmed_s), confirmed_s
     # a tie takes every round that max_trials leaves room for (a round is 2 dry-runs); a clear difference can stop
     # early; the rounds never take the search past max_trials
