@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -307,13 +308,13 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     assert 2 <= len(again) == 2 * verdict["rounds"] <= 4
     # the runner-up first, then the best, in every round; every run measured its steps (the noise it is judged by)
     assert [c["key"] for c in again] == verdict["keys"][::-1] * verdict["rounds"]
-    # the timed steps add up to about the run's window (the count comes from the median step: a little either way)
-    # (never fewer than measure_steps: a slow step on a loaded machine makes three add up to more)
-    explored = [t.user_attrs["measured"]["step_times_s"] for t in study.get_trials()
+    # the timed steps go on until they add up to the run's window (the count is set from the first steps' median, so
+    # a loaded machine's outliers move the sums, not the order): the confirmation's runs, with a window 7.5x the
+    # screening one, time more steps than any exploring run
+    explored = [len(t.user_attrs["measured"]["step_times_s"]) for t in study.get_trials()
                 if t.user_attrs.get("measured", {}).get("step_times_s")]
-    confirmed_s = [sum(c["measured"]["step_times_s"]) for c in again]
-    assert explored and all(sum(t) < 3 * screen_s or len(t) == 3 for t in explored), explored
-    assert all(s > 0.6 * full_s for s in confirmed_s), confirmed_s
+    confirmed = [len(c["measured"]["step_times_s"]) for c in again]
+    assert explored and statistics.median(confirmed) > 2 * statistics.median(explored), (explored, confirmed)
     # a tie takes every round that max_trials leaves room for (a round is 2 dry-runs); a clear difference can stop
     # early; the rounds never take the search past max_trials
     explored = search["dry_runs"] - len(again)
