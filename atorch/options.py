@@ -31,7 +31,7 @@ class SearchOptions(BaseModel):
     screen_measure_s: float = Field(default=0.5, ge=0, description=(
         "exploration's dry-runs time their steps until they add up to this many seconds (never past min_measure_s): "
         "enough to tell a clearly slower candidate apart; the confirmation re-measures the close contenders for "
-        "min_measure_s each (bench/README.md, \"Automatic search\": the pick held with half the timed seconds)"))
+        "min_measure_s each (bench/README.md, \"Run N\": picks within the machine's noise of full-length runs)"))
     max_measure_steps: int = Field(default=50, ge=1, description="the most timed steps of a dry-run")
     trial_timeout_s: float = Field(default=300.0, gt=0, description="one dry-run's limit; a rank past it is 'timeout'")
     rejoin_timeout_s: float | None = Field(default=None, gt=0, description=(
