@@ -199,8 +199,10 @@ def auto_accelerate(
                 )
             if not searching and setup.dataset is not None:
                 problems += empty_loader_problems(setup.dataset, setup.dataloader_args, layout.data_size)
-                if not problems:
-                    problems += unused_parameter_problems(setup, strategy, layout.data_size)
+            if setup.dataset is not None and not problems:
+                # searching: the space's DDP candidates would each fail at their second step, and the search would
+                # blame the setup with DDP's own message; named here, before any dry-run
+                problems += unused_parameter_problems(setup, strategy, layout.data_size)
             skipped, model_problems = preflight(setup, env, strategy, layout)
             problems += model_problems
     except Exception as exc:  # noqa: BLE001  (reported through the agreement, with its type)

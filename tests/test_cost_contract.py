@@ -41,15 +41,13 @@ MICRO_BATCH = 8  # samples per rank: the transformers' activations outweigh thei
 # singles -3% to +2% on the GPT-2 and Llama, -2% to -1% on the MLP; pairs on the GPT-2 +0.5% to +6%).
 BAND = 0.08
 # Known errors of the analytical model (model, example): the band is taken around them, so they can neither grow nor
-# vanish unseen (a method whose program changes moves its error off the known one). Recompute's terms for the block
-# being recomputed (its activations and their gradients) are conservative on a few small blocks; FSDP's root unit
-# term, fitted on transformers, is low on the MLP, whose parameters are all it holds.
+# vanish unseen (a method whose program changes moves its error off the known one). Recompute's term for the block
+# being recomputed (its activations and the gradient of its largest saved tensor) is conservative on the Llama's
+# blocks (it was +23% to +32% on the GPT-2 and +42% on the Llama while it counted the block's saved bytes again);
+# FSDP's root unit term, fitted on transformers, is low on the MLP, whose parameters are all it holds.
 KNOWN_ERRORS: dict[tuple[str, str], float] = {
     ("mlp", "fsdp"): -0.167,
-    ("gpt2", "checkpoint"): 0.234, ("gpt2", "parallel_mode+checkpoint"): 0.234,
-    ("gpt2", "amp_native+checkpoint"): 0.088, ("gpt2", "checkpoint+fsdp"): 0.316,
-    ("gpt2", "checkpoint+zero2"): 0.273, ("gpt2", "checkpoint+zero1"): 0.268,
-    ("llama", "checkpoint"): 0.421,
+    ("llama", "checkpoint"): 0.107,
 }
 # What the cost model may credit a method with saving beyond what the traced program saves, as a share of the traced
 # peak without the method (measured: at most +1.3%, the GPT-2's FSDP; recompute -12% and -21%: credited less), and
@@ -242,16 +240,17 @@ def test_selective_checkpoint_wraps_every_kth_block_and_the_cost_model_follows(f
     assert predicted[0].time.compute < predicted[1].time.compute < predicted[2].time.compute
     traced = [figures.peak(items) for items in (none, half, every)]
     assert traced[0] > traced[1] > traced[2]
-    # conservative as full recompute is, and no further off (measured: GPT-2 +23%, Llama +16%; KNOWN_ERRORS)
-    assert 0 <= predicted[1].memory.peak / traced[1] - 1 <= KNOWN_ERRORS[figures.name, "checkpoint"] + BAND
+    # within the band below the trace, and no further above it than full recompute's known error (KNOWN_ERRORS)
+    known = KNOWN_ERRORS.get((figures.name, "checkpoint"), 0.0)
+    assert -BAND <= predicted[1].memory.peak / traced[1] - 1 <= known + BAND, (predicted[1].memory.peak, traced[1])
 
 
 def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_sharding(figures: Figures) -> None:
     # The search corrects an untraced candidate (DeepSpeed's engine cannot be traced) by the error the trace found on
     # a sibling: the same step under another sharding. Here every sibling is traced, so each correction is checked
-    # against the sibling's own trace. Under checkpoint (an error the shardings share, on the activations: +23% to
-    # +51% on the GPT-2 and the Llama) the corrected figure lands within 5% of the trace (measured: -4.3% to +4.0%);
-    # without it, the errors are within the band and nothing is corrected, but for the MLP's FSDP.
+    # against the sibling's own trace. Under checkpoint on the Llama (an error the shardings share, on the
+    # activations: KNOWN_ERRORS) the corrected figure lands within 5% of the trace; elsewhere the errors are within
+    # the band and nothing is corrected, but for the MLP's FSDP.
     from atorch.strategy_search.search.candidates import SiblingErrors
 
     corrected_band = 0.05
@@ -275,8 +274,8 @@ def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_shardi
                 truth = figures.peak(other)
                 rows.append((source, seen, target, memory.peak / truth - 1,
                              None if fixed is None else fixed / truth - 1))
-        if figures.name == "gpt2" and recompute:  # the known over-prediction under checkpoint (KNOWN_ERRORS)
-            assert all(analytical > 0.2 and fixed is not None for *_, analytical, fixed in rows), rows
+        if figures.name == "llama" and recompute:  # the known over-prediction under checkpoint (KNOWN_ERRORS)
+            assert any(fixed is not None for *_, fixed in rows), rows
         for row in rows:
             source_error, fixed = row[1], row[-1]
             # a source within the band of its figure corrects nothing
@@ -285,5 +284,5 @@ def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_shardi
             # pays for with an out-of-memory run); a sharding's own error (FSDP's root unit on the MLP, -17%)
             # carried to the others over-predicts them, the safe side
             assert fixed is None or fixed >= -corrected_band, (figures.name, recompute, row)
-            if recompute:  # the error the shardings share: corrected to within the band either way
-                assert fixed is not None and abs(fixed) <= corrected_band, (figures.name, recompute, row)
+            if recompute and fixed is not None:  # the error the shardings share: corrected to within the band
+                assert abs(fixed) <= corrected_band, (figures.name, recompute, row)

@@ -464,6 +464,7 @@ def test_mistakes_at_two_processes_are_named_on_every_rank() -> None:
         "float64-on-one-rank-only": "The batch holds float64 tensors",
         "non-scalar-loss-both-ranks": "not a scalar",
         "unused-parameters-under-ddp": "('aux_head.weight', 'aux_head.bias': not used by forward or the loss)",
+        "unused-parameters-in-automatic-mode": "('aux_head.weight', 'aux_head.bias': not used by forward or the loss)",
     }
     assert set(out) == {*expected, "unused-parameters-with-find-unused"}
     for name, phrase in expected.items():

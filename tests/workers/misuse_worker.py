@@ -49,6 +49,8 @@ def main() -> None:
         "float64-on-one-rank-only": dict(dataset=float64 if rank == 1 else mlp_dataset()),
         "non-scalar-loss-both-ranks": dict(loss_func=lambda d, o: F.cross_entropy(o, d[1], reduction="none")),
         "unused-parameters-under-ddp": dict(model=TwoHeads()),
+        # automatic mode too: named before the search, not as the failure of its DDP dry-runs
+        "unused-parameters-in-automatic-mode": dict(model=TwoHeads(), load_strategy=None),
         "unused-parameters-with-find-unused": dict(model=TwoHeads(), find_unused_parameters=True),  # legitimate
     }
     out = {}

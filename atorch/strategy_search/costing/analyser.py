@@ -14,8 +14,9 @@ model on the meta device. From that one step it reads:
   layer, residual block) running when the tensor was saved, so a block's figure is what that block keeps
   alive between its forward and its backward at the measured batch;
 * the repeated block classes (``opt_lib.blocks.block_classes``), their count and size, the bytes of
-  floating-point tensors passed into them (what activation checkpointing keeps of a block), the layer with
-  the most parameter bytes and the largest single saved activation;
+  floating-point tensors passed into them (what activation checkpointing keeps of a block), the largest single
+  tensor a block saves (what its backward holds a gradient of at a time), the layer with the most parameter
+  bytes and the largest single saved activation;
 * aten operations dispatched in forward and in backward (``fwd_ops``, ``bwd_ops``: every operation a
   ``TorchDispatchMode`` sees, views and in-place ones included, detaches not; the same whatever the
   batch size), and how many of the forward's were run inside the repeated blocks (``block_fwd_ops``:
@@ -86,6 +87,7 @@ class BlockStats(_Frozen):
     activation_bytes_total: int
     input_bytes_total: int = 0  # the tensors passed into the blocks at the measured batch (what recompute keeps)
     attention: bool = False  # the block runs attention (scaled dot-product or a softmax)
+    largest_saved_bytes: int = 0  # the largest single tensor one block saves for backward (largest instance)
 
 
 class LayerStats(_Frozen):
@@ -320,6 +322,7 @@ class _SavedTensors:
         self.total = 0
         self.by_block: dict[str, int] = {name: 0 for name in blocks}
         self.inputs: dict[str, int] = {name: 0 for name in blocks}
+        self.largest_in: dict[str, int] = {name: 0 for name in blocks}
         self.attention: set[str] = set()  # blocks that ran attention (seen by _OpCounter)
         self.largest: ActivationStats | None = None
 
@@ -334,6 +337,7 @@ class _SavedTensors:
         block = next((name for name in reversed(self.stack) if name in self.blocks), None)
         if block is not None:
             self.by_block[block] += size
+            self.largest_in[block] = max(self.largest_in[block], size)
         if self.largest is None or size > self.largest.bytes:
             module = self.stack[-1] if self.stack else ""
             self.largest = ActivationStats(module=module, shape=tuple(t.shape), dtype=str(t.dtype), bytes=size)
@@ -487,12 +491,13 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
     for name, path in blocks.items():
         block_params = sum(nbytes(p) for p in instances[name].parameters())
         by_class.setdefault(path, []).append(
-            (block_params, saved.by_block[name], saved.inputs[name], name in saved.attention))
+            (block_params, saved.by_block[name], saved.inputs[name], name in saved.attention,
+             saved.largest_in[name]))
     block_stats = tuple(
         BlockStats(class_path=path, count=len(sizes), param_bytes=max(s[0] for s in sizes),
                    activation_bytes=max(s[1] for s in sizes), param_bytes_total=sum(s[0] for s in sizes),
                    activation_bytes_total=sum(s[1] for s in sizes), input_bytes_total=sum(s[2] for s in sizes),
-                   attention=any(s[3] for s in sizes))
+                   attention=any(s[3] for s in sizes), largest_saved_bytes=max(s[4] for s in sizes))
         for path, sizes in sorted(by_class.items()))
 
     largest_layer = None

@@ -132,9 +132,9 @@ activations; in steady state (the second step on) the optimizer state exists dur
   ``(1 − r) × their bytes × (1 − 1/(r·blocks))``): a block keeps only its inputs (the analyser's
   ``input_bytes_total``; for statistics without it, calibrated ``CHECKPOINT_INPUT_FRACTION`` of the blocks' saved
   bytes) and one block's activations exist again during its recompute: ``A_outside + Σ block inputs + the largest
-  block``; the backward of an attention block (the analyser saw attention or a softmax run in it) also holds their
-  gradients as it runs through the block (the largest such block once more; measured on GPT-2, while the ResNet's
-  convolution blocks fit within 4% without it).
+  block``; the backward of an attention block (the analyser saw attention or a softmax run in it) also holds the
+  gradient of the largest tensor the block saved (the analyser's ``largest_saved_bytes``; the ResNet's convolution
+  blocks fit within 4% without it).
 
 Known limits of the memory model against the dry-run (bench/README.md): DeepSpeed's memory on a CPU depends on
 when Python's cycle collector runs (ZeRO-2 under accumulation: one or two gradient partitions; the bench's rows
@@ -599,10 +599,12 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # FSDP2 accumulates unsharded gradients (in the compute dtype) while its gradient sync is off (atorch
     # turns it off for all micro-batches but the last), so those are held whole.
     held_grads = (f.trainable if f.sharding and not f.deepspeed else grads) if f.micro_batches > 1 else 0.0
-    # Under recompute an attention block's backward holds its recomputed activations (in ``activations``) and,
-    # as it runs, their gradients: about as many bytes again (measured on GPT-2; the ResNet's convolution
-    # blocks free theirs as they go, within 4% without this term).
-    recompute = max((b.activation_bytes for b in stats.blocks if b.attention), default=0) * act_scale \
+    # Under recompute an attention block's backward holds its recomputed activations (in ``activations``), which
+    # it frees as it runs back through them, and the gradient of the largest tensor it saved (a block's backward
+    # holds one such gradient at a time; as many bytes again as the block saved was 43% over the measured peak of
+    # the held-out Swin's two-layer stages, 9-15% over the mixture-of-experts decoders'; the ResNet's convolution
+    # blocks fit within 4% without any term).
+    recompute = max((b.largest_saved_bytes for b in stats.blocks if b.attention), default=0) * act_scale \
         if f.checkpoint else 0.0
     # DeepSpeed steps with its gradient partition only (ZeRO-1 too: the full gradients are reduced into it and
     # freed); ZeRO-2 under accumulation keeps a second partition, the accumulated one (measured on the 206M GPT-2).

@@ -389,8 +389,10 @@ def _in_children(tracer: MemoryTracer, families: dict[str, list[Any]], plans: di
         started = _collect(read, pid, deadline, ends)
         _, status = os.waitpid(pid, 0)
         if started is not None and started not in ends:  # the child died (or ran out of time) inside this family
-            why = f"tracing crashed (signal {-os.waitstatus_to_exitcode(status)})" if os.WIFSIGNALED(status) \
-                else f"not traced within {time_limit_s:g} s" if time.monotonic() >= deadline else "tracing failed"
+            # killed by _collect at the deadline: out of time, not a crash
+            why = f"not traced within {time_limit_s:g} s" if time.monotonic() >= deadline \
+                else f"tracing crashed (signal {-os.waitstatus_to_exitcode(status)})" if os.WIFSIGNALED(status) \
+                else "tracing failed"
             ends[started] = {m: why for m in plans[started]}
         elif started is None and len(ends) < len(order):
             for family in todo:  # the child could not start at all

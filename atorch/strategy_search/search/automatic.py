@@ -57,6 +57,10 @@ TRACE_DRY_RUNS, TRACE_FLOOR_S, DRY_RUN_BUILD_S = 2.0, 3.0, 1.0
 # stopped with nothing traced (MobileViT's budget search spent 3.5 s so): it is not started; the analytical model
 # and its band stand.
 TRACE_END_PER_ANALYSIS = 4.0
+# A started trace may take the time of one family (its two end micro-batch sizes) at that rate, even past the limit
+# above: a family cut off at the limit is time spent for nothing (a loaded machine traced 0 candidates of a small
+# GPT-2 in a 3.3 s limit that the unloaded estimate said would hold one).
+TRACE_ENDS_PER_FAMILY = 2
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
 # worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
@@ -422,6 +426,7 @@ class _Leader:
                                     TRACE_END_PER_ANALYSIS, limit)
                         cands = []
                     if cands:
+                        limit = max(limit, TRACE_ENDS_PER_FAMILY * end_s)
                         traced.update(trace_on_every_rank(self.session, batch, per_rank, cands, limit))
                 except Exception as exc:  # noqa: BLE001  (the analytical model stands in)
                     traced["*"] = f"{type(exc).__name__}: {exc}"
