@@ -1,0 +1,97 @@
+"""The cost model's peak memory against the peaks a sweep measured, predicted again with no run (one process).
+
+    PYTHONPATH=. python bench/memory_replay.py --sweeps bench/data/sweeps_2026-11-30-held-out-3.json \
+        [--models dinov2,gpt_bigcode] [--tensor-parallel] [--rows]
+
+Each model of the sweep file (bench/search.py's sweeps: ``model/global batch`` -> candidate key -> measured) is
+built as bench/search.py builds it and analysed on fake tensors as the search analyses it; every swept candidate that
+measured a peak is predicted again (``cost_model.predict``, 2 ranks, the profile given) and its error is
+``predicted / measured - 1``. Printed per model, checkpoint rows apart: the count, the median, the worst over and
+under, and the mean |error|. Pipeline and expert-parallel rows are left out (their peaks are per stage / per expert
+rank); tensor-parallel rows with ``--tensor-parallel``. A change to the memory model is judged here in seconds
+before a bench run judges the search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+
+WORLD = 2
+LEFT_OUT = ("pipeline_parallel", "expert_parallel")
+
+
+def replay(key: str, sweep: dict[str, Any], profile: Any, tensor_parallel: bool) -> list[dict[str, Any]]:
+    """One model's swept candidates, predicted again: their methods, micro-batching and error."""
+    import search
+
+    from atorch.distributed import DistEnv
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.search.automatic import optimizer_state_factor, sample_batch
+
+    name, global_batch = key.split("/")[0], int(key.split("/")[1])
+    parts = search.MODELS[name]()
+    setup = search.user_setup(parts, global_batch)
+    env = DistEnv(rank=0, world_size=WORLD, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    stats = analyse(parts["model"], sample_batch(setup, env, global_batch // WORLD), parts["model_input_format"],
+                    parts["loss_func"])
+    rows = []
+    for candidate, measured in sweep.items():
+        items, micro_batch_size, micro_batches = json.loads(candidate)
+        names = [n for n, _ in items]
+        if not measured.get("peak") or any(n in names for n in LEFT_OUT) or (
+                "tensor_parallel" in names and not tensor_parallel):
+            continue
+        strategy = Strategy.load(items)
+        pred = predict(stats, strategy, strategy.layout(WORLD), profile, global_batch, micro_batches,
+                       optimizer_state_factor=optimizer_state_factor(setup))
+        rows.append({"methods": names[1:], "micro_batch_size": micro_batch_size, "micro_batches": micro_batches,
+                     "checkpoint": "checkpoint" in names, "error": pred.memory.peak / measured["peak"] - 1})
+    return rows
+
+
+def main() -> None:
+    from atorch.strategy_search.costing.hardware import HardwareProfile
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweeps", type=Path, nargs="+", required=True, help="bench/search.py sweep files")
+    parser.add_argument("--models", help="comma-separated model names (default: every model in the files)")
+    parser.add_argument("--profile", type=Path, default=HERE / "data" / "profile_cpu_2ranks_2026-11-25b.json")
+    parser.add_argument("--tensor-parallel", action="store_true", help="include the tensor-parallel rows")
+    parser.add_argument("--rows", action="store_true", help="print every row, worst under first")
+    args = parser.parse_args()
+    profile = HardwareProfile.model_validate(json.loads(args.profile.read_text()))
+    sweeps: dict[str, Any] = {}
+    for path in args.sweeps:
+        sweeps.update(json.loads(path.read_text()))
+    wanted = set(args.models.split(",")) if args.models else None
+    for key, sweep in sweeps.items():
+        if wanted is not None and key.split("/")[0] not in wanted:
+            continue
+        rows = replay(key, sweep, profile, args.tensor_parallel)
+        for recompute in (False, True):
+            errors = [r["error"] for r in rows if r["checkpoint"] == recompute]
+            if errors:
+                print(f"{key:16s} checkpoint={recompute!s:5s} rows {len(errors):3d}  median "
+                      f"{statistics.median(errors):+.3f}  worst over {max(errors):+.3f}  worst under "
+                      f"{min(errors):+.3f}  mean |error| {statistics.mean(map(abs, errors)):.3f}")
+        if args.rows:
+            for row in sorted(rows, key=lambda r: r["error"]):
+                print(f"    {row['error']:+.3f}  {', '.join(row['methods']) or 'ddp'}  "
+                      f"mbs {row['micro_batch_size']} x {row['micro_batches']}")
+
+
+if __name__ == "__main__":
+    main()
