@@ -363,7 +363,11 @@ def test_memory_returns_to_the_baseline_between_trials(report: dict[str, Any]) -
     for view in _ok(report["release"]):
         # A few small tensors may be cached between trials (a dataloader's generator state, the
         # process group's scalars); a leaked model copy would be its ~16 kB of parameters and more each time.
-        assert all(abs(after - view["before"]) <= 1024 for after in view["after"]), view
+        # One-sided against the baseline: what the scenarios before left reachable (CI once had 2 kB more at the
+        # baseline than after every trial) may be freed during the first trial; that is not a leak. Trial to
+        # trial, the total must hold still both ways.
+        assert all(after - view["before"] <= 1024 for after in view["after"]), view
+        assert max(view["after"]) - min(view["after"]) <= 1024, view
 
 
 @pytest.mark.distributed
