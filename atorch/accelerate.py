@@ -199,7 +199,7 @@ def auto_accelerate(
                 )
             if not searching and setup.dataset is not None:
                 problems += empty_loader_problems(setup.dataset, setup.dataloader_args, layout.data_size)
-            if setup.dataset is not None and not problems:
+            if not problems:
                 # searching: the space's DDP candidates would each fail at their second step, and the search would
                 # blame the setup with DDP's own message; named here, before any dry-run
                 problems += unused_parameter_problems(setup, strategy, layout.data_size)

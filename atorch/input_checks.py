@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from atorch.layer_drop import layer_drop_settings
 from atorch.log import get_logger
 from atorch.opt_lib.registry import get_method
 
@@ -489,10 +490,20 @@ def launch_problems(environ: Mapping[str, str] | None = None) -> list[str]:
 def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list[str]:
     """Trainable parameters that get no gradient, under DDP without find_unused_parameters: DDP waits for their
     gradients and fails at the next step ("Expected to have finished reduction in the prior iteration")."""
-    if data_size < 2 or setup.find_unused_parameters or setup.optim_func is None or setup.dataset is None \
-            or setup.prepare_input is not None or not isinstance(setup.model, nn.Module) \
-            or setup.loss_func is None and setup.model_input_format is None \
+    if data_size < 2 or setup.find_unused_parameters or setup.optim_func is None \
+            or not isinstance(setup.model, nn.Module) \
             or any(get_method(item.name).keeps_replicas_without_ddp(item.config) for item in strategy.methods):
+        return []
+    if dropped := layer_drop_settings(setup.model):
+        # a sample step may keep every layer (Wav2Vec2's 0.1 drops one of two layers in a fifth of its steps): the
+        # setting is the cause, named whatever one step shows
+        shown = ", ".join(f"{where} = {value:g}" for where, value in dropped)
+        return [f"{shown} skips whole layers at random in training, so a step can leave their parameters without "
+                f"gradient, and DDP over {data_size} data-parallel processes waits for every gradient: training would "
+                "fail at the step after ('Expected to have finished reduction in the prior iteration'); pass "
+                f"find_unused_parameters=True, or set {dropped[0][0]} = 0"]
+    if setup.dataset is None or setup.prepare_input is not None \
+            or setup.loss_func is None and setup.model_input_format is None:
         return []
     try:
         batch = _sample_batch(setup.dataset, setup.dataloader_args.get("collate_fn") or default_collate,
@@ -511,3 +522,4 @@ def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list
             f"the loss), and DDP over {data_size} data-parallel processes waits for every gradient, so training would "
             "fail at the second step ('Expected to have finished reduction in the prior iteration'); pass "
             "find_unused_parameters=True, or freeze what is not trained (module.requires_grad_(False))"]
+

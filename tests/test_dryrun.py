@@ -371,6 +371,19 @@ def test_memory_returns_to_the_baseline_between_trials(report: dict[str, Any]) -
 
 
 @pytest.mark.distributed
+def test_ddps_unused_parameter_failure_names_the_parameters_and_the_fix(report: dict[str, Any]) -> None:
+    """DDP says "Parameter indices which did not receive grad for rank 0: 2 3" in a message of four paragraphs; the
+    dry-run's reason names them and the fix, in its first 500 characters."""
+    for view in _ok(report["unused_later"]):
+        result = TrialResult.model_validate(view)
+        assert result.status == "failed", result
+        assert "UnusedGradientError" in result.reason and "pass find_unused_parameters=True" in result.reason, \
+            result.reason
+        assert result.reason.endswith("'blocks.1.0.weight', 'blocks.1.0.bias'"), result.reason
+        assert "Parameter indices" not in result.reason
+
+
+@pytest.mark.distributed
 def test_inapplicable_candidate_is_reported_not_built(report: dict[str, Any]) -> None:
     for view in _ok(report["inapplicable"]):
         refused, ok = (TrialResult.model_validate(r) for r in view["results"])

@@ -250,3 +250,24 @@ def test_zero1_across_a_tensor_dimension_is_zero2s_program() -> None:
     tensor = [["tensor", 2], ["data", 2]]
     assert key(tensor, "tensor_parallel", "zero1") == key(tensor, "tensor_parallel", "zero2")
     assert key([["data", 4]], "zero1") != key([["data", 4]], "zero2")
+
+
+def test_a_model_that_skips_layers_at_random_gets_no_candidate_that_communicates_inside_them() -> None:
+    """transformers' speech encoders drop whole layers at random in training (``config.layerdrop``), each rank
+    drawing its own: under sharding, tensor parallel or DeepSpeed's engine a rank that skips a layer leaves the
+    others in that layer's collective (gloo aborted a Wav2Vec2 search so). Plain data parallel and zero1 stay."""
+    from atorch.opt_lib.deepspeed_zero import deepspeed_reason
+
+    def methods(model: object) -> tuple[set[str], set[str]]:
+        cands = SearchSpace(model, WORLD, GLOBAL_BATCH).enumerate()
+        items = [item for c in cands for item in c.strategy.methods]
+        return {item.name for item in items}, {str(getattr(item.config, "implementation", "")) for item in items}
+
+    model = toy_models.tiny_gpt2()
+    kept, implementations = methods(model)
+    assert {"fsdp", "zero2", "tensor_parallel", "zero1"} <= kept  # the same model without layer drop
+    assert deepspeed_reason() is not None or "deepspeed" in implementations
+    model.config.layerdrop = 0.1  # as Wav2Vec2's config has it
+    left, implementations = methods(model)
+    assert left.isdisjoint({"fsdp", "zero2", "tensor_parallel", "expert_parallel", "context_parallel"}), left
+    assert {"parallel_mode", "zero1", "checkpoint"} <= left and "deepspeed" not in implementations

@@ -55,6 +55,7 @@ from atorch.distributed import DistEnv, all_gather_json, collective_timeout
 from atorch.dryrun.coordination import AbortWatcher, Coordinator, GaveUp
 from atorch.dryrun.memory import PeakMemory, SettledHeap
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
+from atorch.dryrun.unused_gradients import explain_unused_gradients
 from atorch.errors import RankLost, SetupError
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, say_where_seen
@@ -568,7 +569,7 @@ class _Trial:
                     if step == self.steps and self.min_measure_s > 0:
                         planned = self._steps_for(statistics.median(times))
         except Exception as exc:  # noqa: BLE001  (every error becomes this trial's outcome)
-            return self._failed(exc)
+            return self._failed(explain_unused_gradients(exc, result.model if result is not None else None))
         finally:
             if result is not None:
                 result.close()

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from atorch.errors import SetupError
+from atorch.layer_drop import layer_drop_problems, layer_drop_settings
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import CostFacts
@@ -470,7 +471,7 @@ class ContextParallel(Method):
     search_role = SearchRole("layout", CONTEXT, off=1)
 
     def searchable(self, model: Any) -> bool:
-        return not_supported_reason(model) is None
+        return not_supported_reason(model) is None and not layer_drop_settings(model)
 
     def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
         # the split is installed only where the build communicates: a fake build runs whole sequences
@@ -490,7 +491,7 @@ class ContextParallel(Method):
 
         if is_meta(ctx.model):
             return [f"a model on the meta device is not supported with {self.name} yet; build it on CPU"]
-        return []
+        return layer_drop_problems(ctx.model, "context parallel exchanges each attention layer's keys and values")
 
     def apply(self, build: Build, config: MethodConfig) -> None:
         split_sequences(build.ctx, build.communicate)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from pydantic import model_validator
 
+from atorch.layer_drop import layer_drop_problems, layer_drop_settings
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger
 from atorch.opt_lib.base import MethodConfig, Preparation
@@ -165,7 +166,18 @@ def deepspeed_problems(ctx: Any, config: Any) -> list[str]:
     problems = [f"implementation 'deepspeed': {reason}; or use the default implementation"] if reason else []
     if ctx.layout.data_size != ctx.env.world_size:
         problems.append("implementation 'deepspeed' needs every process data parallel; remove other parallel_mode dims")
-    return problems
+    # DeepSpeed's engine reduces gradients in buckets sized by the parameters each rank's step used
+    return problems + layer_drop_problems(ctx.model, DEEPSPEED_BUCKETS)
+
+
+# what DeepSpeed's engine does with the gradients of the model's layers (atorch.layer_drop)
+DEEPSPEED_BUCKETS = "DeepSpeed's engine reduces the gradients in buckets of the parameters a step used"
+
+
+def deepspeed_searchable(model: Any) -> bool:
+    """Whether the search offers the DeepSpeed implementation for ``model``: installed, and every rank's step uses
+    the same parameters (no random layer skipping)."""
+    return deepspeed_reason() is None and not layer_drop_settings(model)
 
 
 def runs_on_fsdp2(configs: Any) -> bool:

@@ -33,6 +33,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from atorch.grad_sync import PendingGradientSync
+from atorch.layer_drop import layer_drop_problems, layer_drop_settings
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.cost_facts import Collective, CostFacts
@@ -289,7 +290,7 @@ class ExpertParallel(Method):
     search_role = SearchRole("layout", EXPERT, off=1)
 
     def searchable(self, model: Any) -> bool:
-        return bool(experts_modules(model))
+        return bool(experts_modules(model)) and not layer_drop_settings(model)
 
     def trace_problem(self, config: MethodConfig, layout: Any) -> str | None:
         # the dispatch reads its all-to-alls' split sizes off the routing (.tolist()), which fake tensors lack
@@ -318,6 +319,8 @@ class ExpertParallel(Method):
 
         if is_meta(ctx.model):  # the experts are cut from whole tensors made equal by a broadcast
             return ["a model on the meta device is not supported with expert_parallel yet; build it on CPU"]
+        if dropped := layer_drop_problems(ctx.model, "expert parallel exchanges each MoE layer's tokens inside it"):
+            return dropped
         size = ctx.layout.size(EXPERT)
         plan = expert_plan(ctx.model, config.plan)
         modules = experts_modules(ctx.model, config.plan)

@@ -11,12 +11,13 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from atorch.class_ref import ClassRefs, matches
+from atorch.layer_drop import layer_drop_problems, layer_drop_settings
 from atorch.log import get_logger
 from atorch.meta_init import ShardMaterialiser, is_meta
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.cost_facts import Collective, CostFacts, Gathering
-from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_reason, start_deepspeed
+from atorch.opt_lib.deepspeed_zero import UNTRACED_ENGINE, ZeroConfig, deepspeed_searchable, start_deepspeed
 from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.fsdp_keys import translate
 from atorch.opt_lib.registry import register
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from atorch.opt_lib.build_state import Build
 
 logger = get_logger(__name__)
+
+
+# what FSDP2's units do inside the model's layers (atorch.layer_drop)
+SHARDED_LAYERS = "sharding gathers each layer's parameters and reduces its gradients inside it"
 
 
 class ShardingConfig(MethodConfig):
@@ -337,8 +342,11 @@ class FSDP(Method):
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
         return {"reshard_after_forward": Categorical((True, False)), "cpu_offload": Categorical((False, True))}
 
+    def searchable(self, model: Any) -> bool:
+        return not layer_drop_settings(model)  # a layer one rank skips holds collectives the others run
+
     def model_problems(self, ctx: Any, config: FSDPConfig) -> list[str]:  # type: ignore[override]
-        return sharding_problems(ctx.model, config)
+        return sharding_problems(ctx.model, config) + layer_drop_problems(ctx.model, SHARDED_LAYERS)
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
     def apply(self, build: Build, config: FSDPConfig) -> None:  # type: ignore[override]
@@ -364,6 +372,9 @@ class Zero2(Method):
     Config = Zero2Config
     mesh_dims = ("data",)
 
+    def searchable(self, model: Any) -> bool:
+        return not layer_drop_settings(model)  # a layer one rank skips holds collectives the others run
+
     def optimizer_need(self, config: MethodConfig) -> str | None:
         if getattr(config, "implementation", None) == "deepspeed":
             return "with implementation 'deepspeed' hands the optimizer to DeepSpeed"
@@ -373,14 +384,15 @@ class Zero2(Method):
         return True  # FSDP2, or DeepSpeed's engine
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
-        return {"implementation": Categorical(("fsdp2", "deepspeed") if deepspeed_reason() is None else ("fsdp2",))}
+        implementations = ("fsdp2", "deepspeed") if deepspeed_searchable(ctx.model) else ("fsdp2",)
+        return {"implementation": Categorical(implementations)}
 
     def model_problems(self, ctx: Any, config: Zero2Config) -> list[str]:  # type: ignore[override]
         from atorch.opt_lib.deepspeed_zero import deepspeed_problems
 
         if config.implementation == "deepspeed":
             return deepspeed_problems(ctx, config)
-        return sharding_problems(ctx.model, config)
+        return sharding_problems(ctx.model, config) + layer_drop_problems(ctx.model, SHARDED_LAYERS)
 
     # ----- behaviour (atorch.apply.apply_strategy) -----------------------------------------------------------
     def apply(self, build: Build, config: Zero2Config) -> None:  # type: ignore[override]

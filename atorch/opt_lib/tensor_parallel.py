@@ -29,6 +29,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
+from atorch.layer_drop import layer_drop_problems, layer_drop_settings
 from atorch.log import get_logger
 from atorch.opt_lib.base import Method, MethodConfig, SearchRole, StrategyCheck
 from atorch.opt_lib.blocks import block_classes
@@ -612,6 +613,9 @@ class TensorParallel(Method):
                "own or one derived from the model, checked on one block.")
     search_role = SearchRole("layout", "tensor", off=1)
     Config = TensorParallelConfig
+
+    def searchable(self, model: Any) -> bool:
+        return not layer_drop_settings(model)  # a layer one rank skips holds collectives the others run
     mesh_dims = (TENSOR,)
 
     def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
@@ -639,6 +643,7 @@ class TensorParallel(Method):
         if is_meta(ctx.model):
             problems.append("a model on the meta device is not supported with tensor_parallel yet; build it on CPU")
         t = ctx.layout.size(TENSOR)
+        problems += layer_drop_problems(ctx.model, "tensor parallel reduces each split layer's partial sums inside it")
         # [loss_parallel / sequence_parallel] vocabulary divisibility, embedding and head found (tp_sequence_vocab.py)
         return problems + derive_plan(ctx.model, config, t).problems + tp_sequence_vocab_problems(ctx.model, config, t)
 

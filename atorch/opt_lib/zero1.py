@@ -23,7 +23,7 @@ from atorch.opt_lib.deepspeed_zero import (
     UNTRACED_ENGINE,
     ZeroConfig,
     deepspeed_problems,
-    deepspeed_reason,
+    deepspeed_searchable,
     runs_on_fsdp2,
     start_deepspeed,
 )
@@ -62,7 +62,8 @@ class Zero1(Method):
         return getattr(config, "implementation", None) == "deepspeed"  # DeepSpeed's engine, not DDP
 
     def search_space(self, ctx: Any) -> dict[str, Dimension]:
-        return {"implementation": Categorical(("torch", "deepspeed") if deepspeed_reason() is None else ("torch",))}
+        implementations = ("torch", "deepspeed") if deepspeed_searchable(ctx.model) else ("torch",)
+        return {"implementation": Categorical(implementations)}
 
     def model_problems(self, ctx: Any, config: Zero1Config) -> list[str]:  # type: ignore[override]
         return deepspeed_problems(ctx, config)

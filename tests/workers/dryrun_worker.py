@@ -9,6 +9,7 @@
   different micro-batch count, then with the same candidate: the first two raise SetupError on both ranks before
   anything is built (no hang), the third runs.
 - ``release``: live tensor bytes before and after several trials.
+- ``unused_later``: a model that leaves a block out from its second step on, under DDP.
 - ``inapplicable``: a candidate preflight refuses is reported, not built.
 - ``lost``: rank 1 oversleeps the rejoin time too: rank 0 raises RankLost at once, rank 1 when it wakes (before
   its own watchdog would end the process: SELF_EXIT_DELAY_S after it learns it was given up); nothing more runs.
@@ -136,6 +137,24 @@ def release(env: Any) -> dict[str, Any]:
     return {"before": before, "after": after}
 
 
+class SkipsABlockLater(toy_models.MLP):
+    """The toy MLP; from its second forward on it skips block 1 (as a layer drawn by LayerDrop would be)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        x = self.inp(x)
+        for index, block in enumerate(self.blocks):
+            if index != 1 or self.calls == 1:
+                x = x + block(x)
+        return self.head(x)
+
+
+def unused_later(env: Any) -> dict[str, Any]:
+    # DDP fails the step after the one that left block 1 out: its message names parameters by index only
+    result = dry_run(setup(SkipsABlockLater()), env, Strategy.load(["parallel_mode"]), warmup=2, steps=2)
+    return result.model_dump()
+
+
 def inapplicable(env: Any) -> dict[str, Any]:
     # fsdp with a permuted rank order is refused before anything is built (DCP would misplace shards).
     results = dry_run_many(setup(toy_models.mlp()), env,
@@ -207,7 +226,7 @@ def failfast(env: Any) -> dict[str, Any]:
     return {"trials": trials}
 
 
-SCENARIOS = [sequence, budget, mismatch, session_mismatch, release, inapplicable, lost, failfast]
+SCENARIOS = [sequence, budget, mismatch, session_mismatch, release, unused_later, inapplicable, lost, failfast]
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ every rank's error type and message."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,6 +26,21 @@ class TwoHeads(MLP):
     def __init__(self) -> None:
         super().__init__()
         self.aux_head = nn.Linear(32, 4)
+
+
+class LayerDropMLP(MLP):
+    """The toy MLP configured as transformers' speech encoders are: each block skipped at random in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(layerdrop=0.1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            if not self.training or torch.rand(()) >= self.config.layerdrop:
+                x = x + block(x)
+        return self.head(x)
 
 
 def error_of(model: nn.Module | None = None, **kwargs: Any) -> dict[str, str]:
@@ -52,6 +68,12 @@ def main() -> None:
         # automatic mode too: named before the search, not as the failure of its DDP dry-runs
         "unused-parameters-in-automatic-mode": dict(model=TwoHeads(), load_strategy=None),
         "unused-parameters-with-find-unused": dict(model=TwoHeads(), find_unused_parameters=True),  # legitimate
+        # a sample step may keep every block: the setting is named, in both modes
+        "layer-drop-under-ddp": dict(model=LayerDropMLP()),
+        "layer-drop-in-automatic-mode": dict(model=LayerDropMLP(), load_strategy=None),
+        "layer-drop-with-find-unused": dict(model=LayerDropMLP(), find_unused_parameters=True),  # legitimate
+        # a rank that skips a layer would leave the others in its collectives: refused before anything is built
+        "layer-drop-under-fsdp": dict(model=LayerDropMLP(), load_strategy=["fsdp"]),
     }
     out = {}
     for name, kwargs in scenarios.items():

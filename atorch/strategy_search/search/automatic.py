@@ -28,6 +28,7 @@ import torch
 from atorch.distributed import DistEnv
 from atorch.dryrun.runner import DryRunSession, TrialResult
 from atorch.errors import NoStrategyFound, SetupError, StrategyError
+from atorch.layer_drop import layer_drop_settings
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.options import SearchOptions
@@ -482,6 +483,10 @@ class _Leader:
         logger.info("automatic search: %d candidates, memory budget %.1f MiB per rank (%s), study %s%s",
                     len(space), self.profile.memory_per_rank / 2**20, self.profile.memory_source, key,
                     f" on {self.strategy_server}" if self.strategy_server else "")
+        if dropped := layer_drop_settings(self.setup.model):
+            logger.info("automatic search: %s skips layers at random, each rank drawing its own: no candidate "
+                        "communicates inside the layers (sharding, tensor, expert or context parallel)",
+                        ", ".join(f"{where} = {value:g}" for where, value in dropped))
         with self.progress:
             self.local = self.strategy_server is None
             self.planner = make_planner(remote=not self.local)

@@ -216,7 +216,8 @@ class SearchSpace:
             return (1,), (1,)
         sizes = [d for d in _divisors(self.world_size) if d > 1 and self.global_batch % (self.world_size // d) == 0]
         tensor: list[int] = [1]
-        if self._allowed(TensorParallel.name) and self.included.isdisjoint({PipelineParallel.name}):
+        if self._allowed(TensorParallel.name) and self.included.isdisjoint({PipelineParallel.name}) \
+                and registry.get_method(TensorParallel.name).searchable(model):
             from atorch.opt_lib.tensor_parallel import TensorParallelConfig, derive_plan, has_conv1d
 
             self.conv1d = has_conv1d(model)
@@ -334,7 +335,7 @@ class SearchSpace:
         user included any (more than one: every candidate breaks a rule, reported as an empty space)."""
         forced = [m for m in dim.methods if m.name in self.included]
         values: list[Any] = [] if forced else [dim.off]
-        for method in forced or [m for m in dim.methods if self._allowed(m.name)]:
+        for method in forced or [m for m in dim.methods if self._allowed(m.name) and self._searchable[m.name]]:
             values += self._values(method, dim.role(method))
         return tuple(values)
 
