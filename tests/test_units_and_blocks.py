@@ -9,7 +9,7 @@ from toy_models import mlp, tiny_gpt2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from atorch.class_ref import class_path
-from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.blocks import block_classes, outermost
 from atorch.units import parse_bytes
 
 
@@ -56,6 +56,39 @@ def test_gpt2_blocks_come_from_no_split_modules():
     found = block_classes(tiny_gpt2())
     assert found == ("transformers.models.gpt2.modeling_gpt2.GPT2Block",)
     assert resolve_class(found[0]) is GPT2Block
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+
+class Layer(nn.Module):
+    """A block that holds a mixer; both declared, as transformers' Mamba declares MambaBlock and MambaMixer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mixer = nn.LayerNorm(8), Mixer()
+
+
+class Stack(nn.Module):
+    _no_split_modules = ["Layer", "Mixer"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.extra = Mixer()  # a declared class outside any other: kept
+
+
+def test_declared_blocks_nested_in_declared_blocks_are_not_blocks_again():
+    model = Stack()
+    assert block_classes(model) == tuple(sorted((class_path(Layer), class_path(Mixer))))
+    # what checkpoint wraps of those classes: each layer and the mixer outside them, not the mixers inside
+    wrapped = outermost(model, lambda m: isinstance(m, (Layer, Mixer)))
+    assert wrapped == [*model.layers, model.extra]
+    del model.extra
+    assert block_classes(model) == (class_path(Layer),)  # checkpointing each mixer again would recompute it twice
 
 
 def test_mlp_blocks_are_the_module_list_class():

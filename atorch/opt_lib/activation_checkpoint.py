@@ -15,7 +15,7 @@ from torch import nn
 from atorch.class_ref import ClassRefs, matches
 from atorch.log import get_logger
 from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, SearchRole
-from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.blocks import block_classes, outermost
 from atorch.opt_lib.cost_facts import CostFacts
 from atorch.opt_lib.registry import register
 
@@ -113,8 +113,9 @@ def checkpoint_blocks(ctx: Any, config: CheckpointConfig) -> None:
     classes = config.wrap_class or block_classes(ctx.model)
     if disable_kv_cache(ctx.model):
         logger.info("checkpoint: use_cache set to False in the model's config (a KV cache breaks recompute)")
-    # chosen before wrapping: the wrappers change what model.modules() yields
-    chosen = {id(m) for m in [m for m in ctx.model.modules() if matches(m, classes)][::config.every]}
+    # chosen before wrapping: the wrappers change what model.modules() yields; a block inside a chosen one is
+    # recomputed with it, and wrapping it too would recompute it twice
+    chosen = {id(m) for m in outermost(ctx.model, lambda m: matches(m, classes))[::config.every]}
     impl = CheckpointImpl.NO_REENTRANT if config.no_reentrant else CheckpointImpl.REENTRANT
     apply_activation_checkpointing(
         ctx.model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from torch import nn
 
@@ -40,17 +41,27 @@ def _repeated_groups(module: nn.Module) -> list[tuple[type, list[nn.Module]]]:
     return groups
 
 
+def outermost(module: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The modules under ``module`` (itself included) that ``wanted`` picks and no picked module holds, in
+    ``modules()`` order: Mamba declares both its block and the mixer inside it, and a nested pair would be
+    checkpointed twice (the mixer recomputed in its block's recompute, then again in its own)."""
+    if wanted(module):
+        return [module]
+    return [found for child in module.children() for found in outermost(child, wanted)]
+
+
 def block_classes(model: nn.Module) -> tuple[str, ...]:
     """Import paths of the model's repeated block classes.
 
-    Uses transformers' ``_no_split_modules`` when the model declares it; otherwise the class of the
+    Uses transformers' ``_no_split_modules`` when the model declares it (the outermost of those, where one holds
+    another); otherwise the class of the
     group of repeated blocks (in any container, or repeated children of a module) holding the most
     parameters.
     """
     declared = getattr(model, "_no_split_modules", None)
     if declared:
         names = set(declared)
-        found = {class_path(type(m)) for m in model.modules() if type(m).__name__ in names}
+        found = {class_path(type(m)) for m in outermost(model, lambda m: type(m).__name__ in names)}
         if found:
             return tuple(sorted(found))
     best: tuple[int, str] | None = None
