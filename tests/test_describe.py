@@ -226,28 +226,6 @@ def test_stop_message_without_a_confirmation(tmp_path) -> None:
                                                    "no confirmation (off)")
 
 
-def test_exploration_with_too_few_runs_that_ran_gets_the_confirmations_dry_runs(tmp_path) -> None:
-    """Every candidate but one runs out of memory: after exploration's 6 dry-runs only one ran, there is nothing to
-    confirm, and the 2 dry-runs kept for a confirmation explore instead (the held-out RegNet's budget search left
-    them unused with 2 of 6 run); the stop message says so."""
-    space = SearchSpace(toy_models.mlp(), 2, 8, excluded=["tensor_parallel", "pipeline_parallel"])
-    first = space.enumerate()[0].key
-    calls: list = []
-
-    def measure(cand) -> Run:
-        calls.append(cand)
-        return Run("ok", 100.0, MiB) if cand.key == first else Run("oom", 0.0, 200 * MiB, "out of memory")
-
-    result = Planner(space, storage=f"sqlite:///{tmp_path / 's.db'}", study_key="few",
-                     predict=lambda cand: Pred(MiB, 8 / (200.0 if cand.key == first else 120.0)), measure=measure,
-                     memory_budget=100 * MiB, max_trials=8, top_k=2, confirm_within=0.1,
-                     stop_when_nothing_left=False).search()
-    assert len(calls) == 8 == result.dry_runs
-    assert result.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached; only 1 of 6 dry-runs ran "
-                                  "(the rest out of memory or failed): the 2 kept for a confirmation explored "
-                                  "further"), result.stop_reason
-
-
 def test_stop_message_when_nothing_left_can_win(tmp_path) -> None:
     """The rest measure at a tenth of the best, so once corrected by those runs every unmeasured candidate is predicted
     far slower: exploration stops after NOTHING_LEFT_AFTER dry-runs, and says so."""

@@ -116,11 +116,6 @@ HOPELESS_FACTOR = 4.0
 # measured samples/s by this fraction (see SearchState.promising): below it, one dry-run's noise decides.
 PROMOTE_MARGIN = 0.05
 CONFIRM_RUNS = 2  # a confirmation round re-measures the best and the runner-up once each
-# Exploration that spent its dry-runs with fewer than this many that ran (the rest out of memory or failed) gets the
-# confirmation's reserved dry-runs to explore on: the held-out MobileViT's and RegNet's budget searches had 1-2 of 6
-# run and picked 0.66-0.75 of the best with two dry-runs left unused (bench/README.md, run P); no other search of
-# the held-out bench had fewer than 5 run.
-MIN_RAN_TO_CONFIRM = 3
 CONFIRM_ROUNDS = 3  # rounds at most, while the two stay within the noise of each other (SearchOptions.confirm_rounds)
 # A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
 _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")

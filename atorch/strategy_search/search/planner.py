@@ -69,7 +69,6 @@ from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES
     FINISHING_STOPS,
     HOPELESS_FACTOR,
     MAX_MEMORY_CORRECTION,
-    MIN_RAN_TO_CONFIRM,
     OK_STATUSES,
     Proposal,
     SearchRecord,
@@ -374,17 +373,8 @@ class Planner:
         try:
             self.before_dry_runs()  # a strategy server's study: here (a local one did it before seeding)
             stop, kind = self._explore(study, rules)
-            handed_back = ""
-            if reserve and kind == "max_trials" and (ran := study.contenders(0.0)[1]) < MIN_RAN_TO_CONFIRM:
-                # a confirmation re-measures close contenders; with fewer than three that ran (the rest out of
-                # memory or failed) there is little to confirm and the fastest fit may not be found yet
-                rules.reserved, reserve = 0, 0
-                handed_back = (f"only {ran} of {rules.dry_runs} dry-runs ran (the rest out of memory or failed): the "
-                               f"{CONFIRM_RUNS} kept for a confirmation explored further")
-                logger.info("strategy search: %s", handed_back)
-                stop, kind = self._explore(study, rules)
             self.phases["dry_runs_s"] = sum(rules.walls)
-            confirmation = self._confirm(study, rules) if reserve else handed_back or self._no_confirmation()
+            confirmation = self._confirm(study, rules) if reserve else self._no_confirmation()
             self.phases["confirmation_s"] = sum(rules.walls) - self.phases["dry_runs_s"]
             if confirmation.startswith("confirmation cut short"):
                 kind = "time_limit"
