@@ -522,4 +522,3 @@ def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list
             f"the loss), and DDP over {data_size} data-parallel processes waits for every gradient, so training would "
             "fail at the second step ('Expected to have finished reduction in the prior iteration'); pass "
             "find_unused_parameters=True, or freeze what is not trained (module.requires_grad_(False))"]
-

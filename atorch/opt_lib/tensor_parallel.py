@@ -613,10 +613,10 @@ class TensorParallel(Method):
                "own or one derived from the model, checked on one block.")
     search_role = SearchRole("layout", "tensor", off=1)
     Config = TensorParallelConfig
+    mesh_dims = (TENSOR,)
 
     def searchable(self, model: Any) -> bool:
         return not layer_drop_settings(model)  # a layer one rank skips holds collectives the others run
-    mesh_dims = (TENSOR,)
 
     def keeps_replicas_without_ddp(self, config: MethodConfig) -> bool:
         return True  # tensor-parallel replicas
