@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from atorch.layer_drop import layer_drop_settings
+from atorch import layer_drop
 from atorch.log import get_logger
 from atorch.opt_lib.registry import get_method
 
@@ -494,12 +494,11 @@ def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list
             or not isinstance(setup.model, nn.Module) \
             or any(get_method(item.name).keeps_replicas_without_ddp(item.config) for item in strategy.methods):
         return []
-    if dropped := layer_drop_settings(setup.model):
+    if dropped := layer_drop.layer_drop_settings(setup.model):
         # a sample step may keep every layer (Wav2Vec2's 0.1 drops one of two layers in a fifth of its steps): the
         # setting is the cause, named whatever one step shows
-        shown = ", ".join(f"{where} = {value:g}" for where, value in dropped)
-        return [f"{shown} skips whole layers at random in training, so a step can leave their parameters without "
-                f"gradient, and DDP over {data_size} data-parallel processes waits for every gradient: training would "
+        return [f"{layer_drop.shown(dropped)} skips whole layers at random in training, so a step can leave their "
+                f"parameters without gradient, and DDP over {data_size} data-parallel processes waits for every gradient: training would "
                 "fail at the step after ('Expected to have finished reduction in the prior iteration'); pass "
                 f"find_unused_parameters=True, or set {dropped[0][0]} = 0"]
     if setup.dataset is None or setup.prepare_input is not None \

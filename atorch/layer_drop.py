@@ -29,13 +29,17 @@ def layer_drop_settings(model: nn.Module) -> list[tuple[str, float]]:
     return found
 
 
+def shown(dropped: list[tuple[str, float]]) -> str:
+    """``layer_drop_settings``' findings as one phrase: "model.config.layerdrop = 0.1"."""
+    return ", ".join(f"{where} = {value:g}" for where, value in dropped)
+
+
 def layer_drop_problems(model: nn.Module, communicates: str) -> list[str]:
     """Why a method that communicates inside the layers (``communicates``: what it exchanges there) cannot train
     ``model``: [] unless the model skips layers at random."""
     dropped = layer_drop_settings(model)
     if not dropped:
         return []
-    shown = ", ".join(f"{where} = {value:g}" for where, value in dropped)
-    return [f"{shown} skips whole layers at random in training, each process drawing its own, and {communicates}: "
-            "a process that skips a layer the others run leaves them waiting in that layer's collective (gloo aborts "
+    return [f"{shown(dropped)} skips whole layers at random in training, each process drawing its own, and "
+            f"{communicates}: a process that skips a layer the others run leaves them waiting in that layer's collective (gloo aborts "
             f"the job); set {dropped[0][0]} = 0, or train with parallel_mode or zero1 and find_unused_parameters=True"]

@@ -28,7 +28,7 @@ import torch
 from atorch.distributed import DistEnv
 from atorch.dryrun.runner import DryRunSession, TrialResult
 from atorch.errors import NoStrategyFound, SetupError, StrategyError
-from atorch.layer_drop import layer_drop_settings
+from atorch.layer_drop import layer_drop_settings, shown
 from atorch.log import get_logger
 from atorch.model_context import InputPreparer, UserSetup
 from atorch.options import SearchOptions
@@ -486,7 +486,7 @@ class _Leader:
         if dropped := layer_drop_settings(self.setup.model):
             logger.info("automatic search: %s skips layers at random, each rank drawing its own: no candidate "
                         "communicates inside the layers (sharding, tensor, expert or context parallel)",
-                        ", ".join(f"{where} = {value:g}" for where, value in dropped))
+                        shown(dropped))
         with self.progress:
             self.local = self.strategy_server is None
             self.planner = make_planner(remote=not self.local)
