@@ -497,10 +497,10 @@ def unused_parameter_problems(setup: Any, strategy: Any, data_size: int) -> list
     if dropped := layer_drop.layer_drop_settings(setup.model):
         # a sample step may keep every layer (Wav2Vec2's 0.1 drops one of two layers in a fifth of its steps): the
         # setting is the cause, named whatever one step shows
-        return [f"{layer_drop.shown(dropped)} skips whole layers at random in training, so a step can leave their "
-                f"parameters without gradient, and DDP over {data_size} data-parallel processes waits for every "
-                "gradient: training would fail at the step after ('Expected to have finished reduction in the prior iteration'); pass "
-                f"find_unused_parameters=True, or set {dropped[0][0]} = 0"]
+        return [f"{layer_drop.shown(dropped)} skips whole layers at random in training, so a step can leave "
+                f"their parameters without gradient, and DDP over {data_size} data-parallel processes waits for "
+                "every gradient: training would fail at the step after ('Expected to have finished reduction in the "
+                f"prior iteration'); pass find_unused_parameters=True, or set {dropped[0][0]} = 0"]
     if setup.dataset is None or setup.prepare_input is not None \
             or setup.loss_func is None and setup.model_input_format is None:
         return []

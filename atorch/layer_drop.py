@@ -42,4 +42,5 @@ def layer_drop_problems(model: nn.Module, communicates: str) -> list[str]:
         return []
     return [f"{shown(dropped)} skips whole layers at random in training, each process drawing its own, and "
             f"{communicates}: a process that skips a layer the others run leaves them waiting in that layer's "
-            f"collective (gloo aborts the job); set {dropped[0][0]} = 0, or train with parallel_mode or zero1 and find_unused_parameters=True"]
+            f"collective (gloo aborts the job); set {dropped[0][0]} = 0, or train with parallel_mode or zero1 and "
+            "find_unused_parameters=True"]
