@@ -140,6 +140,173 @@ def optimizer_step_vs_cost_model() -> dict[str, Any]:
             "predicted_phase": pred.memory.peak_phase, "rows": rows}
 
 
+# ----- held-out families at a GPU's scale (bench/held_out.md: no fit used them) --------------------------
+def _tokens(model: nn.Module, vocab: int, seq: int, samples: int) -> dict[str, Any]:
+    ids = torch.randint(0, vocab, (samples, seq), generator=torch.Generator().manual_seed(1))
+    return {"model": model, "dataset": [{"input_ids": t, "labels": t} for t in ids]}
+
+
+def _family(name: str, scale: int) -> dict[str, Any]:
+    """``name`` at a GPU's scale (``scale`` 1; 0: a CPU-sized copy for checking the script), random weights."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    seq, samples = (512, 64) if scale else (32, 8)
+    if name == "gpt2":  # the family the cost model's constants were tuned on: in sample
+        return _tokens(tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=8192, n_positions=seq, n_embd=768 if scale else 64, n_layer=8 if scale else 2,
+            n_head=12 if scale else 4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)), 8192, seq,
+            samples)
+    if name == "falcon":  # held out: parallel attention and MLP, multi-query attention
+        return _tokens(tf.FalconForCausalLM(tf.FalconConfig(
+            vocab_size=8192, hidden_size=1024 if scale else 64, num_hidden_layers=8 if scale else 2,
+            num_attention_heads=16 if scale else 4, new_decoder_architecture=False, multi_query=True,
+            parallel_attn=True, bias=False, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)), 8192, seq,
+            samples)
+    if name == "olmoe":  # held out: mixture of experts, 16 experts, top-2
+        return _tokens(tf.OlmoeForCausalLM(tf.OlmoeConfig(
+            vocab_size=8192, hidden_size=512 if scale else 64, intermediate_size=512 if scale else 64,
+            num_hidden_layers=4 if scale else 2, num_attention_heads=8 if scale else 4,
+            num_key_value_heads=8 if scale else 4, num_experts=16 if scale else 4, num_experts_per_tok=2,
+            max_position_embeddings=seq, use_cache=False)), 8192, seq, samples)
+    if name == "regnet":  # held out: grouped convolutions, squeeze-and-excitation, batch norm
+        config = tf.RegNetConfig(num_channels=3, embedding_size=32, hidden_sizes=[64, 128, 256, 512] if scale else
+                                 [16, 32, 64, 128], depths=[1, 2, 4, 1] if scale else [1, 1, 1, 1],
+                                 groups_width=16 if scale else 8, num_labels=100)
+        size = 128 if scale else 32
+        g = torch.Generator().manual_seed(1)
+        images = torch.randn(samples, 3, size, size, generator=g)
+        labels = torch.randint(0, 100, (samples,), generator=g)
+        return {"model": tf.RegNetForImageClassification(config),
+                "dataset": [{"pixel_values": x, "labels": y} for x, y in zip(images, labels, strict=True)]}
+    raise ValueError(name)
+
+
+FAMILIES = ("gpt2", "falcon", "olmoe", "regnet")
+FAMILY_STRATEGIES = (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})],
+                     ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "checkpoint"])
+
+
+def families_vs_cost_model(scale: int = 1, batch: int = 8) -> dict[str, Any]:
+    """Predicted against measured step time and peak on this GPU, for a tuned family (gpt2) and three held-out
+    ones (a parallel-attention decoder, a mixture of experts, a grouped-convolution classifier), each in fp32,
+    amp bf16 and amp bf16 with checkpointing: what the search ranks GPU candidates by."""
+    from atorch.dryrun import dry_run
+    from atorch.model_context import UserSetup
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.costing.analyser import analyse
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.costing.hardware import measure_profile
+
+    env = init_distributed()
+    profile = measure_profile()
+    device = env.device
+
+    def loss(data: Any, output: Any) -> torch.Tensor:
+        return output.loss.float()
+
+    out: dict[str, Any] = {"profile": {"matmul_tflops": profile.matmul_tflops, "device": profile.device_name}}
+    for name in FAMILIES:
+        parts = _family(name, scale)
+        sample = next(iter(torch.utils.data.DataLoader(parts["dataset"], batch_size=batch)))
+        stats = analyse(parts["model"], {k: v.to(device) for k, v in sample.items()}, "unpack_dict", loss)
+        rows = []
+        for items in FAMILY_STRATEGIES:
+            strategy = Strategy.load(items)
+            setup = UserSetup(model=_family(name, scale)["model"], optim_func=torch.optim.AdamW,
+                              dataset=parts["dataset"], loss_func=loss, model_input_format="unpack_dict",
+                              optim_args={"lr": 1e-4}, dataloader_args={"batch_size": batch, "shuffle": False})
+            measured = dry_run(setup, env, strategy, warmup=2, steps=5)
+            pred = predict(stats, strategy, strategy.layout(1), profile, batch)
+            rows.append({"strategy": str(strategy), "status": measured.status, "reason": measured.reason,
+                         "measured_mib": round((measured.peak_bytes or 0) / 2**20, 1),
+                         "predicted_mib": round(pred.memory.peak / 2**20, 1),
+                         "measured_s": measured.step_time_s, "predicted_s": pred.time.step})
+        out[name] = {"params_m": round(sum(p.numel() for p in parts["model"].parameters()) / 1e6, 2),
+                     "analysed_on": stats.measured_on, "experts": stats.experts,
+                     "active_param_m": round((stats.param_count - stats.expert_param_count * (
+                         1 - stats.experts_per_token / stats.experts) if stats.experts else stats.param_count) / 1e6,
+                         2),
+                     "rows": rows}
+    return out
+
+
+PLAUSIBLE = (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})],
+             ["parallel_mode", ("amp_native", {"dtype": "fp16"})], ["parallel_mode", ("half", {"dtype": "bf16"})],
+             ["parallel_mode", "checkpoint"], ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "checkpoint"])
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _loop_rate(result: Any, steps: int) -> float:
+    """Samples per second of the user's loop under ``result`` (the documented ``train_step``), ``steps`` steps."""
+    accumulate = max(1, int(getattr(result.args, "gradient_accumulation_steps", 1) or 1))
+    samples = result.dataloader.batch_size * accumulate
+
+    def batches() -> Any:
+        while True:
+            yield from result.dataloader
+
+    source = batches()
+    atorch.train_step(result, [next(source) for _ in range(accumulate)])  # warm-up
+    _sync()
+    begin = time.perf_counter()
+    for _ in range(steps):
+        atorch.train_step(result, [next(source) for _ in range(accumulate)])
+    _sync()
+    return samples * steps / (time.perf_counter() - begin)
+
+
+def families_search(scale: int = 1, batch: int = 8, rounds: int = 3, steps: int = 6) -> dict[str, Any]:
+    """Automatic mode on each family of ``families_vs_cost_model`` on this GPU: its pick's rate in the user's loop
+    against the best of the plausible one-GPU strategies (precisions, checkpointing), measured in interleaved
+    rounds (medians), and the search's wall time against measuring those candidates once."""
+    import statistics
+
+    def loss(data: Any, output: Any) -> torch.Tensor:
+        return output.loss.float()
+
+    def accelerate(name: str, strategy: Any, **kwargs: Any) -> tuple[Any, Any]:
+        parts = _family(name, scale)
+        _, result, chosen = atorch.auto_accelerate(
+            parts["model"], torch.optim.AdamW, parts["dataset"], loss, optim_args={"lr": 1e-4},
+            model_input_format="unpack_dict", dataloader_args={"batch_size": batch, "shuffle": False},
+            load_strategy=strategy, **kwargs)
+        return result, chosen
+
+    out: dict[str, Any] = {}
+    for name in FAMILIES:
+        begin = time.perf_counter()
+        picked, chosen = accelerate(name, None, search={"force": True})
+        search_s = time.perf_counter() - begin
+        runs = {"pick": picked}
+        for items in PLAUSIBLE:
+            begin = time.perf_counter()
+            runs[str(items)], _ = accelerate(name, items)
+            runs[str(items)].build_s = time.perf_counter() - begin
+        rates: dict[str, list[float]] = {key: [] for key in runs}
+        once_s = 0.0
+        for _ in range(rounds):
+            for key, result in runs.items():
+                begin = time.perf_counter()
+                rates[key].append(_loop_rate(result, steps))
+                once_s += (time.perf_counter() - begin) / rounds if key != "pick" else 0.0
+        once_s += sum(r.build_s for key, r in runs.items() if key != "pick")
+        median = {key: statistics.median(v) for key, v in rates.items()}
+        best = max((key for key in median if key != "pick"), key=median.__getitem__)
+        for result in runs.values():
+            result.close()
+        out[name] = {"pick": str(chosen), "accumulate": int(getattr(picked.args, "gradient_accumulation_steps", 1)),
+                     "samples_per_s": {k: round(v, 1) for k, v in median.items()}, "best": best,
+                     "pick_over_best": round(median["pick"] / max(median[best], median["pick"]), 3),
+                     "search_s": round(search_s, 1), "measuring_once_s": round(once_s, 1),
+                     "search_over_measuring": round(search_s / once_s, 2)}
+    return out
+
+
 # ----- multi-GPU methods: name -> (GPUs, strategy, model); each launched by torchrun on that many GPUs --------
 MULTI: dict[str, tuple[int, list[Any], str]] = {
     "expert_parallel": (2, [("parallel_mode", {"dims": [["expert", 2], ["data", -1]]}), "expert_parallel"],
@@ -270,8 +437,13 @@ def main() -> None:
         "dry_run_vs_cost_model": dry_run_vs_cost_model,
         "optimizer_step_vs_cost_model": optimizer_step_vs_cost_model,
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
+        "families_vs_cost_model": families_vs_cost_model,
+        "families_search": families_search,
         **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }
+    if "--only" in sys.argv:  # a subset of the cases, by name (comma-separated)
+        keep = sys.argv[sys.argv.index("--only") + 1].split(",")
+        cases = {name: case for name, case in cases.items() if name in keep}
     no_gpu = None if gpu else f"no CUDA GPU on this machine (torch {torch.__version__}): it checks the GPU paths"
     for name, case in cases.items():
         try:

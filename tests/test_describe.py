@@ -177,10 +177,11 @@ def test_search_json_carries_the_pick_and_every_trial_described() -> None:
 
 # ----- the stop message ------------------------------------------------------------------------------------
 def _search(tmp_path, runner_up: float, confirm_within: float | None,
-            nothing_left: bool = False, unpredictable: bool = False) -> tuple[PlanResult, list]:
+            nothing_left: bool = False, unpredictable: bool = False,
+            second_predicted: float = 190.0) -> tuple[PlanResult, list]:
     """A search whose cost model ranks two candidates first; the first measures 100 samples/s, the second
     ``runner_up``, everything else 10 (``nothing_left``: the rule that stops exploring once nothing left can win,
-    off so the other rules are seen)."""
+    off so the other rules are seen). ``second_predicted`` above 200: the cost model ranks the second first."""
     space = SearchSpace(toy_models.mlp(), 2, 8, excluded=["tensor_parallel", "pipeline_parallel"])
     cands = space.enumerate()
     first, second = cands[0].key, cands[1].key
@@ -190,7 +191,7 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None,
         # the rest within skip_slower_than of the best also once corrected by the first two runs (x0.4-0.5)
         if unpredictable and cand.key == cands[-1].key:  # a cost model gap: that candidate is measured, it may win
             raise ValueError("no figure for this one")
-        return Pred(MiB, 8 / {first: 200.0, second: 190.0}.get(cand.key, 120.0))
+        return Pred(MiB, 8 / {first: 200.0, second: second_predicted}.get(cand.key, 120.0))
 
     calls: list = []
 
@@ -198,7 +199,8 @@ def _search(tmp_path, runner_up: float, confirm_within: float | None,
         calls.append(cand)
         return Run("ok", speed.get(cand.key, 10.0), MiB)
 
-    result = Planner(space, storage=f"sqlite:///{tmp_path / 's.db'}", study_key=f"k{runner_up}{confirm_within}",
+    result = Planner(space, storage=f"sqlite:///{tmp_path / 's.db'}",
+                     study_key=f"k{runner_up}{confirm_within}{second_predicted}",
                      predict=predict, measure=measure, memory_budget=100 * MiB, max_trials=8, top_k=2,
                      confirm_within=confirm_within, stop_when_nothing_left=nothing_left).search()
     return result, calls
@@ -220,10 +222,22 @@ def test_stop_message_without_a_confirmation(tmp_path) -> None:
     assert len(calls) == 6 == result.dry_runs
     assert result.stop_reason == ("6 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
                                   "kept for a confirmation); no confirmation: the runner-up was not within 10% of "
-                                  "the best")
+                                  "the best (nor within 20%, had the cost model ranked it first)")
     off, calls = _search(tmp_path, runner_up=95.0, confirm_within=None)
     assert len(calls) == 8 and off.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached; "
                                                    "no confirmation (off)")
+
+
+def test_a_runner_up_the_cost_model_ranked_first_is_confirmed_in_a_wider_band(tmp_path) -> None:
+    """Measured 15% behind the best, outside confirm_within (10%): re-measured only where the cost model had ranked
+    it first (the measurements contradict the model: twice the band, 20%); 25% behind is not, either way."""
+    agreed, calls = _search(tmp_path, runner_up=85.0, confirm_within=0.1)
+    assert len(calls) == 6 and "no confirmation: the runner-up was not within 10%" in agreed.stop_reason
+    disputed, calls = _search(tmp_path, runner_up=85.0, confirm_within=0.1, second_predicted=210.0)
+    assert len(calls) == 8
+    assert "confirmation: the best and the runner-up re-measured interleaved" in disputed.stop_reason
+    far, calls = _search(tmp_path, runner_up=75.0, confirm_within=0.1, second_predicted=210.0)
+    assert len(calls) == 6 and "no confirmation" in far.stop_reason
 
 
 def test_stop_message_when_nothing_left_can_win(tmp_path) -> None:
