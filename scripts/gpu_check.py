@@ -11,6 +11,10 @@ and beside tensor_parallel) run where the machine has enough GPUs (and transform
 launches each with torchrun on that many GPUs (``--multi NAME``), trains a small transformers model two steps under
 NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says it is skipped and why.
 On a machine without a CUDA GPU every case is reported skipped, with that reason.
+
+Two cases measure held-out model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the
+cost model's step time and peak against dry-runs) and ``families_search`` (automatic mode's pick in the user's loop
+against the plausible strategies, interleaved). ``--only a,b`` runs those cases alone.
 """
 
 from __future__ import annotations

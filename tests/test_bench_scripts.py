@@ -4,6 +4,7 @@ sweep kept in bench/data, and bench/memory_replay.py predicts a kept sweep's pea
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,33 @@ def test_the_memory_replay_predicts_the_kept_sweep_again() -> None:
     assert [line[1] for line in lines] == ["checkpoint=False", "checkpoint=True"], run.stdout
     for line in lines:
         assert int(line[3]) >= 20 and float(line[-1]) < 0.08, line  # rows, mean |error|
+
+
+def test_the_gpu_check_reports_every_case_skipped_with_its_reason_on_a_cpu_machine() -> None:
+    script = BENCH.parent / "scripts" / "gpu_check.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(BENCH.parent)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    cases = {k: v for k, v in report.items() if isinstance(v, dict)}
+    assert {"ddp", "search", "families_vs_cost_model", "families_search", "expert_parallel"} <= set(cases)
+    assert all(v["ok"] is None and v["skipped"] for v in cases.values()), cases
+
+
+def test_the_gpu_checks_family_cases_run_at_a_cpu_size(monkeypatch) -> None:
+    """The held-out family cases, on CPU-sized copies (the GPU's run is the day a GPU is lent): an MoE model against
+    the cost model, a conv model through automatic mode and the loop."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(BENCH.parent / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(BENCH.parent / "scripts"))
+    monkeypatch.setattr(gpu_check, "FAMILIES", ("olmoe",))
+    costs = gpu_check.families_vs_cost_model(scale=0, batch=2)
+    assert costs["olmoe"]["experts"] == 4 and costs["olmoe"]["active_param_m"] < costs["olmoe"]["params_m"]
+    assert [row["status"] for row in costs["olmoe"]["rows"]] == ["ok"] * 3
+    assert all(0.5 < row["predicted_mib"] / row["measured_mib"] < 2 for row in costs["olmoe"]["rows"])
+    monkeypatch.setattr(gpu_check, "FAMILIES", ("regnet",))
+    found = gpu_check.families_search(scale=0, batch=2, rounds=1, steps=1)["regnet"]
+    assert 0 < found["pick_over_best"] <= 1 and found["best"] != str(gpu_check.PLAUSIBLE[3])  # half: beside it
