@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -264,6 +265,42 @@ def _loop_rate(result: Any, steps: int) -> float:
     return samples * steps / (time.perf_counter() - begin)
 
 
+def repeated_dry_runs(scale: int = 1, batch: int = 8, runs: int = 4, idle_s: float = 3.0) -> dict[str, Any]:
+    """One candidate dry-run ``runs`` times in a row right after the model's analysis (the GPU idle meanwhile), then
+    twice after ``idle_s`` of idling: whether a search's first dry-run (or one after a pause) measures slower than
+    the same candidate's later ones, and by how much (median step of each run)."""
+    from atorch.dryrun.runner import DryRunSession
+    from atorch.model_context import UserSetup
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.costing.analyser import analyse
+
+    env = init_distributed()
+
+    def loss(data: Any, output: Any) -> torch.Tensor:
+        return output.loss.float()
+
+    out: dict[str, Any] = {}
+    for name in ("regnet", "gpt2"):
+        for items in (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})]):
+            parts = _family(name, scale)
+            sample = next(iter(torch.utils.data.DataLoader(parts["dataset"], batch_size=batch)))
+            analyse(parts["model"], {k: v.to(env.device) for k, v in sample.items()}, "unpack_dict", loss)
+            setup = UserSetup(model=parts["model"], optim_func=torch.optim.AdamW, dataset=parts["dataset"],
+                              loss_func=loss, model_input_format="unpack_dict", optim_args={"lr": 1e-4},
+                              dataloader_args={"batch_size": batch, "shuffle": False})
+            session = DryRunSession(setup, env, warmup=2, steps=5)
+            steps = []
+            for run in range(runs + 2):
+                if run == runs:
+                    time.sleep(idle_s)
+                steps.append(session.run(Strategy.load(items)).step_time_s)
+            out[f"{name} {'amp bf16' if len(items) > 1 else 'fp32'}"] = {
+                "step_s": [round(v or 0.0, 5) for v in steps],
+                "first_over_rest": round(steps[0] / statistics.median(steps[1:runs]), 2),
+                "after_idle_over_rest": round(steps[runs] / statistics.median(steps[1:runs]), 2)}
+    return out
+
+
 def _best_default(median: dict[str, float]) -> str:
     """The fastest plausible strategy that the default search may pick: ``half`` (16-bit weights and optimizer
     state) only enters it with ``precision="low"``, so it is reported beside the best, not as it."""
@@ -275,8 +312,6 @@ def families_search(scale: int = 1, batch: int = 8, rounds: int = 3, steps: int 
     against the best of the plausible one-GPU strategies of its default precision (fp32, amp, checkpointing),
     measured in interleaved rounds (medians), ``half`` beside it, and the search's wall time against measuring
     those candidates once."""
-    import statistics
-
     def loss(data: Any, output: Any) -> torch.Tensor:
         return output.loss.float()
 
@@ -451,6 +486,7 @@ def main() -> None:
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
         "families_vs_cost_model": families_vs_cost_model,
         "families_search": families_search,
+        "repeated_dry_runs": repeated_dry_runs,
         **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }
     if "--only" in sys.argv:  # a subset of the cases, by name (comma-separated)

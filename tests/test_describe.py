@@ -222,7 +222,7 @@ def test_stop_message_without_a_confirmation(tmp_path) -> None:
     assert len(calls) == 6 == result.dry_runs
     assert result.stop_reason == ("6 dry-runs; exploration stopped: its 6 dry-runs done (max_trials 8, 2 of them "
                                   "kept for a confirmation); no confirmation: the runner-up was not within 10% of "
-                                  "the best (nor within 20%, had the cost model ranked it first)")
+                                  "the best (20% for a runner-up that the cost model ranked first)")
     off, calls = _search(tmp_path, runner_up=95.0, confirm_within=None)
     assert len(calls) == 8 and off.stop_reason == ("8 dry-runs; exploration stopped: max_trials 8 reached; "
                                                    "no confirmation (off)")

@@ -448,9 +448,9 @@ class Planner:
         contenders, measured = study.contenders(self.confirm_within or 0.0)
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
-                f"the runner-up was not within {self.confirm_within:.0%} of the best (nor within "
-                f"{max(self.confirm_within, min(2 * self.confirm_within, DISPUTED_BAND_MAX)):.0%}, had the cost "
-                "model ranked it first)")
+                f"the runner-up was not within {self.confirm_within:.0%} of the best "
+                f"({max(self.confirm_within, min(2 * self.confirm_within, DISPUTED_BAND_MAX)):.0%} for a runner-up "
+                "that the cost model ranked first)")
             return f"no confirmation: {why}"
         # each contender's confirmation runs merged as the study merges them (merge_runs), to judge the rounds
         merged = {c["key"]: {"status": "ok", "samples_per_s": c["samples_per_s"], "peak_memory_bytes": 0.0}
