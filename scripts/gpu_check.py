@@ -187,6 +187,23 @@ def _family(name: str, scale: int) -> dict[str, Any]:
     raise ValueError(name)
 
 
+def _hf_loss(data: Any, output: Any) -> torch.Tensor:
+    return output.loss.float()
+
+
+def _analysed_setup(parts: dict[str, Any], batch: int, device: torch.device) -> tuple[Any, Any]:
+    """A family's ``UserSetup`` (AdamW, the model's own loss) and the analysis of one batch on ``device``."""
+    from atorch.model_context import UserSetup
+    from atorch.strategy_search.costing.analyser import analyse
+
+    sample = next(iter(torch.utils.data.DataLoader(parts["dataset"], batch_size=batch)))
+    stats = analyse(parts["model"], {k: v.to(device) for k, v in sample.items()}, "unpack_dict", _hf_loss)
+    setup = UserSetup(model=parts["model"], optim_func=torch.optim.AdamW, dataset=parts["dataset"],
+                      loss_func=_hf_loss, model_input_format="unpack_dict", optim_args={"lr": 1e-4},
+                      dataloader_args={"batch_size": batch, "shuffle": False})
+    return setup, stats
+
+
 FAMILIES = ("gpt2", "falcon", "olmoe", "regnet")
 FAMILY_STRATEGIES = (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})],
                      ["parallel_mode", ("amp_native", {"dtype": "bf16"}), "checkpoint"])
@@ -197,31 +214,20 @@ def families_vs_cost_model(scale: int = 1, batch: int = 8) -> dict[str, Any]:
     ones (a parallel-attention decoder, a mixture of experts, a grouped-convolution classifier), each in fp32,
     amp bf16 and amp bf16 with checkpointing: what the search ranks GPU candidates by."""
     from atorch.dryrun import dry_run
-    from atorch.model_context import UserSetup
     from atorch.strategy import Strategy
-    from atorch.strategy_search.costing.analyser import analyse
     from atorch.strategy_search.costing.cost_model import predict
     from atorch.strategy_search.costing.hardware import measure_profile
 
     env = init_distributed()
     profile = measure_profile()
-    device = env.device
-
-    def loss(data: Any, output: Any) -> torch.Tensor:
-        return output.loss.float()
-
     out: dict[str, Any] = {"profile": {"matmul_tflops": profile.matmul_tflops, "device": profile.device_name}}
     for name in FAMILIES:
         parts = _family(name, scale)
-        sample = next(iter(torch.utils.data.DataLoader(parts["dataset"], batch_size=batch)))
-        stats = analyse(parts["model"], {k: v.to(device) for k, v in sample.items()}, "unpack_dict", loss)
+        setup, stats = _analysed_setup(parts, batch, env.device)
         rows = []
         for items in FAMILY_STRATEGIES:
             strategy = Strategy.load(items)
-            setup = UserSetup(model=_family(name, scale)["model"], optim_func=torch.optim.AdamW,
-                              dataset=parts["dataset"], loss_func=loss, model_input_format="unpack_dict",
-                              optim_args={"lr": 1e-4}, dataloader_args={"batch_size": batch, "shuffle": False})
-            measured = dry_run(setup, env, strategy, warmup=2, steps=5)
+            measured = dry_run(setup, env, strategy, warmup=2, steps=5)  # (a dry-run builds a copy of the model)
             pred = predict(stats, strategy, strategy.layout(1), profile, batch)
             rows.append({"strategy": str(strategy), "status": measured.status, "reason": measured.reason,
                          "measured_mib": round((measured.peak_bytes or 0) / 2**20, 1),
@@ -270,24 +276,14 @@ def repeated_dry_runs(scale: int = 1, batch: int = 8, runs: int = 4, idle_s: flo
     twice after ``idle_s`` of idling: whether a search's first dry-run (or one after a pause) measures slower than
     the same candidate's later ones, and by how much (median step of each run)."""
     from atorch.dryrun.runner import DryRunSession
-    from atorch.model_context import UserSetup
     from atorch.strategy import Strategy
-    from atorch.strategy_search.costing.analyser import analyse
 
     env = init_distributed()
-
-    def loss(data: Any, output: Any) -> torch.Tensor:
-        return output.loss.float()
 
     out: dict[str, Any] = {}
     for name in ("regnet", "gpt2"):
         for items in (["parallel_mode"], ["parallel_mode", ("amp_native", {"dtype": "bf16"})]):
-            parts = _family(name, scale)
-            sample = next(iter(torch.utils.data.DataLoader(parts["dataset"], batch_size=batch)))
-            analyse(parts["model"], {k: v.to(env.device) for k, v in sample.items()}, "unpack_dict", loss)
-            setup = UserSetup(model=parts["model"], optim_func=torch.optim.AdamW, dataset=parts["dataset"],
-                              loss_func=loss, model_input_format="unpack_dict", optim_args={"lr": 1e-4},
-                              dataloader_args={"batch_size": batch, "shuffle": False})
+            setup, _ = _analysed_setup(_family(name, scale), batch, env.device)  # the analysis: a search's first phase
             session = DryRunSession(setup, env, warmup=2, steps=5)
             steps = []
             for run in range(runs + 2):
@@ -312,13 +308,10 @@ def families_search(scale: int = 1, batch: int = 8, rounds: int = 3, steps: int 
     against the best of the plausible one-GPU strategies of its default precision (fp32, amp, checkpointing),
     measured in interleaved rounds (medians), ``half`` beside it, and the search's wall time against measuring
     those candidates once."""
-    def loss(data: Any, output: Any) -> torch.Tensor:
-        return output.loss.float()
-
     def accelerate(name: str, strategy: Any, **kwargs: Any) -> tuple[Any, Any]:
         parts = _family(name, scale)
         _, result, chosen = atorch.auto_accelerate(
-            parts["model"], torch.optim.AdamW, parts["dataset"], loss, optim_args={"lr": 1e-4},
+            parts["model"], torch.optim.AdamW, parts["dataset"], _hf_loss, optim_args={"lr": 1e-4},
             model_input_format="unpack_dict", dataloader_args={"batch_size": batch, "shuffle": False},
             load_strategy=strategy, **kwargs)
         return result, chosen

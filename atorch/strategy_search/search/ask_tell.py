@@ -118,9 +118,17 @@ PROMOTE_MARGIN = 0.05
 CONFIRM_RUNS = 2  # a confirmation round re-measures the best and the runner-up once each
 CONFIRM_ROUNDS = 3  # rounds at most, while the two stay within the noise of each other (SearchOptions.confirm_rounds)
 # The confirmation's band (SearchOptions.confirm_within) doubles, up to this, for a runner-up that the cost model ranked
-# first: the measured order contradicts it. On one H200 a RegNet's first dry-run (fp32) measured 24% slower than its
+# first: the measured order contradicts it. On one H200 a RegNet's fp32 dry-run measured 24% slower than its
 # fp16 runner-up, though fp32 ran 1.23x faster interleaved in the user's loop (bench/README.md, GPU checks).
 DISPUTED_BAND_MAX = 0.5
+
+
+def disputed_band(within: float) -> float:
+    """The confirmation's band for a runner-up that the cost model ranked first: twice ``within``, at most
+    DISPUTED_BAND_MAX (never below ``within``)."""
+    return max(within, min(2.0 * within, DISPUTED_BAND_MAX))
+
+
 # A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
 _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
@@ -658,20 +666,19 @@ class SearchState:
         """The best measured candidate and the runner-up (``key``, ``point``, first-run ``samples_per_s``), when
         the runner-up measured within ``within`` (a fraction) of the best: one dry-run each cannot tell them apart
         on a noisy machine; else none. And how many candidates ran ok. Where the cost model ranked the runner-up
-        first, the measured order contradicts it: the band doubles (``disputed_band``), since a single run (the
-        process's first, say) can be off by more than the usual noise."""
+        first, the measured order contradicts it: the band widens (``disputed_band``), since one run of a short,
+        launch-bound step can be off by more than the usual noise."""
         ranked = sorted(((v[0], k) for k, v in self.done.items() if v[2]["status"] == "ok"), reverse=True)
-        if len(ranked) < 2 or ranked[1][0] < (1.0 - self.disputed_band(within, ranked[0][1], ranked[1][1])) \
-                * ranked[0][0]:
+        if len(ranked) < 2:
+            return [], len(ranked)
+        (best_value, best), (runner_value, runner_up) = ranked[:2]
+        predicted = [float(self.table.prediction(key).get("samples_per_s") or 0.0) for key in (best, runner_up)]
+        band = disputed_band(within) if predicted[1] > predicted[0] > 0 else within
+        if runner_value < (1.0 - band) * best_value:
             return [], len(ranked)
         found = [{"key": k, "point": json.loads(k), "samples_per_s": self.done[k][2]["measured"]["samples_per_s"]}
                  for _, k in ranked[:2]]
         return found, len(ranked)
-
-    def disputed_band(self, within: float, best: str, runner_up: str) -> float:
-        """``within``, or twice it (at most 50%) where the cost model predicted ``runner_up`` faster than ``best``."""
-        predicted = [float(self.table.prediction(key).get("samples_per_s") or 0.0) for key in (best, runner_up)]
-        return max(within, min(2.0 * within, DISPUTED_BAND_MAX)) if predicted[1] > predicted[0] > 0 else within
 
     def confirm(self, key: str, measured: Measured | dict[str, Any]) -> dict[str, Any]:
         """Record a re-measurement of a measured candidate (``merge_runs`` with its first run; the best is chosen

@@ -65,7 +65,6 @@ from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES
     CONFIRM_RUNS,
     CONFIRM_TIE,
     DEFAULT_TOP_K,
-    DISPUTED_BAND_MAX,
     EARLY_STOP_FACTOR,
     FINISHING_STOPS,
     HOPELESS_FACTOR,
@@ -77,6 +76,7 @@ from atorch.strategy_search.search.ask_tell import (  # noqa: F401  (OK_STATUSES
     StopRules,
     cached_best,
     decided,
+    disputed_band,
     make_sampler,
     measure_safely,
     merge_runs,
@@ -449,8 +449,7 @@ class Planner:
         if not contenders:
             why = "fewer than two candidates ran" if measured < 2 else (
                 f"the runner-up was not within {self.confirm_within:.0%} of the best "
-                f"({max(self.confirm_within, min(2 * self.confirm_within, DISPUTED_BAND_MAX)):.0%} for a runner-up "
-                "that the cost model ranked first)")
+                f"({disputed_band(self.confirm_within):.0%} for a runner-up that the cost model ranked first)")
             return f"no confirmation: {why}"
         # each contender's confirmation runs merged as the study merges them (merge_runs), to judge the rounds
         merged = {c["key"]: {"status": "ok", "samples_per_s": c["samples_per_s"], "peak_memory_bytes": 0.0}
