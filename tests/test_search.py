@@ -76,7 +76,8 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     # look-alikes predicted over the budget are not run (how many close calls the trace settles first depends on
     # how far its time limit gets: fewer under load)
     families = out["oom_families"]
-    assert len(families) == len(set(families)) == out["statuses"].count("oom"), (out["statuses"], families)
+    assert len(families) == len(set(families)) == out["statuses"].count("oom"), (out["statuses"], out["oom_trials"],
+                                                                                 out["limit"])
     assert out["measured_predicted_peaks"], out
     # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced.
     (line,) = out["trace_lines"]

@@ -143,6 +143,10 @@ def budget() -> dict[str, Any]:
             "statuses": [t.get("status") for t in trials], "losses": losses,
             # the memory family (layout, sharding, recompute) of each dry-run that ran out of memory
             "oom_families": [family_key(json.loads(t["key"])) for t in trials if t.get("status") == "oom"],
+            # the whole points (micro-batch size and precision too) and their figures: what a repeated family was
+            "oom_trials": [[t["key"], (t.get("predicted") or {}).get("peak_memory_bytes"),
+                            (t.get("measured") or {}).get("peak_memory_bytes")] for t in trials
+                           if t.get("status") == "oom"],
             "first_losses": [[t["measured"].get("loss"), t["measured"].get("reference_loss"),
                               t["candidate"]["strategy"]] for t in trials if t.get("status") == "ok"],
             "measured_predicted_peaks": [t["predicted"].get("peak_memory_bytes") for t in trials
