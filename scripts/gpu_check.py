@@ -12,9 +12,10 @@ launches each with torchrun on that many GPUs (``--multi NAME``), trains a small
 NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says it is skipped and why.
 On a machine without a CUDA GPU every case is reported skipped, with that reason.
 
-Two cases measure held-out model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the
-cost model's step time and peak against dry-runs) and ``families_search`` (automatic mode's pick in the user's loop
-against the plausible strategies, interleaved). ``--only a,b`` runs those cases alone.
+Three cases measure model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the cost
+model's step time and peak against dry-runs), ``families_search`` (automatic mode's pick in the user's loop against
+the plausible strategies, interleaved) and ``repeated_dry_runs`` (one candidate dry-run again and again: whether a
+first run or one after idling measures slower). ``--only a,b`` runs the named cases alone.
 """
 
 from __future__ import annotations
