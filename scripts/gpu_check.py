@@ -7,10 +7,10 @@ Runs on the machine's torch as installed (no transformers needed): the models ar
 MLP and a small BatchNorm CNN. Every case is reported (ok / failed with the error), none stops the rest.
 
 The multi-GPU methods (``MULTI``: expert_parallel, sequence parallel across pipeline stages, context_parallel alone
-and beside tensor_parallel) run where the machine has enough GPUs (and transformers is installed): the script
-launches each with torchrun on that many GPUs (``--multi NAME``), trains a small transformers model two steps under
-NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says it is skipped and why.
-On a machine without a CUDA GPU every case is reported skipped, with that reason.
+and beside tensor_parallel, the DualPipeV schedule) run where the machine has enough GPUs (and transformers is
+installed): the script launches each with torchrun on that many GPUs (``--multi NAME``), trains a small transformers
+model two steps under NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says
+it is skipped and why. On a machine without a CUDA GPU every case is reported skipped, with that reason.
 
 Three cases measure model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the cost
 model's step time and peak against dry-runs), ``families_search`` (automatic mode's pick in the user's loop against
@@ -374,6 +374,9 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
     "tensor_expert_sequence_parallel": (4, [("parallel_mode", {"dims": [["tensor", 2], ["expert", 2], ["data", -1]]}),
                                             "expert_parallel", ("tensor_parallel", {"sequence_parallel": True})],
                                         "mixtral"),
+    # DeepSeek-V3's schedule in its folded form (torch's DualPipeV): two stages per GPU in a V, 4 micro-batches
+    "pipeline_dualpipev": (2, [("parallel_mode", {"dims": [["pipeline", 2]]}),
+                               ("pipeline_parallel", {"schedule": "dualpipev"})], "llama"),
     # DeepSeek-V3's layout at small scale: each stage's experts over its expert group
     "pipeline_expert_parallel": (4, [("parallel_mode", {"dims": [["pipeline", 2], ["expert", 2], ["data", -1]]}),
                                      "expert_parallel", ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral"),

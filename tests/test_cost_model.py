@@ -98,17 +98,19 @@ def test_zero2_keeps_gathered_parameters_and_offload_moves_state_to_host() -> No
 
 
 def test_without_resharding_the_blocks_backward_starts_with_every_block_gathered() -> None:
-    """Under recompute the activations are small: FSDP2 that reshards peaks late in backward (all gradient
-    shards, one block gathered); without resharding the peak is where the blocks' backward starts, every block
-    still gathered (two blocks of 1000 bytes) and none recomputed yet."""
+    """Under recompute the activations are small: FSDP2 that reshards peaks late in backward, at a unit's gradient
+    reduction (all gradient shards, and the unit's reduce-scatter input in fp32 with, on gloo, a whole copy of it:
+    2 x the 1000-byte block); without resharding, with two micro-batches, the peak is where the blocks' backward
+    starts: every block still gathered (two blocks of 1000 bytes) besides the held unsharded gradients."""
     fsdp = _predict(["parallel_mode", "fsdp", "checkpoint"]).memory
     zero2 = _predict(["parallel_mode", "zero2", "checkpoint"]).memory
     assert fsdp.activations == zero2.activations < fsdp.gradients == 2000  # sharded: 4000 / 2
-    resharding_backward = max(fsdp.activations, 2000) + 1000  # the gradient shards + one block gathered
-    assert zero2.peak - fsdp.peak == (zero2.activations + 2000) - resharding_backward
-    # with two micro-batches every block stays gathered between them, besides the held gradients
+    kept = fsdp.parameters + fsdp.optimizer_state + 4000  # the root unit gathered across steps: 2 x its 2000 bytes
+    assert (fsdp.peak - kept, fsdp.peak_phase) == (max(fsdp.activations, 2000) + 2 * 1000, "backward")
+    assert zero2.peak == fsdp.peak  # at one micro-batch the reduction outgrows the gathered blocks (1430 + 2000)
+    # with two micro-batches every block stays gathered between them, besides the held (whole) gradients
     acc = _predict(["parallel_mode", "zero2", "checkpoint"], global_batch=16, micro_batches=2).memory
-    assert acc.peak - zero2.peak == 4000 + acc.activations - zero2.activations
+    assert acc.peak - kept == acc.activations + 4000 + 2000  # forward's end and backward's start alike
 
 
 def test_more_data_parallel_ranks_less_compute_per_step() -> None:
@@ -267,6 +269,9 @@ def test_tensor_and_pipeline_parallel_split_the_blocks_by_hand() -> None:
     assert pp.samples_per_rank == 2
     assert pp.memory.activations == round(1000 / 2 + 600 / 2 + 2.5 * 200 / 2)  # micro-batch of 2 samples
     assert gpipe.memory.activations - pp.memory.activations == round(2 * 1000 / 2 / 2)  # 2 more in flight
+    dualpipev = _layout_predict([("pipeline", 2), ("data", -1)],
+                                [("pipeline_parallel", {"micro_batches": 4, "schedule": "dualpipev"})])
+    assert dualpipev.memory.activations - pp.memory.activations == round(1000 / 2 / 2)  # one more (PP + 1)
     no_bubble = 3e6 * 8 * 3000 / 4000 / 1e12  # FLOPs of this rank's share, 1 TFLOP/s
     assert pp.time.compute == pytest.approx(no_bubble * 5 / 4)
     # The busiest stage: half the blocks' operations (60 of the 100 forward ones are in blocks: 60% of the 300)

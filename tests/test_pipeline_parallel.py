@@ -225,6 +225,9 @@ def test_strategy_checks() -> None:
     assert any("use schedule 'interleaved_1f1b'" in p for p in problems), problems
     problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "zbv", "virtual_stages": 3})]).problems(2)
     assert any("set virtual_stages to 2" in p for p in problems), problems
+    assert Strategy.load([PP, ("pipeline_parallel", {"schedule": "dualpipev"})]).problems(4) == []
+    problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "dualpipev", "micro_batches": 2})]).problems(4)
+    assert any("'dualpipev' needs at least as many micro-batches as stages (4" in p for p in problems), problems
     problems = Strategy.load([PP, ("pipeline_parallel", {"schedule": "interleaved_1f1b", "virtual_stages": 1})]
                              ).problems(2)
     assert any("set virtual_stages to 2 or more" in p for p in problems), problems

@@ -3,7 +3,7 @@
 The split (pipeline_split.py) is automatic, at the repeated-block boundaries (an nn.Sequential without
 them: at its children; an encoder-decoder model: encoder | decoder), balanced by cost, and checked on
 one sample against the whole model. Rank r of the pipeline group holds stage r (GPipe, 1F1B), stages r,
-r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV, V order). Training goes
+r+p, ... (interleaved schedules, loop order) or stages r and 2p-1-r (ZBV and DualPipeV, V order). Training goes
 through ``atorch.train_step``, which runs the schedule: every rank of a pipeline group loads the same
 batch, the first stage takes its model inputs and the last stage runs the user's ``loss_func(data,
 output)`` per micro-batch. Under fp16 ``amp_native`` the last stage scales that loss with the optimizer's
@@ -60,16 +60,18 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 PIPELINE = "pipeline"
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 SINGLE = ("gpipe", "1f1b")  # one stage per rank
+V_ORDER = ("zbv", "dualpipev")  # two stages per rank: r and 2p-1-r
 
 
 class PipelineParallelConfig(MethodConfig):
     """Needs a 'pipeline' dimension in parallel_mode, e.g. ``([("pipeline", 2), ("data", -1)], None)``."""
 
     schedule: Schedule = Field(
-        default="1f1b", description="gpipe, 1f1b, interleaved_1f1b, interleaved_zb (zero bubble) or zbv (zero "
-        "bubble, V order, 2 stages per rank)")
+        default="1f1b", description="gpipe, 1f1b, interleaved_1f1b, interleaved_zb (zero bubble), zbv (zero "
+        "bubble, V order, 2 stages per rank) or dualpipev (DeepSeek's DualPipe folded into a V: 2 stages per rank, "
+        "a forward and a backward of two micro-batches overlapped; at least 2 x pipeline micro-batches)")
     micro_batches: int | None = Field(
         default=None, ge=1, description="micro-batches per step (divides the per-rank batch); null: 2 × pipeline size")
     virtual_stages: int | None = Field(
@@ -112,7 +114,7 @@ class PipelinedModel(StagedModel):
 
 
 def _stage_indices(config: PipelineParallelConfig, rank: int, size: int) -> list[int]:
-    if config.schedule == "zbv":
+    if config.schedule in V_ORDER:
         return [rank, 2 * size - 1 - rank]
     return [rank + k * size for k in range(config.stages_per_rank())]
 
@@ -287,7 +289,7 @@ def shard_stages(ctx: Any, shard: Any, *args: Any, **kwargs: Any) -> None:
 # ----- the schedule ---------------------------------------------------------------------------------------
 _SCHEDULES = {
     "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV",
 }
 
 
@@ -584,8 +586,15 @@ class PipelineParallel(Method):
         if config.schedule in SINGLE and v != 1:
             problems.append(f"schedule '{config.schedule}' runs one stage per rank, but virtual_stages is {v}; use "
                             "schedule 'interleaved_1f1b' (or 'interleaved_zb') for several stages per rank")
-        if config.schedule == "zbv" and v != 2:
-            problems.append("schedule 'zbv' runs exactly 2 stages per rank (V order); set virtual_stages to 2")
+        if config.schedule in V_ORDER and v != 2:
+            problems.append(f"schedule '{config.schedule}' runs exactly 2 stages per rank (V order); set "
+                            "virtual_stages to 2")
+        size = dict(mode.dims).get(PIPELINE) if mode is not None else None
+        if config.schedule == "dualpipev" and config.micro_batches is not None and isinstance(size, int) \
+                and size > 0 and config.micro_batches < 2 * size:
+            problems.append(f"schedule 'dualpipev' needs at least as many micro-batches as stages ({2 * size}: 2 per "
+                            f"rank over pipeline size {size}), got {config.micro_batches}; set micro_batches to "
+                            f"{2 * size} or more (or leave it unset)")
         if config.schedule not in SINGLE and v < 2:
             problems.append(f"schedule '{config.schedule}' interleaves several stages per rank; set virtual_stages "
                             "to 2 or more, or use 'gpipe' / '1f1b'")

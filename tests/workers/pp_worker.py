@@ -157,6 +157,7 @@ GROUPS: dict[str, dict[str, tuple[str, list[Any]]]] = {
     "pp2xdp2": {
         **{f"{m}/pp2xdp2[{s}]": (m, [PP2, pp(s)]) for m in ("gpt2", "llama")
            for s in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")},
+        "gpt2/pp2xdp2[dualpipev]": ("gpt2", [PP2, pp("dualpipev")]),
         "gpt2/pp2xdp2+fsdp[1f1b]": ("gpt2", [PP2, pp("1f1b"), "fsdp"]),
         "gpt2/tp2xpp2": ("gpt2", [TPxPP, "module_replace", "tensor_parallel", pp("1f1b")]),
         "llama/tp2xpp2": ("llama", [TPxPP, "tensor_parallel", pp("1f1b")]),

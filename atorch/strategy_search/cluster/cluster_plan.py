@@ -49,7 +49,9 @@ SHARDINGS = ("none", Zero1.name, Zero2.name, FSDP.name)  # a layout's sharding: 
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
 # published schedules atorch does not run: evaluated for --layout only, their strategies written with the nearest one
-FOREIGN_SCHEDULES = {"dualpipe": "1f1b"}
+# (DualPipe as DualPipeV: the same overlapped forward and backward of two micro-batches, two stages per rank folded
+# into a V, one copy of the parameters where DualPipe keeps two)
+FOREIGN_SCHEDULES = {"dualpipe": "dualpipev"}
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
@@ -230,7 +232,8 @@ def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
                  cp)
     found = list(strategy_for(lay).problems(gpus))
     if schedule in FOREIGN_SCHEDULES:
-        found.append(f"atorch has no {schedule} schedule: the strategy is written with {FOREIGN_SCHEDULES[schedule]}")
+        found.append(f"atorch has no {schedule} schedule: the strategy is written with {FOREIGN_SCHEDULES[schedule]}, "
+                     "its nearest (torch's DualPipeV: two stages per rank in a V, one copy of the parameters)")
     if ep > 1 and EXPERT_METHOD not in registry.method_names():
         found.append(f"an expert dimension needs an '{EXPERT_METHOD}' method, which this atorch version's registry "
                      f"does not have: the strategy is written without it (every rank would hold every expert)")

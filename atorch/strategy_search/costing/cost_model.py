@@ -87,8 +87,12 @@ activations; in steady state (the second step on) the optimizer state exists dur
 * fsdp (FSDP2, reshard after forward): parameters, gradients and state ``/ dp``; the root unit (everything
   outside the repeated blocks) stays gathered across steps (calibrated ``FSDP_ROOT_PERSISTENT`` = 2 × its
   gathered bytes: the parameters and their all-gather buffer); a block unit is gathered while it runs, so
-  the forward's peak (at the head) holds none and the backward one (``unit``). With gradient accumulation
-  FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while atorch keeps the sync off.
+  the forward's peak (at the head) holds none and the backward one (``unit``). After a unit's backward its
+  gradients are reduced (``foreach_reduce``): a reduce-scatter input of the unit's fp32 bytes (the reduce dtype,
+  also under mixed precision) and its output (``unit / dp``; gloo reduces a whole copy instead: ``unit``), while
+  the activations of every block but the one just done are still held; the backward's peak is the larger of the
+  two moments. With gradient accumulation FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while
+  atorch keeps the sync off.
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
   every block stays gathered from its forward until its own backward has run. The end of the forward and
   the start of the blocks' backward hold all of them (no block recomputed yet); from there one block is
@@ -102,8 +106,8 @@ activations; in steady state (the second step on) the optimizer state exists dur
   stays whole on a rank (the first / last stage under pipeline parallel: that stage is counted). A
   block's saved activations shrink to ``TP_REPLICATED_ACTIVATIONS + (1 − that) / t`` (norms and residuals
   are replicated); a stage holds ``1/p`` of the blocks for each micro-batch in flight: ``p`` of them
-  under 1f1b and the interleaved schedules, all under gpipe. The schedule's micro-batches accumulate
-  into the stage's gradients like gradient accumulation.
+  under 1f1b and the interleaved schedules (``p + 1`` under dualpipev), all under gpipe. The schedule's
+  micro-batches accumulate into the stage's gradients like gradient accumulation.
 * expert_parallel (``expert_split`` ``e``; a mixture-of-experts model: ``E`` = the experts' parameter bytes,
   ``ModelStats.expert_param_count`` at the model's bytes per parameter): a rank keeps ``E / e`` whole, with their
   gradients and optimizer state, outside the data-parallel sharding, DDP's buckets and FSDP's gathered units; the
@@ -489,6 +493,15 @@ def _facts(stats: ModelStats, strategy: Strategy, layout: ParallelLayout, global
                   context=layout.size(facts.activations) if facts.activations else 1, sync=sync)
 
 
+def _reduce_scatter_bytes(unit: float, f: _Facts, profile: HardwareProfile) -> float:
+    """FSDP2's gradient reduction of one unit, after its backward (``foreach_reduce``): the unit's gradients copied
+    into one reduce-scatter input in the reduce dtype (fp32, also under mixed precision: ``unit`` is the unit's
+    fp32 bytes) and its output, ``1 / dp`` of it. gloo has no reduce-scatter of its own: torch's gloo backend
+    reduces a whole copy of the input, so on a CPU the output's place is taken by a whole unit (measured on the
+    held-out MobileViT and RegNet: 2.0 units over the unit's resharded state, fp32 and amp alike)."""
+    return unit * (1.0 + (1.0 if profile.device_type == "cpu" else 1 / f.sync))
+
+
 def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
             optimizer_state_factor: float) -> tuple[MemoryPrediction, list[str]]:
     """Peak bytes per rank: the terms of each phase (forward, backward, optimizer step, DeepSpeed's epilogue)."""
@@ -501,6 +514,7 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     fwd_temp = bwd_temp = 0.0  # gathered parameters / gradient buffers at the forward and backward peaks
     all_gathered = 0.0  # FSDP2 without resharding: every block's parameters, at the start of the blocks' backward
     epilogue = 0.0  # DeepSpeed: the reduction at the end of a backward (below)
+    reduce_temp = 0.0  # FSDP2: a unit's gradient reduction after its backward (its gathered parameters freed)
     if f.deepspeed:
         # ZeRO-1/2 in DeepSpeed 0.19 (deepspeed/runtime/zero/stage_1_and_2.py): the module's parameters live in
         # one flat buffer (DeepSpeedZeroOptimizer.__init__, flatten_dense_tensors_aligned), each rank keeps an
@@ -529,9 +543,11 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # blocks' backward starts (seen block by block on the bench's GPT-2s).
         persistent = FSDP_ROOT_PERSISTENT * f.root_params * f.gather
         fwd_temp, bwd_temp = (0.0, unit * f.gather) if f.reshard else (f.block_params * f.gather, unit * f.gather)
+        reduce_temp = _reduce_scatter_bytes(unit, f, profile)
         all_gathered = 0.0 if f.reshard else f.block_params * f.gather
     elif f.sharding and f.sync > 1:  # no blocks: the root is the only unit, gathered for forward and backward
         fwd_temp = bwd_temp = unit * f.gather
+        reduce_temp = _reduce_scatter_bytes(unit, f, profile)
     elif f.sharding and f.amp:  # dp = 1: FSDP2 still casts the parameters for compute
         fwd_temp = bwd_temp = f.rank_param_bytes * 0.5
     elif f.sync > 1:
@@ -573,7 +589,9 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
         # micro-batch), every micro-batch under gpipe.
         in_blocks = kept - stats.activation_bytes_outside_blocks
         in_blocks *= TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / f.tp
-        in_flight = f.micro_batches if f.schedule == "gpipe" else min(f.micro_batches, f.pp)
+        # DualPipe(V) holds one more (DeepSeek-V3's report, arXiv 2412.19437, Table 2: PP + 1 against 1F1B's PP)
+        in_flight = f.micro_batches if f.schedule == "gpipe" else min(f.micro_batches,
+                                                                      f.pp + (f.schedule == "dualpipev"))
         kept = stats.activation_bytes_outside_blocks + in_blocks / f.pp * in_flight
     largest = stats.largest_activation.bytes if stats.largest_activation else 0
     activations = (kept + LOSS_TEMP_FACTOR[f.checkpoint and bool(stats.blocks)] * largest) * act_scale
@@ -615,11 +633,16 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # and as it goes on (one block gathered and recomputed at a time).
     bwd_start = activations + held_grads + all_gathered
     bwd_on = (activations + held_grads if f.micro_batches > 1 else max(activations, grads)) + bwd_temp + recompute
+    # FSDP2's reduction of the first unit to finish its backward: that block's activations are freed by then
+    left = max(0.0, activations - max((b.activation_bytes for b in stats.blocks), default=0) * act_scale)
+    bwd_reduce = (left + held_grads if f.micro_batches > 1 else max(left, grads)) + reduce_temp
     if bwd_start > bwd_on:
         bwd_temp = all_gathered
+    if bwd_reduce > max(bwd_start, bwd_on):
+        bwd_temp = reduce_temp
     phases = {
         "forward": activations + fwd_temp + held_grads,
-        "backward": max(bwd_start, bwd_on),
+        "backward": max(bwd_start, bwd_on, bwd_reduce),
         "optimizer": step_grads + (0.0 if offloaded else step_temp),
     }
     if f.deepspeed:
