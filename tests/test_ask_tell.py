@@ -123,6 +123,40 @@ def test_a_time_correction_stays_in_its_family_and_an_unmeasured_layout_gets_the
     assert plain.time_correction(tp_mbs1) == 1.0
 
 
+def precision_table() -> CandidateTable:
+    """One layout, two shardings x fp32 / amp_bf16, one micro-batch size: amp predicted 10% faster than fp32."""
+    points, preds = [], []
+    for sharding in ("zero2", "fsdp"):
+        for precision, speed in (("fp32", 100.0), ("amp_bf16", 110.0)):
+            points.append({"checkpoint": True, "micro_batch_size": 2, "precision": precision, "sharding": sharding,
+                           "tensor": 1})
+            preds.append(Predicted.of(MiB, GLOBAL_BATCH / speed, GLOBAL_BATCH).to_json())
+    return CandidateTable(points, preds, GLOBAL_BATCH)
+
+
+def test_a_time_error_measured_in_one_precision_is_not_carried_to_another() -> None:
+    """Held-out EfficientNet on a CPU: its bf16 candidates ran at a fifth of their prediction (16-bit depthwise
+    convolutions), its fp32 ones at half; judged by the amp family's factor, the fp32 sibling (the true best) never
+    looked worth a dry-run. The amp factor stays with amp, in its own family and its layout's other families; fp32
+    keeps its prediction until an fp32 candidate runs, and is then promoted past the measured amp best."""
+    table = precision_table()
+    state = in_memory_state(table)
+    state.seed(top_k=1)
+    amp_zero2 = key_of(table, sharding="zero2", precision="amp_bf16")
+    fp32_zero2, fp32_fsdp = key_of(table, sharding="zero2", precision="fp32"), key_of(table, sharding="fsdp",
+                                                                                       precision="fp32")
+    state._remember(amp_zero2, 0, measured(0.2 * table.prediction(amp_zero2)["samples_per_s"]))
+    assert state.time_correction(key_of(table, sharding="fsdp", precision="amp_bf16")) == pytest.approx(0.2)
+    assert state.time_correction(fp32_zero2) == state.time_correction(fp32_fsdp) == 1.0
+    assert state.promising() == fp32_zero2  # predicted 100 samples/s against 22 measured
+    state._remember(fp32_zero2, 1, measured(0.5 * table.prediction(fp32_zero2)["samples_per_s"]))
+    assert state.time_correction(fp32_fsdp) == pytest.approx(0.5)  # now an fp32 factor is known in the layout
+    # a layout that ran faster than predicted lends that to a precision it has not run
+    fast = in_memory_state(table)
+    fast._remember(amp_zero2, 0, measured(2.0 * table.prediction(amp_zero2)["samples_per_s"]))
+    assert fast.time_correction(fp32_fsdp) == pytest.approx(2.0)
+
+
 def test_favourites_spread_over_the_layouts_and_a_corrected_prediction_that_beats_the_best_is_promoted() -> None:
     """The cost model's top six are tensor parallel; the search seeds the best of each layout instead. With one
     favourite (tensor parallel) and the DDP baseline seeded, tensor parallel measures at a fifth of its

@@ -315,7 +315,8 @@ class SearchState:
         # run 0.5x their prediction under load while data-parallel FSDP runs 1.4x), so a measurement re-ranks its
         # own family's candidates only (``time_correction``).
         self.correct_time = correct_time
-        self.time_ratios: dict[str, list[float]] = {}
+        self.time_ratios: dict[str, list[float]] = {}  # time family (CandidateTable.time_family) -> measured/predicted
+        self.time_families: dict[str, tuple[str, str]] = {}  # time family -> its layout and compute precision
         self.family_layouts: dict[str, str] = {}  # family -> its layout (CandidateTable.layout)
         self.queued: set[str] = set()  # keys enqueued by ``seed`` and ``promote`` (not promoted again)
         self.promoted: list[str] = []  # candidates enqueued because their corrected prediction beat the best
@@ -344,9 +345,10 @@ class SearchState:
             self.family_layouts[family] = self.table.layout(key)
         if (measured.get("status") in OK_STATUSES and measured.get("samples_per_s") and pred.get("samples_per_s")
                 and key in self.table.by_key):
-            family = self.table.family(key)
-            self.family_layouts[family] = self.table.layout(key)
-            self.time_ratios.setdefault(family, []).append(measured["samples_per_s"] / pred["samples_per_s"])
+            self.family_layouts[self.table.family(key)] = self.table.layout(key)
+            timed = self.table.time_family(key)
+            self.time_families[timed] = (self.table.layout(key), self.table.precision(key))
+            self.time_ratios.setdefault(timed, []).append(measured["samples_per_s"] / pred["samples_per_s"])
         reason = str(measured.get("reason") or "")
         if attrs["status"] == "failed" and key in self.table.by_key and (found := _BUILD_STEP.search(reason)):
             self.unbuildable_at.setdefault((found.group(1), self.table.layout(key)), (
@@ -389,21 +391,30 @@ class SearchState:
     def time_correction(self, key: str) -> float:
         """The factor a point's predicted samples/s is scaled by (1 without ``correct_time`` or a measurement).
 
-        A family that ran: its median measured / predicted. One that has not: the best factor among its layout's
-        families that ran (the same tensor / pipeline sizes): on the bench's GPT-2, tensor parallel ran at a fifth
-        of its prediction whatever the sharding, so a layout that ran slow is not promoted family by family, and
-        the skip rule keeps the sampler's proposals there from costing dry-runs. In a layout that has not run, the
-        best candidate's factor where that is above 1, else 1: a family the cost model favours there keeps its
+        A time family (the memory family and the compute precision) that ran: its median measured / predicted. One
+        that has not: the best factor among its layout's time families of the same precision that ran (the same
+        tensor / pipeline sizes): on the bench's GPT-2, tensor parallel ran at a fifth of its prediction whatever the
+        sharding, so a layout that ran slow is not promoted family by family, and the skip rule keeps the sampler's
+        proposals there from costing dry-runs. A precision not yet run in that layout is not judged by another's
+        error: the cost model knows the 16-bit kernels' speed least (on the held-out bench's convolution models bf16
+        ran 1.8-2.6x further from its prediction than fp32, on the transformers 0.8-1.3x; an EfficientNet's fp32
+        candidates, judged by its amp ones' 4.6x, were never tried though one was the best), so it keeps its
+        prediction, or the layout's best factor where that is above 1. In a layout that has not run, the best
+        candidate's factor where that is above 1, else 1: a family the cost model favours there keeps its
         prediction, and the skip rule is no harsher on it than comparing two predictions."""
         if not self.correct_time or not self.time_ratios or key not in self.table.by_key:
             return 1.0
-        if (family := self.table.family(key)) in self.time_ratios:
-            return statistics.median(self.time_ratios[family])
-        layout = self.table.layout(key)
-        seen = [statistics.median(r) for fam, r in self.time_ratios.items() if self.family_layouts[fam] == layout]
-        if seen:
-            return max(seen)
-        best = self.table.family(self.best_key) if self.best_key in self.table.by_key else None
+        if (timed := self.table.time_family(key)) in self.time_ratios:
+            return statistics.median(self.time_ratios[timed])
+        layout, precision = self.table.layout(key), self.table.precision(key)
+        in_layout = {fam: statistics.median(r) for fam, r in self.time_ratios.items()
+                     if self.time_families[fam][0] == layout}
+        same = [factor for fam, factor in in_layout.items() if self.time_families[fam][1] == precision]
+        if same:
+            return max(same)
+        if in_layout:
+            return max(1.0, *in_layout.values())
+        best = self.table.time_family(self.best_key) if self.best_key in self.table.by_key else None
         return max(1.0, statistics.median(self.time_ratios[best])) if best in self.time_ratios else 1.0
 
     def corrected_samples_per_s(self, key: str) -> float:

@@ -41,6 +41,15 @@ def _dimensions_of(_names: tuple[str, ...]) -> tuple[tuple[str, Any, str, bool],
     return tuple((d.name, d.off, d.kind, any(d.role(m).in_family for m in d.methods)) for d in search_dimensions())
 
 
+@functools.cache
+def _precision_dimension(_names: tuple[str, ...]) -> tuple[str, Any] | None:
+    """The choice dimension among the precision methods (its name and off value), if the registry has one."""
+    from atorch.opt_lib.registry import search_dimensions
+
+    return next(((d.name, d.off) for d in search_dimensions()
+                 if d.kind == "choice" and all(m.group == "precision" for m in d.methods)), None)
+
+
 def not_family_keys() -> frozenset[str]:
     """Point keys that do not change how memory is laid out (the micro-batch size, and the dimensions whose
     methods' search roles say so: precision, module_replace): a measurement corrects the predictions of the
@@ -221,6 +230,19 @@ class CandidateTable:
 
     def layout(self, key: str) -> str:
         return layout_key(self.points[self.by_key[key]])
+
+    def precision(self, key: str) -> str:
+        """The point's compute precision: its value of the choice among the precision methods (``amp_bf16``,
+        ...), the choice's off value where the point leaves it out, "" in a space without one."""
+        from atorch.opt_lib import registry
+
+        found = _precision_dimension(tuple(registry.method_names()))
+        return "" if found is None else str(self.points[self.by_key[key]].get(found[0], found[1]))
+
+    def time_family(self, key: str) -> str:
+        """The family whose measured step-time error stands for a point's (``SearchState.time_correction``): its
+        memory family and its compute precision."""
+        return json.dumps([self.family(key), self.precision(key)])
 
     def ranked(self, budget: float, correction: Callable[[str], float | None] | None = None,
                banded: bool = True) -> list[str]:
