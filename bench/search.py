@@ -293,7 +293,7 @@ def regnet() -> dict[str, Any]:  # grouped convolutions with squeeze-and-excitat
 
 
 
-# The fifth held-out set (bench/held_out.md, chosen 2026-11-30 18:40 UTC, before any measurement on them, to judge
+# The fifth held-out set (bench/held_out.md, chosen 2026-11-30 18:33 UTC, before any measurement on them, to judge
 # that day's FSDP reduce-scatter term): no test, example, calibration or earlier bench of the project uses these.
 def image_classifier(model: Any) -> dict[str, Any]:
     """A transformers image classifier on 64 generated 32x32 images of 10 classes."""

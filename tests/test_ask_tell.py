@@ -151,6 +151,14 @@ def test_a_time_error_measured_in_one_precision_is_not_carried_to_another() -> N
     assert state.promising() == fp32_zero2  # predicted 100 samples/s against 22 measured
     state._remember(fp32_zero2, 1, measured(0.5 * table.prediction(fp32_zero2)["samples_per_s"]))
     assert state.time_correction(fp32_fsdp) == pytest.approx(0.5)  # now an fp32 factor is known in the layout
+    # a 16-bit precision not yet run takes the factor of one of the same width (fp16 beside bf16)
+    wide = CandidateTable([*table.points, {"checkpoint": True, "micro_batch_size": 2, "precision": "amp_fp16",
+                                           "sharding": "fsdp", "tensor": 1}],
+                          [*table.predictions, table.predictions[-1]], GLOBAL_BATCH)
+    fp16 = in_memory_state(wide)
+    fp16._remember(amp_zero2, 0, measured(0.2 * table.prediction(amp_zero2)["samples_per_s"]))
+    assert fp16.time_correction(key_of(wide, precision="amp_fp16")) == pytest.approx(0.2)
+    assert fp16.time_correction(fp32_fsdp) == 1.0
     # a layout that ran faster than predicted lends that to a precision it has not run
     fast = in_memory_state(table)
     fast._remember(amp_zero2, 0, measured(2.0 * table.prediction(amp_zero2)["samples_per_s"]))

@@ -48,10 +48,11 @@ from atorch.strategy_search.costing.hardware import HardwareProfile
 SHARDINGS = ("none", Zero1.name, Zero2.name, FSDP.name)  # a layout's sharding: none or the method's name
 RECOMPUTE = ("none", "full")  # atorch's checkpoint method recomputes whole blocks; selective is the cost model's only
 SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
-# published schedules atorch does not run: evaluated for --layout only, their strategies written with the nearest one
-# (DualPipe as DualPipeV: the same overlapped forward and backward of two micro-batches, two stages per rank folded
-# into a V, one copy of the parameters where DualPipe keeps two)
-FOREIGN_SCHEDULES = {"dualpipe": "dualpipev"}
+# published schedules atorch does not run: evaluated for --layout only (matched on an enumerated layout of the first
+# schedule, then evaluated with their own terms), their strategies written with the second, atorch's nearest (DualPipe
+# as DualPipeV: the same overlapped forward and backward of two micro-batches, two stages per rank folded into a V,
+# one copy of the parameters where DualPipe keeps two)
+FOREIGN_SCHEDULES = {"dualpipe": ("1f1b", "dualpipev")}
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL_STAGES = 8  # enumerated; ``--layout`` may ask for more, down to one layer per virtual stage
 LAYOUT_KEYS = ("tensor", "pipeline", "data", "sharding", "recompute", "schedule", "virtual_stages",
@@ -208,7 +209,8 @@ def strategy_for(lay: Layout) -> Strategy:
     if dims:
         names[ParallelMode.name] = {"dims": [*dims, ("data", -1)]}
     tensor = {"sequence_parallel": lay.sequence_parallel, "loss_parallel": lay.vocab_parallel}
-    pipe: dict[str, Any] = {"schedule": FOREIGN_SCHEDULES.get(lay.schedule, lay.schedule),
+    pipe: dict[str, Any] = {"schedule": FOREIGN_SCHEDULES[lay.schedule][1] if lay.schedule in FOREIGN_SCHEDULES
+                            else lay.schedule,
                             "micro_batches": lay.micro_batches}
     if lay.schedule == "interleaved_1f1b":
         pipe["virtual_stages"] = lay.virtual_stages
@@ -232,8 +234,9 @@ def _problems(structure: tuple[Any, ...], gpus: int) -> tuple[str, ...]:
                  cp)
     found = list(strategy_for(lay).problems(gpus))
     if schedule in FOREIGN_SCHEDULES:
-        found.append(f"atorch has no {schedule} schedule: the strategy is written with {FOREIGN_SCHEDULES[schedule]}, "
-                     "its nearest (torch's DualPipeV: two stages per rank in a V, one copy of the parameters)")
+        found.append(f"atorch has no {schedule} schedule: the strategy is written with "
+                     f"{FOREIGN_SCHEDULES[schedule][1]}, its nearest (torch's DualPipeV: two stages per rank in a V, "
+                     "one copy of the parameters)")
     if ep > 1 and EXPERT_METHOD not in registry.method_names():
         found.append(f"an expert dimension needs an '{EXPERT_METHOD}' method, which this atorch version's registry "
                      f"does not have: the strategy is written without it (every rank would hold every expert)")
@@ -373,7 +376,7 @@ def _stats(shape: TransformerShape) -> Any:
 
 def _matches(lay: Layout, wanted: dict[str, Any]) -> bool:
     # fp8 and foreign schedules are not enumerated: matched on the rest, then set (plan_job)
-    return all(getattr(lay, k) == (FOREIGN_SCHEDULES.get(v, v) if k == "schedule" else v)
+    return all(getattr(lay, k) == (FOREIGN_SCHEDULES[v][0] if k == "schedule" and v in FOREIGN_SCHEDULES else v)
                for k, v in wanted.items() if k != "fp8")
 
 

@@ -239,6 +239,14 @@ class CandidateTable:
         found = _precision_dimension(tuple(registry.method_names()))
         return "" if found is None else str(self.points[self.by_key[key]].get(found[0], found[1]))
 
+    @staticmethod
+    def reduced(precision: str) -> bool:
+        """Whether a precision value computes in fewer bits than the precision choice's off value (fp32)."""
+        from atorch.opt_lib import registry
+
+        found = _precision_dimension(tuple(registry.method_names()))
+        return found is not None and precision != str(found[1])
+
     def time_family(self, key: str) -> str:
         """The family whose measured step-time error stands for a point's (``SearchState.time_correction``): its
         memory family and its compute precision."""
