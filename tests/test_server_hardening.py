@@ -5,6 +5,7 @@ a 429 for an address that keeps sending wrong tokens."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -136,10 +137,13 @@ def test_an_address_sending_wrong_tokens_gets_429_and_right_ones_are_never_slowe
         url = server.url
         good, bad = {"Authorization": f"Bearer {TOKEN}"}, {"Authorization": "Bearer wrong"}
         cookie = {COOKIE: httpx.post(f"{url}/ui/login", data={"token": TOKEN}).cookies[COOKIE]}
+        took = []
         for _ in range(20):  # right tokens: never counted
             t0 = time.perf_counter()
             assert httpx.get(f"{url}/v1/studies", headers=good).status_code == 200
-            assert time.perf_counter() - t0 < 1.0
+            took.append(time.perf_counter() - t0)
+        # never delayed: a delay would slow every request; one request on a loaded machine may take a second
+        assert statistics.median(took) < 1.0, took
         for _ in range(3):
             assert httpx.get(f"{url}/v1/studies", headers=bad).status_code == 401
         for path, headers in (("/v1/studies", bad), ("/v1/studies", good), ("/ui/", good), ("/dashboard", good)):
