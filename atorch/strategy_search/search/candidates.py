@@ -41,9 +41,15 @@ def _dimensions_of(_names: tuple[str, ...]) -> tuple[tuple[str, Any, str, bool],
     return tuple((d.name, d.off, d.kind, any(d.role(m).in_family for m in d.methods)) for d in search_dimensions())
 
 
-@functools.cache
-def _precision_dimension(_names: tuple[str, ...]) -> tuple[str, Any] | None:
+def _precision_dimension() -> tuple[str, Any] | None:
     """The choice dimension among the precision methods (its name and off value), if the registry has one."""
+    from atorch.opt_lib import registry
+
+    return _precision_dimension_of(tuple(registry.method_names()))  # a method registered later counts too
+
+
+@functools.cache
+def _precision_dimension_of(_names: tuple[str, ...]) -> tuple[str, Any] | None:
     from atorch.opt_lib.registry import search_dimensions
 
     return next(((d.name, d.off) for d in search_dimensions()
@@ -234,17 +240,13 @@ class CandidateTable:
     def precision(self, key: str) -> str:
         """The point's compute precision: its value of the choice among the precision methods (``amp_bf16``,
         ...), the choice's off value where the point leaves it out, "" in a space without one."""
-        from atorch.opt_lib import registry
-
-        found = _precision_dimension(tuple(registry.method_names()))
+        found = _precision_dimension()
         return "" if found is None else str(self.points[self.by_key[key]].get(found[0], found[1]))
 
     @staticmethod
     def reduced(precision: str) -> bool:
         """Whether a precision value computes in fewer bits than the precision choice's off value (fp32)."""
-        from atorch.opt_lib import registry
-
-        found = _precision_dimension(tuple(registry.method_names()))
+        found = _precision_dimension()
         return found is not None and precision != str(found[1])
 
     def time_family(self, key: str) -> str:
