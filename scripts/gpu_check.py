@@ -15,7 +15,8 @@ it is skipped and why. On a machine without a CUDA GPU every case is reported sk
 Three cases measure model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the cost
 model's step time and peak against dry-runs), ``families_search`` (automatic mode's pick in the user's loop against
 the plausible strategies, interleaved) and ``repeated_dry_runs`` (one candidate dry-run again and again: whether a
-first run or one after idling measures slower). ``--only a,b`` runs the named cases alone.
+first run or one after idling measures slower). ``--only a,b`` runs the named cases alone, in that order;
+``--out FILE`` rewrites the report there after every case.
 """
 
 from __future__ import annotations
@@ -486,21 +487,23 @@ def main() -> None:
         "repeated_dry_runs": repeated_dry_runs,
         **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }
-    if "--only" in sys.argv:  # a subset of the cases, by name (comma-separated)
+    if "--only" in sys.argv:  # a subset of the cases, by name (comma-separated), run in that order
         keep = sys.argv[sys.argv.index("--only") + 1].split(",")
-        cases = {name: case for name, case in cases.items() if name in keep}
+        cases = {name: cases[name] for name in keep if name in cases}
+    # --out FILE: the report so far, rewritten after every case (a run cut short by a time limit keeps what ran)
+    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else None
     no_gpu = None if gpu else f"no CUDA GPU on this machine (torch {torch.__version__}): it checks the GPU paths"
     for name, case in cases.items():
         try:
-            if no_gpu and name not in MULTI:  # (a MULTI case says how many GPUs it needs)
-                report[name] = {"ok": None, "skipped": no_gpu}
-                continue
-            found = case()
+            # (a MULTI case says how many GPUs it needs)
+            found = {"skipped": no_gpu} if no_gpu and name not in MULTI else case()
             skipped = isinstance(found.get("skipped"), str)  # a case not run (a trained case's dict: methods skipped)
             report[name] = {"ok": None if skipped else True, **found}  # a skip: neither
         except Exception as exc:  # noqa: BLE001  (every case is reported)
             report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:1500],
                             "where": traceback.format_exc()[-1500:]}
+        if out is not None:
+            out.write_text(json.dumps(report, default=str, indent=1))
     print("REPORT " + json.dumps(report, default=str), flush=True)
 
 
