@@ -250,7 +250,7 @@ def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_shardi
     # a sibling: the same step under another sharding. Here every sibling is traced, so each correction is checked
     # against the sibling's own trace. Under checkpoint on the Llama (an error the shardings share, on the
     # activations: KNOWN_ERRORS) the corrected figure lands within 5% of the trace; elsewhere the errors are within
-    # the band and nothing is corrected, but for the MLP's FSDP.
+    # the band and nothing is corrected, nor raised by the MLP's FSDP alone (SiblingErrors).
     from atorch.strategy_search.search.candidates import SiblingErrors
 
     corrected_band = 0.05
@@ -278,11 +278,12 @@ def test_a_traced_sibling_s_error_corrects_the_analytical_peak_of_another_shardi
             assert any(fixed is not None for *_, fixed in rows), rows
         for row in rows:
             source_error, fixed = row[1], row[-1]
-            # a source within the band of its figure corrects nothing
-            assert (fixed is None) == (abs(source_error / (1 + source_error)) <= BAND), (figures.name, recompute, row)
+            # a source within the band of its figure corrects nothing, nor one alone under its peak (seen < 0: a
+            # raise needs two shardings to agree; FSDP's root unit on the MLP, -17%, is that sharding's own error)
+            beyond = abs(source_error / (1 + source_error)) > BAND
+            assert (fixed is not None) == (beyond and source_error > 0), (figures.name, recompute, row)
             # a correction never puts a sibling under its peak by more than the corrected band (the side a dry-run
-            # pays for with an out-of-memory run); a sharding's own error (FSDP's root unit on the MLP, -17%)
-            # carried to the others over-predicts them, the safe side
+            # pays for with an out-of-memory run)
             assert fixed is None or fixed >= -corrected_band, (figures.name, recompute, row)
             if recompute and fixed is not None:  # the error the shardings share: corrected to within the band
                 assert abs(fixed) <= corrected_band, (figures.name, recompute, row)
