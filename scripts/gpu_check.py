@@ -12,9 +12,11 @@ installed): the script launches each with torchrun on that many GPUs (``--multi 
 model two steps under NCCL and reports the losses against one process on one GPU; with too few GPUs the entry says
 it is skipped and why. On a machine without a CUDA GPU every case is reported skipped, with that reason.
 
-Three cases measure model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the cost
+Four cases measure model families at a GPU's scale (transformers needed): ``families_vs_cost_model`` (the cost
 model's step time and peak against dry-runs), ``families_search`` (automatic mode's pick in the user's loop against
-the plausible strategies, interleaved) and ``repeated_dry_runs`` (one candidate dry-run again and again: whether a
+the plausible strategies, interleaved), ``families_budget_search`` (the same under a memory limit: the trace's cost
+against the dry-runs', out-of-memory dry-runs, the pick against the plausible strategies that fit) and
+``repeated_dry_runs`` (one candidate dry-run again and again: whether a
 first run or one after idling measures slower). ``--only a,b`` runs the named cases alone, in that order;
 ``--out FILE`` rewrites the report there after every case.
 """
@@ -349,6 +351,63 @@ def families_search(scale: int = 1, batch: int = 8, rounds: int = 3, steps: int 
     return out
 
 
+def _built_alone(parts: dict[str, Any], batch: int, steps: int, strategy: Any, **kwargs: Any) -> dict[str, Any]:
+    """``auto_accelerate`` with ``strategy`` (None: the search) and what it allocates: its peak in the user's loop over
+    what was allocated before its build, its median loop rate over 3 measures of ``steps`` steps, its build time."""
+    _sync()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    begin = time.perf_counter()
+    _, result, chosen = atorch.auto_accelerate(
+        parts["model"], torch.optim.AdamW, parts["dataset"], _hf_loss, optim_args={"lr": 1e-4},
+        model_input_format="unpack_dict", dataloader_args={"batch_size": batch, "shuffle": False},
+        load_strategy=strategy, **kwargs)
+    built_s = time.perf_counter() - begin
+    rates = [_loop_rate(result, steps) for _ in range(3)]
+    row = {"strategy": str(chosen), "samples_per_s": round(statistics.median(rates), 1),
+           "peak_mib": round((torch.cuda.max_memory_allocated() - before) / 2**20, 1), "build_s": round(built_s, 1),
+           "search": dict(getattr(result.args, "search", None) or {})}
+    result.close()
+    return row
+
+
+def families_budget_search(scale: int = 1, batch: int = 8, share: float = 0.6, steps: int = 6) -> dict[str, Any]:
+    """Automatic mode under a memory limit on this GPU (``share`` of plain fp32 DDP's dry-run peak): where the
+    search's time went (the memory trace against its dry-runs), its out-of-memory dry-runs, and its pick against
+    the plausible strategies that fit, each built alone and measured in the user's loop (its peak over what was
+    allocated before its build, median of 3 rates of ``steps`` steps)."""
+    import optuna
+
+    from atorch.dryrun import dry_run
+    from atorch.strategy import Strategy
+
+    env = init_distributed()
+    out: dict[str, Any] = {}
+    for name in FAMILIES:
+        parts = _family(name, scale)
+        setup, _ = _analysed_setup(parts, batch, env.device)
+        limit = int(share * (dry_run(setup, env, Strategy.load(["parallel_mode"]), warmup=1, steps=2).peak_bytes or 0))
+        storage = f"sqlite:////tmp/gpu_check_budget_{name}_{os.getpid()}.db"
+
+        pick = _built_alone(parts, batch, steps, None, memory_limit=limit, search={"force": True, "storage": storage})
+        study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage=storage)[0].study_name,
+                                  storage=storage)
+        runs = [t.user_attrs for t in study.get_trials() if "measured" in t.user_attrs
+                and t.user_attrs.get("status") != "duplicate"] + study.user_attrs.get("confirmations", [])
+        plausible = [_built_alone(parts, batch, steps, items) for items in PLAUSIBLE if items is not PLAUSIBLE[3]]
+        fitting = [row for row in plausible if row["peak_mib"] * 2**20 <= limit]
+        best = max(fitting, key=lambda row: row["samples_per_s"], default=None)
+        search = pick.pop("search")
+        out[name] = {"limit_mib": round(limit / 2**20, 1), "pick": pick, "dry_runs": len(runs),
+                     "out_of_memory": sum(r.get("status") == "oom" for r in runs),
+                     "phases_s": search.get("phases", {}), "stop_reason": search.get("stop_reason", ""),
+                     "plausible": plausible, "best_fitting": None if best is None else best["strategy"],
+                     "pick_over_best_fitting": None if best is None else round(
+                         pick["samples_per_s"] / max(best["samples_per_s"], pick["samples_per_s"]), 3),
+                     "pick_fits": pick["peak_mib"] * 2**20 <= limit}
+    return out
+
+
 # ----- multi-GPU methods: name -> (GPUs, strategy, model); each launched by torchrun on that many GPUs --------
 MULTI: dict[str, tuple[int, list[Any], str]] = {
     "expert_parallel": (2, [("parallel_mode", {"dims": [["expert", 2], ["data", -1]]}), "expert_parallel"],
@@ -484,6 +543,7 @@ def main() -> None:
         "search": lambda: train(None, search={"max_trials": 3, "force": True}),
         "families_vs_cost_model": families_vs_cost_model,
         "families_search": families_search,
+        "families_budget_search": families_budget_search,
         "repeated_dry_runs": repeated_dry_runs,
         **{name: (lambda name=name: multi_case(name)) for name in MULTI},
     }

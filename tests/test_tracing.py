@@ -115,6 +115,23 @@ def test_candidates_interpolate_between_the_family_ends_and_name_what_is_not_tra
     assert tracer.trace(fp16, 2, 1).peak == tracer.trace(bf16, 2, 1).peak
 
 
+def test_traces_in_this_process_as_a_gpu_job_runs_them_keep_the_figures_and_the_time_limit() -> None:
+    # A process that has used CUDA cannot fork a child that uses it (not_forkable): there the traces run in the
+    # job's process, with the figures of the forked child, and no family starts after the time limit.
+    from atorch.strategy_search.costing.tracing import not_forkable
+
+    assert not_forkable() is None  # (this machine, no CUDA: the forked path stands beside the in-process one)
+    setup = _setup()
+    tracer = MemoryTracer(setup, _sample(setup, 4), 2)
+    plain, zero2 = Strategy.load(["parallel_mode"]), Strategy.load(["parallel_mode", "zero2"])
+    cands = [Candidate(s, 2, 1, ((name, 2),)) for name, s in (("plain", plain), ("zero2", zero2))]
+    forked = tracer.trace_candidates(cands)
+    here = MemoryTracer(setup, _sample(setup, 4), 2).trace_candidates(cands, isolate=False)
+    assert {k: v.peak for k, v in here.items()} == {k: v.peak for k, v in forked.items()}
+    late = MemoryTracer(setup, _sample(setup, 4), 2).trace_candidates(cands, time_limit_s=0.0, isolate=False)
+    assert all(v == "not traced within 0 s" for v in late.values()), late
+
+
 def test_fsdp2_autocast_on_a_cnn_matches_two_real_gloo_ranks() -> None:
     # A VGG-like CNN under FSDP2 + autocast, two micro-batches: rank 0's trace against the dry-run's measurement
     # (tests/workers/tracing_worker.py). Without gloo's reduce-scatter copy in the trace the first was 6% under;

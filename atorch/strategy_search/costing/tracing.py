@@ -44,8 +44,9 @@ pickled, and its results come back as JSON lines through a pipe. Why a child: to
 fake mode — each trace now has a mode of its own — and in ``release()`` of fake FSDP2 modules), which in the
 job's own process would end the job; in a child it costs one family (recorded "tracing crashed"), the next
 child goes on after it. A fresh interpreter instead of a fork would need the user's objects pickled (never) or
-rebuilt, and ~3 s for ``import torch``; the fork costs milliseconds. ``trace`` (one candidate, in this
-process) is what the tests use.
+rebuilt, and ~3 s for ``import torch``; the fork costs milliseconds. Once the process has used CUDA (every GPU
+job, before its search) a forked child cannot (``not_forkable``), and the traces run in the job's process, each
+family started only within the time limit. ``trace`` (one candidate, in this process) is what the tests use.
 
 Counting: torch's ``MemTracker`` keys storages by their Python objects; on fake tensors a view or an in-place
 result comes back as a new one, so every nn.Linear's saved ``W.t()`` counted as a new weight (Llama, one rank:
@@ -314,22 +315,24 @@ class MemoryTracer:
         """Every candidate's traced memory (by ``candidate.key``), or the reason it is not traced.
 
         A family (the strategy, and whether micro-batches accumulate) is traced at its smallest and largest
-        micro-batch size; the sizes between are interpolated linearly. With ``isolate`` (where ``os.fork``
-        exists) the traces run in a forked child: a crash inside torch on some fake program (seen: a segfault)
-        costs that family, not the job, and the child is stopped after ``time_limit_s`` (the families not
-        reached are left to the analytical model). Nothing is pickled: the child has the parent's objects.
+        micro-batch size; the sizes between are interpolated linearly. With ``isolate`` (where a child can be
+        forked: ``not_forkable``) the traces run in a forked child: a crash inside torch on some fake program
+        (seen: a segfault) costs that family, not the job, and the child is stopped after ``time_limit_s``.
+        Without, they run here, and no family is started after ``time_limit_s``. The families not reached are left
+        to the analytical model. Nothing is pickled: the child has the parent's objects.
         """
         families: dict[str, list[Any]] = {}
         for cand in candidates:
             families.setdefault(_family(memory_twin(cand.strategy), cand.micro_batches), []).append(cand)
         plans = {family: sorted({c.micro_batch_size for c in members}) for family, members in families.items()}
-        if isolate and hasattr(os, "fork"):
+        if isolate and not_forkable() is None:
             ends = _in_children(self, families, plans, time_limit_s)
         else:
-            ends = {}
+            ends, deadline = {}, time.monotonic() + time_limit_s
             with fake_world(self.world_size):
                 for family, members in families.items():
-                    ends[family] = self._family_ends(family, members, plans[family])
+                    ends[family] = {m: f"not traced within {time_limit_s:g} s" for m in plans[family]} \
+                        if time.monotonic() >= deadline else self._family_ends(family, members, plans[family])
         out: dict[str, TracedMemory | str] = {}
         for family, members in families.items():
             sizes, found = plans[family], ends[family]
@@ -350,6 +353,20 @@ class MemoryTracer:
             except TraceError as exc:
                 self._cache[key] = str(exc)
         return self._cache[key]
+
+
+def not_forkable() -> str | None:
+    """Why fake builds cannot run in a forked child of this process (None: they can). Once the process has used
+    CUDA (a GPU job: its NCCL group, its device), torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in
+    forked subprocess"), and fake tensors on a CUDA device ask it for the device's properties: on an H200 every
+    build check and memory trace of a search failed so, and the search ran on the analytical figures alone. There
+    the builds run in this process, without a crash's isolation (and a spawned interpreter would need the user's
+    objects pickled: never)."""
+    if not hasattr(os, "fork"):
+        return "this platform has no os.fork"
+    if torch.cuda.is_initialized():
+        return "this process has initialized CUDA, which a forked child cannot use"
+    return None
 
 
 def _in_children(tracer: MemoryTracer, families: dict[str, list[Any]], plans: dict[str, list[int]],

@@ -12,8 +12,9 @@ Each layout's methods are covered by the fewest candidates, the simplest first (
 fails names the method whose step raised (``exc.atorch_method``, set by ``apply_strategy``); the methods of a
 candidate that built are known to build there. Candidates the fake build cannot stand for
 (``tracing.untraced_reason``: pipeline schedules, DeepSpeed's engine, which communicate as they are built) are left
-to the dry-runs, where one failure rules out its family the same way. The builds run in a forked child where
-``os.fork`` exists: torch can crash on a fake program (tracing.py), and that must cost the check, not the job.
+to the dry-runs, where one failure rules out its family the same way. The builds run in a forked child where one
+can be forked (``tracing.not_forkable``: not once the process has used CUDA): torch can crash on a fake program
+(tracing.py), and that must cost the check, not the job.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.
                    time_limit_s: float = CHECK_TIME_S) -> BuildCheck:
     """Build one candidate per method and layout of ``cands`` (fewest builds, simplest first) on fake tensors;
     a method whose build step raises is unbuildable at that layout."""
-    from atorch.strategy_search.costing.tracing import fake_world
+    from atorch.strategy_search.costing.tracing import fake_world, not_forkable
 
     begin = time.monotonic()
     plan = _plan(cands, world_size)
@@ -229,9 +230,9 @@ def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.
             else:  # a failure no method step owns (preflight): the dry-runs decide that candidate
                 found.unchecked.append(f"{' + '.join(event['names'])} at {event['layout']}: {why}")
 
-    if hasattr(os, "fork"):
+    if not_forkable() is None:
         _in_child(run_all, take, time_limit_s + 30.0)
-    else:
+    else:  # (a GPU job: CUDA is not usable in a forked child)
         run_all(take)
     found.seconds = time.monotonic() - begin
     return found
