@@ -358,9 +358,9 @@ class MemoryTracer:
 def not_forkable() -> str | None:
     """Why fake builds cannot run in a forked child of this process (None: they can). Once the process has used
     CUDA (a GPU job: its NCCL group, its device), torch refuses CUDA in a forked child ("Cannot re-initialize CUDA in
-    forked subprocess"), and fake tensors on a CUDA device ask it for the device's properties: on an H200 every
-    build check and memory trace of a search failed so, and the search ran on the analytical figures alone. There
-    the builds run in this process, without a crash's isolation (and a spawned interpreter would need the user's
+    forked subprocess"), which the fake builds on a CUDA device reach: on an H200 every memory trace of four budget
+    searches failed so, and the first one's build check, and the searches ran on the analytical figures alone.
+    There the builds run in this process, without a crash's isolation (a spawned interpreter would need the user's
     objects pickled: never)."""
     if not hasattr(os, "fork"):
         return "this platform has no os.fork"
