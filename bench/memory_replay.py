@@ -131,7 +131,7 @@ def main() -> None:
                 print(f"{key:16s} checkpoint={recompute!s:5s} rows {len(errors):3d}  median "
                       f"{statistics.median(errors):+.3f}  worst over {max(errors):+.3f}  worst under "
                       f"{min(errors):+.3f}  mean |error| {statistics.mean(map(abs, errors)):.3f}")
-        for source, values in correction_transfer(rows).items():
+        for source, values in (correction_transfer(rows) if args.correction_transfer else {}).items():
             transfer.setdefault(source, []).extend(values)
         if args.rows:
             for row in sorted(rows, key=lambda r: r["error"]):

@@ -16,9 +16,9 @@ Four cases measure model families at a GPU's scale (transformers needed): ``fami
 model's step time and peak against dry-runs), ``families_search`` (automatic mode's pick in the user's loop against
 the plausible strategies, interleaved), ``families_budget_search`` (the same under a memory limit: the trace's cost
 against the dry-runs', out-of-memory dry-runs, the pick against the plausible strategies that fit) and
-``repeated_dry_runs`` (one candidate dry-run again and again: whether a
-first run or one after idling measures slower). ``--only a,b`` runs the named cases alone, in that order;
-``--out FILE`` rewrites the report there after every case.
+``repeated_dry_runs`` (one candidate dry-run again and again: whether a first run or one after idling measures
+slower). ``--only a,b`` runs the named cases alone, in that order; ``--out FILE`` rewrites the report there after
+every case.
 """
 
 from __future__ import annotations
