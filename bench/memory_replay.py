@@ -71,6 +71,21 @@ def correction_transfer(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
+TUNED_MODELS = ("gpt2", "cnn")  # bench/search.py's tuned families: every other model of the sweeps is held out
+
+
+def close_call_outcomes(errors: list[float], band: float = 0.08) -> tuple[float, float]:
+    """How a close call's dry-run ends, from the memory model's errors (figure / measured - 1) over a model's swept
+    peaks, its distance from the budget spread evenly over the band: the share of those predicted over the budget by
+    under ``band`` that run out of memory, and of those predicted under it by under ``band`` that run out too (the
+    chances behind ``automatic.TRACE_PER_STOPPED_RUN``). A figure over the budget by ``o`` fits where the model was
+    ``o`` or more too high; one under it by ``u`` does not where the model was more than ``u`` too low."""
+    grid = [band * (i + 0.5) / 80 for i in range(80)]
+    over = statistics.mean(sum(e < o for e in errors) / len(errors) for o in grid)
+    under = statistics.mean(sum(e < -u for e in errors) / len(errors) for u in grid)
+    return over, under
+
+
 def replay(key: str, sweep: dict[str, Any], profile: Any, tensor_parallel: bool) -> list[dict[str, Any]]:
     """One model's swept candidates, predicted again: their methods, micro-batching and error."""
     import search
@@ -112,6 +127,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=HERE / "data" / "profile_cpu_2ranks_2026-11-25b.json")
     parser.add_argument("--tensor-parallel", action="store_true", help="include the tensor-parallel rows")
     parser.add_argument("--rows", action="store_true", help="print every row, worst under first")
+    parser.add_argument("--close-calls", action="store_true",
+                        help="how often a close call's dry-run runs out of memory (close_call_outcomes)")
     parser.add_argument("--correction-transfer", action="store_true",
                         help="how one precision's measured error corrects another's (correction_transfer)")
     args = parser.parse_args()
@@ -121,10 +138,12 @@ def main() -> None:
         sweeps.update(json.loads(path.read_text()))
     wanted = set(args.models.split(",")) if args.models else None
     transfer: dict[str, list[float]] = {}
+    model_errors: dict[str, list[float]] = {}
     for key, sweep in sweeps.items():
         if wanted is not None and key.split("/")[0] not in wanted:
             continue
         rows = replay(key, sweep, profile, args.tensor_parallel)
+        model_errors[key.split("/")[0]] = [r["error"] for r in rows]
         for recompute in (False, True):
             errors = [r["error"] for r in rows if r["checkpoint"] == recompute]
             if errors:
@@ -138,6 +157,15 @@ def main() -> None:
                 print(f"    {row['error']:+.3f}  {', '.join(row['methods']) or 'ddp'}  "
                       f"mbs {row['micro_batch_size']} x {row['micro_batches']}")
 
+    if args.close_calls:
+        print("a close call's dry-run runs out of memory (within 8% of the budget, by the figure's side):")
+        for label, models in (("tuned: gpt2, cnn", [m for m in model_errors if m in TUNED_MODELS]),
+                              ("held out", [m for m in model_errors if m not in TUNED_MODELS]),
+                              *((m, [m]) for m in model_errors)):
+            pooled = [e for m in models for e in model_errors[m]]
+            if pooled:
+                over, under = close_call_outcomes(pooled)
+                print(f"  {label:16s} rows {len(pooled):4d}  predicted over: {over:.2f}  predicted under: {under:.2f}")
     if args.correction_transfer:
         print("a family's memory correction taken from (corrected figure / measured peak - 1, every row):")
         for source, values in transfer.items():

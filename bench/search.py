@@ -562,8 +562,9 @@ def run_scenario(name: str, env: Any, repeats: int, sweeps: dict[str, dict[str, 
     # code and machine state): the sweep's wall times may come from another launch (--sweeps).
     # Rank 0's favourites on every rank: each rank's predictions come from its own profile and sample, and a tie
     # can fall either way (DryRunSession refuses ranks that disagree).
+    favourites = all_gather_json(favourites)[0]  # kept for the sweep's rows below (a rank's own could be unswept)
     start = time.monotonic()
-    for k in all_gather_json(favourites)[0]:
+    for k in favourites:
         run_candidate(session, env, by_key[k], timeout)
     top_s = time.monotonic() - start
 

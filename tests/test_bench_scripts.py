@@ -57,13 +57,29 @@ def test_the_memory_replay_predicts_the_kept_sweep_again() -> None:
     # DINOv2's sweep (the third held-out set): checkpoint rows within bench/README.md's run O figures
     run = subprocess.run(
         [sys.executable, str(BENCH / "memory_replay.py"), "--sweeps",
-         str(BENCH / "data" / "sweeps_2026-11-30-held-out-3.json"), "--models", "dinov2"],
+         str(BENCH / "data" / "sweeps_2026-11-30-held-out-3.json"), "--models", "dinov2", "--close-calls"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(BENCH.parent)})
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line.split() for line in run.stdout.splitlines() if line.startswith("dinov2/4")]
     assert [line[1] for line in lines] == ["checkpoint=False", "checkpoint=True"], run.stdout
     for line in lines:
         assert int(line[3]) >= 20 and float(line[-1]) < 0.08, line  # rows, mean |error|
+    # how a close call's dry-run ends (automatic.TRACE_PER_STOPPED_RUN): one predicted over the budget runs out of
+    # memory more often than one predicted under it (run W: 0.77 and 0.22 on this sweep)
+    (chances,) = [line.split() for line in run.stdout.splitlines() if line.startswith("  held out ")]
+    over, under = float(chances[-4]), float(chances[-1])
+    assert 0.5 < over <= 1.0 and 0.0 <= under < 0.5, chances
+
+
+def test_close_call_outcomes_follow_the_sign_and_size_of_the_memory_error() -> None:
+    sys.path.insert(0, str(BENCH))
+    from memory_replay import close_call_outcomes
+
+    assert close_call_outcomes([0.0] * 10) == (1.0, 0.0)  # exact figures: over the budget stops, under fits
+    assert close_call_outcomes([0.1] * 10) == (0.0, 0.0)  # 10% too high: within 8% either side, every run fits
+    assert close_call_outcomes([-0.1] * 10) == (1.0, 1.0)  # 10% too low: every close call stops
+    over, under = close_call_outcomes([-0.04, 0.04])  # half of the band each way
+    assert over == pytest.approx(0.75) and under == pytest.approx(0.25)
 
 
 def test_the_gpu_check_reports_every_case_skipped_with_its_reason_on_a_cpu_machine() -> None:

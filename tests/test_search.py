@@ -72,16 +72,27 @@ def test_memory_limit_plain_ddp_exceeds_gives_a_strategy_that_fits(tmp_path) -> 
     assert out["picked_peak"] is not None and out["picked_peak"] <= out["limit"]
     # The cost model keeps OOM runs away: a candidate predicted over the budget by more than the model's known error
     # is told to the sampler as predicted_oom, never run (asserted below); a close call is measured, so it may run
-    # out of memory, once per memory family: the measured family's figure then stands without the error band, so its
-    # look-alikes predicted over the budget are not run (how many close calls the trace settles first depends on
-    # how far its time limit gets: fewer under load)
+    # out of memory: the measured family's figure then stands without the error band (scaled by its measured /
+    # predicted, at least 1), so a look-alike (another micro-batch size or precision) runs after it only where that
+    # figure is within the budget, and may still run out of memory by the model's error at its own point
     families = out["oom_families"]
-    assert len(families) == len(set(families)) == out["statuses"].count("oom"), (out["statuses"], out["oom_trials"],
-                                                                                 out["limit"])
+    assert len(families) == out["statuses"].count("oom"), (out["statuses"], out["oom_trials"], out["limit"])
+    ratios: dict[str, float] = {}
+    for family, (key, predicted, measured) in zip(families, out["oom_trials"], strict=True):
+        if family in ratios:
+            assert predicted * ratios[family] <= out["limit"], (key, predicted, ratios[family], out["limit"])
+        ratios[family] = max(ratios.get(family, 1.0), measured / predicted)
     assert out["measured_predicted_peaks"], out
-    # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced.
+    # Under a limit of 70% of DDP's peak every candidate's fit is in doubt: their memory is traced, unless one trace
+    # costs more than its share of the out-of-memory dry-run it may spare (this model's, on 2 CPU ranks: about 0.8
+    # s against 1 s); the search says which, and why (test_memory_is_traced_only_where_one_trace_fits_its_time)
     (line,) = out["trace_lines"]
-    assert not line.startswith("cost model: memory of 0 of "), line
+    untraced = out["untraced_lines"]
+    if line.startswith("cost model: memory of 0 of "):
+        assert len(untraced) == 1 and ("a trace would cost about" in untraced[0]
+                                       or "one trace of this model would take about" in untraced[0]), (line, untraced)
+    else:
+        assert untraced == [], (line, untraced)
     # nothing dry-run that the figures put over the budget by more than their known error (a close call is measured)
     from atorch.strategy_search.search.automatic import ANALYTICAL_MEMORY_BAND
 
@@ -333,12 +344,13 @@ def test_close_contenders_are_re_measured_interleaved_until_the_noise_decides(tm
     assert "Where the time went" in out.read_text() and "confirmation" in out.read_text()
 
 
-@pytest.mark.parametrize("end_per_analysis", [None, 1e6])
-def test_memory_is_traced_only_where_one_trace_fits_its_time(end_per_analysis, tmp_path, monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("end_per_analysis,per_stopped_run", [(None, None), (1e6, None), (None, 1e-9)])
+def test_memory_is_traced_only_where_one_trace_fits_its_time(end_per_analysis, per_stopped_run, tmp_path, monkeypatch,
+                                                            caplog) -> None:
     """One process under a memory limit that puts the candidates' fit in doubt (1.2x plain DDP's measured peak):
     their memory is traced, unless a trace of one candidate (end_per_analysis x the analysis's seconds) would
-    overrun the trace's time; then none is started, the log says why, and the search goes on on the analytical
-    figures."""
+    overrun the trace's time, or cost more than its share (per_stopped_run) of the dry-run stopped at its warm-up
+    that it may spare; then none is started, the log says why, and the search goes on on the analytical figures."""
     from atorch.distributed import init_distributed
     from atorch.dryrun import dry_run
     from atorch.model_context import UserSetup
@@ -348,6 +360,8 @@ def test_memory_is_traced_only_where_one_trace_fits_its_time(end_per_analysis, t
     monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     if end_per_analysis is not None:
         monkeypatch.setattr(automatic, "TRACE_END_PER_ANALYSIS", end_per_analysis)
+    if per_stopped_run is not None:
+        monkeypatch.setattr(automatic, "TRACE_PER_STOPPED_RUN", per_stopped_run)
     args = _mlp_args()
     user = UserSetup(model=mlp(), optim_func=torch.optim.SGD, **args)
     peak = dry_run(user, init_distributed(), Strategy.load(["parallel_mode"]), warmup=1, steps=1).peak_bytes
@@ -359,12 +373,15 @@ def test_memory_is_traced_only_where_one_trace_fits_its_time(end_per_analysis, t
     phases = result.args.search["phases"]
     result.close()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cost model: memory")]
-    if end_per_analysis is None:
+    if end_per_analysis is None and per_stopped_run is None:
         assert any("candidates traced" in line and not line.startswith("cost model: memory of 0 ")
                    for line in said), said
+        assert not any("memory not traced" in line for line in said), said
     else:
-        assert any(line.startswith("cost model: memory not traced: one trace of this model would take about") for
-                   line in said), said
+        why = ("one trace of this model would take about" if end_per_analysis is not None else
+               "a trace would cost about")
+        assert any(line.startswith(f"cost model: memory not traced: {why}") for line in said), said
+        assert any(line.startswith("cost model: memory of 0 ") for line in said), said
         assert phases["trace_s"] < 0.5, phases
 
 

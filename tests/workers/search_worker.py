@@ -53,13 +53,16 @@ SCRATCH = sys.argv[2] if len(sys.argv) > 2 else "."
 
 
 class _TraceLines(logging.Handler):
-    """The search's line on how many candidates' memory it traced."""
+    """The search's line on how many candidates' memory it traced, and on why it traced none where it did not."""
 
     lines: list[str] = []
+    untraced: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if "candidates traced" in record.getMessage():
             self.lines.append(record.getMessage())
+        elif record.getMessage().startswith("cost model: memory not traced"):
+            self.untraced.append(record.getMessage())
 
 
 logging.getLogger("atorch.strategy_search.search.automatic").addHandler(_TraceLines())
@@ -138,7 +141,7 @@ def budget() -> dict[str, Any]:
     losses = train(result, 2)
     result.close()
     return {"ddp_peak": ddp.peak_bytes, "limit": limit, "strategy": strategy.to_list(), "search": best,
-            "trace_lines": list(_TraceLines.lines),
+            "trace_lines": list(_TraceLines.lines), "untraced_lines": list(_TraceLines.untraced),
             "picked_peak": max(t["measured"]["peak_memory_bytes"] for t in picked) if picked else None,
             "statuses": [t.get("status") for t in trials], "losses": losses,
             # the memory family (layout, sharding, recompute) of each dry-run that ran out of memory

@@ -62,6 +62,16 @@ TRACE_END_PER_ANALYSIS = 4.0
 # above: a family cut off at the limit is time spent for nothing (a loaded machine traced 0 candidates of a small
 # GPT-2 in a 3.3 s limit that the unloaded estimate said would hold one).
 TRACE_ENDS_PER_FAMILY = 2
+# A trace settles one candidate's fit, where the dry-run it may spare is one stopped at its warm-up (a candidate that
+# fits is dry-run anyway, for its time): so a trace is started only where its wall-time share (one trace at the rate
+# above, over the ranks tracing at once) is under TRACE_PER_STOPPED_RUN of such a dry-run (DRY_RUN_BUILD_S and the
+# warm-up steps of the fastest candidate to trace). Half: a close call runs out of memory 0.73-0.80 of the time where
+# it is predicted over the budget and 0.16-0.20 where under (the memory model's errors over every swept peak), and
+# on this machine's small models a trace took 0.8-1.1 s a candidate (2 ranks) against about 1 s for a stopped
+# dry-run: with the trace, the budget bench spent 2.4-4.3 s of each search on 4 traced candidates of 68 and spared
+# no out-of-memory run; without it, 17 of 18 budget searches cost under half of measuring their top 16 and 17 of 18
+# picks held (bench/README.md, run W).
+TRACE_PER_STOPPED_RUN = 0.5
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
 # worst errors held out: 12% low, 14% high; on the bench's GPT-2 sweep: 14% low, 18% high; bench/README.md), so
@@ -373,7 +383,7 @@ class _Leader:
                 doubtful = [c for c in space.enumerate() if low < analytical(c).memory.peak < high]
                 traced["*"] = "fits by a wide margin"  # marks tracing as done, whatever follows
                 cands: list[Any] = []
-                untraceable = 0
+                untraceable = chosen = 0
                 try:
                     # the close calls (within the analytical band of the budget: without a trace they would be
                     # dry-run to settle their fit) and the rest of the doubtful that could still be picked:
@@ -421,10 +431,21 @@ class _Leader:
                     if sure < float("inf"):  # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's
                         limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(sure)))
                     end_s = TRACE_END_PER_ANALYSIS * self.phases.get("analysis_s", 0.0)
+                    chosen = len(cands)  # for the summary below: what the trace would settle at no cost
                     if cands and end_s > limit:
                         logger.info("cost model: memory not traced: one trace of this model would take about %.1f s "
                                     "(%g x its analysis), over the %.1f s the trace may take", end_s,
                                     TRACE_END_PER_ANALYSIS, limit)
+                        cands = []
+                    stopped_s = DRY_RUN_BUILD_S + self.options.warmup_steps * min(
+                        (analytical(c).time.step for c in cands), default=0.0)
+                    if cands and end_s / self.env.world_size > TRACE_PER_STOPPED_RUN * stopped_s:
+                        logger.info("cost model: memory not traced: a trace would cost about %.1f s a candidate (%g x "
+                                    "the analysis's %.2f s, %d at once), over %g of a dry-run stopped at its warm-up "
+                                    "(about %.1f s), the most it may spare: the close calls are dry-run instead",
+                                    end_s / self.env.world_size, TRACE_END_PER_ANALYSIS,
+                                    self.phases.get("analysis_s", 0.0), self.env.world_size, TRACE_PER_STOPPED_RUN,
+                                    stopped_s)
                         cands = []
                     if cands:
                         limit = max(limit, TRACE_ENDS_PER_FAMILY * end_s)
@@ -441,7 +462,7 @@ class _Leader:
                             "cannot be traced: the analytical model stands for them and for the untraced rest, "
                             "corrected by their traced siblings' error for %d)", done, len(space),
                             time.monotonic() - begin, len(space) - len(doubtful),
-                            *(100 * share for share in TRACE_BAND), len(doubtful) - len(cands) - untraceable,
+                            *(100 * share for share in TRACE_BAND), len(doubtful) - chosen - untraceable,
                             untraceable, sum(sibling_errors.knows(dict(c.point))
                                              and isinstance(traced.get(c.key, ""), str) for c in space.enumerate()))
             found = traced.get(cand.key)
