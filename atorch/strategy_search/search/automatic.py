@@ -70,7 +70,7 @@ TRACE_ENDS_PER_FAMILY = 2
 # on this machine's small models a trace took 0.8-1.1 s a candidate (2 ranks) against about 1 s for a stopped
 # dry-run: with the trace, the bench's nine in-sample budget searches spent 2.4-4.3 s each tracing (GPT-2: 4
 # candidates of 68) and ran 8 out-of-memory dry-runs; without it 6, and 17 of 18 budget searches (nine held out) cost
-# under half of measuring their top 16, with 17 of 18 picks held (bench/README.md, run W).
+# under half of measuring their top 16 (6 of the nine when repeated), with 17 of 18 picks held (bench/README.md, W).
 TRACE_PER_STOPPED_RUN = 0.5
 # Tracing refines the memory of candidates whose fit is in doubt: one predicted analytically under half the budget
 # fits unless the analytical model is 2x low, and one over 1.5x the budget does not unless it is a third high (its
