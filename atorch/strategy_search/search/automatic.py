@@ -301,7 +301,11 @@ class _Leader:
         budget search traced fewer close calls and ran two of them out of memory (bench/README.md, run N)."""
         timed = max(self.options.measure_steps * step_s, min(self.options.min_measure_s,
                                                              self.options.max_measure_steps * step_s))
-        return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s + timed
+        return self._stopped_run_s(step_s) + timed
+
+    def _stopped_run_s(self, step_s: float) -> float:
+        """A dry-run stopped at its warm-up (out of memory) at a predicted step of ``step_s``: its build and warm-up."""
+        return DRY_RUN_BUILD_S + self.options.warmup_steps * step_s
 
     def plan(self) -> SearchOutcome:
         from atorch.strategy_search.costing.analyser import analyse, batch_shape
@@ -431,14 +435,13 @@ class _Leader:
                     if sure < float("inf"):  # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's
                         limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(sure)))
                     end_s = TRACE_END_PER_ANALYSIS * self.phases.get("analysis_s", 0.0)
-                    chosen = len(cands)  # for the summary below: what the trace would settle at no cost
+                    chosen = len(cands)  # chosen to trace, before the cost checks below (the summary counts them)
                     if cands and end_s > limit:
                         logger.info("cost model: memory not traced: one trace of this model would take about %.1f s "
                                     "(%g x its analysis), over the %.1f s the trace may take", end_s,
                                     TRACE_END_PER_ANALYSIS, limit)
                         cands = []
-                    stopped_s = DRY_RUN_BUILD_S + self.options.warmup_steps * min(
-                        (analytical(c).time.step for c in cands), default=0.0)
+                    stopped_s = self._stopped_run_s(min((analytical(c).time.step for c in cands), default=0.0))
                     if cands and end_s / self.env.world_size > TRACE_PER_STOPPED_RUN * stopped_s:
                         logger.info("cost model: memory not traced: a trace would cost about %.1f s a candidate (%g x "
                                     "the analysis's %.2f s, %d at once), over %g of a dry-run stopped at its warm-up "
