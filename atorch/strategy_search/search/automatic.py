@@ -49,7 +49,8 @@ LEADER_SILENT_S = 30.0
 # unless two dry-runs are predicted shorter (TRACE_DRY_RUNS below).
 TRACE_RANK_S, TRACE_MIN_S = 20.0, 10.0
 # ... and never over TRACE_DRY_RUNS dry-runs' worth of the fastest sure fit (its predicted step times the warm-up and
-# the timed steps, plus DRY_RUN_BUILD_S to build it), at least TRACE_FLOOR_S: on the held-out bench a dry-run took
+# the timed steps, plus DRY_RUN_BUILD_S to build it; where nothing surely fits, of the fastest candidate to trace),
+# at least TRACE_FLOOR_S: on the held-out bench a dry-run took
 # 1-3 s, and a 10 s trace weighed several of them (bench/README.md); the close calls are traced first.
 TRACE_DRY_RUNS, TRACE_FLOOR_S, DRY_RUN_BUILD_S = 2.0, 3.0, 1.0
 # A trace runs the real build and two steps on fake tensors under a memory tracker: one micro-batch size of one
@@ -432,8 +433,13 @@ class _Leader:
                         rounds[group] = rounds.get(group, -1) + 1
                         order[c.key] = rounds[group]
                     cands.sort(key=lambda c: order[c.key])  # stable: by priority within a round
-                    if sure < float("inf"):  # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's
-                        limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(sure)))
+                    # proportional to a dry-run: TRACE_DRY_RUNS of the fastest sure fit's, or where nothing surely
+                    # fits, of the fastest candidate to trace's (PoolFormer under its budget: every candidate a close
+                    # call, dry-runs of 1.5 s, and a 10 s trace made the search cost 1.3x measuring its top 16)
+                    reference = sure if sure < float("inf") else min(
+                        (analytical(c).time.step for c in cands), default=float("inf"))
+                    if reference < float("inf"):
+                        limit = min(limit, max(TRACE_FLOOR_S, TRACE_DRY_RUNS * self._dry_run_s(reference)))
                     end_s = TRACE_END_PER_ANALYSIS * self.phases.get("analysis_s", 0.0)
                     chosen = len(cands)  # chosen to trace, before the cost checks below (the summary counts them)
                     if cands and end_s > limit:

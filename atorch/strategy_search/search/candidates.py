@@ -243,6 +243,24 @@ class CandidateTable:
         band = pred.get("memory_band", 0.0) if correction is None and banded else 0.0
         return "error" not in pred and pred["peak_memory_bytes"] * (correction or 1.0) * (1.0 - band) <= budget
 
+    @staticmethod
+    def fit_chance(pred: dict[str, Any], budget: float, correction: float | None = None) -> float:
+        """The chance that the candidate fits the budget. 0 or 1 where its figure is decisive (a family's measured
+        correction, or no error band); else the memory model's error taken as spread evenly over its band, as
+        ``fits`` reads it: 1/2 with the figure at the budget, falling to 0 a band over it (where ``fits`` turns
+        False) and rising to 1 a band under it. Measured by bench/memory_replay.py --close-calls over the six sweep
+        files (2026-12-01): of the candidates predicted over the budget by under the band (8%), 0.23 fit on the tuned
+        models and 0.29 on the held-out ones (this rule: 0.25); of those under it by under the band, 0.89 and 0.82
+        (this rule: 0.75, on the safe side)."""
+        if "error" in pred:
+            return 0.0
+        band = float(pred.get("memory_band", 0.0)) if correction is None else 0.0
+        figure = float(pred["peak_memory_bytes"]) * (correction or 1.0)
+        if band <= 0.0 or figure <= 0.0:
+            return 1.0 if figure <= budget else 0.0
+        short = 1.0 - budget / figure  # how much too high the figure must be for the candidate to fit
+        return min(1.0, max(0.0, 0.5 - short / (2.0 * band)))
+
     def family(self, key: str) -> str:
         return family_key(self.points[self.by_key[key]])
 
@@ -281,15 +299,17 @@ class CandidateTable:
         the user's numbers on that layout (``keeps_user_numbers``: sharding or recompute added, still fp32), so
         a search under a budget measures at least one fp32 candidate: the cost model's 16-bit speed-ups are its
         least certain figures (on the held-out bench's budgets, 16-bit picks ran at 0.64-0.87 of the fp32 best
-        that no dry-run had measured). None fits: plain DDP, which costs no dry-run (predicted out of memory)."""
+        that no dry-run had measured). The fastest by expected samples/s (``fit_chance``), as the seeds. None fits:
+        plain DDP, which costs no dry-run (predicted out of memory)."""
         ddp = [i for i, p in enumerate(self.points) if is_baseline(p)]
         if not ddp:
             return None
         scale = correction or (lambda key: None)
 
-        def fastest_fitting(indices: list[int]) -> str | None:
+        def fastest_fitting(indices: list[int]) -> str | None:  # by expected samples/s, as the seeds
             fitting = [i for i in indices if self.fits(self.predictions[i], budget, scale(self.keys[i]))]
-            return self.keys[max(fitting, key=lambda i: self.predictions[i]["samples_per_s"])] if fitting else None
+            return self.keys[max(fitting, key=lambda i: self.predictions[i]["samples_per_s"] * self.fit_chance(
+                self.predictions[i], budget, scale(self.keys[i])))] if fitting else None
 
         exact = [i for i, p in enumerate(self.points) if keeps_user_numbers(p)]
         return fastest_fitting(ddp) or fastest_fitting(exact) or \
