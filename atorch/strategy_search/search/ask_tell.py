@@ -328,6 +328,10 @@ class SearchState:
         # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
         # ``unbuildable``: the families the build check before the search ruled out (search.buildable)
         self.unbuildable_at: dict[tuple[str, str], str] = dict(unbuildable or {})
+        # per-candidate corrections, read for every candidate at every ask (the sampler's proposals that need no
+        # dry-run, a dozen or more between two dry-runs): computed once per measurement (``_measured``)
+        self._measured, self._corrections_of = 0, -1
+        self._corrections: dict[tuple[str, str], Any] = {}
         if trials is None:  # ``trials``: the study's trials when the caller has just read them
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         for old in trials:
@@ -338,7 +342,15 @@ class SearchState:
             if again["key"] in self.done:
                 self._merge(again["key"], again["measured"])
 
+    def _corrected(self, what: str, key: str, compute: Callable[[str], Any]) -> Any:
+        if self._corrections_of != self._measured:
+            self._corrections, self._corrections_of = {}, self._measured
+        if (what, key) not in self._corrections:
+            self._corrections[what, key] = compute(key)
+        return self._corrections[what, key]
+
     def _remember(self, key: str, number: int, measured: dict[str, Any]) -> tuple[float, dict[str, float], dict]:
+        self._measured += 1
         pred = self.table.prediction(key)
         value, constraints, attrs = judge(measured, pred, self.budget)
         if measured.get("peak_memory_bytes") and pred.get("peak_memory_bytes") and key in self.table.by_key:
@@ -379,6 +391,9 @@ class SearchState:
         17-30% over its figure, and under a budget each was dry-run out of memory in turn while the first one's
         ratio was known. Over the data ranks alone the families differ by how they shard (DDP, ZeRO, FSDP), each
         with its own terms and errors: one family's ratio says nothing of another's there."""
+        return self._corrected("memory", key, self._memory_correction)
+
+    def _memory_correction(self, key: str) -> float | None:
         if key not in self.table.by_key:
             return None
         family = self.table.family(key)
@@ -408,6 +423,9 @@ class SearchState:
         layout's best factor where that is above 1. In a layout that has not run, the best candidate's factor where
         that is above 1, else 1: a family the cost model favours there keeps its prediction, and the skip rule is no
         harsher on it than comparing two predictions."""
+        return self._corrected("time", key, self._time_correction)
+
+    def _time_correction(self, key: str) -> float:
         if not self.correct_time or not self.time_ratios or key not in self.table.by_key:
             return 1.0
         if (timed := self.table.time_family(key)) in self.time_ratios:
@@ -452,7 +470,7 @@ class SearchState:
         lead = self.corrected_samples_per_s(key) / float(self.best_value)
         return (f"predicted peak {pred['peak_memory_bytes'] / 2**20:.1f} MiB, {100 * over:.0f}% over the budget "
                 f"{self.budget / 2**20:.1f} MiB, within the cost model's known error: it fits about {chance:.0%} of "
-                f"the time, and at {lead:.2f}x the best measured samples/s{self._basis(key)} its expected gain is "
+                f"the time, and at {lead:.2f}x the best measured samples/s{self._basis(key)}, its expected gain is "
                 f"under {PROMOTE_MARGIN:.0%}; not dry-run")
 
     def promising(self) -> str | None:
@@ -745,6 +763,7 @@ class SearchState:
         return record
 
     def _merge(self, key: str, measured: dict[str, Any]) -> None:
+        self._measured += 1
         verdict = self.done[key][2]
         merged = merge_runs(verdict["measured"], measured)
         value, constraints, attrs = judge(merged, self.table.prediction(key), self.budget)

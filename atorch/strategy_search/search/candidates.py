@@ -191,6 +191,7 @@ class CandidateTable:
     _prefixes: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
     _values: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
     _names: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    _groups: dict[tuple[str, str], str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.points) != len(self.predictions):
@@ -261,17 +262,24 @@ class CandidateTable:
         short = 1.0 - budget / figure  # how much too high the figure must be for the candidate to fit
         return min(1.0, max(0.0, 0.5 - short / (2.0 * band)))
 
+    def _memo(self, what: str, key: str, compute: Callable[[Point], str]) -> str:
+        # a point's groups never change; the search reads them for every candidate at every ask (hundreds a search)
+        found = self._groups.get((what, key))
+        if found is None:
+            found = self._groups[what, key] = compute(self.points[self.by_key[key]])
+        return found
+
     def family(self, key: str) -> str:
-        return family_key(self.points[self.by_key[key]])
+        return self._memo("family", key, family_key)
 
     def layout(self, key: str) -> str:
-        return layout_key(self.points[self.by_key[key]])
+        return self._memo("layout", key, layout_key)
 
     def precision(self, key: str) -> str:
         """The point's compute precision: its value of the choice among the precision methods (``amp_bf16``,
         ...), the choice's off value where the point leaves it out, "" in a space without one."""
         found = _precision_dimension()
-        return "" if found is None else str(self.points[self.by_key[key]].get(found[0], found[1]))
+        return "" if found is None else self._memo("precision", key, lambda p: str(p.get(found[0], found[1])))
 
     @staticmethod
     def reduced(precision: str) -> bool:
@@ -282,7 +290,7 @@ class CandidateTable:
     def time_family(self, key: str) -> str:
         """The family whose measured step-time error stands for a point's (``SearchState.time_correction``): its
         memory family and its compute precision."""
-        return json.dumps([self.family(key), self.precision(key)])
+        return self._memo("time_family", key, lambda _: json.dumps([self.family(key), self.precision(key)]))
 
     def ranked(self, budget: float, correction: Callable[[str], float | None] | None = None,
                banded: bool = True) -> list[str]:
