@@ -118,7 +118,9 @@ PROMOTE_MARGIN = 0.05
 # A candidate whose unmeasured figure lies over the budget, within the memory model's band, runs out of memory about
 # 3 times in 4 (CandidateTable.fit_chance): its dry-run is worth a slot when its chance times its predicted gain over
 # the best measured one still beats PROMOTE_MARGIN. The seeds rank by the same expected samples/s. On the held-out
-# DeepSeek-V3 under its budget, 3 of 8 dry-runs had stopped out of memory so (bench/README.md, run W).
+# DeepSeek-V3 under its budget, 3 of 8 dry-runs had stopped out of memory so (bench/README.md, run W: 11 of 66 over
+# the nine held-out budget searches of sets 1-3); with this rule 3 of 63 and 8 of 59 in two launches, 5 of those 8
+# on DeepSeek-V3, three of them figures wrongly under the budget (run X).
 CONFIRM_RUNS = 2  # a confirmation round re-measures the best and the runner-up once each
 CONFIRM_ROUNDS = 3  # rounds at most, while the two stay within the noise of each other (SearchOptions.confirm_rounds)
 # The confirmation's band (SearchOptions.confirm_within) doubles, up to this, for a runner-up that the cost model ranked
