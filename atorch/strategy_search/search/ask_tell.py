@@ -626,17 +626,11 @@ class SearchState:
                     f"predicted peak {pred['peak_memory_bytes'] * scale / 2**20:.1f} MiB{corrected} "
                     f"> budget {self.budget / 2**20:.1f} MiB"
                 ))
-                over = (pred["peak_memory_bytes"] * scale - self.budget) / self.budget
-                constraints = {"memory_over": over, "failed": 0.0}
-                self._tell(trial, pred["samples_per_s"], constraints, attrs)
-                self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
+                self._tell_over_budget(trial, key, pred, scale, attrs)
                 continue
             if why := self.long_shot(key):  # more likely out of memory than not, for too little gain
                 attrs.update(status="skipped", reason=why)
-                over = (pred["peak_memory_bytes"] * scale - self.budget) / self.budget
-                constraints = {"memory_over": over, "failed": 0.0}
-                self._tell(trial, pred["samples_per_s"], constraints, attrs)
-                self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
+                self._tell_over_budget(trial, key, pred, scale, attrs)
                 continue
             slower = self.slower_than_best(pred, key)
             if self.skip_slower_than is not None and slower > self.skip_slower_than:
@@ -654,6 +648,15 @@ class SearchState:
                 continue
             set_user_attrs(trial, {**attrs, "status": "running", **(lease_attrs or {})})
             return Proposal(trial.number, point, key, pred)
+
+    def _tell_over_budget(self, trial: Any, key: str, pred: dict[str, Any], scale: float,
+                          attrs: dict[str, Any]) -> None:
+        """Tell a candidate left out for its memory, without a dry-run: at its predicted samples/s, infeasible by how
+        far its (scaled) figure is over the budget, so the sampler learns where the budget ends."""
+        over = (pred["peak_memory_bytes"] * scale - self.budget) / self.budget
+        constraints = {"memory_over": over, "failed": 0.0}
+        self._tell(trial, pred["samples_per_s"], constraints, attrs)
+        self.done[key] = (pred["samples_per_s"], constraints, {"number": trial.number, **attrs})
 
     def unbuildable(self, key: str) -> str:
         """Why a candidate is left out without a dry-run because a method it uses failed in its build step at the
