@@ -100,7 +100,7 @@ class DroppedBranches(nn.Module):
 
 def test_a_storage_freed_mid_step_does_not_hide_the_next_one() -> None:
     """Saved storages are told apart by address; one freed mid-step handed its address to the next saved one,
-    which was then not counted (a DeepSeek-V3's activations varied by up to 5% from one analysis to the next).
+    which was then not counted (a DeepSeek-V3's activations varied by up to 7% from one analysis to the next).
     Counted: the input and every projection output that sin or cos saved, and each cos output the next
     projection saved (the last one is only summed, which saves nothing)."""
     rounds = 6

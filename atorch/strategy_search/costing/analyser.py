@@ -320,7 +320,7 @@ class _SavedTensors:
         # Every storage counted (or marked as state) is held until the analysis ends: storages are told apart by
         # their address, and one freed mid-step (a temporary saved by a graph that was then dropped) would hand its
         # address to a later one, which was then taken for it and not counted: the same model's activations varied
-        # by up to 5% from one analysis to the next (a DeepSeek-V3's routed experts).
+        # by up to 7% from one analysis to the next (a DeepSeek-V3's routing branches).
         self.kept: list[torch.UntypedStorage] = []
         self.blocks = blocks  # module name -> block class path
         self.stack: list[str] = []
