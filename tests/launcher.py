@@ -51,15 +51,31 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
+def _signal_sessions(pids: list[int], sig: int) -> None:
+    """``sig`` to each worker and to what it started (a DataLoader's worker processes): its whole process group
+    where the worker leads one (torchrun starts each in a session of its own), else the worker alone. A forked child
+    keeps the launch's output pipes open: one left running hid every process's threads, and the launch never ended
+    (a data worker under two CI runs side by side: "no output: the launch did not end")."""
+    for pid in pids:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
-    """End a hung launch: SIGABRT to the workers (faulthandler prints each one's threads), then torchrun and what
-    is left are killed, and their output read."""
+    """End a hung launch: SIGABRT to the workers and their children (faulthandler prints each one's threads), then
+    torchrun and what is left are killed, and their output read."""
     workers = _children(proc.pid)
-    _signal(workers, signal.SIGABRT)
+    _signal_sessions(workers, signal.SIGABRT)
     try:
         return proc.communicate(timeout=20)  # torchrun sees its workers die and ends
     except subprocess.TimeoutExpired:
-        _signal([*_children(proc.pid), *workers, proc.pid], signal.SIGKILL)
+        _signal_sessions(workers, signal.SIGKILL)
+        _signal([*_children(proc.pid), proc.pid], signal.SIGKILL)
     try:
         return proc.communicate(timeout=20)
     except subprocess.TimeoutExpired:
