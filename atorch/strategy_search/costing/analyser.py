@@ -315,13 +315,14 @@ class _SavedTensors:
     """Counts the storages autograd saves for backward, by innermost running block, skipping model state."""
 
     def __init__(self, model: nn.Module, blocks: dict[str, str]) -> None:
-        self.state = {t.untyped_storage()._cdata for t in itertools.chain(model.parameters(), model.buffers())}
-        self.seen: set[int] = set()
-        # Every storage counted (or marked as state) is held until the analysis ends: storages are told apart by
-        # their address, and one freed mid-step (a temporary saved by a graph that was then dropped) would hand its
+        # storage address -> the storage, held: model state (and autocast's weight casts, _WeightCasts)
+        self.state = {t.untyped_storage()._cdata: t.untyped_storage()
+                      for t in itertools.chain(model.parameters(), model.buffers())}
+        # Every storage counted is held (the value) until the analysis ends: storages are told apart by their
+        # address, and one freed mid-step (a temporary saved by a graph that was then dropped) would hand its
         # address to a later one, which was then taken for it and not counted: the same model's activations varied
         # by up to 7% from one analysis to the next (a DeepSeek-V3's routing branches).
-        self.kept: list[torch.UntypedStorage] = []
+        self.seen: dict[int, torch.UntypedStorage] = {}
         self.blocks = blocks  # module name -> block class path
         self.stack: list[str] = []
         self.total = 0
@@ -336,8 +337,7 @@ class _SavedTensors:
         key = storage._cdata
         if key in self.state or key in self.seen:
             return t
-        self.seen.add(key)
-        self.kept.append(storage)
+        self.seen[key] = storage
         size = storage.nbytes()
         self.total += size
         block = next((name for name in reversed(self.stack) if name in self.blocks), None)
@@ -411,8 +411,8 @@ class _WeightCasts(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and \
                 args[0].untyped_storage()._cdata in self.saved.state:
-            self.saved.state.add(out.untyped_storage()._cdata)
-            self.saved.kept.append(out.untyped_storage())  # its address is not handed to an activation
+            # held, so its address is not handed to an activation
+            self.saved.state[out.untyped_storage()._cdata] = out.untyped_storage()
         return out
 
 
