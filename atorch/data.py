@@ -9,6 +9,8 @@ rank r (and within it, dataloader worker w) takes every n-th sample of the strea
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +18,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from torch.utils.data.distributed import DistributedSampler
 
 from atorch.errors import SetupError
+from atorch.log import get_logger
+
+logger = get_logger(__name__)
+_warned_fork_hazard = False
 
 
 class EpochDataLoader(DataLoader):
@@ -73,7 +79,13 @@ def build_dataloader(
     dataset: Dataset, dataloader_args: dict[str, Any], dp_size: int, dp_rank: int, sampler_cls: type | None = None
 ) -> EpochDataLoader:
     """This rank's dataloader. ``shuffle`` defaults to True under data parallel (dp_size > 1)."""
+    global _warned_fork_hazard
     args = dict(dataloader_args)
+    hazard = worker_fork_hazard(sys.version_info[:3], start_method(args.get("multiprocessing_context")),
+                                int(args.get("num_workers") or 0), dist_initialized())
+    if hazard and not _warned_fork_hazard:
+        _warned_fork_hazard = True
+        logger.warning(hazard)
     args["batch_size"] = local_batch_size(dataloader_args, dp_size)
     if isinstance(dataset, IterableDataset):
         if args.pop("shuffle", False) or sampler_cls is not None:
@@ -85,6 +97,34 @@ def build_dataloader(
     if sampler_cls is not None:
         args["sampler"] = sampler_cls(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle)
     return EpochDataLoader(dataset, **args)
+
+
+def start_method(context: Any) -> str:
+    """How the dataloader's workers start: ``multiprocessing_context`` (a name or a context), else the default."""
+    if context is None:
+        return multiprocessing.get_start_method()
+    return context if isinstance(context, str) else str(context.get_start_method())
+
+
+def dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def worker_fork_hazard(version: tuple[int, int, int], method: str, workers: int, distributed: bool) -> str | None:
+    """A warning where forked workers may hang at start-up: CPython before 3.11.10 (gh-112275; 3.12 is fixed) can
+    deadlock a forked child when another thread of the parent was creating its Python thread state at the fork.
+    torch.distributed's threads do that after a collective; a stress test of short passes on Python 3.11.7 under
+    gloo hung about 1 worker start in 2,000, each time on a gloo thread's state, and the training waited forever."""
+    if workers <= 0 or method != "fork" or not distributed or version >= (3, 11, 10) or version < (3, 10, 0):
+        return None
+    return (f"dataloader_args: num_workers={workers} forks worker processes, and Python "
+            f"{'.'.join(map(str, version))} can hang a forked worker at start-up when a torch.distributed thread "
+            "enters Python at that moment (CPython gh-112275, fixed in 3.11.10 and 3.12). Upgrade Python, or pass "
+            "dataloader_args={'multiprocessing_context': 'forkserver'} (the dataset must then be picklable and the "
+            "script's training code under `if __name__ == '__main__':`), or 'persistent_workers': True to fork the "
+            "workers once rather than every epoch")
 
 
 def empty_loader_problems(dataset: Any, dataloader_args: dict[str, Any], dp_size: int | None) -> list[str]:

@@ -4,6 +4,7 @@ split over ranks and workers) and the up-front checks of dataset, loss, model an
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from toy_models import TokenDataset, gpt2_loss, mlp, mlp_dataset, mlp_loss, tiny_gpt2
 
 import atorch
-from atorch.data import build_dataloader
+from atorch.data import build_dataloader, start_method, worker_fork_hazard
 
 WORKER = HERE / "workers" / "data_worker.py"
 
@@ -76,6 +77,20 @@ def test_iterable_dataset_with_length_reports_this_ranks_share():
         [1, 3], [5, 7], [9]
     ]
 
+
+
+def test_forked_workers_warn_where_this_python_can_hang_them():
+    """CPython before 3.11.10 (gh-112275) can deadlock a worker forked while a torch.distributed thread enters Python
+    (seen on this machine's 3.11.7, gloo, about 1 worker start in 2,000): the loader says so, with the ways out."""
+    hazard = worker_fork_hazard((3, 11, 7), "fork", 2, True)
+    assert hazard is not None and "gh-112275" in hazard and "Python 3.11.7" in hazard
+    assert "'multiprocessing_context': 'forkserver'" in hazard and "'persistent_workers': True" in hazard
+    for fixed in ((3, 11, 10), (3, 12, 0), (3, 13, 1)):
+        assert worker_fork_hazard(fixed, "fork", 2, True) is None
+    assert worker_fork_hazard((3, 11, 7), "forkserver", 2, True) is None  # the workers are not forked from here
+    assert worker_fork_hazard((3, 11, 7), "fork", 0, True) is None  # no worker
+    assert worker_fork_hazard((3, 11, 7), "fork", 2, False) is None  # no torch.distributed thread
+    assert start_method("spawn") == "spawn" and start_method(multiprocessing.get_context("forkserver")) == "forkserver"
 
 # ----- the dataloader at two processes ----------------------------------------------------------
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ Rank 0 prints ``RESULT {json}`` with, per scenario, every rank's sample ids per 
 from __future__ import annotations
 
 import json
+import multiprocessing
 from typing import Any
 
 import torch
@@ -74,14 +75,23 @@ def gathered(orders: list[list[int]]) -> list[list[list[int]]]:
     return [t.tolist() for t in everyone]
 
 
+def fork_server() -> Any:
+    """Workers forked by a fork server, not by this process: on Python before 3.11.10 a worker forked from a process
+    whose gloo threads enter Python can hang at start-up (``atorch.data.worker_fork_hazard``; about 1 start in 2,000
+    here). The server imports this script once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__"])
+    return context
+
+
 def main() -> None:
     out = {
         "default": loader(Ids()),
         "no_shuffle": loader(Ids(), shuffle=False),
-        "workers": loader(Ids(), num_workers=2),
+        "workers": loader(Ids(), num_workers=2, multiprocessing_context=fork_server()),
         "user_sampler": loader(Ids(), sampler_cls=PlainSampler, shuffle=True),
         "stream": loader(IdStream(), epochs=1),
-        "stream_workers": loader(IdStream(), epochs=1, num_workers=2),
+        "stream_workers": loader(IdStream(), epochs=1, num_workers=2, multiprocessing_context=fork_server()),
     }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
