@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
@@ -107,8 +108,6 @@ def start_method(context: Any) -> str:
 
 
 def dist_initialized() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
@@ -116,15 +115,15 @@ def worker_fork_hazard(version: tuple[int, int, int], method: str, workers: int,
     """A warning where forked workers may hang at start-up: CPython before 3.11.10 (gh-112275; 3.12 is fixed) can
     deadlock a forked child when another thread of the parent was creating its Python thread state at the fork.
     torch.distributed's threads do that after a collective; a stress test of short passes on Python 3.11.7 under
-    gloo hung about 1 worker start in 2,000, each time on a gloo thread's state, and the training waited forever."""
+    gloo hung about 1 worker start in 2,000 (the hang examined: on a gloo thread's state), and the training
+    waited forever."""
     if workers <= 0 or method != "fork" or not distributed or version >= (3, 11, 10) or version < (3, 10, 0):
         return None
     return (f"dataloader_args: num_workers={workers} forks worker processes, and Python "
             f"{'.'.join(map(str, version))} can hang a forked worker at start-up when a torch.distributed thread "
             "enters Python at that moment (CPython gh-112275, fixed in 3.11.10 and 3.12). Upgrade Python, or pass "
             "dataloader_args={'multiprocessing_context': 'forkserver'} (the dataset must then be picklable and the "
-            "script's training code under `if __name__ == '__main__':`), or 'persistent_workers': True to fork the "
-            "workers once rather than every epoch")
+            "script's training code under `if __name__ == '__main__':`)")
 
 
 def empty_loader_problems(dataset: Any, dataloader_args: dict[str, Any], dp_size: int | None) -> list[str]:
