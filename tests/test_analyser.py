@@ -403,3 +403,31 @@ def test_op_counts_match_a_real_step() -> None:
     assert stats.param_tensors == 8
     wider = analyse(model, (torch.randn(3 * BATCH, 16),), "unpack_sequence", lambda data, output: output.sum())
     assert (wider.fwd_ops, wider.bwd_ops) == (stats.fwd_ops, stats.bwd_ops)
+
+
+def test_the_head_is_what_the_root_uses_after_the_last_block() -> None:
+    """``head_param_bytes``: the parameters outside the blocks that the forward uses after its last block, whose
+    gradients FSDP2 holds unsharded from the start of backward (cost_model: the root unit's term). Untied (Llama):
+    the output projection and the final norm, not the token embedding; tied (GPT-2): the embedding is the head."""
+    untied = analyse(llama(), tokens(), "unpack_dict")
+    assert untied.head_param_bytes == F32 * (VOCAB * D + D)  # lm_head, final RMSNorm
+    tied = analyse(gpt2(dropout=0.0), tokens(), "unpack_dict")
+    assert tied.head_param_bytes == F32 * (VOCAB * D + 2 * D)  # wte (as lm_head), final LayerNorm's weight and bias
+    # what FSDP2 holds besides the blocks: the root's gathered parameters and the head's gradients
+    from atorch.parallel_layout import ParallelLayout
+    from atorch.strategy import Strategy
+    from atorch.strategy_search.costing.cost_model import predict
+    from atorch.strategy_search.costing.hardware import HardwareProfile
+
+    link = {"bus_bandwidth": 1e9, "latency_s": 1e-4, "size_bytes": 0}
+    profile = HardwareProfile.from_table({
+        "device_type": "cpu", "device_name": "test", "world_size": 2, "local_world_size": 2, "backend": "gloo",
+        "torch_version": "any", "matmul_tflops": {"float32": 1.0}, "op_latency_s": 1e-5, "memory_per_rank": 1 << 30,
+        "memory_bytes_per_s": 4e9,
+        "collectives": {name: link for name in ("all_reduce", "all_gather", "reduce_scatter")}})
+    fsdp = Strategy.load(["parallel_mode", "fsdp"])
+    root = untied.param_bytes - sum(b.param_bytes_total for b in untied.blocks)
+    with_head = predict(untied, fsdp, ParallelLayout.data_parallel(2), profile, 2 * BATCH).memory
+    without = predict(untied.model_copy(update={"head_param_bytes": 0}), fsdp, ParallelLayout.data_parallel(2),
+                      profile, 2 * BATCH).memory
+    assert with_head.peak - without.peak == untied.head_param_bytes < root

@@ -242,4 +242,5 @@ def stats_of(shape: TransformerShape) -> ModelStats:
         fwd_bwd_flops_per_sample=3 * fwd, param_tensors=shape.layers * (9 if shape.gated_mlp else 8) + 3,
         activation_bytes=0, activation_bytes_outside_blocks=0, blocks=(block,), largest_layer=None,
         largest_activation=None,
+        head_param_bytes=4 * (shape.vocab * shape.hidden + shape.hidden),  # the head (tied: the embedding), its norm
     )

@@ -144,6 +144,9 @@ class ModelStats(_Frozen):
     blocks: tuple[BlockStats, ...]
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
+    # trainable parameters outside the blocks used after the last one (the output head; tied embeddings too): FSDP2
+    # holds their unsharded gradients from the start of backward, with the root unit's gathered parameters, to its end
+    head_param_bytes: int = 0
     # mixture of experts (``moe_structure``): every expert's parameters are in memory, a token visits top-k of them
     experts: int = 0  # experts per MoE layer (0: no MoE layer)
     experts_per_token: int = 0
@@ -331,6 +334,11 @@ class _SavedTensors:
         self.largest_in: dict[str, int] = {name: 0 for name in blocks}
         self.attention: set[str] = set()  # blocks that ran attention (seen by _OpCounter)
         self.largest: ActivationStats | None = None
+        # forward order: each module's last entry and the last block's end (``head_param_bytes``)
+        self.calls = 0
+        self.entered: dict[str, int] = {}
+        self.blocks_done_at = -1
+        self.model = model
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -360,6 +368,8 @@ class _SavedTensors:
 
     def _enter(self, name: str, args: Any, kwargs: Any) -> None:
         self.stack.append(name)
+        self.calls += 1
+        self.entered[name] = self.calls
         if name in self.inputs:  # the first call's inputs (a block run twice is counted once)
             self.inputs[name] = self.inputs[name] or sum(
                 nbytes(t) for t in tensor_leaves([args, list(kwargs.values())]) if t.is_floating_point())
@@ -367,6 +377,27 @@ class _SavedTensors:
     def _leave(self, name: str) -> None:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
+        if name in self.blocks:
+            self.blocks_done_at = self.calls
+
+    def head_param_bytes(self) -> int:
+        """Bytes of the trainable parameters outside the repeated blocks that the forward uses after its last block
+        (the output head; with tied embeddings the embedding too): their gradients come first in backward. 0 without
+        blocks."""
+        if self.blocks_done_at < 0:
+            return 0
+        modules = dict(self.model.named_modules())
+        # a parameter a block holds (a head tied to an embedding that is a unit of its own) is that unit's
+        in_blocks = {id(p) for name in self.blocks for p in modules[name].parameters()}
+        inside = tuple(f"{name}." for name in self.blocks)
+        seen: dict[int, int] = {}
+        for name, module in modules.items():
+            if self.entered.get(name, 0) > self.blocks_done_at and name not in self.blocks and \
+                    not name.startswith(inside):
+                for param in module.parameters(recurse=False):
+                    if param.requires_grad and id(param) not in in_blocks:  # (a frozen head has no gradient)
+                        seen.setdefault(id(param), nbytes(param))
+        return sum(seen.values())
 
 
 def _block_instances(model: nn.Module) -> dict[str, str]:
@@ -550,6 +581,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         blocks=block_stats,
         largest_layer=largest_layer,
         largest_activation=saved.largest,
+        head_param_bytes=saved.head_param_bytes(),
         experts=experts,
         experts_per_token=per_token,
         expert_param_count=expert_params,
