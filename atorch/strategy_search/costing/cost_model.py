@@ -544,10 +544,9 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     elif f.sharding and f.sync > 1 and stats.blocks:
         # FSDP2 keeps the root unit (what is outside the blocks) gathered, and from the start of backward the
         # unsharded gradients of its head (``head_params``) until its reduction; a block unit is gathered while it
-        # runs: in backward one
-        # is (the forward's is freed before the head's peak). Without resharding after forward every block
-        # stays gathered until its own backward has run: all of them at the forward's end and where the
-        # blocks' backward starts (seen block by block on the bench's GPT-2s).
+        # runs: in backward one is (the forward's is freed before the head's peak). Without resharding after
+        # forward every block stays gathered until its own backward has run: all of them at the forward's end and
+        # where the blocks' backward starts (seen block by block on the bench's GPT-2s).
         persistent = (f.root_params + f.head_params) * f.gather
         fwd_temp, bwd_temp = (0.0, unit * f.gather) if f.reshard else (f.block_params * f.gather, unit * f.gather)
         reduce_temp = _reduce_scatter_bytes(unit, f, profile)
