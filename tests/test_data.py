@@ -78,7 +78,6 @@ def test_iterable_dataset_with_length_reports_this_ranks_share():
     ]
 
 
-
 def test_forked_workers_warn_where_this_python_can_hang_them():
     """CPython before 3.11.10 (gh-112275) can deadlock a worker forked while a torch.distributed thread enters Python
     (seen on this machine's 3.11.7, gloo, about 1 worker start in 2,000): the loader says so, with the ways out."""
@@ -91,6 +90,7 @@ def test_forked_workers_warn_where_this_python_can_hang_them():
     assert worker_fork_hazard((3, 11, 7), "fork", 0, True) is None  # no worker
     assert worker_fork_hazard((3, 11, 7), "fork", 2, False) is None  # no torch.distributed thread
     assert start_method("spawn") == "spawn" and start_method(multiprocessing.get_context("forkserver")) == "forkserver"
+
 
 # ----- the dataloader at two processes ----------------------------------------------------------
 @pytest.fixture(scope="module")
