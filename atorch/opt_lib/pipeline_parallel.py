@@ -41,6 +41,7 @@ from atorch.opt_lib.base import Categorical, Dimension, Method, MethodConfig, Se
 from atorch.opt_lib.blocks import block_classes
 from atorch.opt_lib.expert_parallel import is_expert_param
 from atorch.opt_lib.parallel_mode import ParallelMode
+from atorch.opt_lib.pipeline_router import RouterCarry, router_loss_on
 from atorch.opt_lib.pipeline_split import (
     StageModule,
     build_stage,
@@ -155,7 +156,7 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     owned = plan_stages(model, blocks, total)
     indices = _stage_indices(config, rank, size)
     no_split = getattr(model, "_no_split_modules", None) or _block_class_names(model)
-    stages = [StageModule(build_stage(model, blocks, owned[i], i == 0, i == total - 1), i, i == 0, i == total - 1,
+    stages = [StageModule(_built(model, blocks, owned[i], i == 0, i == total - 1), i, i == 0, i == total - 1,
                           no_split, fmt) for i in indices]
     pipelined = PipelinedModel(stages, no_split)
     pipelined.tied = _tied_groups(model)  # type: ignore[assignment]
@@ -165,6 +166,15 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
     ctx.model = pipelined
     logger.info("pipeline_parallel: %d stages over %d processes (blocks per stage %s), this rank holds %s",
                 total, size, [len(o) for o in owned], indices)
+
+
+def _built(model: nn.Module, blocks: Any, owned: tuple[str, ...], first: bool, last: bool) -> nn.Module:
+    """One stage's model; where the model adds its router's load-balancing loss, the stage carries the router
+    logits on to the last stage, which computes that loss (pipeline_router)."""
+    stage = build_stage(model, blocks, owned, first, last)
+    if router_loss_on(model):
+        stage.atorch_router = RouterCarry(model, stage)  # read by StageModule
+    return stage
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:
@@ -328,10 +338,13 @@ class PipelineRunner:
         else:
             self.schedule = cls(stages, self.micro_batches, loss_fn=self._loss)
 
-    def _loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
         data = _take(self.data, index)
+        router_loss = None
+        if isinstance(output, tuple):  # (logits, the router's load-balancing loss): see pipeline_router
+            output, router_loss = output
         if is_transformers(self.last_model):
-            output = _transformers_output(self.last_model, output, data)
+            output = _transformers_output(self.last_model, output, data, router_loss)
         loss = self.user_loss(data, output)
         if not self._scaling:
             return loss
@@ -392,6 +405,8 @@ class PipelineRunner:
             self.data = None
         if not self.has_last:
             return None
+        if isinstance(out, tuple):  # (logits, the router's load-balancing loss per micro-batch)
+            out = out[0]
         whole = getattr(self.last_model, STAGE_LOGITS, None)
         return whole(out) if whole is not None else out
 
@@ -427,13 +442,21 @@ def _take(data: Any, index: torch.Tensor) -> Any:
 STAGE_OUTPUT, STAGE_LOGITS = "atorch_stage_output", "atorch_stage_logits"
 
 
-def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:
-    """What the model would have returned: logits, and the loss from its own loss function given labels."""
-    from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
+def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any, router_loss: torch.Tensor | None = None
+                         ) -> Any:
+    """What the model would have returned: logits, and the loss from its own loss function given labels; with the
+    router's load-balancing loss (a mixture of experts), that loss as ``aux_loss``, added to the loss with the model's
+    coefficient as the model adds it."""
+    from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput, MoeCausalLMOutputWithPast
 
     made = getattr(model, STAGE_OUTPUT, None)
     if made is not None:
         return made(data, logits)
+    if router_loss is not None:
+        output = _transformers_output(model, logits, data)
+        aux = router_loss.reshape(())
+        loss = None if output.loss is None else output.loss + model.router_aux_loss_coef * aux
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
 
     labels = data.get("labels") if isinstance(data, dict) else None
     # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size;

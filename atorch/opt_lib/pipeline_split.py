@@ -30,6 +30,7 @@ from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
+from atorch.opt_lib.pipeline_router import RouterCarry, router_loss_on, router_loss_problem
 
 
 @dataclass(frozen=True)
@@ -382,7 +383,7 @@ class StageModule(nn.Module):
     model the way the user's ``model_input_format`` says; a later stage also takes the previous stage's
     hidden states, which its first block receives in place of what the stage computed before it (see
     HiddenInjector). An nn.Sequential split at its children takes the hidden states as its input instead.
-    Every stage returns one tensor."""
+    Every stage returns one tensor, or with a router loss to carry a pair (see ``_routed``)."""
 
     def __init__(self, module: nn.Module, index: int, first: bool, last: bool, no_split: Any,
                  input_format: str | None = None) -> None:
@@ -393,6 +394,7 @@ class StageModule(nn.Module):
         self.transformers = is_transformers(module)
         self.children_split = bool(getattr(module, "atorch_split_children", False))  # a Sequential's children
         self.injector: HiddenInjector | None = getattr(module, "atorch_injector", None)
+        self.router: RouterCarry | None = getattr(module, "atorch_router", None)  # set by split_into_stages
         self.autocast_dtype: torch.dtype | None = None
         # Where the stages exchange another form of the hidden states than the blocks pass on (tensor_parallel's
         # sequence_parallel: the local sequence shard of a DTensor): ``to_send`` makes what a non-last stage sends,
@@ -402,12 +404,34 @@ class StageModule(nn.Module):
         if no_split:
             self._no_split_modules = list(no_split)  # block detection (checkpoint, fsdp) as on the whole model
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast_dtype is None:
-            out = self._run(args, kwargs)
-        else:
-            with torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast_dtype):
-                out = self._run(args, kwargs)
+            return self._routed(args, kwargs)
+        with torch.autocast(next(self.module.parameters()).device.type, dtype=self.autocast_dtype):
+            return self._routed(args, kwargs)
+
+    def _routed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The stage's output; with a router loss to carry (see pipeline_router), a pair: the hidden states and the
+        router logits so far, or on the last stage the logits and the load-balancing loss."""
+        router = self.router
+        if router is None:
+            return self._finished(self._run(args, kwargs))
+        received = None
+        if not self.first:  # (hidden states, router logits so far)
+            received, args = args[1], (args[0], *args[2:])
+        router.recorded = []
+        try:
+            out = self._finished(self._run(args, kwargs))
+            if not self.last:
+                return out, router.carried(received, out)
+            batch = kwargs.get(BATCH_KEY, kwargs)
+            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+            return out, router.loss(received, mask)
+        finally:
+            router.recorded = None
+
+    @staticmethod
+    def _finished(out: torch.Tensor) -> torch.Tensor:
         # The zero-bubble schedules detach a stage's output in place, which a view (a slice of the hidden
         # states) does not allow.
         return out.clone() if out._is_view() else out
@@ -524,11 +548,16 @@ def split_setup_problems(ctx: Any, method: str) -> list[str]:
         problems.append(f"{method} runs loss_func on the last stage: give loss_func(data, output)")
     if ctx.setup.optim_param_func is not None:
         problems.append(f"optim_param_func is not supported with {method} yet; leave it out")
-    config = getattr(ctx.model, "config", None)
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
-        problems.append(f"{method} computes the loss from the last stage's logits, so the router's load-balancing "
-                        "loss (output_router_logits=True), a statistic over every layer's routing that the stages "
-                        "would each hold a part of, would be dropped; set model.config.output_router_logits = False "
-                        "(the routers then train through the language-model loss alone), or split the model over "
-                        "data, expert or tensor ranks instead")
+    if router_loss_on(ctx.model):
+        why = router_loss_problem(ctx.model)
+        if method != "pipeline_parallel":
+            why = f"{method} computes the loss from the last stage's logits alone"
+        elif ctx.layout.size("context") > 1:
+            why = "context_parallel's stages would each see their share of the sequence's routing"
+        if why is not None:
+            problems.append(f"the router's load-balancing loss (output_router_logits=True), a statistic over every "
+                            f"layer's routing that the stages each hold a part of, cannot be kept: {why}; set "
+                            "model.config.output_router_logits = False (the routers then train through the "
+                            "language-model loss alone), or split the model over data, expert or tensor ranks "
+                            "instead")
     return problems

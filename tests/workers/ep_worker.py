@@ -65,6 +65,15 @@ def qwen2_moe() -> nn.Module:
         router_aux_loss_coef=0.1, max_position_embeddings=4 * sm.SEQ_LEN, use_cache=False))
 
 
+def qwen2_moe_dense_first() -> nn.Module:
+    """Qwen2-MoE whose first layer has a dense MLP: split in two, the first stage has no router."""
+    model = qwen2_moe()
+    config = model.config
+    config.mlp_only_layers = [0]
+    torch.manual_seed(0)
+    return type(model)(config)
+
+
 def mixtral_no_plan() -> nn.Module:
     """Mixtral with its shipped ep_plan removed: the experts are found by atorch's own rule."""
     model = mixtral()
@@ -79,7 +88,8 @@ def qwen3_moe_3() -> nn.Module:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe,
                                              "qwen3_moe_3": qwen3_moe_3, "llama": sm.tiny_llama,
-                                             "mixtral_no_plan": mixtral_no_plan}
+                                             "mixtral_no_plan": mixtral_no_plan,
+                                             "qwen2_moe_dense_first": qwen2_moe_dense_first}
 
 
 def _make(name: str) -> nn.Module:
@@ -231,6 +241,17 @@ def train_pipelined(model_name: str, strategy: list[Any]) -> dict[str, Any]:
     return train_accumulated(model_name, strategy, micro=1, router_loss=False)
 
 
+def train_pipelined_with_router_loss(model_name: str, strategy: list[Any], pipeline: int = 2) -> dict[str, Any]:
+    """Pipeline stages with the router's load-balancing loss: the schedule's micro-batches (2 per stage) against
+    one process on the same micro-batches, each with its own load-balancing loss (a per-batch statistic)."""
+    return train_accumulated(model_name, strategy, micro=2 * pipeline, router_loss=True)
+
+
+def _pp(pipeline: int, schedule: str = "1f1b", extra: tuple[Any, ...] = ()) -> list[Any]:
+    return [("parallel_mode", {"dims": [["pipeline", pipeline], ["data", -1]]}),
+            ("pipeline_parallel", {"schedule": schedule}), *extra]
+
+
 def _ep(expert: int, data: int | None = None, extra: tuple[Any, ...] = ()) -> list[Any]:
     dims = [["expert", expert]] + ([["data", data]] if data is not None else [])
     return [("parallel_mode", {"dims": dims}), "expert_parallel", *extra]
@@ -289,6 +310,10 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "qwen2_t2_sp": lambda d: train_and_compare("qwen2_moe", [("parallel_mode", {"dims": [["tensor", 2]]}),
                                                                 ("tensor_parallel", {"sequence_parallel": True})]),
         "qwen3_e2_fsdp_accumulated": lambda d: train_accumulated("qwen3_moe", _ep(2, extra=("fsdp",))),
+        # the router's load-balancing loss over every stage's layers: each stage passes its router logits on
+        "mixtral_p2_router_loss": lambda d: train_pipelined_with_router_loss("mixtral", _pp(2)),
+        "qwen2_dense_first_p2_router_loss_gpipe": lambda d: train_pipelined_with_router_loss(
+            "qwen2_moe_dense_first", _pp(2, "gpipe")),
         "three_experts_refused": lambda d: train_and_compare("qwen3_moe_3", _ep(2)),
         "dense_model_refused": lambda d: train_and_compare("llama", _ep(2)),
         "checkpoint": lambda d: checkpoint_round_trip(d, _ep(2), _ep(2, extra=("fsdp",))),
@@ -316,7 +341,13 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_p2_e2": lambda d: train_pipelined("mixtral", _ep_pp(2, 2)),
         "qwen3_p2_e2_fsdp": lambda d: train_pipelined("qwen3_moe", _ep_pp(2, 2, ("fsdp",))),
         "qwen2_p2_e2_zero1": lambda d: train_pipelined("qwen2_moe", _ep_pp(2, 2, ("zero1",))),
-        "router_loss_refused": lambda d: train_and_compare("mixtral", _ep_pp(2, 2)),
+        "mixtral_p2_e2_router_loss": lambda d: train_pipelined_with_router_loss("mixtral", _ep_pp(2, 2)),
+        "qwen3_p2_e2_fsdp_router_loss": lambda d: train_pipelined_with_router_loss("qwen3_moe",
+                                                                                   _ep_pp(2, 2, ("fsdp",))),
+        # context ranks beside pipeline stages: each stage would see its share of the sequence's routing
+        "router_loss_refused": lambda d: train_and_compare("mixtral", [
+            ("parallel_mode", {"dims": [["pipeline", 2], ["context", 2]]}), "context_parallel",
+            ("pipeline_parallel", {"schedule": "1f1b"})]),
         # experts beside tensor ranks: each tensor position's expert group dispatches its own tokens (with
         # sequence parallel, its slice of the sequence)
         "mixtral_t2_e2": lambda d: train_and_compare("mixtral", _ep_tp(2, 2)),
