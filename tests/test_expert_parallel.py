@@ -183,6 +183,8 @@ def test_experts_beside_tensor_ranks_train_like_one(four: dict[str, Any], scenar
 
 
 def test_tensor_pipeline_and_experts_train_like_one(eight: dict[str, Any]) -> None:
+    """Tensor 2 × pipeline 2 × expert 2 with the router's load-balancing loss: the routing statistics passed on
+    between stages on every tensor rank."""
     entry = eight["mixtral_t2_p2_e2"]
     assert "error" not in entry and "refused" not in entry, entry
     assert entry["local_experts"] == [2] and entry["names_match"], entry

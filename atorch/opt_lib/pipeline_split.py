@@ -412,21 +412,19 @@ class StageModule(nn.Module):
 
     def _routed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The stage's output; with a router loss to carry (see pipeline_router), a pair: the hidden states and the
-        router logits so far, or on the last stage the logits and the load-balancing loss."""
+        routing so far, or on the last stage the logits and the load-balancing loss."""
         router = self.router
         if router is None:
             return self._finished(self._run(args, kwargs))
         received = None
-        if not self.first:  # (hidden states, router logits so far)
+        if not self.first and len(args) > 1:  # (hidden states, routing so far); a check runs a later stage alone
             received, args = args[1], (args[0], *args[2:])
+        batch = kwargs.get(BATCH_KEY, kwargs)
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         router.recorded = []
         try:
             out = self._finished(self._run(args, kwargs))
-            if not self.last:
-                return out, router.carried(received, out)
-            batch = kwargs.get(BATCH_KEY, kwargs)
-            mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            return out, router.loss(received, mask)
+            return out, (router.loss if self.last else router.passed_on)(received, mask, out)
         finally:
             router.recorded = None
 

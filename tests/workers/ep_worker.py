@@ -321,7 +321,9 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
     "eight": {
         # tensor 2 × pipeline 2 × expert 2: each stage's attention split over its tensor ranks, its experts over its
         # expert group
-        "mixtral_t2_p2_e2": lambda d: train_pipelined("mixtral", [
+        # with the router's load-balancing loss: the routing statistics passed on between stages, the same on every
+        # tensor rank
+        "mixtral_t2_p2_e2": lambda d: train_pipelined_with_router_loss("mixtral", [
             ("parallel_mode", {"dims": [["tensor", 2], ["pipeline", 2], ["expert", 2]]}), "expert_parallel",
             ("mixed_parallel", {"pipeline": {"schedule": "1f1b"}})]),
     },
