@@ -220,6 +220,7 @@ def test_sequence_parallel_on_a_mixture_of_experts_without_experts_split(two: di
 @pytest.mark.parametrize(("launch", "scenario", "local_experts"),
                          [("two", "mixtral_p2_router_loss", None),
                           ("two", "qwen2_dense_first_p2_router_loss_gpipe", None),
+                          ("two", "mixtral_p2_checkpoint_router_loss", None),
                           ("four", "mixtral_p2_e2_router_loss", 2), ("four", "qwen3_p2_e2_fsdp_router_loss", 4)])
 def test_pipeline_stages_carry_the_router_s_load_balancing_loss(launch: str, scenario: str, local_experts: int | None,
                                                                 request: pytest.FixtureRequest) -> None:

@@ -314,6 +314,9 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_p2_router_loss": lambda d: train_pipelined_with_router_loss("mixtral", _pp(2)),
         "qwen2_dense_first_p2_router_loss_gpipe": lambda d: train_pipelined_with_router_loss(
             "qwen2_moe_dense_first", _pp(2, "gpipe")),
+        # recomputed blocks call their routers again in backward: only the stage's forward records them
+        "mixtral_p2_checkpoint_router_loss": lambda d: train_pipelined_with_router_loss(
+            "mixtral", _pp(2, extra=("checkpoint",))),
         "three_experts_refused": lambda d: train_and_compare("qwen3_moe_3", _ep(2)),
         "dense_model_refused": lambda d: train_and_compare("llama", _ep(2)),
         "checkpoint": lambda d: checkpoint_round_trip(d, _ep(2), _ep(2, extra=("fsdp",))),
