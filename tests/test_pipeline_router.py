@@ -5,6 +5,7 @@ model's. The schedule over real processes is tested in test_expert_parallel.py."
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from atorch.opt_lib.pipeline_router import RouterCarry, router_loss_problem, statistics_match
-from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_units, plan_stages
+from atorch.opt_lib.pipeline_split import StageModule, build_stage, find_units, plan_stages, split_setup_problems
 
 # Every layer is computed in the same order as in the whole model; only the loss's reduction differs.
 ATOL = 1e-6
@@ -111,3 +112,54 @@ def test_a_model_without_transformers_declarations_is_named() -> None:
 
     why = router_loss_problem(Custom())
     assert why is not None and "Custom" in why and "load_balancing_loss_func" in why
+
+
+def load_balancing_loss_func(gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+                             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The load-balancing function of ``OtherFamily`` (found in its class's module, as transformers' are): the mean
+    squared router probability, which no sum of per-expert counts and probabilities gives."""
+    probabilities = torch.cat([torch.softmax(layer, dim=-1) for layer in gate_logits])
+    return (probabilities ** 2).mean() * num_experts
+
+
+def other_family() -> nn.Module:
+    from transformers import MixtralForCausalLM
+
+    class OtherFamily(MixtralForCausalLM):
+        pass
+
+    OtherFamily.__module__ = __name__
+    model = mixtral()
+    other = OtherFamily(model.config)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_a_family_whose_function_is_another_statistic_passes_its_router_logits_on() -> None:
+    model = other_family()
+    batch = _batch(padded=True)
+    whole = model(**batch)
+    expected = load_balancing_loss_func(whole.router_logits, 4, 2, batch["attention_mask"])
+    stages = _stages(model, 2, by_statistics=False)
+    assert not RouterCarry(model, build_stage(model, find_units(model)[0], plan_stages(
+        model, find_units(model)[0], 2)[0], True, False)).by_statistics, "the probe finds another statistic"
+    hidden, carried = stages[0](**batch)
+    assert carried.shape == (2, 12, 4), "layers so far × tokens × experts"
+    _, aux = stages[1](hidden, carried, **batch)
+    assert abs(aux.item() - expected.item()) <= ATOL
+
+
+def _context(model: nn.Module, context: int) -> Any:
+    return SimpleNamespace(model=model, setup=SimpleNamespace(loss_func=lambda data, output: output.loss,
+                                                              optim_param_func=None),
+                           layout=SimpleNamespace(size=lambda name: context if name == "context" else 1))
+
+
+def test_where_the_router_loss_cannot_be_kept_the_refusal_names_why_and_the_fix() -> None:
+    assert split_setup_problems(_context(mixtral(), 2), "pipeline_parallel") == []
+    assert split_setup_problems(_context(other_family(), 1), "pipeline_parallel") == []
+    (beside_context,) = split_setup_problems(_context(other_family(), 2), "pipeline_parallel")
+    assert "OtherFamily's load_balancing_loss_func is not that statistic" in beside_context, beside_context
+    (deepspeed,) = split_setup_problems(_context(mixtral(), 1), "ds_3d_parallel")
+    for problem in (beside_context, deepspeed):
+        assert "load-balancing loss" in problem and "output_router_logits = False" in problem, problem

@@ -446,6 +446,9 @@ def split_sequences(ctx: Any, communicate: bool) -> None:
                 config._attn_implementation = ATTENTION_NAME
         if staged:
             _install_stage_hooks(model, shard)
+            router = getattr(model, "atorch_router", None)  # the routing statistics summed over the group
+            if router is not None:
+                router.context = shard
             setattr(model, STAGE_OUTPUT, stage_output(shard, model))
             setattr(model, STAGE_LOGITS, lambda logits: whole_sequence_logits(shard, logits))
         else:

@@ -447,16 +447,20 @@ def _transformers_output(model: nn.Module, logits: torch.Tensor, data: Any, rout
     """What the model would have returned: logits, and the loss from its own loss function given labels; with the
     router's load-balancing loss (a mixture of experts), that loss as ``aux_loss``, added to the loss with the model's
     coefficient as the model adds it."""
-    from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput, MoeCausalLMOutputWithPast
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
     made = getattr(model, STAGE_OUTPUT, None)
-    if made is not None:
-        return made(data, logits)
-    if router_loss is not None:
-        output = _transformers_output(model, logits, data)
-        aux = router_loss.reshape(())
-        loss = None if output.loss is None else output.loss + model.router_aux_loss_coef * aux
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
+    output = made(data, logits) if made is not None else _model_output(model, logits, data)
+    if router_loss is None:
+        return output
+    aux = router_loss.reshape(())
+    loss = None if output.loss is None else output.loss + model.router_aux_loss_coef * aux
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=output.logits)
+
+
+def _model_output(model: nn.Module, logits: torch.Tensor, data: Any) -> Any:
+    """Logits, and the loss from the model's own loss function given labels."""
+    from transformers.modeling_outputs import CausalLMOutput, ImageClassifierOutput
 
     labels = data.get("labels") if isinstance(data, dict) else None
     # Classification heads (ViT) call their loss as (labels, logits, config); language models with vocab_size;

@@ -12,6 +12,10 @@ values per micro-batch). That holds where the family's ``load_balancing_loss_fun
 on random logits checks when the stages are built (every transformers decoder family's function is, in 5.x). Where it
 is not, the router logits themselves are passed on (layers so far × tokens × experts values: 48 MiB in fp32 for 48
 layers, 64 experts and 4,096 tokens per micro-batch) and the last stage calls the family's own function on them.
+
+Beside context ranks each stage's routers see this rank's share of every sequence: the statistics are summed over the
+context group at each stage (one all-reduce of 2 × experts + 1 values), so every context rank carries the whole
+sequence's. That needs the statistic form; the logits form is refused there.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def _recorder(model: nn.Module) -> Any:
     return (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
 
 
-def _balance_function(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+def balance_function(model: nn.Module) -> Callable[..., torch.Tensor] | None:
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
 
@@ -41,7 +45,7 @@ def router_loss_on(model: nn.Module) -> bool:
 
 def router_loss_problem(model: nn.Module) -> str | None:
     """Why the stages cannot carry this model's router loss, or None."""
-    if _recorder(model) is None or _balance_function(model) is None \
+    if _recorder(model) is None or balance_function(model) is None \
             or not all(hasattr(model, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")):
         return (f"{type(model).__name__} does not declare its router logits and load-balancing function as "
                 "transformers' MoE families do (_can_record_outputs['router_logits'], load_balancing_loss_func), so "
@@ -100,19 +104,40 @@ def statistics_match(balance: Callable[..., Any], experts: int, top_k: int) -> b
     return True
 
 
+class _SumOverContext(torch.autograd.Function):
+    """The routing statistics of a sequence split over context ranks: the sum of every rank's (the same on each).
+    Backward scales the gradient by the group's size: each rank backpropagates its own tokens' share of the objective
+    scaled by c, which DDP/FSDP's average over the context ranks divides again (context_parallel's convention)."""
+
+    @staticmethod
+    def forward(ctx: Any, statistics: torch.Tensor, shard: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.size = shard.size
+        total = statistics.detach().clone()
+        dist.all_reduce(total, group=shard.group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.size, None
+
+
 class RouterCarry:
     """On one stage's model: records the router logits its MoE layers compute during the stage's forward, and
     makes what the stage passes on (``passed_on``) or, on the last stage, the load-balancing loss (``loss``)."""
 
     def __init__(self, model: nn.Module, stage: nn.Module) -> None:
         recorder = _recorder(model)
-        self.balance = _balance_function(model)
+        self.balance = balance_function(model)
         assert recorder is not None and self.balance is not None, router_loss_problem(model)
         self.experts, self.top_k = int(model.num_experts), int(model.num_experts_per_tok)
         self.index = recorder.index
         self.by_statistics = statistics_match(self.balance, self.experts, self.top_k)
         # During the stage's forward only: a checkpointed block's recompute in backward must not record again.
         self.recorded: list[torch.Tensor] | None = None
+        # Set by context_parallel (its ContextShard): the stage's routers see this rank's share of each sequence.
+        self.context: Any = None
         for name, module in stage.named_modules():
             if isinstance(module, recorder.target_class) and (recorder.layer_name is None
                                                               or recorder.layer_name in name):
@@ -135,7 +160,12 @@ class RouterCarry:
         far, or their router logits (layers × tokens × experts)."""
         assert self.recorded is not None
         if self.by_statistics:
+            shard = self.context
+            if shard is not None and mask is not None:  # this rank's tokens: context_parallel's zigzag share
+                mask = mask[:, shard.positions(mask.shape[1] // shard.size, mask.device)]
             own = routing_statistics(self.recorded, self.experts, self.top_k, mask, like.device)
+            if shard is not None:
+                own = _SumOverContext.apply(own, shard)
             return own if received is None else received + own
         layers = self._layers(received)
         if not layers:  # no MoE layer yet (dense first layers): an empty carry keeps every stage's outputs alike

@@ -30,7 +30,13 @@ from atorch.class_ref import matches
 from atorch.errors import SetupError
 from atorch.model_context import call_model
 from atorch.opt_lib.blocks import block_classes
-from atorch.opt_lib.pipeline_router import RouterCarry, router_loss_on, router_loss_problem
+from atorch.opt_lib.pipeline_router import (
+    RouterCarry,
+    balance_function,
+    router_loss_on,
+    router_loss_problem,
+    statistics_match,
+)
 
 
 @dataclass(frozen=True)
@@ -550,8 +556,10 @@ def split_setup_problems(ctx: Any, method: str) -> list[str]:
         why = router_loss_problem(ctx.model)
         if method != "pipeline_parallel":
             why = f"{method} computes the loss from the last stage's logits alone"
-        elif ctx.layout.size("context") > 1:
-            why = "context_parallel's stages would each see their share of the sequence's routing"
+        elif why is None and ctx.layout.size("context") > 1 and not statistics_match(
+                balance_function(ctx.model), ctx.model.num_experts, ctx.model.num_experts_per_tok):
+            why = (f"beside context ranks the stages sum their routing statistics over the sequence's shares, and "
+                   f"{type(ctx.model).__name__}'s load_balancing_loss_func is not that statistic")
         if why is not None:
             problems.append(f"the router's load-balancing loss (output_router_logits=True), a statistic over every "
                             f"layer's routing that the stages each hold a part of, cannot be kept: {why}; set "

@@ -349,8 +349,8 @@ GROUPS: dict[str, dict[str, Callable[..., dict[str, Any]]]] = {
         "mixtral_p2_e2_router_loss": lambda d: train_pipelined_with_router_loss("mixtral", _ep_pp(2, 2)),
         "qwen3_p2_e2_fsdp_router_loss": lambda d: train_pipelined_with_router_loss("qwen3_moe",
                                                                                    _ep_pp(2, 2, ("fsdp",))),
-        # context ranks beside pipeline stages: each stage would see its share of the sequence's routing
-        "router_loss_refused": lambda d: train_and_compare("mixtral", [
+        # context ranks beside pipeline stages: each stage sums its routing statistics over the sequence's shares
+        "mixtral_p2_c2_router_loss": lambda d: train_pipelined_with_router_loss("mixtral", [
             ("parallel_mode", {"dims": [["pipeline", 2], ["context", 2]]}), "context_parallel",
             ("pipeline_parallel", {"schedule": "1f1b"})]),
         # experts beside tensor ranks: each tensor position's expert group dispatches its own tokens (with
