@@ -169,8 +169,8 @@ def split_into_stages(ctx: Any, config: PipelineParallelConfig, communicate: boo
 
 
 def _built(model: nn.Module, blocks: Any, owned: tuple[str, ...], first: bool, last: bool) -> nn.Module:
-    """One stage's model; where the model adds its router's load-balancing loss, the stage carries the router
-    logits on to the last stage, which computes that loss (pipeline_router)."""
+    """One stage's model; where the model adds its router's load-balancing loss, the stage passes its routing on
+    to the last stage, which computes that loss (pipeline_router)."""
     stage = build_stage(model, blocks, owned, first, last)
     if router_loss_on(model):
         stage.atorch_router = RouterCarry(model, stage)  # read by StageModule

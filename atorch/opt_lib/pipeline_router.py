@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -34,6 +35,7 @@ def _recorder(model: nn.Module) -> Any:
 
 
 def balance_function(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The family's ``load_balancing_loss_func``: transformers defines one in each MoE family's modeling module."""
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
 
@@ -111,8 +113,6 @@ class _SumOverContext(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, statistics: torch.Tensor, shard: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.size = shard.size
         total = statistics.detach().clone()
         dist.all_reduce(total, group=shard.group)
