@@ -41,6 +41,27 @@ def qwen2_moe_dense_first() -> nn.Module:
         output_router_logits=True, router_aux_loss_coef=0.1, use_cache=False))
 
 
+def olmoe() -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(0)
+    return OlmoeForCausalLM(OlmoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, use_cache=False, pad_token_id=0, eos_token_id=1, bos_token_id=2))
+
+
+def gpt_oss() -> nn.Module:
+    """Alternating sliding-window layers, a router with a bias, attention sinks."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1, use_cache=False))
+
+
 def _batch(padded: bool) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -67,7 +88,7 @@ def _router_grads(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
             if "gate" in name and p.grad is not None}
 
 
-@pytest.mark.parametrize("make", [mixtral, qwen2_moe_dense_first])
+@pytest.mark.parametrize("make", [mixtral, qwen2_moe_dense_first, olmoe, gpt_oss])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("by_statistics", [True, False])
 def test_stages_compute_the_whole_model_s_router_loss(make: Any, padded: bool, by_statistics: bool) -> None:
