@@ -440,20 +440,30 @@ MULTI: dict[str, tuple[int, list[Any], str]] = {
     # DeepSeek-V3's layout at small scale: each stage's experts over its expert group
     "pipeline_expert_parallel": (4, [("parallel_mode", {"dims": [["pipeline", 2], ["expert", 2], ["data", -1]]}),
                                      "expert_parallel", ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral"),
+    # the router's load-balancing loss across stages: each stage sends its routing statistics on with its hidden
+    # states, the last computes the loss of each of the schedule's 4 micro-batches
+    "pipeline_router_loss": (2, [("parallel_mode", {"dims": [["pipeline", 2]]}),
+                                 ("pipeline_parallel", {"schedule": "1f1b"})], "mixtral_router_loss"),
 }
+# The schedule's micro-batches per step where the loss is a per-batch statistic (the router's load-balancing loss):
+# one process averages their losses; elsewhere the batch's mean loss is the same whatever the split.
+MULTI_MICRO_BATCHES = {"mixtral_router_loss": 4}
 MULTI_STEPS, MULTI_BATCH, MULTI_LR, MULTI_TOLERANCE = 2, 8, 0.1, 1e-4  # fp32, TF32 off: a few ulp of a loss of 5
 
 
 def _transformers_model(kind: str) -> nn.Module:
     from shard_models import SEQ_LEN, VOCAB
 
-    if kind == "mixtral":
+    if kind.startswith("mixtral"):
         from transformers import MixtralConfig, MixtralForCausalLM
 
+        # without the router's loss (mixtral) the loss is the batch's mean
+        router_loss = kind == "mixtral_router_loss"
         return MixtralForCausalLM(MixtralConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=SEQ_LEN, use_cache=False))  # no router aux loss: the loss is the batch's mean
+            max_position_embeddings=SEQ_LEN, use_cache=False, output_router_logits=router_loss,
+            router_aux_loss_coef=0.1))
     from shard_models import tiny_llama
 
     return tiny_llama(layers=4)  # 4 layers: one per stage and chunk under the pipeline
@@ -483,7 +493,8 @@ def multi_rank(name: str) -> None:
         model, ids = reference.to(device), torch.stack([sm.TokenDataset()[i]["input_ids"] for i in range(MULTI_BATCH)])
         optim, expected = torch.optim.SGD(model.parameters(), lr=MULTI_LR), []
         for _ in range(MULTI_STEPS):
-            loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
+            parts = ids.to(device).chunk(MULTI_MICRO_BATCHES.get(kind, 1))
+            loss = torch.stack([model(input_ids=part, labels=part).loss for part in parts]).mean()
             loss.backward()
             optim.step()
             optim.zero_grad()
