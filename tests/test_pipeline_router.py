@@ -177,9 +177,9 @@ def _context(model: nn.Module, context: int) -> Any:
 
 
 def test_where_the_router_loss_cannot_be_kept_the_refusal_names_why_and_the_fix() -> None:
-    assert split_setup_problems(_context(mixtral(), 2), "pipeline_parallel") == []
-    assert split_setup_problems(_context(other_family(), 1), "pipeline_parallel") == []
-    (beside_context,) = split_setup_problems(_context(other_family(), 2), "pipeline_parallel")
+    assert split_setup_problems(_context(mixtral(), 2), "pipeline_parallel", True) == []
+    assert split_setup_problems(_context(other_family(), 1), "pipeline_parallel", True) == []
+    (beside_context,) = split_setup_problems(_context(other_family(), 2), "pipeline_parallel", True)
     assert "OtherFamily's load_balancing_loss_func is not that statistic" in beside_context, beside_context
     (deepspeed,) = split_setup_problems(_context(mixtral(), 1), "ds_3d_parallel")
     for problem in (beside_context, deepspeed):

@@ -630,7 +630,7 @@ class PipelineParallel(Method):
     def model_problems(self, ctx: Any, config: PipelineParallelConfig) -> list[str]:  # type: ignore[override]
         from atorch.opt_lib.pipeline_split import split_setup_problems
 
-        problems = split_setup_problems(ctx, "pipeline_parallel")
+        problems = split_setup_problems(ctx, "pipeline_parallel", carries_router_loss=True)
         blocks, why = find_units(ctx.model)
         size = ctx.layout.size(PIPELINE)
         stages = size * config.stages_per_rank()

@@ -541,8 +541,9 @@ def check_split(model: nn.Module, blocks: BlockList, owned: list[tuple[str, ...]
     return None
 
 
-def split_setup_problems(ctx: Any, method: str) -> list[str]:
-    """What a method that splits the model into pipeline stages needs of the user's setup."""
+def split_setup_problems(ctx: Any, method: str, carries_router_loss: bool = False) -> list[str]:
+    """What a method that splits the model into pipeline stages needs of the user's setup. ``carries_router_loss``:
+    the method's stages pass a mixture of experts' routing on to the last stage (see pipeline_router)."""
     from atorch.meta_init import is_meta
 
     problems = []
@@ -554,7 +555,7 @@ def split_setup_problems(ctx: Any, method: str) -> list[str]:
         problems.append(f"optim_param_func is not supported with {method} yet; leave it out")
     if router_loss_on(ctx.model):
         why = router_loss_problem(ctx.model)
-        if method != "pipeline_parallel":
+        if not carries_router_loss:
             why = f"{method} computes the loss from the last stage's logits alone"
         elif why is None and ctx.layout.size("context") > 1 and not statistics_match(
                 balance_function(ctx.model), ctx.model.num_experts, ctx.model.num_experts_per_tok):
