@@ -367,6 +367,36 @@ def poolformer() -> dict[str, Any]:  # average pooling as the token mixer, group
     return image_classifier(PoolFormerForImageClassification(config))
 
 
+# The seventh held-out set (bench/held_out.md, chosen 2026-12-01 17:20 UTC, before any change made that session):
+# no test, example, calibration or earlier bench of the project uses these.
+def hunyuan_moe() -> dict[str, Any]:  # routed experts (top-2 of 8) beside a shared MLP, query/key norms
+    from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+
+    torch.manual_seed(0)
+    config = HunYuanMoEV1Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, moe_topk=2,
+                                max_position_embeddings=64, use_cache=False)
+    return tokens(HunYuanMoEV1ForCausalLM(config), 1024, 64)
+
+
+def persimmon() -> dict[str, Any]:  # partial rotary, query/key layer norms, squared-ReLU MLP, biases
+    from transformers import PersimmonConfig, PersimmonForCausalLM
+
+    torch.manual_seed(0)
+    config = PersimmonConfig(vocab_size=1024, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=4, max_position_embeddings=64, use_cache=False)
+    return tokens(PersimmonForCausalLM(config), 1024, 64)
+
+
+def convnext_v2() -> dict[str, Any]:  # depthwise 7x7 convolutions, global response norm, layer norm, images
+    from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
+
+    torch.manual_seed(0)
+    config = ConvNextV2Config(num_channels=3, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10,
+                              image_size=32, drop_path_rate=0.0)
+    return image_classifier(ConvNextV2ForImageClassification(config))
+
+
 MODELS: dict[str, Any] = {
     "gpt2": lambda: gpt2(4, 128, 4, 1024, 64),  # 0.93M parameters, 64 tokens a sample
     "cnn": cnn,  # 0.11M parameters, 32x32 images
@@ -376,12 +406,14 @@ MODELS: dict[str, Any] = {
     "falcon": falcon, "deberta_v2": deberta_v2, "regnet": regnet,  # held out, fourth set
     "mobilenet_v2": mobilenet_v2, "efficientnet": efficientnet, "electra": electra,  # held out, fifth set
     "qwen2_moe": qwen2_moe, "gemma2": gemma2, "poolformer": poolformer,  # held out, sixth set
+    "hunyuan_moe": hunyuan_moe, "persimmon": persimmon, "convnext_v2": convnext_v2,  # held out, seventh set
 }
 HELD_OUT_SETS = {"held-out": ("olmoe", "phi", "swin"), "held-out-2": ("deepseek_v3", "olmo2", "mobilevit"),
                  "held-out-3": ("granite_moe", "dinov2", "gpt_bigcode"),
                  "held-out-4": ("falcon", "deberta_v2", "regnet"),
                  "held-out-5": ("mobilenet_v2", "efficientnet", "electra"),
-                 "held-out-6": ("qwen2_moe", "gemma2", "poolformer")}
+                 "held-out-6": ("qwen2_moe", "gemma2", "poolformer"),
+                 "held-out-7": ("hunyuan_moe", "persimmon", "convnext_v2")}
 HELD_OUT = tuple(m for models in HELD_OUT_SETS.values() for m in models)
 
 # Scenarios on the same model and global batch share one sweep ("budget_of_ddp": a fraction of plain DDP's
@@ -409,7 +441,7 @@ TUNED = [name for name, spec in SCENARIOS.items() if spec["model"] not in HELD_O
 
 
 def held_out_scenarios(part: str) -> list[str]:
-    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-6')."""
+    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-7')."""
     return [name for name, spec in SCENARIOS.items() if spec["model"] in HELD_OUT_SETS[part]]
 TOP = 16  # the search must cost less than half of measuring its own TOP predicted candidates once each
 

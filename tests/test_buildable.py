@@ -13,7 +13,9 @@ from search_doubles import Pred, Run
 from atorch.model_context import UserSetup
 from atorch.strategy_search.search.buildable import (
     MICRO_BATCH_RULE,
+    BuildCheck,
     check_families,
+    layout_shares,
     ruled_out_by,
     too_small_micro_batches,
 )
@@ -68,6 +70,25 @@ def test_a_family_that_does_not_build_is_never_dry_run_and_the_report_says_why(t
 
     page = write_report(storage, tmp_path / "report.html").read_text()
     assert "Ruled out before the search" in page and "no token embedding" in page and "tensor_parallel" in page
+
+
+def test_the_check_shared_over_the_ranks_finds_what_one_rank_finds() -> None:
+    """Each rank checks whole layouts (automatic.check_on_every_rank): the shares cover the space's checkable
+    candidates once, and their findings, merged as the leader merges what the followers send, are one rank's."""
+    from atorch.strategy_search.search.candidates import layout_key
+
+    setup, batch = conv_setup()
+    cands = SearchSpace(setup.model, WORLD, BATCH).enumerate()
+    whole = check_families(setup, batch, WORLD, torch.device("cpu"), cands)
+    shares = layout_shares(cands, WORLD, 2)
+    layouts = [{layout_key(dict(c.point)) for c in share} for share in shares]
+    assert all(layouts) and not layouts[0] & layouts[1], layouts  # both ranks work, on different layouts
+    assert len(layouts[0] | layouts[1]) == len({layout_key(dict(c.point)) for c in cands}) == 2
+    merged = check_families(setup, batch, WORLD, torch.device("cpu"), shares[0])
+    merged.merge(BuildCheck.from_wire(check_families(setup, batch, WORLD, torch.device("cpu"), shares[1]).to_wire()))
+    assert merged.unbuildable == whole.unbuildable and len(merged.unbuildable) == 1, merged
+    assert merged.builds == whole.builds and merged.unchecked == whole.unchecked
+    assert layout_shares(cands, WORLD, 1)[0] and len(layout_shares(cands, WORLD, 4)) == 4  # more ranks than layouts
 
 
 class HeadBiasAttention(torch.nn.Module):

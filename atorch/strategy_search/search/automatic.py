@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from atorch.strategy import Strategy
 from atorch.strategy_search.search.describe import describe_record
 from atorch.strategy_search.search.outcome import Measured, Predicted
 from atorch.strategy_search.search.progress import SearchProgress, rejudged
+
+if TYPE_CHECKING:
+    from atorch.strategy_search.search.buildable import BuildCheck
 
 logger = get_logger(__name__)
 
@@ -199,6 +202,8 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
                 raise
         if word["kind"] == "trace":
             _trace_share(session, word)
+        elif word["kind"] == "build_check":
+            _build_check_share(session, word)
         elif word["kind"] == "prepare":  # each process prepares for itself, before the first timed dry-run
             from atorch.dryrun.runner import prepare_once
 
@@ -237,6 +242,53 @@ def _trace_share(session: DryRunSession, word: dict[str, Any]) -> None:
         found = {c.key: f"{type(exc).__name__}: {exc}" for c in mine}
     session.announce(f"trace/{word['index']}/{rank}",
                      {key: t if isinstance(t, str) else t.to_json() for key, t in found.items()})
+
+
+def _build_check_share(session: DryRunSession, word: dict[str, Any]) -> None:
+    """A follower's share of the build check (``check_on_every_rank``): the layouts the leader sent this rank,
+    checked within the leader's time limit, the findings sent back as JSON (a failure leaves the share unchecked)."""
+    from atorch.strategy_search.search.buildable import BuildCheck, check_families
+    from atorch.strategy_search.search.space import Candidate
+
+    rank = session.env.rank
+    mine = [Candidate.from_json(c) for c in word["shares"].get(str(rank), [])]
+    found = BuildCheck()
+    try:
+        if mine:
+            batch = sample_batch(session.setup, session.env, word["per_rank"])
+            found = check_families(session.setup, batch, session.env.world_size, session.env.device, mine,
+                                   word["limit_s"])
+    except Exception as exc:  # noqa: BLE001  (the leader leaves these layouts to the dry-runs)
+        found = BuildCheck(unchecked=[f"the layouts checked on rank {rank}: {type(exc).__name__}: {exc}"])
+    session.announce(f"build_check/{rank}", found.to_wire())
+
+
+def check_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands: list[Any],
+                        limit_s: float) -> BuildCheck:
+    """The build check (``buildable.check_families``) with every rank's help: whole layouts go to the ranks,
+    balanced by their builds (``layout_shares``), each rank checks its share, the leader gathers the findings
+    (JSON through the job's store). A rank that sends nothing in time leaves its layouts to the dry-runs. Called by
+    the leader; the followers hear the task as a word (``_follow``)."""
+    from atorch.strategy_search.search.buildable import BuildCheck, check_families, layout_shares
+
+    env = session.env
+    begin = time.monotonic()
+    shares = layout_shares(cands, env.world_size, env.world_size)
+    helped = [rank for rank in range(1, env.world_size) if shares[rank]]
+    if helped:
+        session.announce_next({"kind": "build_check", "limit_s": limit_s, "per_rank": per_rank,
+                               "shares": {str(r): [c.to_json() for c in shares[r]] for r in helped}})
+    found = check_families(session.setup, batch, env.world_size, env.device, shares[0], limit_s)
+    for rank in helped:
+        try:  # their limit, and their start-up (a forked child, the sample batch)
+            sent = BuildCheck.from_wire(session.hear(f"build_check/{rank}", limit_s + 30.0))
+        except SetupError:
+            sent = BuildCheck(unchecked=[f"the layouts of rank {rank}: no build check came back within "
+                                         f"{limit_s + 30.0:g} s"])
+        found.merge(sent)
+    found.ranks = 1 + len(helped)
+    found.seconds = time.monotonic() - begin
+    return found
 
 
 def trace_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands: list[Any],
@@ -601,7 +653,6 @@ class _Leader:
         from atorch.strategy_search.search.buildable import (
             CHECK_TIME_S,
             BuildCheck,
-            check_families,
             rule_label,
             too_small_micro_batches,
         )
@@ -610,7 +661,8 @@ class _Leader:
         if self.time_limit is not None:
             limit = max(1.0, min(limit, 0.2 * (self.time_limit - (time.monotonic() - self.start))))
         try:
-            checked = check_families(self.setup, self.batch, self.env.world_size, self.env.device, cands, limit)
+            checked = check_on_every_rank(self.session, self.batch, self.global_batch // self.env.world_size,
+                                          cands, limit)
         except Exception as exc:  # noqa: BLE001  (the dry-runs rule out what does not build, one failure each)
             logger.warning("automatic search: the build check could not run (%s: %s); the dry-runs decide",
                            type(exc).__name__, exc)
@@ -622,8 +674,9 @@ class _Leader:
         except Exception as exc:  # noqa: BLE001  (the dry-runs find it instead, one failure rules the size out)
             logger.warning("automatic search: the micro-batch check could not run (%s: %s); the dry-runs decide",
                            type(exc).__name__, exc)
-        logger.info("automatic search: build check of the space's method families: %d build%s in %.1f s on fake "
-                    "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s", checked.seconds,
+        logger.info("automatic search: build check of the space's method families: %d build%s%s in %.1f s on fake "
+                    "tensors; ruled out: %s%s", checked.builds, "" if checked.builds == 1 else "s",
+                    f" on {checked.ranks} ranks" if checked.ranks > 1 else "", checked.seconds,
                     "; ".join(rule_label(rule, why) for rule, why in checked.unbuildable.items()) or "none",
                     f"; left to the dry-runs: {'; '.join(checked.unchecked)}" if checked.unchecked else "")
         self.ruled_out = checked.unbuildable

@@ -105,10 +105,27 @@ class BuildCheck:
     builds: int = 0
     seconds: float = 0.0
     unchecked: list[str] = field(default_factory=list)  # "method at layout: why"
+    ranks: int = 1  # the processes the layouts were shared over (check_on_every_rank)
 
     def to_json(self) -> list[dict[str, str]]:
         """The ruled-out families as the study keeps them (its ``unbuildable`` attribute; the report lists them)."""
         return [{"method": m, "layout": at, "reason": why} for (m, at), why in self.unbuildable.items()]
+
+    def to_wire(self) -> dict[str, Any]:
+        """Everything found, as JSON: a follower rank's share sent to the leader (``from_wire``)."""
+        return {"unbuildable": self.to_json(), "builds": self.builds, "seconds": self.seconds,
+                "unchecked": list(self.unchecked)}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> BuildCheck:
+        return cls({(r["method"], r["layout"]): r["reason"] for r in data["unbuildable"]}, int(data["builds"]),
+                   float(data["seconds"]), list(data["unchecked"]))
+
+    def merge(self, other: BuildCheck) -> None:
+        """Add another rank's findings on its layouts (the shares do not overlap); ``seconds`` stays the caller's."""
+        self.unbuildable.update(other.unbuildable)
+        self.builds += other.builds
+        self.unchecked.extend(other.unchecked)
 
 
 def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cand: Any,
@@ -171,6 +188,21 @@ def _plan(cands: Sequence[Any], world_size: int) -> dict[str, list[Any]]:
             by_layout.setdefault(layout_key(dict(cand.point)), []).append(cand)
     return {at: sorted(members, key=lambda c: (len(c.strategy.methods), c.micro_batches, -c.micro_batch_size))
             for at, members in by_layout.items()}
+
+
+def layout_shares(cands: Sequence[Any], world_size: int, ranks: int) -> list[list[Any]]:
+    """``cands`` split over ``ranks`` processes by whole layouts (a layout's builds settle each other's methods),
+    balanced by the builds each layout may take (its distinct methods), most first: each rank checks its share at
+    the same time, so the check's wall time is its largest share's, not the sum (a follower is idle meanwhile)."""
+    shares: list[list[Any]] = [[] for _ in range(max(1, ranks))]
+    load = [0] * len(shares)
+    plan = _plan(cands, world_size)
+    methods = {at: len({name for c in members for name in c.strategy.names()}) for at, members in plan.items()}
+    for at in sorted(plan, key=lambda at: (-methods[at], at)):
+        rank = load.index(min(load))
+        shares[rank].extend(plan[at])
+        load[rank] += methods[at]
+    return shares
 
 
 def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cands: Sequence[Any],
