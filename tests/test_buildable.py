@@ -14,8 +14,9 @@ from atorch.model_context import UserSetup
 from atorch.strategy_search.search.buildable import (
     MICRO_BATCH_RULE,
     BuildCheck,
+    build_shares,
     check_families,
-    layout_shares,
+    cover,
     ruled_out_by,
     too_small_micro_batches,
 )
@@ -73,22 +74,21 @@ def test_a_family_that_does_not_build_is_never_dry_run_and_the_report_says_why(t
 
 
 def test_the_check_shared_over_the_ranks_finds_what_one_rank_finds() -> None:
-    """Each rank checks whole layouts (automatic.check_on_every_rank): the shares cover the space's checkable
-    candidates once, and their findings, merged as the leader merges what the followers send, are one rank's."""
-    from atorch.strategy_search.search.candidates import layout_key
-
+    """The builds are dealt to the ranks (automatic.check_on_every_rank): every build of the whole check is in one
+    share, and the shares' findings, merged as the leader merges what the followers send, are the whole check's."""
     setup, batch = conv_setup()
     cands = SearchSpace(setup.model, WORLD, BATCH).enumerate()
     whole = check_families(setup, batch, WORLD, torch.device("cpu"), cands)
-    shares = layout_shares(cands, WORLD, 2)
-    layouts = [{layout_key(dict(c.point)) for c in share} for share in shares]
-    assert all(layouts) and not layouts[0] & layouts[1], layouts  # both ranks work, on different layouts
-    assert len(layouts[0] | layouts[1]) == len({layout_key(dict(c.point)) for c in cands}) == 2
-    merged = check_families(setup, batch, WORLD, torch.device("cpu"), shares[0])
-    merged.merge(BuildCheck.from_wire(check_families(setup, batch, WORLD, torch.device("cpu"), shares[1]).to_wire()))
+    shares = build_shares(cands, WORLD, 2)
+    assert all(shares) and sorted(c.key for s in shares for c in s) == sorted(c.key for c in cover(cands, WORLD))
+    found = [check_families(setup, batch, WORLD, torch.device("cpu"), share) for share in shares]
+    merged = BuildCheck()
+    for share in found:  # as the leader gathers them: every share through JSON
+        merged.merge(BuildCheck.from_wire(share.to_wire()))
     assert merged.unbuildable == whole.unbuildable and len(merged.unbuildable) == 1, merged
-    assert merged.builds == whole.builds and merged.unchecked == whole.unchecked
-    assert layout_shares(cands, WORLD, 1)[0] and len(layout_shares(cands, WORLD, 4)) == 4  # more ranks than layouts
+    # every build of the cover made once; the whole check skipped the failed method's later builds at its layout
+    assert merged.builds == len(cover(cands, WORLD)) > whole.builds and merged.unchecked == whole.unchecked
+    assert [len(s) for s in build_shares(cands, WORLD, 1)] == [merged.builds]
 
 
 class HeadBiasAttention(torch.nn.Module):

@@ -245,7 +245,7 @@ def _trace_share(session: DryRunSession, word: dict[str, Any]) -> None:
 
 
 def _build_check_share(session: DryRunSession, word: dict[str, Any]) -> None:
-    """A follower's share of the build check (``check_on_every_rank``): the layouts the leader sent this rank,
+    """A follower's share of the build check (``check_on_every_rank``): the builds the leader sent this rank,
     checked within the leader's time limit, the findings sent back as JSON (a failure leaves the share unchecked)."""
     from atorch.strategy_search.search.buildable import BuildCheck, check_families
     from atorch.strategy_search.search.space import Candidate
@@ -258,22 +258,22 @@ def _build_check_share(session: DryRunSession, word: dict[str, Any]) -> None:
             batch = sample_batch(session.setup, session.env, word["per_rank"])
             found = check_families(session.setup, batch, session.env.world_size, session.env.device, mine,
                                    word["limit_s"])
-    except Exception as exc:  # noqa: BLE001  (the leader leaves these layouts to the dry-runs)
-        found = BuildCheck(unchecked=[f"the layouts checked on rank {rank}: {type(exc).__name__}: {exc}"])
+    except Exception as exc:  # noqa: BLE001  (the leader leaves these builds to the dry-runs)
+        found = BuildCheck(unchecked=[f"the builds checked on rank {rank}: {type(exc).__name__}: {exc}"])
     session.announce(f"build_check/{rank}", found.to_wire())
 
 
 def check_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands: list[Any],
                         limit_s: float) -> BuildCheck:
-    """The build check (``buildable.check_families``) with every rank's help: whole layouts go to the ranks,
-    balanced by their builds (``layout_shares``), each rank checks its share, the leader gathers the findings
-    (JSON through the job's store). A rank that sends nothing in time leaves its layouts to the dry-runs. Called by
-    the leader; the followers hear the task as a word (``_follow``)."""
-    from atorch.strategy_search.search.buildable import BuildCheck, check_families, layout_shares
+    """The build check (``buildable.check_families``) with every rank's help: its builds are dealt to the ranks
+    (``build_shares``), each rank checks its share, the leader gathers the findings (JSON through the job's store).
+    A rank that sends nothing in time leaves its share to the dry-runs. Called by the leader; the followers hear the
+    task as a word (``_follow``)."""
+    from atorch.strategy_search.search.buildable import BuildCheck, build_shares, check_families
 
     env = session.env
     begin = time.monotonic()
-    shares = layout_shares(cands, env.world_size, env.world_size)
+    shares = build_shares(cands, env.world_size, env.world_size)
     helped = [rank for rank in range(1, env.world_size) if shares[rank]]
     if helped:
         session.announce_next({"kind": "build_check", "limit_s": limit_s, "per_rank": per_rank,
@@ -283,7 +283,7 @@ def check_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands
         try:  # their limit, and their start-up (a forked child, the sample batch)
             sent = BuildCheck.from_wire(session.hear(f"build_check/{rank}", limit_s + 30.0))
         except SetupError:
-            sent = BuildCheck(unchecked=[f"the layouts of rank {rank}: no build check came back within "
+            sent = BuildCheck(unchecked=[f"the builds of rank {rank}: no build check came back within "
                                          f"{limit_s + 30.0:g} s"])
         found.merge(sent)
     found.ranks = 1 + len(helped)

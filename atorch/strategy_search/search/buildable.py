@@ -122,10 +122,11 @@ class BuildCheck:
                    float(data["seconds"]), list(data["unchecked"]))
 
     def merge(self, other: BuildCheck) -> None:
-        """Add another rank's findings on its layouts (the shares do not overlap); ``seconds`` stays the caller's."""
+        """Add another rank's findings (both may have found one method failing at a layout: it is kept once);
+        ``seconds`` stays the caller's."""
         self.unbuildable.update(other.unbuildable)
         self.builds += other.builds
-        self.unchecked.extend(other.unchecked)
+        self.unchecked.extend(u for u in other.unchecked if u not in self.unchecked)
 
 
 def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cand: Any,
@@ -190,19 +191,29 @@ def _plan(cands: Sequence[Any], world_size: int) -> dict[str, list[Any]]:
             for at, members in by_layout.items()}
 
 
-def layout_shares(cands: Sequence[Any], world_size: int, ranks: int) -> list[list[Any]]:
-    """``cands`` split over ``ranks`` processes by whole layouts (a layout's builds settle each other's methods),
-    balanced by the builds each layout may take (its distinct methods), most first: each rank checks its share at
-    the same time, so the check's wall time is its largest share's, not the sum (a follower is idle meanwhile)."""
+def build_shares(cands: Sequence[Any], world_size: int, ranks: int) -> list[list[Any]]:
+    """The check's builds (``cover``) dealt round-robin to ``ranks`` processes, each rank checking its share at the
+    same time: the check's wall time is about its largest share's, not the sum (a follower is idle meanwhile). A
+    share's builds are the ones the whole check makes where every build succeeds; where one fails, the whole check
+    skips the later builds of the failed method at that layout, which a share on another rank makes and finds
+    failing as well: the same findings, a few more builds."""
     shares: list[list[Any]] = [[] for _ in range(max(1, ranks))]
-    load = [0] * len(shares)
-    plan = _plan(cands, world_size)
-    methods = {at: len({name for c in members for name in c.strategy.names()}) for at, members in plan.items()}
-    for at in sorted(plan, key=lambda at: (-methods[at], at)):
-        rank = load.index(min(load))
-        shares[rank].extend(plan[at])
-        load[rank] += methods[at]
+    for index, cand in enumerate(cover(cands, world_size)):
+        shares[index % len(shares)].append(cand)
     return shares
+
+
+def cover(cands: Sequence[Any], world_size: int) -> list[Any]:
+    """The candidates the check builds where every build succeeds: per layout, the simplest first, each one that
+    brings a method its layout has not had yet."""
+    builds: list[Any] = []
+    for members in _plan(cands, world_size).values():
+        seen: set[str] = set()
+        for cand in members:
+            if set(cand.strategy.names()) - seen:
+                builds.append(cand)
+                seen |= set(cand.strategy.names())
+    return builds
 
 
 def check_families(setup: UserSetup, batch: Any, world_size: int, device: torch.device, cands: Sequence[Any],
