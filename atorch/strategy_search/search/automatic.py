@@ -224,23 +224,49 @@ def _follow(session: DryRunSession, time_limit: float | None) -> SearchOutcome:
             raise StrategyError(word["problems"], what="automatic strategy search failed (on rank 0)")
 
 
+def _my_share(session: DryRunSession, word: dict[str, Any]) -> tuple[list[Any], Any]:
+    """A follower's candidates in a shared task's word (``_share_with_followers``) and, where it has any, its
+    sample batch."""
+    from atorch.strategy_search.search.space import Candidate
+
+    mine = [Candidate.from_json(c) for c in word["shares"].get(str(session.env.rank), [])]
+    return mine, sample_batch(session.setup, session.env, word["per_rank"]) if mine else None
+
+
+def _share_with_followers(session: DryRunSession, word: dict[str, Any], shares: list[list[Any]], key: str,
+                          own: Any) -> tuple[Any, dict[int, Any]]:
+    """A task shared by the ranks: ``word`` goes to the followers with their ``shares`` of candidates (share r to
+    rank r), the leader does its own (``own(shares[0])``), then gathers what each follower with a share sends back
+    under ``key/rank`` (JSON through the job's store; None from a rank that sent nothing within the word's
+    ``limit_s`` and its start-up: a forked child, the sample batch)."""
+    helped = [rank for rank in range(1, session.env.world_size) if shares[rank]]
+    if helped:
+        session.announce_next({**word, "shares": {str(r): [c.to_json() for c in shares[r]] for r in helped}})
+    mine = own(shares[0])
+    sent: dict[int, Any] = {}
+    for rank in helped:
+        try:
+            sent[rank] = session.hear(f"{key}/{rank}", word["limit_s"] + 30.0)
+        except SetupError:
+            sent[rank] = None
+    return mine, sent
+
+
 def _trace_share(session: DryRunSession, word: dict[str, Any]) -> None:
     """A follower's share of the memory traces (``MemoryTracer``): the candidates the leader sent this rank,
     traced within the leader's time limit, sent back as JSON (a failure is sent as the reason)."""
     from atorch.strategy_search.costing.tracing import MemoryTracer
-    from atorch.strategy_search.search.space import Candidate
 
-    rank = session.env.rank
-    mine = [Candidate.from_json(c) for c in word["shares"].get(str(rank), [])]
+    mine: list[Any] = []
     found: dict[str, Any] = {}
     try:
+        mine, batch = _my_share(session, word)
         if mine:
-            batch = sample_batch(session.setup, session.env, word["per_rank"])
             tracer = MemoryTracer(session.setup, batch, session.env.world_size, session.env.device)
             found = tracer.trace_candidates(mine, time_limit_s=word["limit_s"])
     except Exception as exc:  # noqa: BLE001  (the leader leaves these to the analytical model)
         found = {c.key: f"{type(exc).__name__}: {exc}" for c in mine}
-    session.announce(f"trace/{word['index']}/{rank}",
+    session.announce(f"trace/{word['index']}/{session.env.rank}",
                      {key: t if isinstance(t, str) else t.to_json() for key, t in found.items()})
 
 
@@ -248,45 +274,36 @@ def _build_check_share(session: DryRunSession, word: dict[str, Any]) -> None:
     """A follower's share of the build check (``check_on_every_rank``): the builds the leader sent this rank,
     checked within the leader's time limit, the findings sent back as JSON (a failure leaves the share unchecked)."""
     from atorch.strategy_search.search.buildable import BuildCheck, check_families
-    from atorch.strategy_search.search.space import Candidate
 
-    rank = session.env.rank
-    mine = [Candidate.from_json(c) for c in word["shares"].get(str(rank), [])]
     found = BuildCheck()
     try:
+        mine, batch = _my_share(session, word)
         if mine:
-            batch = sample_batch(session.setup, session.env, word["per_rank"])
             found = check_families(session.setup, batch, session.env.world_size, session.env.device, mine,
                                    word["limit_s"])
     except Exception as exc:  # noqa: BLE001  (the leader leaves these builds to the dry-runs)
-        found = BuildCheck(unchecked=[f"the builds checked on rank {rank}: {type(exc).__name__}: {exc}"])
-    session.announce(f"build_check/{rank}", found.to_wire())
+        found = BuildCheck(unchecked=[f"the builds checked on rank {session.env.rank}: {type(exc).__name__}: {exc}"])
+    session.announce(f"build_check/{session.env.rank}", found.to_wire())
 
 
 def check_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands: list[Any],
                         limit_s: float) -> BuildCheck:
     """The build check (``buildable.check_families``) with every rank's help: its builds are dealt to the ranks
-    (``build_shares``), each rank checks its share, the leader gathers the findings (JSON through the job's store).
-    A rank that sends nothing in time leaves its share to the dry-runs. Called by the leader; the followers hear the
-    task as a word (``_follow``)."""
+    (``build_shares``), each rank checks its share, the leader gathers the findings. A rank that sends nothing in
+    time leaves its share to the dry-runs. Called by the leader; the followers hear the task as a word
+    (``_follow``)."""
     from atorch.strategy_search.search.buildable import BuildCheck, build_shares, check_families
 
     env = session.env
     begin = time.monotonic()
-    shares = build_shares(cands, env.world_size, env.world_size)
-    helped = [rank for rank in range(1, env.world_size) if shares[rank]]
-    if helped:
-        session.announce_next({"kind": "build_check", "limit_s": limit_s, "per_rank": per_rank,
-                               "shares": {str(r): [c.to_json() for c in shares[r]] for r in helped}})
-    found = check_families(session.setup, batch, env.world_size, env.device, shares[0], limit_s)
-    for rank in helped:
-        try:  # their limit, and their start-up (a forked child, the sample batch)
-            sent = BuildCheck.from_wire(session.hear(f"build_check/{rank}", limit_s + 30.0))
-        except SetupError:
-            sent = BuildCheck(unchecked=[f"the builds of rank {rank}: no build check came back within "
-                                         f"{limit_s + 30.0:g} s"])
-        found.merge(sent)
-    found.ranks = 1 + len(helped)
+    found, sent = _share_with_followers(
+        session, {"kind": "build_check", "limit_s": limit_s, "per_rank": per_rank},
+        build_shares(cands, env.world_size, env.world_size), "build_check",
+        lambda share: check_families(session.setup, batch, env.world_size, env.device, share, limit_s))
+    for rank, findings in sent.items():
+        found.merge(BuildCheck.from_wire(findings) if findings is not None else BuildCheck(unchecked=[
+            f"the builds of rank {rank}: no build check came back within {limit_s + 30.0:g} s"]))
+    found.ranks = 1 + len(sent)
     found.seconds = time.monotonic() - begin
     return found
 
@@ -295,8 +312,8 @@ def trace_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands
                         limit_s: float, index: int = 0) -> dict[str, Any]:
     """Trace ``cands``' memory with every rank's help: whole families (a strategy at its micro-batch sizes) go
     round-robin to the ranks, fastest predicted first, each rank traces its share for ``limit_s``, and the
-    leader gathers the results (JSON through the job's store). A rank that sends nothing in time leaves its share
-    to the analytical model. Called by the leader; the followers hear the task as a word (``_follow``)."""
+    leader gathers the results. A rank that sends nothing in time leaves its share to the analytical model.
+    Called by the leader; the followers hear the task as a word (``_follow``)."""
     from atorch.strategy_search.costing.tracing import MemoryTracer, TracedMemory, family_of
 
     env = session.env
@@ -306,19 +323,15 @@ def trace_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands
     shares: list[list[Any]] = [[] for _ in range(env.world_size)]
     for i, members in enumerate(families.values()):
         shares[i % env.world_size].extend(members)
-    if env.world_size > 1:
-        session.announce_next({"kind": "trace", "index": index, "limit_s": limit_s, "per_rank": per_rank,
-                               "shares": {str(r): [c.to_json() for c in shares[r]] for r in range(1, env.world_size)}})
-    tracer = MemoryTracer(session.setup, batch, env.world_size, env.device)
-    traced: dict[str, Any] = dict(tracer.trace_candidates(shares[0], time_limit_s=limit_s))
-    for rank in range(1, env.world_size):
-        if not shares[rank]:
-            continue
-        try:  # their limit, and their start-up (a forked child, the sample batch)
-            sent = session.hear(f"trace/{index}/{rank}", limit_s + 30.0)
-        except SetupError:
-            sent = {c.key: f"rank {rank} sent no trace within {limit_s + 30.0:g} s" for c in shares[rank]}
-        traced.update({key: t if isinstance(t, str) else TracedMemory(**t) for key, t in sent.items()})
+    mine, sent = _share_with_followers(
+        session, {"kind": "trace", "index": index, "limit_s": limit_s, "per_rank": per_rank}, shares,
+        f"trace/{index}", lambda share: MemoryTracer(session.setup, batch, env.world_size, env.device)
+        .trace_candidates(share, time_limit_s=limit_s))
+    traced: dict[str, Any] = dict(mine)
+    for rank, found in sent.items():
+        if found is None:
+            found = {c.key: f"rank {rank} sent no trace within {limit_s + 30.0:g} s" for c in shares[rank]}
+        traced.update({key: t if isinstance(t, str) else TracedMemory(**t) for key, t in found.items()})
     return traced
 
 

@@ -14,7 +14,9 @@ candidate that built are known to build there. Candidates the fake build cannot 
 (``tracing.untraced_reason``: pipeline schedules, DeepSpeed's engine, which communicate as they are built) are left
 to the dry-runs, where one failure rules out its family the same way. The builds run in a forked child where one
 can be forked (``tracing.not_forkable``: not once the process has used CUDA): torch can crash on a fake program
-(tracing.py), and that must cost the check, not the job.
+(tracing.py), and that must cost the check, not the job. In a job of several processes the builds are dealt to
+them (``build_shares``; ``automatic.check_on_every_rank`` gathers the findings): on the held-out Persimmon of
+``bench/search.py``, 9 builds in 1.0 s on 2 ranks against 1.1-2.3 s on one.
 """
 
 from __future__ import annotations
