@@ -298,7 +298,8 @@ def check_on_every_rank(session: DryRunSession, batch: Any, per_rank: int, cands
     begin = time.monotonic()
     found, sent = _share_with_followers(
         session, {"kind": "build_check", "limit_s": limit_s, "per_rank": per_rank},
-        build_shares(cands, env.world_size, env.world_size), "build_check",
+        # one process checks them all: after a failed build it may cover the build's other methods with another
+        build_shares(cands, env.world_size, env.world_size) if env.world_size > 1 else [list(cands)], "build_check",
         lambda share: check_families(session.setup, batch, env.world_size, env.device, share, limit_s))
     for rank, findings in sent.items():
         found.merge(BuildCheck.from_wire(findings) if findings is not None else BuildCheck(unchecked=[

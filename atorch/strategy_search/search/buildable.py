@@ -107,7 +107,7 @@ class BuildCheck:
     builds: int = 0
     seconds: float = 0.0
     unchecked: list[str] = field(default_factory=list)  # "method at layout: why"
-    ranks: int = 1  # the processes the layouts were shared over (check_on_every_rank)
+    ranks: int = 1  # the processes the builds were dealt to (check_on_every_rank)
 
     def to_json(self) -> list[dict[str, str]]:
         """The ruled-out families as the study keeps them (its ``unbuildable`` attribute; the report lists them)."""
