@@ -13,6 +13,7 @@ from atorch.build import agreed_build, build_result, preflight, setup_same, stra
 from atorch.data import empty_loader_problems, short_dataset_warning
 from atorch.distributed import DistEnv, agreed_problems, init_distributed
 from atorch.errors import NoStrategyFound, SearchOptionIgnored, StrategyError
+from atorch.function_caches import forget_fake_fills
 from atorch.input_checks import input_problems, launch_problems, unused_parameter_problems, wrapped_model_problems
 from atorch.log import get_logger, set_verbose
 from atorch.model_context import MODEL_INPUT_FORMATS, UserSetup
@@ -235,6 +236,7 @@ def auto_accelerate(
             logger.error("%s", exc)
             return False, AccelerateResult.failed(exc.problems), None
 
+    forget_fake_fills(setup.model, rescan=True)  # what the checks' and the search's fake runs cached
     ctx = agreed_build(setup, env, strategy, skipped)  # a build that fails on one rank fails on all
     if save_strategy_to_file and env.is_main:
         strategy.save(save_strategy_to_file)

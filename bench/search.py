@@ -397,6 +397,37 @@ def convnext_v2() -> dict[str, Any]:  # depthwise 7x7 convolutions, global respo
     return image_classifier(ConvNextV2ForImageClassification(config))
 
 
+# The eighth held-out set (bench/held_out.md, chosen 2026-12-01 21:09 UTC, before any change made that session).
+def dbrx() -> dict[str, Any]:  # experts as one fused module (top-2 of 8), fused Wqkv with clipping, no biases
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    torch.manual_seed(0)
+    config = DbrxConfig(vocab_size=1024, d_model=64, n_heads=4, n_layers=2, max_seq_len=64, use_cache=False,
+                        attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+                        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 8, "moe_top_k": 2})
+    return tokens(DbrxForCausalLM(config), 1024, 64)
+
+
+def glm4() -> dict[str, Any]:  # fused gate/up projection, norms after attention and MLP, partial rotary
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    torch.manual_seed(0)
+    config = Glm4Config(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                        pad_token_id=0, use_cache=False)
+    return tokens(Glm4ForCausalLM(config), 1024, 64)
+
+
+def beit() -> dict[str, Any]:  # relative position bias (a cached index), layer scale, mean pooling, images
+    from transformers import BeitConfig, BeitForImageClassification
+
+    torch.manual_seed(0)
+    config = BeitConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=256, num_labels=10, use_relative_position_bias=True,
+                        use_mean_pooling=True, drop_path_rate=0.0)
+    return image_classifier(BeitForImageClassification(config))
+
+
 MODELS: dict[str, Any] = {
     "gpt2": lambda: gpt2(4, 128, 4, 1024, 64),  # 0.93M parameters, 64 tokens a sample
     "cnn": cnn,  # 0.11M parameters, 32x32 images
@@ -407,13 +438,15 @@ MODELS: dict[str, Any] = {
     "mobilenet_v2": mobilenet_v2, "efficientnet": efficientnet, "electra": electra,  # held out, fifth set
     "qwen2_moe": qwen2_moe, "gemma2": gemma2, "poolformer": poolformer,  # held out, sixth set
     "hunyuan_moe": hunyuan_moe, "persimmon": persimmon, "convnext_v2": convnext_v2,  # held out, seventh set
+    "dbrx": dbrx, "glm4": glm4, "beit": beit,  # held out, eighth set
 }
 HELD_OUT_SETS = {"held-out": ("olmoe", "phi", "swin"), "held-out-2": ("deepseek_v3", "olmo2", "mobilevit"),
                  "held-out-3": ("granite_moe", "dinov2", "gpt_bigcode"),
                  "held-out-4": ("falcon", "deberta_v2", "regnet"),
                  "held-out-5": ("mobilenet_v2", "efficientnet", "electra"),
                  "held-out-6": ("qwen2_moe", "gemma2", "poolformer"),
-                 "held-out-7": ("hunyuan_moe", "persimmon", "convnext_v2")}
+                 "held-out-7": ("hunyuan_moe", "persimmon", "convnext_v2"),
+                 "held-out-8": ("dbrx", "glm4", "beit")}
 HELD_OUT = tuple(m for models in HELD_OUT_SETS.values() for m in models)
 
 # Scenarios on the same model and global batch share one sweep ("budget_of_ddp": a fraction of plain DDP's
@@ -441,7 +474,7 @@ TUNED = [name for name, spec in SCENARIOS.items() if spec["model"] not in HELD_O
 
 
 def held_out_scenarios(part: str) -> list[str]:
-    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-7')."""
+    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-8')."""
     return [name for name, spec in SCENARIOS.items() if spec["model"] in HELD_OUT_SETS[part]]
 TOP = 16  # the search must cost less than half of measuring its own TOP predicted candidates once each
 

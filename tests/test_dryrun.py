@@ -442,3 +442,47 @@ def test_a_failure_on_one_rank_ends_the_trial_on_every_rank_in_seconds(report: d
         for ok in (by_rank[1], by_rank[3]):
             assert ok.samples_per_s and ok.peak_bytes and len(ok.losses) == 3, ok
         assert by_rank[1].losses == by_rank[3].losses == results[0][1].losses  # same seed, same steps
+
+
+class EvalCacheModel(torch.nn.Module):
+    """Caches a tensor computed from a parameter in eval mode, for inference, as LeViT caches its attention biases:
+    a training step in eval mode with two micro-batches reads it after the first backward freed its graph."""
+
+    def __init__(self, fails_in_train_mode: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = mlp()
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+        self.cache: dict[str, torch.Tensor] = {}
+        self.fails_in_train_mode = fails_in_train_mode
+
+    def train(self, mode: bool = True) -> EvalCacheModel:
+        super().train(mode)
+        if mode:
+            self.cache = {}
+        return self
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fails_in_train_mode:
+            raise TypeError("forward() missing 1 required positional argument: 'w'")
+        bias = self.bias * 2 if self.training else self.cache.setdefault("bias", self.bias * 2)
+        return self.net(x) + bias
+
+
+def test_a_model_that_cannot_train_in_eval_mode_is_dry_run_in_train_mode_after_one_probe() -> None:
+    """The dry-run's first warm-up step runs in eval mode (its loss compares with the model's own). A model that
+    caches a tensor in eval mode (LeViT) fails that step under two micro-batches, though it trains: the session
+    runs the candidate again with the step in train mode, and every later trial too; their first loss is not
+    compared (``first_step_in_eval``). A model that fails in train mode as well keeps its failure."""
+    env = init_distributed()
+    plain = Strategy.load(["parallel_mode"])
+    session_results = dry_run_many(_setup(EvalCacheModel()), env, [plain, plain], warmup=2, steps=1, micro_batches=2)
+    assert [r.status for r in session_results] == ["ok", "ok"], [r.reason for r in session_results]
+    assert [r.first_step_in_eval for r in session_results] == [False, False]
+    assert all(math.isfinite(x) for r in session_results for x in r.losses)
+
+    (alone,) = dry_run_many(_setup(EvalCacheModel()), env, [plain], warmup=2, steps=1, micro_batches=1)
+    assert alone.status == "ok" and alone.first_step_in_eval  # one micro-batch: eval mode trains, checked
+
+    (broken,) = dry_run_many(_setup(EvalCacheModel(fails_in_train_mode=True)), env, [plain], warmup=2, steps=1)
+    assert broken.status == "failed" and "missing 1 required positional argument" in (broken.reason or "")

@@ -727,3 +727,45 @@ def test_a_split_layout_s_measured_memory_error_reaches_its_other_families() -> 
     state._remember(data_only[0], 2, {**measured, "peak_memory_bytes": 1.5 * table.prediction(data_only[0])[
         "peak_memory_bytes"]})
     assert all(state.correction(k) is None for k in data_only if table.family(k) != table.family(data_only[0]))
+
+
+def test_a_failure_repeated_word_for_word_rules_out_the_methods_the_two_share_but_not_a_precision() -> None:
+    """JetMoE's experts under expert parallel failed four dry-runs with one TypeError: from the second failure alike
+    at a layout, the methods the two failed candidates share are ruled out there. A precision is a candidate's own
+    setting (DBRX's experts fail under autocast alone and run under bf16 ZeRO-2), never blamed so; nor is a method
+    that every candidate has, or one that ran in a dry-run that did not fail."""
+    gpt2_space = SearchSpace(toy_models.tiny_gpt2(), WORLD, GLOBAL_BATCH)
+    def predicted(c: Candidate) -> dict:
+        p = predict(c)
+        return Predicted.of(p.peak_memory_bytes, p.step_time_s, GLOBAL_BATCH).to_json()
+
+    table = CandidateTable.from_space(gpt2_space, predicted)
+    storage = optuna.storages.InMemoryStorage()
+    state = SearchState(optuna.create_study(storage=storage, direction="maximize"), table, BUDGET, storage=storage)
+    names = {k: state._names(k) for k in table.keys}
+    tensor = [k for k, p in zip(table.keys, table.points, strict=True) if int(p.get("tensor", 1)) > 1]
+    first = tensor[0]
+    second = next(k for k in tensor if names[k] != names[first] and table.layout(k) == table.layout(first))
+    failed = {"status": "failed", "samples_per_s": 0.0, "peak_memory_bytes": 0, "step_time_s": 0.0,
+              "reason": "rank 0: warm-up step 0: TypeError: forward() missing 1 required positional argument: 'w'; "
+                        "rank 1: warm-up step 0: TypeError: forward() missing 1 required positional argument: 'w'"}
+    state._remember(first, 0, failed)
+    assert not state.unbuildable(second)  # one failure says nothing of the method
+    state._remember(second, 1, failed)
+    rules = set(state.unbuildable_at)
+    assert ("tensor_parallel", table.layout(first)) in rules
+    assert all(method != "parallel_mode" for method, _ in rules)  # in every candidate: not blamed
+    later = [k for k in tensor if table.layout(k) == table.layout(first) and k not in (first, second)]
+    assert later and all("failed alike in two dry-runs" in state.unbuildable(k) for k in later)
+    data_only = [k for k, p in zip(table.keys, table.points, strict=True) if int(p.get("tensor", 1)) == 1]
+    assert not any(state.unbuildable(k) for k in data_only)
+
+    # the same error twice under a precision that the two share, and nothing else they share but the layout
+    precise = [k for k in data_only if "amp_native" in names[k]]
+    one = precise[0]
+    other = next(k for k in precise if len(names[k] & names[one] - {"parallel_mode", "amp_native"}) == 0
+                 and table.layout(k) == table.layout(one) and k != one)
+    fresh = SearchState(optuna.create_study(storage=storage, direction="maximize"), table, BUDGET, storage=storage)
+    fresh._remember(one, 0, {**failed, "reason": "rank 0: warm-up step 0: RuntimeError: index_add_(): dtypes differ"})
+    fresh._remember(other, 1, {**failed, "reason": "rank 1: warm-up step 0: RuntimeError: index_add_(): dtypes differ"})
+    assert not fresh.unbuildable_at

@@ -18,6 +18,10 @@ covers, from the arithmetic:
   loss through the log-softmax; eight units covers a few layers of it. Broken mixed precision (an overflow,
   a lost scale) is off by far more, or not finite.
 
+A model that cannot train a step in eval mode (an eval-mode cache, as LeViT's attention biases) has no such step:
+its session runs the first step in train mode and checks the losses for being finite only
+(``DryRunSession.eval_step``, ``TrialResult.first_step_in_eval``).
+
 Only the first step is compared: later steps follow each candidate's own optimizer arithmetic, which is
 allowed to differ as much as the dtype does, step after step. A dry-run with fewer than two warm-up steps
 has no deterministic step and is checked for finite losses only.

@@ -57,6 +57,7 @@ from atorch.dryrun.memory import PeakMemory, SettledHeap
 from atorch.dryrun.numerics import MIN_WARMUP_FOR_CHECK, deterministic_step
 from atorch.dryrun.unused_gradients import explain_unused_gradients
 from atorch.errors import RankLost, SetupError
+from atorch.function_caches import forget_fake_fills
 from atorch.lifecycle import import_off_the_stack
 from atorch.log import get_logger, say_where_seen
 from atorch.model_context import UserSetup
@@ -76,6 +77,7 @@ MAX_EXTRA_WARMUP = 4  # warm-up steps added while fp16 loss scaling skips every 
 LOSS_SCALE_DROP = 2.0**6  # ... each with the scale divided by this: 2^16 reaches 2^-8 within them
 # Early stop (``stop_above_s``): timed steps judged after this many, so one disturbed step does not stop a trial
 EARLY_STOP_MIN_STEPS = 2
+EVAL_STEP_PROBES = 2  # failures in the eval-mode first step tried again in train mode, per session (DryRunSession)
 
 
 class RankOutcome(BaseModel):
@@ -105,6 +107,9 @@ class TrialResult(BaseModel):
     wall_s: float = 0.0
     # the timed steps stopped once every rank's fastest was above ``stop_above_s``: the median is of those steps
     stopped_early: bool = False
+    # the first warm-up step ran in eval mode (no dropout), so its loss compares with the user's model's
+    # (atorch.dryrun.numerics); False where the session found that the model cannot train a step in eval mode
+    first_step_in_eval: bool = True
 
 
 def dry_run(setup: UserSetup, env: DistEnv, strategy: Strategy, **kwargs: Any) -> TrialResult:
@@ -190,6 +195,13 @@ class DryRunSession:
         self.unsettled: tuple[int, str, float, TrialResult] | None = None
         self.trials = 0
         self.rejoins = 0
+        # A model whose eval mode cannot train (LeViT's attention biases, cached in eval mode for inference: a second
+        # micro-batch or a recomputation reads the cached tensor after its graph was freed) fails a candidate's first
+        # warm-up step, which runs in eval mode, though the candidate trains. Such a failure is tried again with that
+        # step in train mode (at most EVAL_STEP_PROBES times); where that runs, every later trial skips eval mode, and
+        # the numerics check compares no loss (``first_step_in_eval``).
+        self.eval_step = True
+        self.eval_step_probes = EVAL_STEP_PROBES
         self.words = 0  # the leader's words announced (rank 0) or heard (the others), in order
         # One-time costs are not a candidate's: FSDP2 imports torch._dynamo on its first build (seconds).
         import_off_the_stack("torch._dynamo")
@@ -237,10 +249,41 @@ class DryRunSession:
         timed seconds (default: the session's). ``RankLost`` when a rank did not come back from the last one."""
         if micro_batches < 1 or timeout_s <= 0:
             raise SetupError("dry-run needs micro_batches >= 1 and timeout_s > 0")
+        args = dict(timeout_s=timeout_s, micro_batches=micro_batches, batch_size=batch_size, label=label,
+                    stop_above_s=stop_above_s, min_measure_s=min_measure_s)
+        result = self._run_once(strategy, eval_step=self.eval_step, **args)
+        if not self._failed_in_eval_step(result):
+            return result.model_copy(update={"first_step_in_eval": self._checks_first()})
+        self.eval_step_probes -= 1
+        again = self._run_once(strategy, eval_step=False, **args)
+        if self._failed_in_step_0(again):
+            return result  # it fails in train mode too: the candidate's own failure
+        self.eval_step = False
+        if self.env.is_main:
+            logger.warning("the model fails a training step in eval mode (%s), and trains in train mode: the "
+                           "dry-runs' first step runs in train mode from now on, and their losses are checked for "
+                           "being finite only, not against the model's own loss", _first_reason(result))
+        return again.model_copy(update={"first_step_in_eval": False})
+
+    def _checks_first(self) -> bool:
+        return self.eval_step and self.warmup >= MIN_WARMUP_FOR_CHECK
+
+    def _failed_in_step_0(self, result: TrialResult) -> bool:
+        return result.status == "failed" and "warm-up step 0: " in (result.reason or "")
+
+    def _failed_in_eval_step(self, result: TrialResult) -> bool:
+        """A failure in the first warm-up step while it ran in eval mode, with a probe left (every rank decides the
+        same: the result is agreed)."""
+        return self._checks_first() and self.eval_step_probes > 0 and self._failed_in_step_0(result)
+
+    def _run_once(self, strategy: Strategy, *, timeout_s: float, micro_batches: int, batch_size: int | None,
+                  label: str | None, stop_above_s: float | None, min_measure_s: float | None,
+                  eval_step: bool) -> TrialResult:
         self._check_lost()
         index = self.trials
         self.trials += 1
         self.heap.settle_if_wanted()
+        forget_fake_fills(self.setup.model)  # what a fake run (analysis, build check, trace) cached
         # Before the meeting (every rank prepares, so they arrive together) and the trial's clock.
         unprepared = prepare_once(strategy, log=self.env.is_main)
         measure_s = self.min_measure_s if min_measure_s is None else min_measure_s
@@ -255,6 +298,7 @@ class DryRunSession:
         trial.unprepared = unprepared
         trial.min_measure_s, trial.max_steps = measure_s, self.max_steps
         trial.stop_above_s = stop_above_s
+        trial.eval_step = eval_step
         result = trial.run(self.memory_budget)
         # A trial that did not end well may still hold a rank (stuck past its deadline): the next meeting says.
         self.unsettled = None if result.status == "ok" else (index, label or str(strategy), timeout_s, result)
@@ -385,6 +429,7 @@ class _Trial:
         self.coordinator, self.index, self.setup, self.env, self.strategy = coordinator, index, setup, env, strategy
         self.warmup, self.steps, self.timeout_s, self.micro_batches = warmup, steps, timeout_s, micro_batches
         self.min_measure_s, self.max_steps = 0.0, steps
+        self.eval_step = True  # the first warm-up step in eval mode (DryRunSession.eval_step)
         self.stop_above_s: float | None = None  # the early-stop bar (DryRunSession.run)
         self.unprepared: list[str] = []  # one-time preparations that failed: problems, as preflight's
         self.deadline = 0.0
@@ -529,7 +574,7 @@ class _Trial:
                     self.phase = f"warm-up step {step}"
                     # The first step runs in eval mode (no dropout), so its loss can be compared with the user's
                     # model on the same samples (atorch.dryrun.numerics); the next one brings the train-mode peak.
-                    first = step == 0 and self.warmup >= MIN_WARMUP_FOR_CHECK
+                    first = self.eval_step and step == 0 and self.warmup >= MIN_WARMUP_FOR_CHECK
                     with deterministic_step(result.model) if first else contextlib.nullcontext():
                         losses.append(self._step(result, batches))
                 # fp16 loss scaling skips steps until its scale fits the gradients: warm up until a step was
@@ -684,6 +729,12 @@ def _classify(exc: BaseException, phase: str) -> RankOutcome:
 def _plain(strategy: Strategy) -> list[Any]:
     """The strategy as JSON values (lists, not tuples), so a result compares equal after a round trip."""
     return json.loads(json.dumps(strategy.to_list()))
+
+
+def _first_reason(result: TrialResult) -> str:
+    """The first rank's reason of a failed trial, without the rank and step it names."""
+    first = (result.reason or "").split("; ")[0]
+    return first.split("warm-up step 0: ", 1)[-1][:200]
 
 
 def _describe(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ from torch import nn
 from atorch.build import agreed_preflight, build_context
 from atorch.distributed import DistEnv
 from atorch.errors import SetupError, StrategyError
+from atorch.function_caches import forget_fake_fills
 from atorch.log import get_logger
 from atorch.model_context import ModelContext, UserSetup
 from atorch.opt_lib.registry import methods_in_group
@@ -150,6 +151,7 @@ def build(module: nn.Module, strategy: Strategy, factory: OptimizerFactory, env:
     setup = UserSetup(model=module, optim_func=factory.optim_func, optim_args=dict(factory.optim_args),
                       optim_param_func=factory.optim_param_func, find_unused_parameters=find_unused_parameters)
     skipped = agreed_preflight(setup, env, strategy, what=f"ATorchStrategy cannot apply {strategy}")
+    forget_fake_fills(module, rescan=True)  # what the checks' and the search's fake runs left in the model's caches
     # The optimizer's parameters are named through a snapshot taken before sharding replaces them.
     ctx = ModelContext(replace(setup, model=names_module(module)), env, layout, model=module)
     ctx = build_context(setup, env, strategy, skipped, ctx)  # in place

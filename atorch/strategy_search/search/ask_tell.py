@@ -137,6 +137,14 @@ def disputed_band(within: float) -> float:
 
 # A dry-run's failure in a method's build step: "build [tensor_parallel]: NotImplementedError: ..." (dryrun/runner.py)
 _BUILD_STEP = re.compile(r"\bbuild \[(\w+)\]: ")
+# What a step failure's reason says besides where it happened: "rank 0: warm-up step 0: TypeError: ...; rank 1: ..."
+_FAILURE_PLACE = re.compile(r"\brank \d+: |\b(?:warm-up )?step \d+: ")
+
+
+def failure_signature(reason: str) -> str:
+    """A dry-run failure's error, the same for every candidate and rank that failed alike ("" for none)."""
+    first = _FAILURE_PLACE.sub("", reason).split("; ")[0].strip()
+    return first if ":" in first else ""
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
 # other (run-to-run noise here: 11-37%; interleaved, the same load falls on both): the simpler one is kept.
 CONFIRM_TIE = 0.05
@@ -330,6 +338,7 @@ class SearchState:
         # (method, layout) -> why: a dry-run failed in that method's build step at that layout (``unbuildable``)
         # ``unbuildable``: the families the build check before the search ruled out (search.buildable)
         self.unbuildable_at: dict[tuple[str, str], str] = dict(unbuildable or {})
+        self.step_failures: list[tuple[str, str]] = []  # (key, failure_signature) of the dry-runs failed in a step
         # per-candidate corrections, read for every candidate at every ask (the sampler's proposals that need no
         # dry-run, a dozen or more between two dry-runs): computed once per measurement (``_measured``)
         self._measured, self._corrections_of = 0, -1
@@ -376,6 +385,8 @@ class SearchState:
                 (size := self.table.points[self.table.by_key[key]].get("micro_batch_size")):
             rule, why = micro_batch_rule(int(size), f"trial {number}: {reason[:300]}")
             self.unbuildable_at.setdefault(rule, why)
+        elif attrs["status"] == "failed" and key in self.table.by_key:
+            self._rule_out_a_repeated_failure(key, number, reason)
         verdict = {"number": number, "measured": measured, **attrs}
         self.done[key] = (value, constraints, verdict)
         improved = attrs["status"] == "ok" and (self.best_value is None or value > self.best_value)
@@ -668,6 +679,34 @@ class SearchState:
         names = Strategy.load(self.table.details[index]["strategy"]).applied_names()
         return ruled_out_by(self.unbuildable_at, names, self.table.layout(key),
                             self.table.points[index].get("micro_batch_size"))
+
+    def _names(self, key: str) -> set[str]:
+        assert self.table.details is not None
+        return set(Strategy.load(self.table.details[self.table.by_key[key]]["strategy"]).applied_names())
+
+    def _rule_out_a_repeated_failure(self, key: str, number: int, reason: str) -> None:
+        """A step failure that an earlier candidate at the same layout failed with word for word (JetMoE's experts
+        under expert parallel: four candidates, one TypeError) rules out, at that layout, the methods the two share,
+        but not a precision (a setting of the candidate's own: DBRX's experts fail under autocast alone and run
+        under bf16 ZeRO-2), a method that every candidate has, or one that ran in a dry-run that did not fail."""
+        signature = failure_signature(reason)
+        if not signature or self.table.details is None:
+            return
+        layout = self.table.layout(key)
+        earlier = next((k for k, s in self.step_failures if s == signature and self.table.layout(k) == layout), None)
+        self.step_failures.append((key, signature))
+        if earlier is None:
+            return
+        from atorch.opt_lib.registry import methods_in_group
+
+        ran = [k for k, (_, _, verdict) in self.done.items()
+               if verdict.get("status") in OK_STATUSES and k in self.table.by_key]
+        in_every = set.intersection(*(set(Strategy.load(d["strategy"]).applied_names()) for d in self.table.details))
+        blameless = set(methods_in_group("precision")) | in_every | set().union(*(self._names(k) for k in ran))
+        for method in sorted(self._names(key) & self._names(earlier) - blameless):
+            self.unbuildable_at.setdefault((method, layout), (
+                f"{method} failed alike in two dry-runs at this layout (trials with its other settings differing; "
+                f"trial {number}: {reason[:300]}); its other settings would not change that"))
 
     def _basis(self, key: str) -> str:
         """What a skip's factor compares, where it is not the two raw predictions (the table's "pred. s" column):

@@ -759,7 +759,7 @@ class _Leader:
                                "(%s: %s)", type(exc).__name__, exc)
                 self.references[key] = None
         reference = self.references[key]
-        checked_first = self.options.warmup_steps >= MIN_WARMUP_FOR_CHECK
+        checked_first = self.options.warmup_steps >= MIN_WARMUP_FOR_CHECK and trial.first_step_in_eval
         problem = loss_problem(trial.losses, reference, compute_dtype(cand.strategy), checked_first)
         loss = trial.losses[0]
         if problem is None:

@@ -142,6 +142,7 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
     from atorch.apply import apply_strategy
     from atorch.build import preflight
     from atorch.distributed import DistEnv
+    from atorch.function_caches import forget_fake_fills
     from atorch.model_context import ModelContext
     from atorch.strategy_search.costing.fake_kernels import FakeKernelGaps
     from atorch.strategy_search.costing.tracing import MemoryTracer, memory_twin
@@ -155,6 +156,7 @@ def _build_one(setup: UserSetup, batch: Any, world_size: int, device: torch.devi
         base = tracer.setup
         modes = [tracer.mode, FakeKernelGaps()]
     else:
+        forget_fake_fills(setup.model)  # the real build's one-sample check must not read what a fake build cached
         base = setup
     # the user's dataset kept: a method's one-sample check (tensor parallel's split block) takes its sample there
     built_setup = replace(base, dataset=setup.dataset, dataloader_args={
