@@ -81,4 +81,3 @@ def forget_fake_fills(model: nn.Module, rescan: bool = False) -> int:
             cache.cache_clear()
             cleared += 1
     return cleared
-

@@ -112,7 +112,9 @@ def replay(key: str, sweep: dict[str, Any], profile: Any, tensor_parallel: bool)
         strategy = Strategy.load(items)
         pred = predict(stats, strategy, strategy.layout(WORLD), profile, global_batch, micro_batches,
                        optimizer_state_factor=optimizer_state_factor(setup))
-        rows.append({"methods": names[1:], "micro_batch_size": micro_batch_size, "micro_batches": micro_batches,
+        methods = [n + ("(deepspeed)" if (config or {}).get("implementation") == "deepspeed" else "")
+                   for n, config in items[1:]]
+        rows.append({"methods": methods, "micro_batch_size": micro_batch_size, "micro_batches": micro_batches,
                      "checkpoint": "checkpoint" in names, "error": pred.memory.peak / measured["peak"] - 1,
                      "precision": precision_of(items)})
     return rows

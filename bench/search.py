@@ -428,6 +428,38 @@ def beit() -> dict[str, Any]:  # relative position bias (a cached index), layer 
     return image_classifier(BeitForImageClassification(config))
 
 
+
+# The ninth held-out set (bench/held_out.md, chosen 2026-12-02 00:22 UTC, before any change made that session).
+def ernie_moe() -> dict[str, Any]:  # routed experts (top-2 of 8) with a shared expert, a dense first layer
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Ernie4_5_MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, moe_num_experts=8,
+                                moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
+                                max_position_embeddings=64, pad_token_id=0, use_cache=False)
+    return tokens(Ernie4_5_MoeForCausalLM(config), 1024, 64)
+
+
+def apertus() -> dict[str, Any]:  # xIELU activation (learned scalars), query/key norms, an ungated MLP
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    torch.manual_seed(0)
+    config = ApertusConfig(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                           use_cache=False)
+    return tokens(ApertusForCausalLM(config), 1024, 64)
+
+
+def segformer() -> dict[str, Any]:  # attention over spatially reduced keys, depthwise convolutions in the MLP
+    from transformers import SegformerConfig, SegformerForImageClassification
+
+    torch.manual_seed(0)
+    config = SegformerConfig(image_size=32, num_channels=3, num_encoder_blocks=4, depths=[1, 1, 1, 1],
+                             sr_ratios=[4, 2, 1, 1], hidden_sizes=[16, 32, 64, 64], num_attention_heads=[1, 2, 4, 4],
+                             num_labels=10, drop_path_rate=0.0)
+    return image_classifier(SegformerForImageClassification(config))
+
 MODELS: dict[str, Any] = {
     "gpt2": lambda: gpt2(4, 128, 4, 1024, 64),  # 0.93M parameters, 64 tokens a sample
     "cnn": cnn,  # 0.11M parameters, 32x32 images
@@ -439,6 +471,7 @@ MODELS: dict[str, Any] = {
     "qwen2_moe": qwen2_moe, "gemma2": gemma2, "poolformer": poolformer,  # held out, sixth set
     "hunyuan_moe": hunyuan_moe, "persimmon": persimmon, "convnext_v2": convnext_v2,  # held out, seventh set
     "dbrx": dbrx, "glm4": glm4, "beit": beit,  # held out, eighth set
+    "ernie_moe": ernie_moe, "apertus": apertus, "segformer": segformer,  # held out, ninth set
 }
 HELD_OUT_SETS = {"held-out": ("olmoe", "phi", "swin"), "held-out-2": ("deepseek_v3", "olmo2", "mobilevit"),
                  "held-out-3": ("granite_moe", "dinov2", "gpt_bigcode"),
@@ -446,7 +479,8 @@ HELD_OUT_SETS = {"held-out": ("olmoe", "phi", "swin"), "held-out-2": ("deepseek_
                  "held-out-5": ("mobilenet_v2", "efficientnet", "electra"),
                  "held-out-6": ("qwen2_moe", "gemma2", "poolformer"),
                  "held-out-7": ("hunyuan_moe", "persimmon", "convnext_v2"),
-                 "held-out-8": ("dbrx", "glm4", "beit")}
+                 "held-out-8": ("dbrx", "glm4", "beit"),
+                 "held-out-9": ("ernie_moe", "apertus", "segformer")}
 HELD_OUT = tuple(m for models in HELD_OUT_SETS.values() for m in models)
 
 # Scenarios on the same model and global batch share one sweep ("budget_of_ddp": a fraction of plain DDP's
@@ -474,7 +508,7 @@ TUNED = [name for name, spec in SCENARIOS.items() if spec["model"] not in HELD_O
 
 
 def held_out_scenarios(part: str) -> list[str]:
-    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-8')."""
+    """The scenarios of one set of held-out families ('held-out', 'held-out-2', ... 'held-out-9')."""
     return [name for name, spec in SCENARIOS.items() if spec["model"] in HELD_OUT_SETS[part]]
 TOP = 16  # the search must cost less than half of measuring its own TOP predicted candidates once each
 

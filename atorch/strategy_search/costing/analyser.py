@@ -142,6 +142,9 @@ class ModelStats(_Frozen):
     tp_split_layers: int = 0
     tp_split_params: int = 0
     blocks: tuple[BlockStats, ...]
+    # every block instance in module order, (parameter bytes, bytes saved for backward at the measured batch): FSDP2
+    # reduces each unit's gradients after its backward, last block first (cost_model: the reduction phase)
+    block_sequence: tuple[tuple[int, int], ...] = ()
     largest_layer: LayerStats | None
     largest_activation: ActivationStats | None
     # trainable parameters outside the blocks used after the last one (the output head; tied embeddings too): FSDP2
@@ -526,8 +529,10 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
 
     by_class: dict[str, list[tuple[int, int, int, bool]]] = {}
     instances = dict(model.named_modules())
+    sequence = []
     for name, path in blocks.items():
         block_params = sum(nbytes(p) for p in instances[name].parameters())
+        sequence.append((block_params, saved.by_block[name]))
         by_class.setdefault(path, []).append(
             (block_params, saved.by_block[name], saved.inputs[name], name in saved.attention,
              saved.largest_in[name]))
@@ -579,6 +584,7 @@ def analyse(model: nn.Module, sample_batch: Any, model_input_format: str | None 
         tp_split_layers=tp_layers,
         tp_split_params=tp_params,
         blocks=block_stats,
+        block_sequence=tuple(sequence),
         largest_layer=largest_layer,
         largest_activation=saved.largest,
         head_param_bytes=saved.head_param_bytes(),

@@ -94,13 +94,16 @@ activations; in steady state (the second step on) the optimizer state exists dur
   the forward's peak (at the head) holds none and the backward one (``unit``). After a unit's backward its
   gradients are reduced (``foreach_reduce``): a reduce-scatter input of the unit's fp32 bytes (the reduce dtype,
   also under mixed precision) and its output (``unit / dp``; gloo reduces a whole copy instead: ``unit``), while
-  the activations of every block but the one just done are still held; the backward's peak is the larger of the
-  two moments. With gradient accumulation FSDP2 accumulates unsharded gradients in the reduce dtype (fp32) while
-  atorch keeps the sync off.
+  the activations of the blocks before it are still held and so is the block before it, gathered by FSDP2's
+  backward prefetch; block by block, last first, with each block's own sizes (``ModelStats.block_sequence``:
+  a vision model's last stage can hold most parameters and the fewest activations); the backward's peak is the
+  larger of the two moments. With gradient accumulation FSDP2 accumulates unsharded gradients in the reduce
+  dtype (fp32) while atorch keeps the sync off.
 * zero2 (FSDP2 without resharding after forward; ``reshard_after_forward: false`` alike): as fsdp, but
   every block stays gathered from its forward until its own backward has run. The end of the forward and
   the start of the blocks' backward hold all of them (no block recomputed yet); from there one block is
-  resharded after each block's backward, and the backward goes on as fsdp's. The peak is the larger of the
+  resharded after each block's backward, and the backward goes on as fsdp's, every block before the one reducing
+  still gathered (SegFormer's zero2 peak was 19% under without them). The peak is the larger of the
   two: with recompute, the start (measured block by block on bench/search.py's GPT-2s: 4 blocks and 64
   blocks, within 1%).
 * tensor / pipeline parallel (``t`` × ``p`` ranks per model replica): the repeated blocks' parameters,
@@ -508,6 +511,45 @@ def _reduce_scatter_bytes(unit: float, f: _Facts, profile: HardwareProfile) -> f
     return unit * (1.0 + (1.0 if profile.device_type == "cpu" else 1 / f.sync))
 
 
+def _fsdp_reductions(stats: ModelStats, f: _Facts, profile: HardwareProfile, activations: float, act_scale: float,
+                     held_grads: float, grads: float, reduce_temp: float) -> tuple[float, float]:
+    """The backward at its gradient reductions: (the largest such moment's bytes besides parameters and state, its
+    temporaries). Without FSDP2 units (one root unit, DeepSpeed, none): the first one, the block that finished
+    first freed, ``reduce_temp`` held. FSDP2's units unit by unit, last block first: the reduction's buffers and
+    the blocks still gathered.
+
+    When a unit's backward has run, FSDP2 frees its gathered parameters and reduce-scatters its gradients
+    (``post_backward``). Then the activations of the blocks after it are freed (under recompute: the one block
+    recomputed at a time), and the blocks before it that are gathered: with resharding after forward (fsdp) the one
+    FSDP2's backward prefetch gathered as this one's backward began, without (zero2) all of them.
+    Blocks of unequal size (a vision model's stages: SegFormer's last stage holds 46% of its block parameters and the
+    fewest activations) make the first reduction the largest: counted with the largest unit and the largest block's
+    activations freed, a zero2 peak was 19% under the measured one."""
+    if not (f.sharding and f.sync > 1 and stats.blocks and not f.deepspeed):
+        left = max(0.0, activations - max((b.activation_bytes for b in stats.blocks), default=0) * act_scale)
+        return (left + held_grads if f.micro_batches > 1 else max(left, grads)) + reduce_temp, reduce_temp
+    sequence = stats.block_sequence or tuple((b.param_bytes, b.activation_bytes) for b in stats.blocks
+                                             for _ in range(b.count))  # an analysis from before the sequence
+    # the facts' unit sizes include the layout's scaling and split (tensor / pipeline, experts kept out)
+    per_param = f.biggest_block / max(1, max(p for p, _ in sequence))
+    largest_act = max(a for _, a in sequence) * act_scale
+    gathered, freed, best, temp = 0.0 if f.reshard else f.block_params * f.gather, 0.0, 0.0, 0.0
+    for index in range(len(sequence) - 1, -1, -1):
+        param_bytes, act_bytes = sequence[index]
+        unit = param_bytes * per_param
+        if f.reshard:  # the block before it, gathered by FSDP2's backward prefetch when this one's backward began
+            gathered = sequence[index - 1][0] * per_param * f.gather if index else 0.0
+        else:
+            gathered = max(0.0, gathered - unit * f.gather)
+        freed = largest_act if f.checkpoint else freed + act_bytes * act_scale
+        left = max(0.0, activations - freed)
+        reduction = _reduce_scatter_bytes(unit, f, profile) + gathered
+        moment = (left + held_grads if f.micro_batches > 1 else max(left, grads)) + reduction
+        if moment > best:
+            best, temp = moment, reduction
+    return best, temp
+
+
 def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
             optimizer_state_factor: float) -> tuple[MemoryPrediction, list[str]]:
     """Peak bytes per rank: the terms of each phase (forward, backward, optimizer step, DeepSpeed's epilogue)."""
@@ -639,9 +681,8 @@ def _memory(stats: ModelStats, f: _Facts, profile: HardwareProfile,
     # and as it goes on (one block gathered and recomputed at a time).
     bwd_start = activations + held_grads + all_gathered
     bwd_on = (activations + held_grads if f.micro_batches > 1 else max(activations, grads)) + bwd_temp + recompute
-    # FSDP2's reduction of the first unit to finish its backward: that block's activations are freed by then
-    left = max(0.0, activations - max((b.activation_bytes for b in stats.blocks), default=0) * act_scale)
-    bwd_reduce = (left + held_grads if f.micro_batches > 1 else max(left, grads)) + reduce_temp
+    bwd_reduce, reduce_temp = _fsdp_reductions(stats, f, profile, activations, act_scale, held_grads, grads,
+                                               reduce_temp)
     if bwd_start > bwd_on:
         bwd_temp = all_gathered
     if bwd_reduce > max(bwd_start, bwd_on):

@@ -145,6 +145,8 @@ def failure_signature(reason: str) -> str:
     """A dry-run failure's error, the same for every candidate and rank that failed alike ("" for none)."""
     first = _FAILURE_PLACE.sub("", reason).split("; ")[0].strip()
     return first if ":" in first else ""
+
+
 # Two candidates whose back-to-back confirmation runs are this close are within a shared machine's noise of each
 # other (run-to-run noise here: 11-37%; interleaved, the same load falls on both): the simpler one is kept.
 CONFIRM_TIE = 0.05
@@ -675,10 +677,8 @@ class SearchState:
         micro-batch, precision or other methods (the conv model's 72 tensor-parallel candidates failed alike)."""
         if not self.unbuildable_at or self.table.details is None or key not in self.table.by_key:
             return ""
-        index = self.table.by_key[key]
-        names = Strategy.load(self.table.details[index]["strategy"]).applied_names()
-        return ruled_out_by(self.unbuildable_at, names, self.table.layout(key),
-                            self.table.points[index].get("micro_batch_size"))
+        return ruled_out_by(self.unbuildable_at, self._names(key), self.table.layout(key),
+                            self.table.points[self.table.by_key[key]].get("micro_batch_size"))
 
     def _names(self, key: str) -> set[str]:
         assert self.table.details is not None

@@ -26,7 +26,7 @@ import os
 import re
 import select
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,7 +48,7 @@ MICRO_BATCH_RULE = "micro_batch_size"
 MICRO_BATCH_FAILURES = re.compile(r"Expected more than 1 value per channel when training")
 
 
-def ruled_out_by(rules: dict[tuple[str, str], str], names: Sequence[str], layout: str,
+def ruled_out_by(rules: dict[tuple[str, str], str], names: Collection[str], layout: str,
                  micro_batch_size: int | None) -> str:
     """Why a candidate (its method names, layout key and per-rank micro-batch size) is ruled out by the check's
     ``rules`` ((method, layout) -> why, and the micro-batch rule), or ""."""
